@@ -1,0 +1,321 @@
+"""The speculative loop and the drop-in ``generate()``.
+
+    prefill → root token
+    loop: tree ← policy ; tokens ← heads.propose ; hidden ← base.verify(tree) ;
+          path ← accept ; cache.commit(path) ; emit path tokens + bonus ; stop finished rows
+"""
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from ..heads import DraftHeads, load_heads
+from .accept import greedy_accept
+from .base import fingerprint, load_base, prefill, tree_attention_mask, verify
+from .cache import KVState
+from .tree import Tree, chain_tree, tree_from_paths
+
+
+class TreePolicy(Protocol):
+    """Chooses the step's tree; the batch-adaptive policy and a pinned tree share this."""
+
+    def choose(self, batch_size: int, context_length: int) -> Tree: ...
+
+
+@dataclass
+class FixedTree:
+    tree: Tree
+
+    def choose(self, batch_size: int, context_length: int) -> Tree:
+        return self.tree
+
+
+@dataclass
+class DecodingStats:
+    """What one ``generate`` call did: τ is the mean number of tokens emitted per base
+    verification forward (accepted drafts + the bonus token)."""
+
+    new_tokens: int = 0
+    steps: int = 0
+    accepted: list[int] = field(default_factory=list)
+    seconds: float = 0.0
+    tree_nodes: list[int] = field(default_factory=list)
+
+    @property
+    def tau(self) -> float:
+        return (sum(self.accepted) + len(self.accepted)) / max(1, len(self.accepted))
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds else 0.0
+
+    def to_dict(self) -> dict:
+        return {"new_tokens": self.new_tokens, "steps": self.steps, "tau": round(self.tau, 4),
+                "seconds": round(self.seconds, 4), "tokens_per_second": round(self.tokens_per_second, 3),
+                "mean_tree_nodes": round(sum(self.tree_nodes) / max(1, len(self.tree_nodes)), 2)}
+
+
+# Generation options whose non-default value changes the output and that the greedy tree
+# decoder does not implement yet: refused with a clear message, never silently ignored.
+_UNSUPPORTED = {
+    "num_beams": 1, "num_beam_groups": 1, "penalty_alpha": None, "repetition_penalty": 1.0,
+    "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "bad_words_ids": None, "force_words_ids": None,
+    "min_length": 0, "min_new_tokens": None, "forced_bos_token_id": None, "forced_eos_token_id": None,
+    "suppress_tokens": None, "begin_suppress_tokens": None, "sequence_bias": None, "guidance_scale": None,
+    "num_return_sequences": 1, "output_attentions": False, "output_hidden_states": False,
+    "prompt_lookup_num_tokens": None, "renormalize_logits": False, "exponential_decay_length_penalty": None,
+    "max_time": None, "stop_strings": None, "constraints": None, "low_memory": None,
+}
+_CALL_ARGUMENTS = {"streamer", "stopping_criteria", "generation_config", "attention_mask", "input_ids", "tree",
+                   "logits_processor", "use_cache"}
+
+
+def resolve_generation_config(base_config, generation_config=None, **kwargs):
+    """Merge like transformers does (explicit config, then keyword overrides) and refuse
+    anything the decoder would otherwise silently ignore."""
+    config = copy.deepcopy(generation_config if generation_config is not None else base_config)
+    unused = config.update(**kwargs)
+    if unused:
+        raise ValueError(f"generate() got arguments it does not understand: {sorted(unused)}.")
+    for name, default in _UNSUPPORTED.items():
+        value = getattr(config, name, default)
+        if value not in (default, None) and not (name == "num_beam_groups" and value == 1):
+            raise ValueError(f"generate(): `{name}={value!r}` is not supported by draftheads yet; "
+                             f"leave it at {default!r} or use the base model's own generate().")
+    if config.do_sample:
+        raise ValueError("generate(): do_sample=True is not supported yet (lossless tree sampling is planned); "
+                         "use greedy decoding (do_sample=False).")
+    return config
+
+
+def _eos_set(config) -> set[int]:
+    eos = config.eos_token_id
+    if eos is None:
+        return set()
+    return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
+
+
+class DraftHeadsModel:
+    """A frozen base model plus draft heads, with a ``generate()`` that returns exactly what
+    the base's greedy ``generate()`` returns, faster."""
+
+    def __init__(self, base, heads: DraftHeads | None = None, tokenizer=None, tree: Tree | TreePolicy | None = None):
+        self.base = base
+        self.tokenizer = tokenizer
+        self.heads = heads
+        if heads is not None:
+            heads.bind(base.get_output_embeddings().weight, base.get_input_embeddings().weight)
+            heads.to(base.dtype)
+        if tree is None:
+            tree = default_tree(heads)
+        self.policy: TreePolicy = FixedTree(tree) if isinstance(tree, Tree) else tree
+        self.last_stats = DecodingStats()
+
+    # -- loading ---------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, heads_path: str | Path | None = None, base=None, tokenizer=None,
+                        base_name_or_path: str | None = None, dtype=torch.float32, tree=None) -> "DraftHeadsModel":
+        """Load heads from a local checkpoint directory (or a Hub id already in the local HF
+        cache) and the base they were made for (default: the embedded SmolLM2)."""
+        if base is None:
+            base, tokenizer = load_base(base_name_or_path, dtype=dtype)
+        heads = None
+        if heads_path is not None:
+            heads = load_heads(_local_checkpoint(heads_path), expected_fingerprint=fingerprint(base).to_dict())
+        if isinstance(tree, int):
+            tree = tree_for_budget(heads, tree)
+        return cls(base, heads, tokenizer, tree)
+
+    @property
+    def config(self):
+        return self.base.config
+
+    @property
+    def generation_config(self):
+        return self.base.generation_config
+
+    # -- the drop-in generate ----------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, generation_config=None,
+                 streamer=None, stopping_criteria=None, **kwargs):
+        from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+        config = resolve_generation_config(self.base.generation_config, generation_config, **kwargs)
+        input_ids, attention_mask = _check_inputs(input_ids, attention_mask, self.base)
+        batch, prompt_len = input_ids.shape
+        if batch > 1:
+            raise ValueError("generate(): batch size > 1 is not supported yet (batched tree decoding is planned); "
+                             "call generate() once per prompt.")
+        max_new = _max_new_tokens(config, prompt_len, self.base.config)
+        eos = _eos_set(config)
+        pad = config.pad_token_id if config.pad_token_id is not None else (min(eos) if eos else 0)
+        want_scores = bool(config.return_dict_in_generate and (config.output_scores or config.output_logits))
+
+        started = time.perf_counter()
+        stats = DecodingStats()
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
+        cache, hidden = prefill(self.base, input_ids, attention_mask)
+        kv = KVState.after_prefill(cache, attention_mask)
+        logits = self.base.lm_head(hidden)  # (B, V)
+        roots = logits.argmax(-1)
+        generated: list[list[int]] = [[] for _ in range(batch)]
+        scores: list[list[torch.Tensor]] = [[] for _ in range(batch)]
+        done = torch.zeros(batch, dtype=torch.bool)
+        self._emit(0, [int(roots[0])], [logits[0]] if want_scores else None, generated, scores, done, eos, max_new,
+                   stopping_criteria, input_ids, streamer)
+
+        while not bool(done.all()):
+            remaining = max_new - len(generated[0])
+            tree = self.policy.choose(batch, kv.length)
+            if tree.max_depth > remaining - 1:
+                tree = tree.truncated(remaining - 1)
+            if self.heads is None or tree.num_nodes == 1:
+                tree = chain_tree(0)
+                tokens = roots[:, None]
+            else:
+                tokens = self.heads.propose(hidden, roots, tree.spec)
+            device = input_ids.device
+            mask = tree_attention_mask(kv.valid, tree.ancestor.to(device))
+            positions = kv.next_pos[:, None] + tree.depth.to(device)[None, :]
+            past = kv.length_with_tree()
+            states = verify(self.base, tokens, positions, mask, kv.cache)
+            tree_logits = self.base.lm_head(states)  # (B, N, V)
+            predicted = tree_logits.argmax(-1)
+            result = greedy_accept(tokens, tree.parent.to(device), tree.depth.to(device), tree.path_slots.to(device),
+                                   predicted)
+            count = result.accepted + 1
+            kv.commit(result.path + past, count)
+            stats.steps += 1
+            stats.accepted.append(int(result.accepted[0]))
+            stats.tree_nodes.append(tree.num_nodes)
+            rows = torch.arange(batch)
+            hidden = states[rows, result.best]
+            roots = result.bonus
+            for b in range(batch):
+                a = int(result.accepted[b])
+                path = result.path[b, 1: a + 1]
+                new = tokens[b, path].tolist() + [int(result.bonus[b])]
+                step_scores = [tree_logits[b, s] for s in result.path[b, : a + 1].tolist()] if want_scores else None
+                self._emit(b, new, step_scores, generated, scores, done, eos, max_new, stopping_criteria, input_ids,
+                           streamer)
+        if streamer is not None:
+            streamer.end()
+        stats.new_tokens = sum(len(g) for g in generated)
+        stats.seconds = time.perf_counter() - started
+        self.last_stats = stats
+        sequences = _assemble(input_ids, generated, pad)
+        if not config.return_dict_in_generate:
+            return sequences
+        steps = sequences.shape[1] - prompt_len
+        score_tuple = tuple(torch.stack([scores[b][i] for b in range(batch)]) for i in range(steps)) if want_scores else None
+        kv.crop_to(prompt_len + steps - 1)
+        return GenerateDecoderOnlyOutput(sequences=sequences, scores=score_tuple if config.output_scores else None,
+                                         logits=score_tuple if config.output_logits else None,
+                                         past_key_values=kv.cache if config.use_cache else None)
+
+    @staticmethod
+    def _emit(row: int, new: list[int], new_scores, generated, scores, done, eos: set[int], max_new: int,
+              stopping_criteria, input_ids, streamer) -> None:
+        """Append tokens one by one, stopping exactly where transformers would: after an EOS,
+        at ``max_new`` tokens, or when a user stopping criterion fires."""
+        if bool(done[row]):
+            return
+        emitted = []
+        for i, token in enumerate(new):
+            generated[row].append(token)
+            emitted.append(token)
+            if new_scores is not None:
+                scores[row].append(new_scores[i])
+            stop = token in eos or len(generated[row]) >= max_new
+            if not stop and stopping_criteria is not None:
+                so_far = torch.cat([input_ids[row], torch.tensor(generated[row], dtype=input_ids.dtype)])[None]
+                last = new_scores[i][None] if new_scores is not None else None
+                stop = bool(stopping_criteria(so_far, last).any())
+            if stop:
+                done[row] = True
+                break
+        if streamer is not None and emitted:
+            streamer.put(torch.tensor(emitted))
+
+
+def default_tree(heads: DraftHeads | None) -> Tree:
+    """The checkpoint's tree for the default budget, or plain decoding without heads."""
+    if heads is None:
+        return chain_tree(0)
+    return tree_for_budget(heads, heads.config.extra.get("default_budget", 4))
+
+
+def tree_for_budget(heads: DraftHeads | None, budget: int) -> Tree:
+    if heads is None or budget <= 0:
+        return chain_tree(0)
+    trees = heads.config.trees
+    if trees:
+        fitting = [int(k) for k in trees if int(k) <= budget]
+        if not fitting:
+            raise ValueError(f"No stored tree fits a budget of {budget} nodes; stored budgets: {sorted(map(int, trees))}.")
+        tree = tree_from_paths(trees[str(max(fitting))])
+    else:
+        tree = chain_tree(min(budget, heads.num_heads))
+    heads.check_tree(tree.spec)
+    return tree
+
+
+def _local_checkpoint(path: str | Path) -> Path:
+    local = Path(path)
+    if local.is_dir():
+        return local
+    if "/" in str(path) and not local.exists():
+        from huggingface_hub import snapshot_download
+
+        try:
+            return Path(snapshot_download(str(path), local_files_only=True))
+        except Exception as err:  # noqa: BLE001 - any hub failure means "not available offline"
+            raise FileNotFoundError(f"Head checkpoint {path!r} is neither a local directory nor in the local "
+                                    f"Hugging Face cache ({type(err).__name__}); download it first.") from None
+    raise FileNotFoundError(f"Head checkpoint directory {path!r} does not exist.")
+
+
+def _check_inputs(input_ids, attention_mask, base):
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        raise ValueError("generate(): input_ids must be a 2-D tensor of token ids (batch, length).")
+    if input_ids.shape[1] == 0:
+        raise ValueError("generate(): the prompt is empty; pass at least one token.")
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"generate(): attention_mask shape {tuple(attention_mask.shape)} != input_ids shape "
+                         f"{tuple(input_ids.shape)}.")
+    if bool((attention_mask.sum(1) == 0).any()):
+        raise ValueError("generate(): a prompt in the batch is empty (all padding).")
+    limit = base.config.max_position_embeddings
+    if int(attention_mask.sum(1).max()) >= limit:
+        raise ValueError(f"generate(): the prompt has {int(attention_mask.sum(1).max())} tokens, at or over the "
+                         f"model's context limit of {limit}; shorten it.")
+    return input_ids, attention_mask
+
+
+def _max_new_tokens(config, prompt_len: int, model_config) -> int:
+    if config.max_new_tokens is not None:
+        if config.max_new_tokens <= 0:
+            raise ValueError(f"generate(): max_new_tokens must be positive, got {config.max_new_tokens}.")
+        wanted = config.max_new_tokens
+    else:
+        wanted = config.max_length - prompt_len
+        if wanted <= 0:
+            raise ValueError(f"generate(): max_length={config.max_length} leaves no room after a {prompt_len}-token "
+                             "prompt; set max_new_tokens.")
+    return min(wanted, model_config.max_position_embeddings - prompt_len)
+
+
+def _assemble(input_ids: torch.Tensor, generated: list[list[int]], pad: int) -> torch.Tensor:
+    width = max(len(g) for g in generated)
+    out = torch.full((input_ids.shape[0], width), pad, dtype=input_ids.dtype)
+    for row, tokens in enumerate(generated):
+        out[row, : len(tokens)] = torch.tensor(tokens, dtype=input_ids.dtype)
+    return torch.cat([input_ids, out.to(input_ids.device)], dim=1)

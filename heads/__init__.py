@@ -1,0 +1,7 @@
+"""Draft-head families behind one interface (see :mod:`.protocol`)."""
+from .protocol import (CheckpointError, DraftHeads, HeadConfig, REGISTRY, TreeSpec, build_heads, load_heads,
+                       read_config, register)
+from .medusa import MedusaHeads, ResBlock
+
+__all__ = ["CheckpointError", "DraftHeads", "HeadConfig", "MedusaHeads", "REGISTRY", "ResBlock", "TreeSpec",
+           "build_heads", "load_heads", "read_config", "register"]

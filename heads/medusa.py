@@ -1,0 +1,58 @@
+"""Medusa heads (Cai et al., arXiv 2401.10774): K independent residual MLPs on the base's
+last hidden state, read out through the shared frozen LM head. Head k predicts the token
+k+2 positions ahead (head 0 = the token after the one the base is about to emit)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .protocol import DraftHeads, HeadConfig, TreeSpec, register
+
+
+class ResBlock(nn.Module):
+    """``x + SiLU(W x + b)`` with W = 0 at init, so a fresh head starts as the identity
+    (i.e. predicts what the base LM head predicts) instead of noise."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+        self.act = nn.SiLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.act(self.linear(x))
+
+
+@register
+class MedusaHeads(DraftHeads):
+    family = "medusa"
+
+    def __init__(self, config: HeadConfig):
+        super().__init__(config)
+        # Distinct modules per layer: ``[ResBlock(d)] * n`` would tie them (Medusa PR #133).
+        self.heads = nn.ModuleList(
+            nn.Sequential(*(ResBlock(config.hidden_size) for _ in range(config.num_layers)))
+            for _ in range(config.num_heads))
+
+    def head_states(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(..., d) → (..., K, d): each head's transformed hidden state."""
+        return torch.stack([head(hidden) for head in self.heads], dim=-2)
+
+    def forward(self, hidden: torch.Tensor, **_: object) -> torch.Tensor:
+        return self.readout(self.head_states(hidden))
+
+    @torch.no_grad()
+    def topk(self, hidden: torch.Tensor, k: int) -> torch.Tensor:
+        """(B, d) → (B, K, k) base token ids, best first."""
+        logits = self(hidden)
+        return self.to_vocab(logits.topk(k, dim=-1).indices)
+
+    @torch.no_grad()
+    def propose(self, hidden: torch.Tensor, roots: torch.Tensor, tree: TreeSpec) -> torch.Tensor:
+        # Cartesian semantics: a node's token depends on its depth and rank only.
+        candidates = self.topk(hidden, int(tree.rank.max()) + 1)  # (B, K, k)
+        depth = tree.depth.clamp(min=1) - 1
+        tokens = candidates[:, depth, tree.rank]  # (B, N)
+        tokens[:, 0] = roots
+        return tokens

@@ -1,0 +1,246 @@
+"""The one interface every draft-head family implements, plus checkpoint I/O.
+
+A head family is a plain ``nn.Module`` that turns the base model's last hidden state into
+draft logits through the base's *frozen, shared* LM head. The LM head (and the input
+embedding table, for families that read draft tokens) is handed in with :meth:`bind`; it is
+never a parameter of the heads, never trained and never saved.
+
+This module is the ground floor of the package: it imports nothing from ``decoding`` or
+``training``. Trees reach the heads as plain tensors (:class:`TreeSpec`).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+FORMAT_VERSION = 1
+
+
+class CheckpointError(ValueError):
+    """A head checkpoint that cannot be used: wrong base, corrupt file, unknown family..."""
+
+
+@dataclass
+class HeadConfig:
+    """Everything needed to rebuild a head module; saved as ``config.json``.
+
+    ``draft_vocab_size`` > 0 restricts draft logits to the most frequent tokens (ids kept in
+    the checkpoint as ``vocab_ids``): drafting and training get several times cheaper, and a
+    token outside the subset simply cannot be drafted (verification stays exact).
+    """
+
+    family: str = "medusa"
+    num_heads: int = 4
+    num_layers: int = 1
+    hidden_size: int = 576
+    vocab_size: int = 49152
+    draft_vocab_size: int = 0
+    base_fingerprint: dict | None = None
+    base_name: str | None = None
+    trees: dict[str, list[list[int]]] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("num_heads", "num_layers", "hidden_size", "vocab_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"HeadConfig.{name} must be a positive integer, got {value!r}.")
+        if not isinstance(self.draft_vocab_size, int) or not 0 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"HeadConfig.draft_vocab_size must be in [0, vocab_size={self.vocab_size}] "
+                             f"(0 = full vocabulary), got {self.draft_vocab_size!r}.")
+
+    def to_dict(self) -> dict:
+        return {"format_version": FORMAT_VERSION, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "HeadConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known - {"format_version"}
+        if unknown:
+            raise CheckpointError(f"config.json has unknown keys {sorted(unknown)}; was it written by a newer draftheads?")
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+@dataclass
+class TreeSpec:
+    """A token-tree shape as plain tensors (slot 0 is the root = the token the base just
+    produced). ``rank[n]`` is the top-k rank the node takes among its parent's candidates;
+    ``depth[n]`` is the draft depth (1 = next-next token, drafted by head 0)."""
+
+    parent: torch.Tensor  # (N,) long, -1 for the root
+    depth: torch.Tensor  # (N,) long
+    rank: torch.Tensor  # (N,) long, 0 for the root
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.parent.shape[0])
+
+    @property
+    def max_depth(self) -> int:
+        return int(self.depth.max())
+
+
+@dataclass
+class SharedBase:
+    """The frozen base tensors a head reads. Not an ``nn.Module`` on purpose: holding it
+    does not register the LM head as a parameter of the heads."""
+
+    lm_head_weight: torch.Tensor  # (V, d)
+    embed_weight: torch.Tensor | None = None  # (V, d)
+
+
+class DraftHeads(nn.Module):
+    """Base class of every family. Subclasses set ``family`` and implement
+    :meth:`forward` (training: hidden → per-head draft logits) and :meth:`propose`
+    (decoding: fill a token tree)."""
+
+    family: ClassVar[str] = ""
+    #: True when depth d needs the tokens drafted at depths < d (Hydra-style families).
+    sequential: ClassVar[bool] = False
+
+    def __init__(self, config: HeadConfig):
+        super().__init__()
+        self.config = config
+        self.register_buffer("vocab_ids", torch.arange(config.draft_vocab_size or config.vocab_size), persistent=True)
+        self._shared: SharedBase | None = None
+        self._draft_weight: torch.Tensor | None = None
+
+    # -- the frozen base parts -------------------------------------------------------------
+    def bind(self, lm_head_weight: torch.Tensor, embed_weight: torch.Tensor | None = None) -> "DraftHeads":
+        if lm_head_weight.shape != (self.config.vocab_size, self.config.hidden_size):
+            raise CheckpointError(
+                f"These heads expect an LM head of shape ({self.config.vocab_size}, {self.config.hidden_size}) "
+                f"but the base has {tuple(lm_head_weight.shape)}: the checkpoint was made for another base model.")
+        self._shared = SharedBase(lm_head_weight.detach(), None if embed_weight is None else embed_weight.detach())
+        self._draft_weight = None
+        return self
+
+    @property
+    def shared(self) -> SharedBase:
+        if self._shared is None:
+            raise RuntimeError("Heads are not bound to a base model: call heads.bind(base.lm_head.weight, ...) first.")
+        return self._shared
+
+    def draft_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Rows of the frozen LM head for the draft vocabulary (a gathered view, cached;
+        for the full vocabulary it is the LM head itself)."""
+        weight = self.shared.lm_head_weight
+        if self.config.draft_vocab_size:
+            if self._draft_weight is None or self._draft_weight.device != weight.device:
+                self._draft_weight = weight.index_select(0, self.vocab_ids.to(weight.device))
+            weight = self._draft_weight
+        return weight if dtype is None else weight.to(dtype)
+
+    def readout(self, states: torch.Tensor) -> torch.Tensor:
+        """Draft logits over the draft vocabulary through the shared LM head."""
+        return states @ self.draft_weight(states.dtype).t()
+
+    def to_vocab(self, draft_index: torch.Tensor) -> torch.Tensor:
+        """Map draft-vocabulary indices back to base token ids."""
+        return self.vocab_ids[draft_index] if self.config.draft_vocab_size else draft_index
+
+    @property
+    def num_heads(self) -> int:
+        return self.config.num_heads
+
+    @property
+    def max_rank(self) -> int:
+        """Largest top-k a node can ask for (exclusive)."""
+        return self.config.draft_vocab_size or self.config.vocab_size
+
+    # -- family API ----------------------------------------------------------------------------
+    def forward(self, hidden: torch.Tensor, **kwargs) -> torch.Tensor:  # pragma: no cover - abstract
+        """hidden (..., d) → draft logits (..., K, V_draft); head k predicts token t+k+2."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def propose(self, hidden: torch.Tensor, roots: torch.Tensor, tree: TreeSpec) -> torch.Tensor:  # pragma: no cover
+        """hidden (B, d) of the last position in the cache, roots (B,) the token the base just
+        produced; returns tree tokens (B, N) with column 0 = roots."""
+        raise NotImplementedError
+
+    def check_tree(self, tree: TreeSpec) -> None:
+        """Refuse a tree the heads cannot fill, naming the offending depth or rank."""
+        if tree.num_nodes > 1 and tree.max_depth > self.num_heads:
+            raise ValueError(f"The tree is {tree.max_depth} deep but the checkpoint has only {self.num_heads} heads: "
+                             f"use a tree of depth ≤ {self.num_heads}.")
+        if int(tree.rank.max()) >= self.max_rank:
+            raise ValueError(f"The tree asks for top-{int(tree.rank.max()) + 1} candidates but the heads "
+                             f"draft from {self.max_rank} tokens.")
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def save_pretrained(self, directory: str | Path, dtype: torch.dtype | None = torch.bfloat16) -> Path:
+        """Write ``config.json`` + ``model.safetensors`` (heads only; float tensors in ``dtype``)."""
+        from safetensors.torch import save_file
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        state = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().contiguous().cpu()
+                 for k, v in self.state_dict().items()}
+        save_file(state, str(directory / WEIGHTS_NAME), metadata={"family": self.family})
+        (directory / CONFIG_NAME).write_text(json.dumps(self.config.to_dict(), indent=2) + "\n")
+        return directory
+
+
+REGISTRY: dict[str, type[DraftHeads]] = {}
+
+
+def register(cls: type[DraftHeads]) -> type[DraftHeads]:
+    """Class decorator: make a family loadable by name from ``config.json``."""
+    REGISTRY[cls.family] = cls
+    return cls
+
+
+def build_heads(config: HeadConfig) -> DraftHeads:
+    if config.family not in REGISTRY:
+        raise CheckpointError(f"Unknown head family {config.family!r}; known families: {sorted(REGISTRY)}.")
+    return REGISTRY[config.family](config)
+
+
+def read_config(directory: str | Path) -> HeadConfig:
+    path = Path(directory) / CONFIG_NAME
+    if not path.is_file():
+        raise CheckpointError(f"{path} not found: a head checkpoint is a directory with {CONFIG_NAME} and {WEIGHTS_NAME}.")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{path} is not valid JSON ({err}); the checkpoint is corrupt.") from None
+    return HeadConfig.from_dict(data)
+
+
+def load_heads(directory: str | Path, expected_fingerprint: dict | None = None,
+               dtype: torch.dtype = torch.float32) -> DraftHeads:
+    """Load a head checkpoint; with ``expected_fingerprint`` refuse one made for another base."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    config = read_config(directory)
+    if expected_fingerprint is not None:
+        saved = config.base_fingerprint
+        if saved is None:
+            raise CheckpointError(f"{directory} records no base fingerprint, so it cannot be checked against this base.")
+        diffs = [f"{k}: checkpoint {saved.get(k)!r} vs base {v!r}" for k, v in expected_fingerprint.items() if saved.get(k) != v]
+        if diffs:
+            raise CheckpointError(
+                f"The heads in {directory} were trained for another base model ({config.base_name or 'unknown'}): "
+                + "; ".join(diffs) + ". Load the base they were made for, or train heads for this base.")
+    heads = build_heads(config)
+    weights = directory / WEIGHTS_NAME
+    if not weights.is_file():
+        raise CheckpointError(f"{weights} not found: the checkpoint is incomplete.")
+    try:
+        state = load_file(str(weights))
+    except (SafetensorError, OSError, ValueError) as err:
+        raise CheckpointError(f"{weights} is corrupt or truncated ({err}); re-download or re-train it.") from None
+    missing, unexpected = heads.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise CheckpointError(f"{weights} does not match its config.json (missing {missing}, unexpected {unexpected}).")
+    return heads.to(dtype).eval().requires_grad_(False)

