@@ -1,0 +1,130 @@
+"""The ``draftheads`` command: ``generate`` (stream an answer, report tokens/s, τ, speedup)
+and ``bench`` (plain HF greedy generate vs draftheads on a prompt file, one run, JSON + PNG)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+DEFAULT_HEADS = "checkpoints/smollm2-135m-medusa"
+
+
+def find_heads(path: str | None) -> str | None:
+    """``none`` → plain decoding; a relative path is tried from the working directory, then
+    from the source checkout the package was installed from."""
+    if path is None or path.lower() == "none":
+        return None
+    candidate = Path(path)
+    if candidate.is_dir() or candidate.is_absolute():
+        return str(candidate)
+    source_root = Path(__file__).resolve().parents[1]
+    if (source_root / path).is_dir():
+        return str(source_root / path)
+    return path  # maybe a Hub id in the local cache; DraftHeadsModel explains if not
+
+
+def chat_input(tokenizer, prompt: str) -> torch.Tensor:
+    if not prompt.strip():
+        raise SystemExit("error: the prompt is empty; pass --prompt \"...\"")
+    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                         return_tensors="pt", return_dict=True)["input_ids"]
+
+
+def read_prompts(path: str, limit: int | None) -> list[dict]:
+    """MT-Bench / Spec-Bench (``turns``: first turn) or ``{"prompt": ...}`` JSON lines."""
+    prompts = []
+    with open(path, encoding="utf-8") as handle:
+        for line_no, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            if "turns" in record:
+                text = record["turns"][0]
+            elif "prompt" in record:
+                text = record["prompt"]
+            else:
+                raise SystemExit(f"error: {path}:{line_no} has neither 'turns' nor 'prompt'.")
+            prompts.append({"id": record.get("question_id", record.get("id", line_no)),
+                            "category": record.get("category", record.get("source", "")), "prompt": text})
+    return prompts[:limit] if limit else prompts
+
+
+def load_model(args):
+    from .decoding import DraftHeadsModel
+
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    return DraftHeadsModel.from_pretrained(find_heads(args.heads), base_name_or_path=args.base, dtype=dtype,
+                                           tree=args.tree)
+
+
+def timed(fn):
+    start = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - start
+
+
+def cmd_generate(args) -> int:
+    from transformers import TextStreamer
+
+    model = load_model(args)
+    ids = chat_input(model.tokenizer, args.prompt)
+    streamer = TextStreamer(model.tokenizer, skip_prompt=True, skip_special_tokens=True)
+    ours, seconds = timed(lambda: model.generate(ids, max_new_tokens=args.max_new_tokens, streamer=streamer))
+    stats = model.last_stats
+    new = ours.shape[1] - ids.shape[1]
+    print(f"\n[draftheads] {new} tokens in {seconds:.2f}s = {new / seconds:.1f} tok/s, "
+          f"τ = {stats.tau:.2f} tokens/step over {stats.steps} verify steps", file=sys.stderr)
+    if not args.no_baseline:
+        plain, base_seconds = timed(lambda: model.base.generate(ids, attention_mask=torch.ones_like(ids),
+                                                                max_new_tokens=args.max_new_tokens, do_sample=False))
+        base_new = plain.shape[1] - ids.shape[1]
+        same = plain.tolist() == ours.tolist()
+        print(f"[plain HF generate] {base_new} tokens in {base_seconds:.2f}s = {base_new / base_seconds:.1f} tok/s; "
+              f"speedup {(new / seconds) / (base_new / base_seconds):.2f}x; identical tokens: {same}", file=sys.stderr)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from .bench import run_bench
+
+    model = load_model(args)
+    prompts = read_prompts(args.prompts, args.limit)
+    results = run_bench(model, prompts, args.max_new_tokens, Path(args.out), meta=vars(args))
+    print(json.dumps(results["overall"], indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="draftheads", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--heads", default=DEFAULT_HEADS, help="head checkpoint directory, or 'none' for plain decoding")
+    common.add_argument("--base", default=None, help="base model dir / Hub id / .gguf (default: embedded SmolLM2)")
+    common.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    common.add_argument("--tree", type=int, default=None, help="tree node budget (default: the checkpoint's)")
+    common.add_argument("--max-new-tokens", type=int, default=128)
+    gen = sub.add_parser("generate", parents=[common], help="answer one prompt, streaming")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--no-baseline", action="store_true", help="skip the plain-generate comparison")
+    gen.set_defaults(func=cmd_generate)
+    bench = sub.add_parser("bench", parents=[common], help="HF generate vs draftheads on a prompt file")
+    bench.add_argument("--prompts", required=True)
+    bench.add_argument("--limit", type=int, default=None)
+    bench.add_argument("--out", default="results/bench")
+    bench.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.max_new_tokens <= 0:
+        raise SystemExit("error: --max-new-tokens must be positive.")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
