@@ -1,0 +1,79 @@
+"""Feature cache and Medusa trainer pieces, against hand-computed values."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conftest import tiny_llama
+from draftheads.decoding import fingerprint
+from draftheads.training.features import (MAX_TARGETS, Example, extract_features, load_shards, shift_targets,
+                                          shard_path)
+from draftheads.training.medusa_trainer import (IGNORE, MedusaTrainConfig, draft_vocab, head_targets, head_weights,
+                                                medusa_loss, rank_matrix, topk_accuracy, train_medusa)
+
+
+def test_shift_targets_line_up_with_heads():
+    ids = torch.tensor([10, 11, 12, 13, 14, 15])
+    targets = shift_targets(ids, start=3)  # hidden at positions 2..4 (predict 13, 14, 15)
+    assert targets.shape == (3, MAX_TARGETS)
+    assert targets[0, :4].tolist() == [14, 15, -1, -1]  # head 0 at position 2 → token 4
+    assert targets[2].tolist() == [-1] * MAX_TARGETS
+
+
+def test_head_targets_map_into_the_draft_vocabulary():
+    targets = torch.tensor([[5, 7, -1], [9, 5, 5]])
+    vocab_ids = torch.tensor([5, 9])
+    assert head_targets(targets, vocab_ids, vocab_size=10, num_heads=3).tolist() == [[0, IGNORE, IGNORE], [1, 0, 0]]
+    assert draft_vocab(torch.tensor([[1, 1, 2], [3, 3, 3]]), 2, 5).tolist() == [1, 3]
+
+
+def test_medusa_loss_is_the_weighted_sum_of_head_cross_entropies():
+    logits = torch.zeros(2, 2, 4)
+    logits[0, 0, 1] = math.log(3.0)  # p(1) = 3/6
+    labels = torch.tensor([[1, 2], [IGNORE, 3]])
+    loss, per_head = medusa_loss(logits, labels, head_weights(2, 0.5))
+    assert per_head[0].item() == pytest.approx(-math.log(0.5))
+    assert per_head[1].item() == pytest.approx(math.log(4.0))
+    assert loss.item() == pytest.approx(-math.log(0.5) + 0.5 * math.log(4.0))
+
+
+def test_features_resume_and_refuse_another_base(tmp_path):
+    model = tiny_llama(0, dtype=torch.float32)
+    examples = [Example(list(range(3, 3 + n)), 2) for n in (5, 9, 7, 6, 12)]
+    fp = fingerprint(model).to_dict()
+    paths = extract_features(model, examples, tmp_path, fp, shard_examples=2)
+    assert [p.name for p in paths] == ["shard-00000.safetensors", "shard-00001.safetensors", "shard-00002.safetensors"]
+    hidden, targets = load_shards(paths, fp)
+    assert hidden.shape == (sum(n - 2 for n in (5, 9, 7, 6, 12)), 32) and targets.shape[1] == MAX_TARGETS
+    # A killed run: one shard missing, one partial file left behind. Resume redoes exactly that.
+    shard_path(tmp_path, 1).unlink()
+    (tmp_path / "shard-00001.safetensors.partial").write_bytes(b"half")
+    again = extract_features(model, examples, tmp_path, fp, shard_examples=2)
+    assert torch.equal(load_shards(again, fp)[0], hidden)
+    with pytest.raises(ValueError, match="different base model"):
+        load_shards(paths, fingerprint(tiny_llama(1, dtype=torch.float32)).to_dict())
+
+
+def test_training_learns_a_shifted_copy_task():
+    """Heads on a synthetic task (the token ahead is what the LM head reads off a random
+    ResBlock's output, which one Medusa layer can represent) go from poor to high top-1."""
+    model = tiny_llama(0, dtype=torch.float32)
+    torch.manual_seed(0)
+    hidden = torch.randn(4096, 32)
+    proj = model.lm_head.weight  # the target is what the LM head would read off a fixed map
+    teacher = torch.nn.Linear(32, 32)  # a random ResBlock: exactly what one Medusa layer can represent
+    torch.nn.init.normal_(teacher.weight, std=0.4)
+    with torch.no_grad():
+        truth = ((hidden + torch.nn.functional.silu(teacher(hidden))) @ proj.t()).argmax(-1)
+    targets = torch.full((4096, MAX_TARGETS), -1)
+    targets[:, 0] = truth
+    config = MedusaTrainConfig(num_heads=1, draft_vocab_size=0, epochs=12, batch_size=128, lr=1e-2,
+                               bf16_autocast=False)
+    heads, stats = train_medusa(config, (hidden.half(), targets), model)
+    labels = head_targets(targets, heads.vocab_ids, 96, 1)
+    before = (hidden @ proj.t()).argmax(-1).eq(truth).float().mean().item()
+    after = topk_accuracy(rank_matrix(heads, hidden, labels, 5))["top1"][0]
+    assert after > before + 0.25, (before, after)
+    assert stats["log"][-1]["loss"] < 0.8 * stats["log"][0]["loss"]
