@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,11 +94,11 @@ def resolve_generation_config(base_config, generation_config=None, **kwargs):
     return config
 
 
-def _eos_set(config) -> set[int]:
+def _eos_list(config) -> list[int]:
     eos = config.eos_token_id
     if eos is None:
-        return set()
-    return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
+        return []
+    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
 
 
 class DraftHeadsModel:
@@ -146,15 +147,17 @@ class DraftHeadsModel:
         from transformers.generation.utils import GenerateDecoderOnlyOutput
 
         config = resolve_generation_config(self.base.generation_config, generation_config, **kwargs)
-        input_ids, attention_mask = _check_inputs(input_ids, attention_mask, self.base)
+        eos = _eos_list(config)
+        pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)
+        input_ids, attention_mask = _check_inputs(input_ids, attention_mask, self.base, pad, eos)
         batch, prompt_len = input_ids.shape
-        if batch > 1:
-            raise ValueError("generate(): batch size > 1 is not supported yet (batched tree decoding is planned); "
-                             "call generate() once per prompt.")
-        max_new = _max_new_tokens(config, prompt_len, self.base.config)
-        eos = _eos_set(config)
-        pad = config.pad_token_id if config.pad_token_id is not None else (min(eos) if eos else 0)
+        if streamer is not None and batch > 1:
+            raise ValueError("generate(): a streamer needs batch size 1 (as in transformers).")
+        wanted = _wanted_new_tokens(config, prompt_len)
+        context = self.base.config.max_position_embeddings
+        limits = [min(wanted, context - int(n)) for n in attention_mask.sum(1)]
         want_scores = bool(config.return_dict_in_generate and (config.output_scores or config.output_logits))
+        device = input_ids.device
 
         started = time.perf_counter()
         stats = DecodingStats()
@@ -167,12 +170,22 @@ class DraftHeadsModel:
         generated: list[list[int]] = [[] for _ in range(batch)]
         scores: list[list[torch.Tensor]] = [[] for _ in range(batch)]
         done = torch.zeros(batch, dtype=torch.bool)
-        self._emit(0, [int(roots[0])], [logits[0]] if want_scores else None, generated, scores, done, eos, max_new,
-                   stopping_criteria, input_ids, streamer)
+        emit = functools.partial(self._emit, generated=generated, scores=scores, done=done, eos=set(eos),
+                                 stopping_criteria=stopping_criteria, input_ids=input_ids, streamer=streamer)
+        for b in range(batch):
+            emit(b, [int(roots[b])], [logits[b]] if want_scores else None, limits[b])
+        live = torch.arange(batch)  # original row of each row still decoding
 
-        while not bool(done.all()):
-            remaining = max_new - len(generated[0])
-            tree = self.policy.choose(batch, kv.length)
+        while True:
+            running = ~done[live]
+            if not bool(running.all()):  # finished rows leave the batch: no compute for their trees
+                keep = running.nonzero().squeeze(1)
+                live, hidden, roots = live[keep], hidden[keep], roots[keep]
+                kv.select_rows(keep.to(device))
+            if live.numel() == 0:
+                break
+            remaining = min(limits[b] - len(generated[b]) for b in live.tolist())
+            tree = self.policy.choose(live.numel(), kv.length)
             if tree.max_depth > remaining - 1:
                 tree = tree.truncated(remaining - 1)
             if self.heads is None or tree.num_nodes == 1:
@@ -180,30 +193,24 @@ class DraftHeadsModel:
                 tokens = roots[:, None]
             else:
                 tokens = self.heads.propose(hidden, roots, tree.spec)
-            device = input_ids.device
             mask = tree_attention_mask(kv.valid, tree.ancestor.to(device))
             positions = kv.next_pos[:, None] + tree.depth.to(device)[None, :]
             past = kv.length_with_tree()
             states = verify(self.base, tokens, positions, mask, kv.cache)
             tree_logits = self.base.lm_head(states)  # (B, N, V)
-            predicted = tree_logits.argmax(-1)
             result = greedy_accept(tokens, tree.parent.to(device), tree.depth.to(device), tree.path_slots.to(device),
-                                   predicted)
-            count = result.accepted + 1
-            kv.commit(result.path + past, count)
+                                   tree_logits.argmax(-1))
+            kv.commit(result.path + past, result.accepted + 1)
             stats.steps += 1
-            stats.accepted.append(int(result.accepted[0]))
+            stats.accepted.extend(result.accepted.tolist())
             stats.tree_nodes.append(tree.num_nodes)
-            rows = torch.arange(batch)
-            hidden = states[rows, result.best]
+            hidden = states[torch.arange(live.numel(), device=device), result.best]
             roots = result.bonus
-            for b in range(batch):
-                a = int(result.accepted[b])
-                path = result.path[b, 1: a + 1]
-                new = tokens[b, path].tolist() + [int(result.bonus[b])]
-                step_scores = [tree_logits[b, s] for s in result.path[b, : a + 1].tolist()] if want_scores else None
-                self._emit(b, new, step_scores, generated, scores, done, eos, max_new, stopping_criteria, input_ids,
-                           streamer)
+            for i, b in enumerate(live.tolist()):
+                a = int(result.accepted[i])
+                new = tokens[i, result.path[i, 1: a + 1]].tolist() + [int(result.bonus[i])]
+                step_scores = [tree_logits[i, s] for s in result.path[i, : a + 1].tolist()] if want_scores else None
+                emit(b, new, step_scores, limits[b])
         if streamer is not None:
             streamer.end()
         stats.new_tokens = sum(len(g) for g in generated)
@@ -213,14 +220,17 @@ class DraftHeadsModel:
         if not config.return_dict_in_generate:
             return sequences
         steps = sequences.shape[1] - prompt_len
-        score_tuple = tuple(torch.stack([scores[b][i] for b in range(batch)]) for i in range(steps)) if want_scores else None
-        kv.crop_to(prompt_len + steps - 1)
+        score_tuple = _stack_scores(scores, steps, logits.shape[-1], logits.dtype) if want_scores else None
+        cache_out = None
+        if config.use_cache and batch == 1:  # a batch's cache has per-row holes; only bs 1 is a plain cache
+            kv.crop_to(prompt_len + steps - 1)
+            cache_out = kv.cache
         return GenerateDecoderOnlyOutput(sequences=sequences, scores=score_tuple if config.output_scores else None,
                                          logits=score_tuple if config.output_logits else None,
-                                         past_key_values=kv.cache if config.use_cache else None)
+                                         past_key_values=cache_out)
 
     @staticmethod
-    def _emit(row: int, new: list[int], new_scores, generated, scores, done, eos: set[int], max_new: int,
+    def _emit(row: int, new: list[int], new_scores, max_new: int, *, generated, scores, done, eos: set[int],
               stopping_criteria, input_ids, streamer) -> None:
         """Append tokens one by one, stopping exactly where transformers would: after an EOS,
         at ``max_new`` tokens, or when a user stopping criterion fires."""
@@ -281,18 +291,23 @@ def _local_checkpoint(path: str | Path) -> Path:
     raise FileNotFoundError(f"Head checkpoint directory {path!r} does not exist.")
 
 
-def _check_inputs(input_ids, attention_mask, base):
+def _check_inputs(input_ids, attention_mask, base, pad: int | None, eos: list[int]):
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         raise ValueError("generate(): input_ids must be a 2-D tensor of token ids (batch, length).")
     if input_ids.shape[1] == 0:
         raise ValueError("generate(): the prompt is empty; pass at least one token.")
     if attention_mask is None:
-        attention_mask = torch.ones_like(input_ids)
+        # transformers' rule: infer padding from pad_token_id unless pad is also an EOS token
+        infer = pad is not None and bool((input_ids == pad).any()) and pad not in eos
+        attention_mask = (input_ids != pad).long() if infer else torch.ones_like(input_ids)
     if attention_mask.shape != input_ids.shape:
         raise ValueError(f"generate(): attention_mask shape {tuple(attention_mask.shape)} != input_ids shape "
                          f"{tuple(input_ids.shape)}.")
     if bool((attention_mask.sum(1) == 0).any()):
         raise ValueError("generate(): a prompt in the batch is empty (all padding).")
+    if bool((attention_mask[:, -1] == 0).any()):
+        raise ValueError("generate(): the batch is right-padded; decoder-only generation needs left padding "
+                         "(tokenizer.padding_side = 'left').")
     limit = base.config.max_position_embeddings
     if int(attention_mask.sum(1).max()) >= limit:
         raise ValueError(f"generate(): the prompt has {int(attention_mask.sum(1).max())} tokens, at or over the "
@@ -300,17 +315,24 @@ def _check_inputs(input_ids, attention_mask, base):
     return input_ids, attention_mask
 
 
-def _max_new_tokens(config, prompt_len: int, model_config) -> int:
+def _wanted_new_tokens(config, prompt_len: int) -> int:
+    """``max_new_tokens``, else ``max_length`` minus the (padded) prompt width, as transformers."""
     if config.max_new_tokens is not None:
         if config.max_new_tokens <= 0:
             raise ValueError(f"generate(): max_new_tokens must be positive, got {config.max_new_tokens}.")
-        wanted = config.max_new_tokens
-    else:
-        wanted = config.max_length - prompt_len
-        if wanted <= 0:
-            raise ValueError(f"generate(): max_length={config.max_length} leaves no room after a {prompt_len}-token "
-                             "prompt; set max_new_tokens.")
-    return min(wanted, model_config.max_position_embeddings - prompt_len)
+        return config.max_new_tokens
+    wanted = config.max_length - prompt_len
+    if wanted <= 0:
+        raise ValueError(f"generate(): max_length={config.max_length} leaves no room after a {prompt_len}-token "
+                         "prompt; set max_new_tokens.")
+    return wanted
+
+
+def _stack_scores(scores: list[list[torch.Tensor]], steps: int, vocab: int, dtype) -> tuple[torch.Tensor, ...]:
+    """Per-token logits as transformers returns them: one (B, V) tensor per generated position
+    (zeros for rows that had already finished)."""
+    zero = torch.zeros(vocab, dtype=dtype)
+    return tuple(torch.stack([row[i] if i < len(row) else zero for row in scores]) for i in range(steps))
 
 
 def _assemble(input_ids: torch.Tensor, generated: list[list[int]], pad: int) -> torch.Tensor:

@@ -22,14 +22,25 @@ import torch
 from draftheads.decoding.base import fingerprint, load_base
 from draftheads.training.features import extract_features, read_jsonl, selfdistill_examples, load_shards
 from draftheads.training.medusa_trainer import MedusaTrainConfig, train_and_save
+from draftheads.training.selfdistill import read_shards
 
 DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "selfdistill_smollm2.jsonl"
 
 
+def read_records(source: Path) -> list[dict]:
+    """A JSONL file, or a directory of answer shards written by scripts/selfdistill.py."""
+    if source.is_dir():
+        return read_shards(sorted(source.glob("answers-*.jsonl")))
+    return list(read_jsonl(source))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data", default=str(DEFAULT_DATA))
-    parser.add_argument("--features", default="data_cache/features-smollm2-selfdistill")
+    parser.add_argument("--data", action="append", default=None,
+                        help="self-distilled JSONL file or directory of answer shards; repeatable "
+                             f"(default: {DEFAULT_DATA}); held-out positions come from the first")
+    parser.add_argument("--features", default="data_cache/features-smollm2-selfdistill",
+                        help="feature cache of the first --data; the others get <features>-<name>")
     parser.add_argument("--out", default="checkpoints/smollm2-135m-medusa")
     parser.add_argument("--limit", type=int, default=0, help="use only the first N records (0 = all)")
     parser.add_argument("--eval-examples", type=int, default=256)
@@ -39,22 +50,29 @@ def main(argv: list[str] | None = None) -> int:
 
     base, tokenizer = load_base(dtype=torch.bfloat16)
     fp = fingerprint(base).to_dict()
-    records = list(read_jsonl(args.data))
-    if args.limit:
-        records = records[: args.limit]
-    examples = selfdistill_examples(records, tokenizer)
-    started = time.time()
-    paths = extract_features(base, examples, args.features, fp)
-    print(f"features: {len(paths)} shards in {time.time() - started:.0f}s", file=sys.stderr)
+    sources = args.data or [str(DEFAULT_DATA)]
+    train_paths, eval_paths, total_records = [], [], 0
+    for number, source in enumerate(sources):
+        records = read_records(Path(source))
+        if args.limit:
+            records = records[: args.limit]
+        total_records += len(records)
+        examples = selfdistill_examples(records, tokenizer)
+        started = time.time()
+        cache = args.features if number == 0 else f"{args.features}-{Path(source).stem}"
+        paths = extract_features(base, examples, cache, fp)
+        print(f"features of {source}: {len(paths)} shards in {time.time() - started:.0f}s", file=sys.stderr)
+        if number == 0:
+            n_eval_shards = max(1, args.eval_examples // 128)
+            eval_paths, paths = paths[-n_eval_shards:], paths[:-n_eval_shards]
+        train_paths += paths
     if args.features_only:
         return 0
-    shard_examples = 128
-    n_eval_shards = max(1, args.eval_examples // shard_examples)
-    train = load_shards(paths[:-n_eval_shards], fp)
-    held_out = load_shards(paths[-n_eval_shards:], fp)
+    train = load_shards(train_paths, fp)
+    held_out = load_shards(eval_paths, fp)
     config = MedusaTrainConfig.from_arguments(args)
-    provenance = {"data": Path(args.data).name, "records": len(records), "command": " ".join(["python"] + sys.argv),
-                  "feature_dtype": "bfloat16 base, fp16 cache"}
+    provenance = {"data": ", ".join(Path(s).name for s in sources), "records": total_records,
+                  "command": " ".join(["python"] + sys.argv), "feature_dtype": "bfloat16 base, fp16 cache"}
     train_and_save(config, train, held_out, base, args.out, provenance)
     return 0
 

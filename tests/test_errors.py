@@ -46,9 +46,21 @@ def test_generation_stops_at_context_limit():
     assert out.tolist() == MODEL.generate(prompt, max_new_tokens=4, do_sample=False).tolist()
 
 
-def test_batch_not_yet_supported():
-    with pytest.raises(ValueError, match="batch size > 1 is not supported yet"):
-        drafter().generate(torch.tensor([[3, 4], [5, 6]]), max_new_tokens=4)
+def test_right_padded_batch_is_refused():
+    with pytest.raises(ValueError, match="right-padded.*padding_side = 'left'"):
+        drafter().generate(torch.tensor([[3, 4], [5, 0]]), attention_mask=torch.tensor([[1, 1], [1, 0]]),
+                           max_new_tokens=4)
+
+
+def test_streamer_needs_batch_size_one():
+    with pytest.raises(ValueError, match="streamer needs batch size 1"):
+        drafter().generate(torch.tensor([[3, 4], [5, 6]]), max_new_tokens=4, streamer=object())
+
+
+def test_batch_with_an_empty_prompt():
+    with pytest.raises(ValueError, match="prompt in the batch is empty"):
+        drafter().generate(torch.tensor([[3, 4], [0, 0]]), attention_mask=torch.tensor([[1, 1], [0, 0]]),
+                           max_new_tokens=4)
 
 
 def test_tree_deeper_than_heads():

@@ -118,7 +118,8 @@ def extract_features(model, examples: list[Example], directory: str | Path, fing
     directory.mkdir(parents=True, exist_ok=True)
     num_shards = (len(examples) + shard_examples - 1) // shard_examples
     paths = [shard_path(directory, i) for i in range(num_shards)]
-    todo = [i for i, p in enumerate(paths) if not p.is_file()]
+    todo = [i for i, p in enumerate(paths)
+            if not _shard_matches(p, fingerprint, len(examples[i * shard_examples: (i + 1) * shard_examples]))]
     for index in tqdm(todo, desc="feature shards", unit="shard"):
         chunk = examples[index * shard_examples: (index + 1) * shard_examples]
         hidden, targets = [], []
@@ -129,6 +130,18 @@ def extract_features(model, examples: list[Example], directory: str | Path, fing
         write_shard(paths[index], torch.cat(hidden), torch.cat(targets),
                     {"fingerprint": fingerprint, "examples": len(chunk)})
     return paths
+
+
+def _shard_matches(path: Path, fingerprint: dict, examples: int) -> bool:
+    """A finished shard for the same base and the same number of examples (a data set that
+    grew since the last run re-does its last, then incomplete, shard)."""
+    from safetensors import safe_open
+
+    if not path.is_file():
+        return False
+    with safe_open(str(path), framework="pt") as handle:
+        meta = handle.metadata() or {}
+    return json.loads(meta.get("fingerprint", "null")) == fingerprint and json.loads(meta.get("examples", "0")) == examples
 
 
 def load_shards(paths: Iterable[Path], fingerprint: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
