@@ -178,12 +178,12 @@ class DraftHeadsModel:
 
         while True:
             running = ~done[live]
+            if not bool(running.any()):
+                break
             if not bool(running.all()):  # finished rows leave the batch: no compute for their trees
                 keep = running.nonzero().squeeze(1)
                 live, hidden, roots = live[keep], hidden[keep], roots[keep]
                 kv.select_rows(keep.to(device))
-            if live.numel() == 0:
-                break
             remaining = min(limits[b] - len(generated[b]) for b in live.tolist())
             tree = self.policy.choose(live.numel(), kv.length)
             if tree.max_depth > remaining - 1:
