@@ -68,10 +68,6 @@ class BaseFingerprint:
     def from_dict(cls, data: dict) -> "BaseFingerprint":
         return cls(**{k: data[k] for k in ("architecture", "hidden_size", "vocab_size", "lm_head_sha256")})
 
-    def mismatch(self, other: "BaseFingerprint") -> list[str]:
-        return [f"{k}: {a!r} != {b!r}" for k, (a, b) in
-                ((k, (getattr(self, k), getattr(other, k))) for k in asdict(self)) if a != b]
-
 
 def lm_head_weight(model) -> torch.Tensor:
     return model.get_output_embeddings().weight

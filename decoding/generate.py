@@ -85,7 +85,7 @@ def resolve_generation_config(base_config, generation_config=None, **kwargs):
         raise ValueError(f"generate() got arguments it does not understand: {sorted(unused)}.")
     for name, default in _UNSUPPORTED.items():
         value = getattr(config, name, default)
-        if value not in (default, None) and not (name == "num_beam_groups" and value == 1):
+        if value not in (default, None):
             raise ValueError(f"generate(): `{name}={value!r}` is not supported by draftheads yet; "
                              f"leave it at {default!r} or use the base model's own generate().")
     if config.do_sample:

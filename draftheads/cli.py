@@ -28,10 +28,11 @@ def find_heads(path: str | None) -> str | None:
 
 
 def chat_input(tokenizer, prompt: str) -> torch.Tensor:
+    from .training.features import chat_prompt_ids
+
     if not prompt.strip():
         raise SystemExit("error: the prompt is empty; pass --prompt \"...\"")
-    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                         return_tensors="pt", return_dict=True)["input_ids"]
+    return torch.tensor([chat_prompt_ids(tokenizer, prompt)])
 
 
 def read_prompts(path: str, limit: int | None) -> list[dict]:
