@@ -94,7 +94,8 @@ def resolve_generation_config(base_config, generation_config=None, **kwargs):
     return config
 
 
-def _eos_list(config) -> list[int]:
+def eos_token_ids(config) -> list[int]:
+    """A generation config's EOS id(s) as a list (transformers allows an int or a list)."""
     eos = config.eos_token_id
     if eos is None:
         return []
@@ -147,7 +148,7 @@ class DraftHeadsModel:
         from transformers.generation.utils import GenerateDecoderOnlyOutput
 
         config = resolve_generation_config(self.base.generation_config, generation_config, **kwargs)
-        eos = _eos_list(config)
+        eos = eos_token_ids(config)
         pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)
         input_ids, attention_mask = _check_inputs(input_ids, attention_mask, self.base, pad, eos)
         batch, prompt_len = input_ids.shape

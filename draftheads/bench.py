@@ -13,7 +13,8 @@ import torch
 NEAR_TIE = 1e-3
 
 
-def _timed(fn):
+def timed(fn):
+    """Run ``fn`` and return (its result, wall seconds)."""
     start = time.perf_counter()
     out = fn()
     return out, time.perf_counter() - start
@@ -45,9 +46,9 @@ def run_bench(model, prompts: list[dict], max_new_tokens: int, out_dir: Path, me
     rows = []
     for index, item in enumerate(prompts):
         ids = chat_input(tokenizer, item["prompt"])
-        plain, t_plain = _timed(lambda: base.generate(ids, attention_mask=torch.ones_like(ids),
+        plain, t_plain = timed(lambda: base.generate(ids, attention_mask=torch.ones_like(ids),
                                                       max_new_tokens=max_new_tokens, do_sample=False))
-        ours, t_ours = _timed(lambda: model.generate(ids, max_new_tokens=max_new_tokens))
+        ours, t_ours = timed(lambda: model.generate(ids, max_new_tokens=max_new_tokens))
         stats = model.last_stats
         n_plain, n_ours = plain.shape[1] - ids.shape[1], ours.shape[1] - ids.shape[1]
         row = {"id": item["id"], "category": item["category"], "prompt_tokens": ids.shape[1],

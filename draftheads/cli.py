@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -62,14 +61,10 @@ def load_model(args):
                                            tree=args.tree)
 
 
-def timed(fn):
-    start = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - start
-
-
 def cmd_generate(args) -> int:
     from transformers import TextStreamer
+
+    from .bench import timed
 
     model = load_model(args)
     ids = chat_input(model.tokenizer, args.prompt)

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import torch
 
+from draftheads.bench import timed
 from draftheads.cli import chat_input, find_heads, read_prompts
 from draftheads.decoding import DraftHeadsModel, tree_for_budget
 
@@ -33,16 +33,15 @@ def main() -> int:
     rows = {"hf": {"tokens": 0, "seconds": 0.0}} | {b: {"tokens": 0, "seconds": 0.0, "steps": 0, "accepted": 0} for b in budgets}
     model.generate(prompts[0], max_new_tokens=8)
     for ids in prompts:
-        start = time.perf_counter()
-        out = model.base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens, do_sample=False)
-        rows["hf"]["seconds"] += time.perf_counter() - start
+        out, seconds = timed(lambda: model.base.generate(ids, attention_mask=torch.ones_like(ids),
+                                                         max_new_tokens=args.max_new_tokens, do_sample=False))
+        rows["hf"]["seconds"] += seconds
         rows["hf"]["tokens"] += out.shape[1] - ids.shape[1]
         for budget in budgets:
             model.policy.tree = tree_for_budget(model.heads, budget)
-            start = time.perf_counter()
-            out = model.generate(ids, max_new_tokens=args.max_new_tokens)
+            out, seconds = timed(lambda: model.generate(ids, max_new_tokens=args.max_new_tokens))
             row = rows[budget]
-            row["seconds"] += time.perf_counter() - start
+            row["seconds"] += seconds
             row["tokens"] += out.shape[1] - ids.shape[1]
             row["steps"] += model.last_stats.steps
             row["accepted"] += sum(model.last_stats.accepted)

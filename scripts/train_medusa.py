@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 from draftheads.decoding.base import fingerprint, load_base
-from draftheads.training.features import extract_features, read_jsonl, selfdistill_examples, load_shards
+from draftheads.training.features import (SHARD_EXAMPLES, extract_features, load_shards, read_jsonl,
+                                          selfdistill_examples)
 from draftheads.training.medusa_trainer import MedusaTrainConfig, train_and_save
 from draftheads.training.selfdistill import read_shards
 
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         paths = extract_features(base, examples, cache, fp)
         print(f"features of {source}: {len(paths)} shards in {time.time() - started:.0f}s", file=sys.stderr)
         if number == 0:
-            n_eval_shards = max(1, args.eval_examples // 128)
+            n_eval_shards = max(1, args.eval_examples // SHARD_EXAMPLES)
             eval_paths, paths = paths[-n_eval_shards:], paths[:-n_eval_shards]
         train_paths += paths
     if args.features_only:

@@ -16,6 +16,7 @@ import torch
 from tqdm.auto import tqdm
 
 MAX_TARGETS = 8  # future tokens stored per position: enough for up to 8 heads
+SHARD_EXAMPLES = 128  # examples per feature shard (the held-out split is counted in shards)
 
 
 @dataclass
@@ -112,7 +113,7 @@ def write_shard(path: Path, hidden: torch.Tensor, targets: torch.Tensor, metadat
 
 
 def extract_features(model, examples: list[Example], directory: str | Path, fingerprint: dict,
-                     shard_examples: int = 128, max_batch_tokens: int = 4096) -> list[Path]:
+                     shard_examples: int = SHARD_EXAMPLES, max_batch_tokens: int = 4096) -> list[Path]:
     """Write (or resume writing) feature shards for ``examples``; returns all shard paths."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

@@ -15,6 +15,7 @@ from typing import Iterable
 import torch
 from tqdm.auto import tqdm
 
+from ..decoding.generate import eos_token_ids
 from .features import chat_prompt_ids
 
 
@@ -30,8 +31,7 @@ def answer_batch(model, tokenizer, prompts: list[str], max_new_tokens: int) -> l
         ids[row, width - len(e):] = torch.tensor(e)
         mask[row, width - len(e):] = 1
     out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
-    eos = model.generation_config.eos_token_id
-    eos = set(eos if isinstance(eos, list) else [eos])
+    eos = set(eos_token_ids(model.generation_config))
     answers = []
     for row in out[:, width:].tolist():
         end = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
@@ -45,8 +45,7 @@ def generate_shards(model, tokenizer, records: list[dict], directory: str | Path
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     shards = [directory / f"answers-{i:05d}.jsonl" for i in range((len(records) + shard_size - 1) // shard_size)]
-    eos = model.generation_config.eos_token_id
-    eos = set(eos if isinstance(eos, list) else [eos])
+    eos = set(eos_token_ids(model.generation_config))
     for index in tqdm([i for i, p in enumerate(shards) if not p.is_file()], desc="self-distillation", unit="shard"):
         chunk = records[index * shard_size: (index + 1) * shard_size]
         order = sorted(range(len(chunk)), key=lambda i: len(chunk[i]["prompt"]))
