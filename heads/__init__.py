@@ -2,6 +2,7 @@
 from .protocol import (CheckpointError, DraftHeads, HeadConfig, REGISTRY, TreeSpec, build_heads, load_heads,
                        read_config, register)
 from .medusa import MedusaHeads, ResBlock
+from .hydra import HydraHeads
 
-__all__ = ["CheckpointError", "DraftHeads", "HeadConfig", "MedusaHeads", "REGISTRY", "ResBlock", "TreeSpec",
+__all__ = ["CheckpointError", "DraftHeads", "HeadConfig", "HydraHeads", "MedusaHeads", "REGISTRY", "ResBlock", "TreeSpec",
            "build_heads", "load_heads", "read_config", "register"]

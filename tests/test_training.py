@@ -8,18 +8,37 @@ import torch
 
 from conftest import tiny_llama
 from draftheads.decoding import fingerprint
-from draftheads.training.features import (MAX_TARGETS, Example, extract_features, load_shards, shift_targets,
-                                          shard_path)
-from draftheads.training.medusa_trainer import (IGNORE, MedusaTrainConfig, draft_vocab, head_targets, head_weights,
-                                                medusa_loss, rank_matrix, topk_accuracy, train_medusa)
+from draftheads.training.features import (MAX_TARGETS, Example, Features, extract_features, load_shards,
+                                          shard_path, shift_targets, shift_teacher)
+from draftheads.training.heads_trainer import (IGNORE, HeadTrainConfig, draft_vocab, head_inputs, head_targets,
+                                               head_weights, medusa_loss, new_heads, rank_matrix, topk_accuracy,
+                                               train_heads)
 
 
 def test_shift_targets_line_up_with_heads():
     ids = torch.tensor([10, 11, 12, 13, 14, 15])
     targets = shift_targets(ids, start=3)  # hidden at positions 2..4 (predict 13, 14, 15)
     assert targets.shape == (3, MAX_TARGETS)
-    assert targets[0, :4].tolist() == [14, 15, -1, -1]  # head 0 at position 2 → token 4
-    assert targets[2].tolist() == [-1] * MAX_TARGETS
+    assert targets[0, :4].tolist() == [13, 14, 15, -1]  # root x3, then head 0's token x4
+    assert targets[2].tolist() == [15] + [-1] * (MAX_TARGETS - 1)
+    # the base's argmax at positions 2..5 (its guesses for x3..x6) line up column by column
+    teacher = shift_teacher(torch.tensor([113, 114, 115, 116]))
+    assert teacher.shape == (3, MAX_TARGETS)
+    assert teacher[0, :4].tolist() == [113, 114, 115, 116] and teacher[2, :3].tolist() == [115, 116, -1]
+
+
+def test_head_inputs_label_with_the_teacher_and_feed_the_text():
+    """Head k's label is the base's choice after the path x_(t+1)..x_(t+k+1), IGNOREd where
+    the path runs past the text; the path itself is the text."""
+    model = tiny_llama(0, dtype=torch.float32)
+    ids = torch.tensor([10, 11, 12, 13, 14, 15])
+    teacher = shift_teacher(torch.tensor([13, 24, 25, 26]))  # the base disagrees with x4, x5, x6
+    features = Features(torch.zeros(3, 32), shift_targets(ids, 3), teacher)
+    cfg = HeadTrainConfig(family="hydra", num_heads=2, draft_vocab_size=0)
+    heads = new_heads(cfg, model, features.teacher[:, 1:3])
+    labels, tokens = head_inputs(features, heads)
+    assert tokens.tolist() == [[13, 14], [14, 15], [15, 0]]
+    assert labels.tolist() == [[24, 25], [25, 26], [26, IGNORE]]
 
 
 def test_head_targets_map_into_the_draft_vocabulary():
@@ -45,13 +64,17 @@ def test_features_resume_and_refuse_another_base(tmp_path):
     fp = fingerprint(model).to_dict()
     paths = extract_features(model, examples, tmp_path, fp, shard_examples=2)
     assert [p.name for p in paths] == ["shard-00000.safetensors", "shard-00001.safetensors", "shard-00002.safetensors"]
-    hidden, targets = load_shards(paths, fp)
-    assert hidden.shape == (sum(n - 2 for n in (5, 9, 7, 6, 12)), 32) and targets.shape[1] == MAX_TARGETS
+    features = load_shards(paths, fp)
+    hidden = features.hidden
+    assert hidden.shape == (sum(n - 2 for n in (5, 9, 7, 6, 12)), 32) and features.targets.shape[1] == MAX_TARGETS
+    # teacher column 0 is the base's own argmax at each position
+    expected = model(torch.tensor([examples[0].input_ids])).logits[0, 1:4].argmax(-1)
+    assert features.teacher[:3, 0].tolist() == expected.tolist()
     # A killed run: one shard missing, one partial file left behind. Resume redoes exactly that.
     shard_path(tmp_path, 1).unlink()
     (tmp_path / "shard-00001.safetensors.partial").write_bytes(b"half")
     again = extract_features(model, examples, tmp_path, fp, shard_examples=2)
-    assert torch.equal(load_shards(again, fp)[0], hidden)
+    assert torch.equal(load_shards(again, fp).hidden, hidden)
     with pytest.raises(ValueError, match="different base model"):
         load_shards(paths, fingerprint(tiny_llama(1, dtype=torch.float32)).to_dict())
 
@@ -68,11 +91,13 @@ def test_training_learns_a_shifted_copy_task():
     with torch.no_grad():
         truth = ((hidden + torch.nn.functional.silu(teacher(hidden))) @ proj.t()).argmax(-1)
     targets = torch.full((4096, MAX_TARGETS), -1)
-    targets[:, 0] = truth
-    config = MedusaTrainConfig(num_heads=1, draft_vocab_size=0, epochs=12, batch_size=128, lr=1e-2,
-                               bf16_autocast=False)
-    heads, stats = train_medusa(config, (hidden.half(), targets), model)
-    labels = head_targets(targets, heads.vocab_ids, 96, 1)
+    targets[:, :2] = 3  # the path tokens (unused by Medusa)
+    teacher = targets.clone()
+    teacher[:, 1] = truth
+    config = HeadTrainConfig(num_heads=1, draft_vocab_size=0, epochs=12, batch_size=128, lr=1e-2,
+                             bf16_autocast=False)
+    heads, stats = train_heads(config, Features(hidden.half(), targets, teacher), model)
+    labels = head_targets(teacher[:, 1:], heads.vocab_ids, 96, 1)
     before = (hidden @ proj.t()).argmax(-1).eq(truth).float().mean().item()
     after = topk_accuracy(rank_matrix(heads, hidden, labels, 5))["top1"][0]
     assert after > before + 0.25, (before, after)

@@ -15,8 +15,9 @@ from typing import Iterable, Iterator
 import torch
 from tqdm.auto import tqdm
 
-MAX_TARGETS = 8  # future tokens stored per position: enough for up to 8 heads
+MAX_TARGETS = 9  # future tokens stored per position: x_{t+1} (the root) + enough for up to 8 heads
 SHARD_EXAMPLES = 128  # examples per feature shard (the held-out split is counted in shards)
+FEATURE_FORMAT = 2  # 2: ``targets`` start at x_{t+1} and shards carry ``teacher`` labels
 
 
 @dataclass
@@ -58,20 +59,55 @@ def selfdistill_examples(records: Iterable[dict], tokenizer, max_length: int = 1
     return examples
 
 
+def conversation_examples(records: Iterable[dict], tokenizer, max_length: int = 1024) -> list[Example]:
+    """Conversation records (``messages``: a user turn then an assistant turn, e.g. the shared
+    ``train_conversations.jsonl``) → examples over the assistant text. The text is not the
+    base's own, so training reads its labels from the base (``teacher`` in the shards)."""
+    end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    examples = []
+    for record in records:
+        messages = record.get("messages")
+        if not messages or len(messages) < 2 or messages[-1].get("role") != "assistant":
+            raise ValueError("A conversation record needs 'messages' ending with an assistant turn; "
+                             f"got keys {sorted(record)}.")
+        prompt = chat_prompt_ids(tokenizer, messages[-2]["content"])
+        answer = tokenizer.encode(messages[-1]["content"], add_special_tokens=False)
+        if isinstance(end_of_turn, int) and end_of_turn != tokenizer.unk_token_id:
+            answer.append(end_of_turn)
+        ids = (prompt + answer)[:max_length]
+        if len(ids) > len(prompt) + 1:
+            examples.append(Example(ids, len(prompt)))
+    return examples
+
+
 def shift_targets(input_ids: torch.Tensor, start: int) -> torch.Tensor:
-    """For positions t = start-1 .. L-2 (the hidden state that predicts token t+1), the tokens
-    t+2 .. t+1+MAX_TARGETS (what heads 0.. must predict); -1 past the end."""
-    length = input_ids.shape[0]
-    positions = torch.arange(start - 1, length - 1)
-    offsets = torch.arange(2, 2 + MAX_TARGETS)
-    index = positions[:, None] + offsets[None, :]
-    padded = torch.cat([input_ids, torch.full((MAX_TARGETS + 2,), -1, dtype=input_ids.dtype)])
+    """For positions t = start-1 .. L-2 (the hidden state that predicts token t+1), the text
+    tokens t+1 .. t+MAX_TARGETS; -1 past the end. Column 0 is the root the base emits, column
+    k+1 what head k must predict (and what sequential heads read as their k-th draft token)."""
+    return _ahead(input_ids, start - 1, input_ids.shape[0] - 1, first_offset=1)
+
+
+def shift_teacher(predicted: torch.Tensor) -> torch.Tensor:
+    """The base's own greedy predictions lined up like :func:`shift_targets`. ``predicted``
+    holds the base's argmax at positions start-1 .. L-1 (its guess for the token after each),
+    so row i (position t = start-1+i) column c is the base's choice for token t+c+1 after the
+    text up to t+c. On self-distilled text this equals the text; on any other text it is the
+    label that makes heads draft what the base would accept (distillation, hard labels)."""
+    return _ahead(predicted, 0, predicted.shape[0] - 1, first_offset=0)
+
+
+def _ahead(values: torch.Tensor, first: int, stop: int, first_offset: int) -> torch.Tensor:
+    """rows t = first .. stop-1 of values[t + first_offset + c] for c < MAX_TARGETS, -1 past the end."""
+    positions = torch.arange(first, stop)
+    index = positions[:, None] + torch.arange(first_offset, first_offset + MAX_TARGETS)[None, :]
+    padded = torch.cat([values, torch.full((MAX_TARGETS + 2,), -1, dtype=values.dtype)])
     return padded[index.clamp(max=padded.shape[0] - 1)]
 
 
 @torch.no_grad()
-def hidden_states(model, batch: list[Example]) -> list[torch.Tensor]:
-    """Last-layer hidden states (after the final norm) at positions response_start-1 .. L-2."""
+def hidden_states(model, batch: list[Example]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per example: last-layer hidden states (after the final norm) at positions
+    response_start-1 .. L-2, and the base's argmax at positions response_start-1 .. L-1."""
     longest = max(len(e.input_ids) for e in batch)
     ids = torch.full((len(batch), longest), 0, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -81,8 +117,12 @@ def hidden_states(model, batch: list[Example]) -> list[torch.Tensor]:
     device = next(model.parameters()).device
     out = model.model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
     states = out.last_hidden_state
-    return [states[row, e.response_start - 1: len(e.input_ids) - 1].to("cpu", torch.float16)
-            for row, e in enumerate(batch)]
+    result = []
+    for row, e in enumerate(batch):
+        span = states[row, e.response_start - 1: len(e.input_ids)]
+        predicted = model.lm_head(span).argmax(-1).cpu()
+        result.append((span[:-1].to("cpu", torch.float16), predicted))
+    return result
 
 
 def batches_by_tokens(examples: list[Example], max_tokens: int) -> Iterator[list[Example]]:
@@ -103,11 +143,14 @@ def shard_path(directory: Path, index: int) -> Path:
     return directory / f"shard-{index:05d}.safetensors"
 
 
-def write_shard(path: Path, hidden: torch.Tensor, targets: torch.Tensor, metadata: dict) -> None:
+def write_shard(path: Path, hidden: torch.Tensor, targets: torch.Tensor, teacher: torch.Tensor,
+                metadata: dict) -> None:
     from safetensors.torch import save_file
 
     tmp = path.with_name(path.name + ".partial")
-    save_file({"hidden": hidden.contiguous(), "targets": targets.to(torch.int32).contiguous()}, str(tmp),
+    tensors = {"hidden": hidden.contiguous(), "targets": targets.to(torch.int32).contiguous(),
+               "teacher": teacher.to(torch.int32).contiguous()}
+    save_file(tensors, str(tmp),
               metadata={k: json.dumps(v) for k, v in metadata.items()})
     os.replace(tmp, path)
 
@@ -123,13 +166,14 @@ def extract_features(model, examples: list[Example], directory: str | Path, fing
             if not _shard_matches(p, fingerprint, len(examples[i * shard_examples: (i + 1) * shard_examples]))]
     for index in tqdm(todo, desc="feature shards", unit="shard"):
         chunk = examples[index * shard_examples: (index + 1) * shard_examples]
-        hidden, targets = [], []
+        hidden, targets, teacher = [], [], []
         for batch in batches_by_tokens(chunk, max_batch_tokens):
-            for example, states in zip(batch, hidden_states(model, batch)):
+            for example, (states, predicted) in zip(batch, hidden_states(model, batch)):
                 hidden.append(states)
                 targets.append(shift_targets(torch.tensor(example.input_ids), example.response_start))
-        write_shard(paths[index], torch.cat(hidden), torch.cat(targets),
-                    {"fingerprint": fingerprint, "examples": len(chunk)})
+                teacher.append(shift_teacher(predicted))
+        write_shard(paths[index], torch.cat(hidden), torch.cat(targets), torch.cat(teacher),
+                    {"fingerprint": fingerprint, "examples": len(chunk), "format": FEATURE_FORMAT})
     return paths
 
 
@@ -142,21 +186,42 @@ def _shard_matches(path: Path, fingerprint: dict, examples: int) -> bool:
         return False
     with safe_open(str(path), framework="pt") as handle:
         meta = handle.metadata() or {}
-    return json.loads(meta.get("fingerprint", "null")) == fingerprint and json.loads(meta.get("examples", "0")) == examples
+    return (json.loads(meta.get("fingerprint", "null")) == fingerprint
+            and json.loads(meta.get("examples", "0")) == examples
+            and json.loads(meta.get("format", "1")) == FEATURE_FORMAT)
 
 
-def load_shards(paths: Iterable[Path], fingerprint: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Concatenate shards into (hidden (P, d) fp16, targets (P, MAX_TARGETS) long); refuse
-    shards made from a different base."""
+@dataclass
+class Features:
+    """Cached training positions: hidden (P, d) fp16; targets and teacher (P, MAX_TARGETS)
+    long, -1 past the end of a sequence (see :func:`shift_targets`, :func:`shift_teacher`)."""
+
+    hidden: torch.Tensor
+    targets: torch.Tensor
+    teacher: torch.Tensor
+
+    def __len__(self) -> int:
+        return int(self.hidden.shape[0])
+
+    def select(self, index) -> "Features":
+        return Features(self.hidden[index], self.targets[index], self.teacher[index])
+
+
+def load_shards(paths: Iterable[Path], fingerprint: dict | None = None) -> Features:
+    """Concatenate shards; refuse shards made from a different base or in an older format."""
     from safetensors import safe_open
 
-    hidden, targets = [], []
+    hidden, targets, teacher = [], [], []
     for path in paths:
         with safe_open(str(path), framework="pt") as handle:
             meta = handle.metadata() or {}
             if fingerprint is not None and json.loads(meta.get("fingerprint", "null")) != fingerprint:
                 raise ValueError(f"{path} was computed with a different base model than the one loaded; "
                                  "delete the feature cache or point to the right base.")
+            if json.loads(meta.get("format", "1")) != FEATURE_FORMAT:
+                raise ValueError(f"{path} is a feature shard of an older format; re-run the feature extraction "
+                                 "(it rewrites stale shards) or delete the cache directory.")
             hidden.append(handle.get_tensor("hidden"))
             targets.append(handle.get_tensor("targets").long())
-    return torch.cat(hidden), torch.cat(targets)
+            teacher.append(handle.get_tensor("teacher").long())
+    return Features(torch.cat(hidden), torch.cat(targets), torch.cat(teacher))

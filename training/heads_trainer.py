@@ -1,9 +1,13 @@
-"""A minimal, real trainer for Medusa heads on cached features (CPU friendly).
+"""A minimal, real trainer for any head family on cached features (CPU friendly).
 
 Pieces are small functions so the full framework (accelerate, resume, wandb) can reuse them:
 ``draft_vocab`` (which tokens heads may draft), ``head_targets`` (map base ids into the draft
-vocabulary), ``medusa_loss``, ``rank_matrix`` / ``topk_accuracy`` (held-out evaluation) and
-``train_and_save``.
+vocabulary), ``head_inputs`` (labels and path tokens from a feature batch), ``medusa_loss``,
+``rank_matrix`` / ``topk_accuracy`` (held-out evaluation) and ``train_and_save``.
+
+Labels are the base's own greedy choices (``Features.teacher``): on self-distilled text they
+equal the text, on any other text they are what the base would accept. Sequential families
+(Hydra) read the text tokens x_{t+1}.. as their path (teacher forcing).
 """
 from __future__ import annotations
 
@@ -20,13 +24,15 @@ from tqdm.auto import tqdm
 
 from ..decoding.base import fingerprint
 from ..decoding.tree import tree_from_ranks
-from ..heads import HeadConfig, MedusaHeads
+from ..heads import DraftHeads, HeadConfig, build_heads
+from .features import Features
 
 IGNORE = -100
 
 
 @dataclass
-class MedusaTrainConfig:
+class HeadTrainConfig:
+    family: str = "medusa"
     num_heads: int = 4
     num_layers: int = 1
     draft_vocab_size: int = 8192
@@ -55,7 +61,7 @@ class MedusaTrainConfig:
                 parser.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)
 
     @classmethod
-    def from_arguments(cls, args: argparse.Namespace) -> "MedusaTrainConfig":
+    def from_arguments(cls, args: argparse.Namespace) -> "HeadTrainConfig":
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
 
 
@@ -68,7 +74,8 @@ def draft_vocab(targets: torch.Tensor, size: int, vocab_size: int) -> torch.Tens
 
 
 def head_targets(targets: torch.Tensor, vocab_ids: torch.Tensor, vocab_size: int, num_heads: int) -> torch.Tensor:
-    """Base token ids (P, ≥K) → draft-vocabulary indices (P, K); IGNORE where undraftable."""
+    """Base token ids (P, ≥K), column k = head k's label → draft-vocabulary indices (P, K);
+    IGNORE where undraftable or past the end (-1)."""
     lookup = torch.full((vocab_size + 1,), IGNORE, dtype=torch.long)
     lookup[vocab_ids] = torch.arange(vocab_ids.numel())
     ids = targets[:, :num_heads].clone()
@@ -88,14 +95,26 @@ def medusa_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tenso
     return (per_head * weights.to(per_head)).sum(), per_head
 
 
+def head_inputs(features: Features, heads: DraftHeads) -> tuple[torch.Tensor, torch.Tensor]:
+    """(labels (P, K) in draft-vocabulary indices, path tokens (P, K) = x_{t+1}..x_{t+K}).
+    Head k's label is the base's greedy choice after x_{t+1}..x_{t+k+1}; it is IGNOREd where
+    that path runs past the end of the text."""
+    k = heads.num_heads
+    labels = head_targets(features.teacher[:, 1: k + 1], heads.vocab_ids, heads.config.vocab_size, k)
+    tokens = features.targets[:, :k]
+    labels[tokens < 0] = IGNORE
+    return labels, tokens.clamp(min=0)
+
+
 @torch.no_grad()
-def rank_matrix(heads: MedusaHeads, hidden: torch.Tensor, labels: torch.Tensor, cap: int,
-                batch_size: int = 2048) -> torch.Tensor:
+def rank_matrix(heads: DraftHeads, hidden: torch.Tensor, labels: torch.Tensor, cap: int,
+                tokens: torch.Tensor | None = None, batch_size: int = 2048) -> torch.Tensor:
     """Rank of the true token in each head's draft distribution (P, K), capped at ``cap``
     (= not in the top-``cap``, or not draftable)."""
     ranks = []
     for start in range(0, hidden.shape[0], batch_size):
-        logits = heads(hidden[start:start + batch_size].float())
+        path = None if tokens is None else tokens[start:start + batch_size]
+        logits = heads(hidden[start:start + batch_size].float(), tokens=path)
         top = logits.topk(cap, dim=-1).indices  # (b, K, cap)
         label = labels[start:start + batch_size]
         hit = top == label[..., None]
@@ -108,17 +127,22 @@ def topk_accuracy(ranks: torch.Tensor, ks: tuple[int, ...] = (1, 5)) -> dict[str
     return {f"top{k}": [round(float((ranks[:, h] < k).float().mean()), 4) for h in range(ranks.shape[1])] for k in ks}
 
 
-def train_medusa(config: MedusaTrainConfig, train: tuple[torch.Tensor, torch.Tensor], base) -> tuple[MedusaHeads, dict]:
-    torch.manual_seed(config.seed)
-    hidden, targets = train
+def new_heads(config: HeadTrainConfig, base, label_ids: torch.Tensor) -> DraftHeads:
+    """Fresh heads of ``config.family`` bound to the base's frozen LM head and embeddings; the
+    draft vocabulary is the most frequent of ``label_ids``."""
     vocab_size, d = base.get_output_embeddings().weight.shape
-    vocab_ids = draft_vocab(targets[:, : config.num_heads], config.draft_vocab_size, vocab_size)
-    head_cfg = HeadConfig(family="medusa", num_heads=config.num_heads, num_layers=config.num_layers, hidden_size=d,
-                          vocab_size=vocab_size, draft_vocab_size=config.draft_vocab_size)
-    heads = MedusaHeads(head_cfg)
-    heads.vocab_ids.copy_(vocab_ids)
-    heads.bind(base.get_output_embeddings().weight.float())
-    labels = head_targets(targets, vocab_ids, vocab_size, config.num_heads)
+    head_cfg = HeadConfig(family=config.family, num_heads=config.num_heads, num_layers=config.num_layers,
+                          hidden_size=d, vocab_size=vocab_size, draft_vocab_size=config.draft_vocab_size)
+    heads = build_heads(head_cfg)
+    heads.vocab_ids.copy_(draft_vocab(label_ids, config.draft_vocab_size, vocab_size))
+    return heads.bind(base.get_output_embeddings().weight.float(), base.get_input_embeddings().weight.float())
+
+
+def train_heads(config: HeadTrainConfig, train: Features, base) -> tuple[DraftHeads, dict]:
+    torch.manual_seed(config.seed)
+    hidden = train.hidden
+    heads = new_heads(config, base, train.teacher[:, 1: config.num_heads + 1])
+    labels, tokens = head_inputs(train, heads)
     weights = head_weights(config.num_heads, config.head_decay)
     steps_per_epoch = hidden.shape[0] // config.batch_size
     total = max(1, int(steps_per_epoch * config.epochs))
@@ -129,14 +153,14 @@ def train_medusa(config: MedusaTrainConfig, train: tuple[torch.Tensor, torch.Ten
     generator = torch.Generator().manual_seed(config.seed)
     order = torch.randperm(hidden.shape[0], generator=generator)
     started, cursor, log = time.time(), 0, []
-    bar = tqdm(range(total), desc="medusa heads", unit="step")
+    bar = tqdm(range(total), desc=f"{config.family} heads", unit="step")
     for step in bar:
         if cursor + config.batch_size > order.numel():
             order, cursor = torch.randperm(hidden.shape[0], generator=generator), 0
         index = order[cursor: cursor + config.batch_size]
         cursor += config.batch_size
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.bf16_autocast):
-            logits = heads(hidden[index].float())
+            logits = heads(hidden[index].float(), tokens=tokens[index])
         loss, per_head = medusa_loss(logits, labels[index], weights)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -160,11 +184,11 @@ def trees_from_ranks(ranks: torch.Tensor, budgets: tuple[int, ...]) -> dict[str,
     return out
 
 
-def train_and_save(config: MedusaTrainConfig, train, held_out, base, out_dir: str | Path, provenance: dict) -> Path:
-    heads, stats = train_medusa(config, train, base)
-    hidden, targets = held_out
-    labels = head_targets(targets, heads.vocab_ids, heads.config.vocab_size, config.num_heads)
-    ranks = rank_matrix(heads, hidden, labels, config.max_rank)
+def train_and_save(config: HeadTrainConfig, train: Features, held_out: Features, base, out_dir: str | Path,
+                   provenance: dict) -> Path:
+    heads, stats = train_heads(config, train, base)
+    labels, tokens = head_inputs(held_out, heads)
+    ranks = rank_matrix(heads, held_out.hidden, labels, config.max_rank, tokens=tokens)
     accuracy = topk_accuracy(ranks)
     trees = trees_from_ranks(ranks, config.tree_budgets)
     heads.config.trees = {k: v["paths"] for k, v in trees.items()}
@@ -174,8 +198,8 @@ def train_and_save(config: MedusaTrainConfig, train, held_out, base, out_dir: st
                           "held_out_accuracy": accuracy, "default_budget": config.default_budget, "expected_tau": {k: v["expected_tau"] for k, v in trees.items()}}
     out_dir = Path(out_dir)
     heads.save_pretrained(out_dir)
-    report = {"provenance": provenance, "train_positions": int(train[0].shape[0]),
-              "held_out_positions": int(hidden.shape[0]), "accuracy": accuracy, "trees": trees,
+    report = {"provenance": provenance, "out_dir": str(out_dir), "train_positions": len(train),
+              "held_out_positions": len(held_out), "accuracy": accuracy, "trees": trees,
               "stats": stats, "config": heads.config.extra["train"]}
     (out_dir / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
     (out_dir / "README.md").write_text(model_card(heads.config, report))
@@ -190,31 +214,34 @@ def model_card(config: HeadConfig, report: dict) -> str:
     rows = "\n".join(f"| {k + 1} | {acc['top1'][k]:.3f} | {acc['top5'][k]:.3f} |" for k in range(len(acc["top1"])))
     taus = "\n".join(f"| {k} | {v['expected_tau']:.2f} |" for k, v in report["trees"].items())
     stats = report["stats"]
+    family = config.family.capitalize()
+    reads = ("the last hidden state" if config.family == "medusa" else
+             "the last hidden state and the embeddings of the tokens drafted before each head")
+    out_dir = report.get("out_dir", f"checkpoints/smollm2-135m-{config.family}")
     return f"""---
 library_name: draftheads
 base_model: HuggingFaceTB/SmolLM2-135M-Instruct
-tags: [speculative-decoding, medusa, draft-heads]
+tags: [speculative-decoding, {config.family}, draft-heads]
 ---
-# Medusa heads for SmolLM2-135M-Instruct
+# {family} heads for SmolLM2-135M-Instruct
 
-{config.num_heads} Medusa heads ({config.num_layers} ResBlock each) that read the last hidden state of the
+{config.num_heads} {family} heads ({config.num_layers} ResBlock each) that read {reads} of the
 embedded SmolLM2-135M-Instruct base and draft tokens 2..{config.num_heads + 1} ahead through the base's frozen,
 shared LM head, restricted to the {config.draft_vocab_size or config.vocab_size} most frequent tokens of the
 training data (drafting only; verification by the base is exact). Use with draftheads:
 
 ```python
 from draftheads import DraftHeadsModel
-model = DraftHeadsModel.from_pretrained("checkpoints/smollm2-135m-medusa")
+model = DraftHeadsModel.from_pretrained("{out_dir}")
 ```
 
 Base fingerprint: `{config.base_fingerprint}`. Loading the heads on any other base is refused.
 
 ## Training
 - Command: `{report['provenance']['command']}`
-- Data: `{report['provenance']['data']}` ({report['provenance']['records']} prompts answered by the base itself,
-  greedy; {report['train_positions']} training positions, {report['held_out_positions']} held-out positions from
+- Data: `{report['provenance']['data']}` ({report['provenance']['records']} records: {report['provenance'].get('data_kind', 'prompts answered by the base itself, greedy')}; {report['train_positions']} training positions, {report['held_out_positions']} held-out positions from
   the last prompts). Features: {report['provenance']['feature_dtype']}.
-- Loss: cross-entropy on the base's own tokens, head k weighted {report['config']['head_decay']}^k; AdamW lr
+- Loss: cross-entropy on the base's own greedy choices (teacher labels), head k weighted {report['config']['head_decay']}^k; AdamW lr
   {report['config']['lr']}, cosine schedule, batch {report['config']['batch_size']} positions,
   {report['config']['epochs']} epochs ({stats['steps']} steps).
 - Wall time {stats['train_seconds']:.0f} s on 2 CPU cores ({stats['positions_per_second']:.0f} positions/s),

@@ -1,0 +1,82 @@
+"""Every head family: token identity with the base, tree drafting semantics, checkpoints."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_llama
+from draftheads.decoding import DraftHeadsModel, fingerprint, tree_from_paths
+from draftheads.heads import REGISTRY, HeadConfig, build_heads, load_heads
+
+FAMILIES = sorted(f for f in REGISTRY if not f.endswith("-test"))
+TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 1, 0], [1, 0, 0]]
+
+
+def random_heads(family: str, model, seed: int = 0, draft_vocab: int = 0):
+    """Heads with random (non-zero) weights so drafts are diverse and mostly wrong."""
+    cfg = model.config
+    heads = build_heads(HeadConfig(family=family, num_heads=3, num_layers=1, hidden_size=cfg.hidden_size,
+                                   vocab_size=cfg.vocab_size, draft_vocab_size=draft_vocab,
+                                   base_fingerprint=fingerprint(model).to_dict()))
+    torch.manual_seed(seed)
+    for p in heads.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    if draft_vocab:
+        heads.vocab_ids.copy_(torch.randperm(cfg.vocab_size)[:draft_vocab].sort().values)
+    return heads.to(model.dtype).bind(model.lm_head.weight, model.get_input_embeddings().weight)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_family_decodes_token_identically(family, seed):
+    model = tiny_llama(seed)
+    ids = torch.tensor([[0, 0, 5, 9, 33, 4], [7, 8, 9, 10, 11, 12], [0, 0, 0, 0, 40, 41]])
+    mask = (ids != 0).long()
+    reference = model.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=0)
+    drafter = DraftHeadsModel(model, random_heads(family, model, seed), tree=tree_from_paths(TREE))
+    assert drafter.generate(ids, attention_mask=mask, max_new_tokens=30).tolist() == reference.tolist()
+
+
+@pytest.mark.parametrize("draft_vocab", [0, 40])
+def test_sequential_heads_condition_each_node_on_its_own_path(draft_vocab):
+    """Hydra's tree: a node at depth d holds the rank-r token of head d-1 evaluated on the
+    node's own path (root + drafted tokens), exactly as teacher-forced training computes it."""
+    model = tiny_llama(0)
+    heads = random_heads("hydra", model, draft_vocab=draft_vocab)
+    tree = tree_from_paths(TREE)
+    hidden = torch.randn(2, model.config.hidden_size, dtype=model.dtype)
+    roots = torch.tensor([5, 17])
+    tokens = heads.propose(hidden, roots, tree.spec)
+    assert tokens[:, 0].tolist() == roots.tolist()
+    for node in range(1, tree.num_nodes):
+        depth, rank = int(tree.depth[node]), int(tree.rank[node])
+        path = tree.path_slots[node, :depth].tolist()  # root .. parent
+        prefix = tokens[:, path]
+        padded = torch.cat([prefix, torch.zeros(2, heads.num_heads - depth, dtype=torch.long)], dim=1)
+        logits = heads(hidden, tokens=padded)[:, depth - 1]
+        expected = heads.to_vocab(logits.topk(rank + 1, dim=-1).indices[:, rank])
+        assert tokens[:, node].tolist() == expected.tolist(), node
+    # A deeper head's distribution depends on the path it extends (unlike Medusa's).
+    first = heads(hidden, tokens=torch.tensor([[5, 7, 0], [17, 7, 0]]))[:, 1]
+    other = heads(hidden, tokens=torch.tensor([[5, 9, 0], [17, 9, 0]]))[:, 1]
+    assert (first - other).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_checkpoint_round_trip(tmp_path, family):
+    model = tiny_llama(0)
+    heads = random_heads(family, model, draft_vocab=40)
+    heads.save_pretrained(tmp_path, dtype=None)
+    loaded = load_heads(tmp_path, expected_fingerprint=fingerprint(model).to_dict(), dtype=model.dtype)
+    loaded.bind(model.lm_head.weight, model.get_input_embeddings().weight)
+    hidden = torch.randn(4, model.config.hidden_size, dtype=model.dtype)
+    tokens = torch.randint(0, model.config.vocab_size, (4, 3))
+    assert loaded.family == family
+    assert torch.equal(heads(hidden, tokens=tokens), loaded(hidden, tokens=tokens))
+
+
+def test_hydra_without_path_tokens_says_what_it_needs():
+    model = tiny_llama(0)
+    heads = random_heads("hydra", model)
+    with pytest.raises(ValueError, match="path tokens"):
+        heads(torch.randn(2, model.config.hidden_size, dtype=model.dtype))
