@@ -1,0 +1,234 @@
+"""The training framework: losses against hand-computed values, recipe validation, clear data
+errors, exact resume after a real SIGKILL, and 2-process (gloo) == 1 process × doubled batch."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from conftest import tiny_llama
+from draftheads.training.data import DataError, load_examples, shifted_rows
+from draftheads.training.losses import (IGNORE, head_cross_entropy, head_targets, head_weights, input_noise,
+                                        label_ranks, mask_labels, teacher_kl, topk_accuracy)
+from draftheads.training.recipe import RecipeError, load_recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = ROOT / "recipes"
+
+
+# -- losses -----------------------------------------------------------------------------------------
+def test_head_cross_entropy_weighted_and_normalized_by_given_counts():
+    logits = torch.zeros(2, 2, 4)
+    logits[0, 0, 1] = math.log(3.0)  # p(1) = 3/6
+    labels = torch.tensor([[1, 2], [IGNORE, 3]])
+    loss, per_head = head_cross_entropy(logits, labels, head_weights(2, 0.5))
+    assert per_head.tolist() == pytest.approx([-math.log(0.5), math.log(4.0)])
+    assert loss.item() == pytest.approx(-math.log(0.5) + 0.5 * math.log(4.0))
+    # a global count (other processes' labels) divides the same sums
+    _, per_head = head_cross_entropy(logits, labels, head_weights(2, 0.5), counts=torch.tensor([2.0, 4.0]))
+    assert per_head.tolist() == pytest.approx([-math.log(0.5) / 2, 2 * math.log(4.0) / 4])
+    # a head without any valid label adds 0, not NaN
+    _, per_head = head_cross_entropy(logits, torch.full((2, 2), IGNORE), head_weights(2, 0.5))
+    assert per_head.tolist() == [0.0, 0.0]
+
+
+def test_teacher_kl_matches_hand_value_and_masks():
+    student = torch.zeros(2, 1, 2)  # p = (1/2, 1/2)
+    teacher = torch.tensor([[[math.log(3.0), 0.0]], [[5.0, -5.0]]])  # row 0: p = (3/4, 1/4)
+    labels = torch.tensor([[0], [IGNORE]])  # row 1 has no valid position: ignored
+    loss, per_head = teacher_kl(student, teacher, labels, head_weights(1, 0.8))
+    expected = 0.75 * math.log(0.75 / 0.5) + 0.25 * math.log(0.25 / 0.5)
+    assert per_head.item() == pytest.approx(expected) and loss.item() == pytest.approx(expected)
+    # T = 2 halves both logit vectors and scales by T²
+    t2 = 0.5 * math.log(3.0)
+    p = (math.exp(t2) / (math.exp(t2) + 1), 1 / (math.exp(t2) + 1))
+    _, per_head = teacher_kl(student, teacher, labels, head_weights(1, 1.0), temperature=2.0)
+    assert per_head.item() == pytest.approx(4 * (p[0] * math.log(p[0] / 0.5) + p[1] * math.log(p[1] / 0.5)))
+    assert teacher_kl(teacher, teacher, labels, head_weights(1, 1.0))[0].item() == pytest.approx(0.0, abs=1e-7)
+
+
+def test_weights_targets_masks_noise_ranks():
+    assert head_weights(3, 0.8).tolist() == pytest.approx([1.0, 0.8, 0.64])
+    targets = torch.tensor([[5, 7, -1], [9, 5, 5]])
+    assert head_targets(targets, torch.tensor([5, 9]), 10, 3).tolist() == [[0, IGNORE, IGNORE], [1, 0, 0]]
+    assert mask_labels(torch.tensor([[1, 2]]), torch.tensor([[True, False]])).tolist() == [[1, IGNORE]]
+    hidden = torch.zeros(1000, 16)
+    assert input_noise(hidden, 0.0) is hidden
+    noisy = input_noise(hidden, 2.0, torch.Generator().manual_seed(0))
+    assert noisy.abs().max() <= 2.0 / 4 and noisy.abs().max() > 0.45  # U(-1,1)·α/√d, d = 16
+    logits = torch.tensor([[[0.1, 0.9, 0.5]], [[0.3, 0.2, 0.1]]])
+    ranks = label_ranks(logits, torch.tensor([[2], [IGNORE]]), cap=2)
+    assert ranks.tolist() == [[1], [2]]
+    assert topk_accuracy(ranks, (1, 2)) == {"top1": [0.0], "top2": [0.5]}
+
+
+def test_shifted_rows_point_at_the_teacher_position_of_the_same_sequence():
+    # two sequences: rows 0..2 then 3..4; targets column 0 = x_{t+1}, -1 past the end
+    targets = torch.tensor([[4, 5, 6, -1], [5, 6, -1, -1], [6, -1, -1, -1], [8, 9, -1, -1], [9, -1, -1, -1]])
+    assert shifted_rows(targets, 2).tolist() == [[1, 2], [2, -1], [-1, -1], [4, -1], [-1, -1]]
+
+
+# -- recipes ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["medusa-smollm2", "hydra-smollm2", "hydrapp-smollm2", "medusa-vicuna7b"])
+def test_shipped_recipes_validate(name):
+    recipe = load_recipe(RECIPES / f"{name}.yaml")
+    assert recipe.name == name
+
+
+def test_recipe_errors_name_the_key(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  lrr: 0.1\n")
+    with pytest.raises(RecipeError, match=r"Unknown recipe key train\.lrr"):
+        load_recipe(bad)
+    bad.write_text("train:\n  batch_size: many\n")
+    with pytest.raises(RecipeError, match=r"train\.batch_size must be int"):
+        load_recipe(bad)
+    bad.write_text("loss:\n  labels: gold\n")
+    with pytest.raises(RecipeError, match=r"loss\.labels must be one of"):
+        load_recipe(bad)
+    with pytest.raises(RecipeError, match="Unknown recipe key nope"):
+        load_recipe(None, ["--nope", "1"])
+    with pytest.raises(RecipeError, match=r"train\.epochs must be float"):
+        load_recipe(None, ["--epochs", "three"])
+    recipe = load_recipe(None, ["--train.lr", "5e-4", "--num_heads=3"])
+    assert recipe.train.lr == 5e-4 and recipe.heads.num_heads == 3
+
+
+# -- the trainer on a tiny model -----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_setup(tmp_path_factory):
+    """A float64 tiny Llama saved as a model dir, and its own greedy continuations as token data
+    (self-distilled, so heads have something learnable)."""
+    root = tmp_path_factory.mktemp("tiny")
+    model = tiny_llama(0, dtype=torch.float64)
+    model.save_pretrained(root / "base")
+    generator = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, 96, (48, 4), generator=generator)
+    out = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=20, do_sample=False,
+                         min_new_tokens=20)
+    with open(root / "tokens.jsonl", "w") as handle:
+        for row in out.tolist():
+            handle.write(json.dumps({"input_ids": row, "response_start": 4}) + "\n")
+    return root
+
+
+def tiny_recipe(root: Path, run: str, **over) -> Path:
+    recipe = {
+        "name": "tiny", "base": str(root / "base"), "base_dtype": "float64",
+        "heads": {"family": "medusa", "num_heads": 3, "num_layers": 1, "draft_vocab_size": 0},
+        "data": {"kind": "tokens", "path": str(root / "tokens.jsonl"), "features_dir": str(root / "features"),
+                 "eval_examples": 8, "max_length": 64},
+        "loss": {"labels": "teacher", "ce_weight": 1.0, "kl_weight": 0.5, "head_decay": 0.8, "noise_alpha": 0.0},
+        "train": {"epochs": 2, "batch_size": 64, "lr": 0.01, "mixed_precision": "no", "dtype": "float64"},
+        "run": {"output_dir": str(root / run), "checkpoint_every": 4, "eval_every": 6, "log_every": 1,
+                "wandb": False, "save_dtype": "float64", "tree_budgets": [1, 3]},
+    }
+    for key, value in over.items():
+        section, name = key.split("__")
+        recipe[section][name] = value
+    path = root / f"{run}.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def run_inprocess(path: Path, *overrides: str) -> dict:
+    from accelerate.state import AcceleratorState
+
+    from draftheads.training.train import train
+
+    AcceleratorState._reset_state(True)
+    return train(load_recipe(path, list(overrides)))
+
+
+def final_weights(run_dir: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(run_dir / "final" / "model.safetensors"))
+
+
+def subprocess_env() -> dict:
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "tests"), TQDM_DISABLE="1", OMP_NUM_THREADS="1")
+    env.pop("WANDB_API_KEY", None)
+    return env
+
+
+KILL_AT = """
+import os, signal, sys
+import draftheads.training.train as t
+write = t.JsonlLog.write
+def write_then_die(self, record):
+    write(self, record)
+    if record.get("step") == int(os.environ["KILL_AT_STEP"]) and "loss" in record:
+        os.kill(os.getpid(), signal.SIGKILL)
+t.JsonlLog.write = write_then_die
+sys.exit(t.main(sys.argv[1:]))
+"""
+
+
+def test_sigkill_mid_epoch_then_resume_matches_uninterrupted_run(tiny_setup):
+    """A run SIGKILLed between checkpoints and resumed ends with the same loss and weights (float64)."""
+    reference = run_inprocess(tiny_recipe(tiny_setup, "whole"))
+    recipe = tiny_recipe(tiny_setup, "killed")
+    steps_per_epoch = reference["steps"] // 2
+    kill_at = steps_per_epoch + 3  # mid-epoch 2, after the checkpoint of a multiple of 4 steps
+    assert kill_at % 4 != 0 and kill_at < reference["steps"]
+    killed = subprocess.run([sys.executable, "-c", KILL_AT, str(recipe)], cwd=tiny_setup, capture_output=True,
+                            text=True, env=subprocess_env() | {"KILL_AT_STEP": str(kill_at)}, timeout=300)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    run_dir = tiny_setup / "killed"
+    assert not (run_dir / "final").exists()
+    assert (run_dir / "checkpoints" / f"step-{kill_at // 4 * 4:07d}").is_dir()
+    resumed = subprocess.run([sys.executable, "-m", "draftheads.training.train", str(recipe)], cwd=tiny_setup,
+                             capture_output=True, text=True, env=subprocess_env(), timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout + resumed.stderr
+    report = json.loads((run_dir / "final" / "training_report.json").read_text())
+    assert report["steps"] == reference["steps"]
+    assert report["final_loss"] == pytest.approx(reference["final_loss"], abs=1e-6, rel=0)
+    ours, theirs = final_weights(run_dir), final_weights(tiny_setup / "whole")
+    assert max((ours[k] - theirs[k]).abs().max().item() for k in ours) < 1e-6
+    steps = [r["step"] for r in map(json.loads, (run_dir / "log.jsonl").read_text().splitlines()) if "loss" in r]
+    assert steps == list(range(1, reference["steps"] + 1))  # the killed run's extra lines were dropped
+    # the heads load like any checkpoint, for the base they were trained on
+    from draftheads.decoding import DraftHeadsModel
+
+    model = DraftHeadsModel.from_pretrained(run_dir / "final", base=tiny_llama(0, dtype=torch.float64))
+    assert model.heads.family == "medusa" and set(model.heads.config.trees) == {"1", "3"}
+
+
+def test_resume_refuses_another_recipe_and_data_errors_are_clear(tiny_setup, tmp_path):
+    run = tiny_recipe(tiny_setup, "other")
+    (tiny_setup / "other").mkdir(exist_ok=True)
+    (tiny_setup / "other" / "recipe.json").write_text(json.dumps(load_recipe(run, ["--lr", "0.5"]).identity()))
+    with pytest.raises(RecipeError, match=r"different recipe \(train\.lr: 0\.5 → 0\.01\)"):
+        run_inprocess(run)
+    no_column = tmp_path / "prompts.jsonl"
+    no_column.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    with pytest.raises(DataError, match="no column 'messages' needed for data kind 'conversations'"):
+        load_examples("conversations", no_column)
+    with pytest.raises(DataError, match="no column 'response_ids'"):
+        load_examples("selfdistill", no_column)
+
+
+def test_two_gloo_processes_equal_one_process_with_double_batch(tiny_setup):
+    """accelerate launch (2 CPU processes, gloo) × batch 32 == 1 process × batch 64."""
+    single = run_inprocess(tiny_recipe(tiny_setup, "one", run__checkpoint_every=1000))
+    recipe = tiny_recipe(tiny_setup, "two", train__batch_size=32, run__checkpoint_every=1000)
+    launched = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+         str(RECIPES / "accelerate" / "multi_cpu.yaml"), "--main_process_port", "29517", "-m",
+         "draftheads.training.train", str(recipe)],
+        cwd=tiny_setup, capture_output=True, text=True, env=subprocess_env(), timeout=300)
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    report = json.loads((tiny_setup / "two" / "final" / "training_report.json").read_text())
+    assert report["processes"] == 2 and report["steps"] == single["steps"]
+    assert report["final_loss"] == pytest.approx(single["final_loss"], abs=1e-9, rel=0)
+    ours, theirs = final_weights(tiny_setup / "two"), final_weights(tiny_setup / "one")
+    assert max((ours[k] - theirs[k]).abs().max().item() for k in ours) < 1e-9

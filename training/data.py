@@ -1,0 +1,339 @@
+"""Training data for draft heads, on top of 🤗 ``datasets``.
+
+Three kinds of data become the same thing, a list of :class:`~.features.Example` (token ids
+of prompt + answer, and where the answer starts; only answer tokens are learned):
+
+* ``selfdistill``: the base model's own answers to a prompt set (:func:`self_distill` makes
+  them, resumable in shards). Heads trained on what the base actually writes learn what the
+  base will accept; this is the default.
+* ``conversations``: fixed ``messages`` (user → assistant), e.g. reference answers.
+* ``tokens``: pre-tokenized ``input_ids`` (+ optional ``response_start``).
+
+The examples then become training *positions* (the base's last hidden state at t, the text
+tokens x_{t+1}.., the base's own argmax predictions) either once, into the fp16 feature cache
+of :mod:`.features`, or on the fly from a base forward per batch (:func:`example_features`).
+
+Run ``python -m draftheads.training.data --help`` (or ``scripts/selfdistill.py``) to
+self-distill a prompt set.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Iterable
+
+import torch
+from tqdm.auto import tqdm
+
+from ..decoding.generate import eos_token_ids
+from .features import Example, Features, chat_prompt_ids, hidden_states, selfdistill_examples, shift_targets, \
+    shift_teacher
+
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+DEFAULT_PROMPTS = SHARED_DATA / "train_prompts.jsonl"
+PROVENANCE = "provenance.json"
+
+#: columns each data kind needs, and where such data comes from (for the error message)
+REQUIRED_COLUMNS = {
+    "selfdistill": (("prompt", "response_ids"), "self-distilled answers (python -m draftheads.training.data)"),
+    "conversations": (("messages",), "chat records with messages=[{role, content}, ...], e.g. train_conversations.jsonl"),
+    "tokens": (("input_ids",), "pre-tokenized records with input_ids (and optionally response_start)"),
+    "prompts": (("prompt",), "prompt records, e.g. train_prompts.jsonl"),
+}
+
+
+class DataError(ValueError):
+    """Data that cannot be used as asked: missing file or column, inconsistent resume."""
+
+
+# -- loading ------------------------------------------------------------------------------------
+def resolve_data_path(path: str | Path) -> Path:
+    """Relative paths are tried from the working directory, then from the source checkout
+    (so ``../shared/data/...`` in a recipe works from anywhere inside the project)."""
+    candidate = Path(path).expanduser()
+    if candidate.exists() or candidate.is_absolute():
+        return candidate
+    from_checkout = Path(__file__).resolve().parents[1] / candidate
+    return from_checkout if from_checkout.exists() else candidate
+
+
+def load_records(path: str | Path):
+    """Any ``datasets``-loadable source → ``datasets.Dataset``: a .jsonl/.json/.parquet/.csv
+    file, a ``save_to_disk`` directory, a self-distillation output directory (its merged
+    ``dataset/``), or a directory of JSON-lines files (e.g. legacy ``answers-*.jsonl`` shards)."""
+    import datasets
+
+    source = resolve_data_path(path)
+    if source.is_file():
+        builder = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}.get(source.suffix)
+        if builder is None:
+            raise DataError(f"{source}: unknown data file type {source.suffix!r}; use .jsonl, .json, .parquet or .csv.")
+        return datasets.load_dataset(builder, data_files=str(source), split="train")
+    if source.is_dir():
+        if (source / "dataset_info.json").is_file() or (source / "state.json").is_file():
+            return datasets.load_from_disk(str(source))
+        if (source / "dataset").is_dir():
+            return datasets.load_from_disk(str(source / "dataset"))
+        if (source / "shards").is_dir():
+            raise DataError(f"{source} is an unfinished self-distillation run (no merged dataset/ yet); "
+                            "re-run the same self-distillation command to finish it.")
+        files = sorted(source.glob("*.jsonl"))
+        if files:
+            return datasets.load_dataset("json", data_files=[str(f) for f in files], split="train")
+        raise DataError(f"{source} holds no dataset: expected a save_to_disk directory or *.jsonl files.")
+    raise DataError(f"Data {path!r} not found (looked at {source}); shared data lives in ../shared/data/.")
+
+
+def require_columns(dataset, kind: str, source: str | Path) -> None:
+    """Refuse data without the columns ``kind`` needs, naming the missing one and what fits."""
+    needed, what = REQUIRED_COLUMNS[kind]
+    missing = [c for c in needed if c not in dataset.column_names]
+    if missing:
+        raise DataError(f"{source} has no column {missing[0]!r} needed for data kind {kind!r} "
+                        f"(it has {dataset.column_names}); {kind!r} expects {what}.")
+
+
+def conversation_examples(records: Iterable[dict], tokenizer, max_length: int = 1024) -> list[Example]:
+    """``messages`` conversations → examples whose answer is the last assistant turn (everything
+    before it is prompt, chat template applied; single-turn records are the common case)."""
+    examples = []
+    for record in records:
+        messages = record["messages"]
+        if not messages or messages[-1].get("role") != "assistant":
+            raise DataError(f"Conversation {record.get('id', '?')} does not end with an assistant message; "
+                            "the answer to learn must be the last turn.")
+        prompt = tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=True, tokenize=True,
+                                               return_dict=True)["input_ids"]
+        full = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+        if list(full[: len(prompt)]) != list(prompt):
+            raise DataError("The chat template does not render the prompt as a prefix of the conversation; "
+                            "cannot tell where the answer starts.")
+        ids = list(full)[:max_length]
+        if len(ids) > len(prompt) + 1:
+            examples.append(Example(ids, len(prompt)))
+    return examples
+
+
+def token_examples(records: Iterable[dict], max_length: int = 1024) -> list[Example]:
+    """Pre-tokenized records: ``input_ids`` and optional ``response_start`` (default 1: all
+    tokens after the first are learned)."""
+    examples = []
+    for record in records:
+        ids = list(record["input_ids"])[:max_length]
+        start = int(record.get("response_start") or 1)
+        if len(ids) > start + 1:
+            examples.append(Example(ids, max(1, start)))
+    return examples
+
+
+def load_examples(kind: str, path: str | Path, tokenizer=None, max_length: int = 1024, limit: int = 0) -> list[Example]:
+    """Data of ``kind`` at ``path`` → examples (the first ``limit`` records when > 0)."""
+    if kind not in ("selfdistill", "conversations", "tokens"):
+        raise DataError(f"Unknown data kind {kind!r}; use selfdistill, conversations or tokens.")
+    dataset = load_records(path)
+    require_columns(dataset, kind, path)
+    if limit:
+        dataset = dataset.select(range(min(limit, len(dataset))))
+    if kind == "tokens":
+        return token_examples(dataset, max_length)
+    if tokenizer is None:
+        raise DataError(f"Data kind {kind!r} needs the base's tokenizer (chat template); the base has none.")
+    if kind == "selfdistill":
+        return selfdistill_examples(dataset, tokenizer, max_length)
+    return conversation_examples(dataset, tokenizer, max_length)
+
+
+# -- training positions -------------------------------------------------------------------------
+@torch.no_grad()
+def example_features(model, examples: list[Example]) -> Features:
+    """The same positions the feature cache stores, computed now (the on-the-fly path): one
+    base forward over the batch of examples. Rows of one example stay contiguous and in order,
+    which :func:`shifted_rows` relies on."""
+    hidden, targets, teacher = [], [], []
+    for example, (states, predicted) in zip(examples, hidden_states(model, examples)):
+        hidden.append(states)
+        targets.append(shift_targets(torch.tensor(example.input_ids), example.response_start))
+        teacher.append(shift_teacher(predicted))
+    return Features(torch.cat(hidden), torch.cat(targets), torch.cat(teacher))
+
+
+def shifted_rows(targets: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """(P, K) row index of position t+k+1 for head k at row t, -1 where it does not exist.
+
+    The teacher of head k (which drafts x_{t+k+2}) is the base's distribution at position
+    t+k+1. Positions of one sequence are consecutive rows, and x_{t+k+2} exists exactly when
+    t+k+1 is a stored position of the same sequence, so a valid label means row t+k+1."""
+    rows = torch.arange(targets.shape[0])[:, None] + torch.arange(1, num_heads + 1)[None, :]
+    return torch.where(targets[:, 1: num_heads + 1] >= 0, rows, torch.full_like(rows, -1))
+
+
+# -- self-distillation ----------------------------------------------------------------------------
+@dataclass
+class SelfDistillConfig:
+    """How the base answers the prompts; recorded in the output's provenance."""
+
+    prompts: str = str(DEFAULT_PROMPTS)
+    out: str = "data_cache/selfdistill"
+    skip: int = 0  # start after the first N prompts (e.g. those already answered)
+    limit: int = 0  # answer at most N prompts (0 = all)
+    exclude_sources: list[str] = field(default_factory=list)
+    max_new_tokens: int = 384
+    batch_size: int = 16  # prompts per generate call (left-padded, length-sorted within a shard)
+    shard_size: int = 64  # prompts per resumable shard
+    do_sample: bool = False  # greedy by default: heads learn exactly what greedy decoding accepts
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0  # sampling seed; shard i uses seed + i, so a resumed shard is reproducible
+    base: str | None = None  # base model (default: the embedded SmolLM2)
+    dtype: str = "bfloat16"
+
+
+def select_prompts(dataset, config: SelfDistillConfig):
+    """The prompts to answer, in file order: sources filtered, then skip/limit applied."""
+    if config.exclude_sources:
+        if "source" not in dataset.column_names:
+            raise DataError("exclude_sources needs a 'source' column in the prompt data.")
+        excluded = set(config.exclude_sources)
+        dataset = dataset.filter(lambda r: r["source"] not in excluded)
+    end = len(dataset) if not config.limit else min(len(dataset), config.skip + config.limit)
+    return dataset.select(range(min(config.skip, len(dataset)), end))
+
+
+@torch.no_grad()
+def answer_batch(model, tokenizer, prompts: list[str], config: SelfDistillConfig) -> list[list[int]]:
+    """Answers (token ids, up to and including EOS) for a batch of chat prompts, left-padded
+    so every row's answer starts at the same column."""
+    encoded = [chat_prompt_ids(tokenizer, p) for p in prompts]
+    width = max(len(e) for e in encoded)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    ids = torch.full((len(encoded), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, e in enumerate(encoded):
+        ids[row, width - len(e):] = torch.tensor(e)
+        mask[row, width - len(e):] = 1
+    sampling = dict(do_sample=True, temperature=config.temperature, top_p=config.top_p) if config.do_sample \
+        else dict(do_sample=False)
+    device = next(model.parameters()).device
+    out = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=config.max_new_tokens,
+                         pad_token_id=pad, **sampling)
+    eos = set(eos_token_ids(model.generation_config))
+    answers = []
+    for row in out[:, width:].tolist():
+        end = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+        answers.append(row[:end])
+    return answers
+
+
+def _prompt_key(dataset) -> str:
+    """Hash of the prompt list (ids when present, else texts): a resumed run must answer the
+    same prompts in the same order, or shard i would mean something else."""
+    column = "id" if "id" in dataset.column_names else "prompt"
+    return hashlib.sha256(json.dumps(dataset[column], ensure_ascii=False).encode()).hexdigest()[:16]
+
+
+def _check_provenance(path: Path, provenance: dict) -> None:
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(provenance, indent=2) + "\n")
+        return
+    saved = json.loads(path.read_text())
+    diffs = [f"{k}: {saved.get(k)!r} → {v!r}" for k, v in provenance.items() if saved.get(k) != v]
+    if diffs:
+        raise DataError(f"{path.parent} holds a self-distillation run with other settings ({'; '.join(diffs)}); "
+                        "use another output directory, or delete this one to start over.")
+
+
+def self_distill(model, tokenizer, prompts, config: SelfDistillConfig, base_fingerprint: dict | None = None):
+    """Answer ``prompts`` (a ``datasets.Dataset`` with ``prompt``; already selected) shard by
+    shard into ``config.out`` and return the merged ``datasets.Dataset``.
+
+    Shard i always holds prompts [i·S, (i+1)·S) and is written to a temporary directory then
+    renamed, so a killed run redoes only the shard it was in: no prompt is dropped or answered
+    twice. A second run with other settings or prompts is refused (provenance.json)."""
+    import datasets
+
+    require_columns(prompts, "prompts", config.prompts)
+    out = Path(config.out)
+    settings = {k: v for k, v in asdict(config).items() if k not in ("out", "batch_size")}
+    provenance = {"kind": "selfdistill", "base_fingerprint": base_fingerprint, "prompt_count": len(prompts),
+                  "prompt_key": _prompt_key(prompts), **settings}
+    _check_provenance(out / PROVENANCE, provenance)
+    num_shards = (len(prompts) + config.shard_size - 1) // config.shard_size
+    shard_dirs = [out / "shards" / f"shard-{i:05d}" for i in range(num_shards)]
+    eos = set(eos_token_ids(model.generation_config))
+    for index in tqdm([i for i, d in enumerate(shard_dirs) if not d.is_dir()], desc="self-distillation", unit="shard"):
+        chunk = prompts.select(range(index * config.shard_size, min(len(prompts), (index + 1) * config.shard_size)))
+        texts = chunk["prompt"]
+        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))  # less padding per batch
+        if config.do_sample:
+            torch.manual_seed(config.seed + index)
+        answers: dict[int, list[int]] = {}
+        for start in range(0, len(order), config.batch_size):
+            batch = order[start: start + config.batch_size]
+            for i, ids in zip(batch, answer_batch(model, tokenizer, [texts[i] for i in batch], config)):
+                answers[i] = ids
+        rows = [{"id": chunk[i].get("id"), "source": chunk[i].get("source"), "prompt": texts[i],
+                 "response": tokenizer.decode(answers[i], skip_special_tokens=True), "response_ids": answers[i],
+                 "finished": bool(answers[i] and answers[i][-1] in eos)} for i in range(len(texts))]
+        _save_atomic(datasets.Dataset.from_list(rows), shard_dirs[index])
+    merged = datasets.concatenate_datasets([datasets.load_from_disk(str(d)) for d in shard_dirs]) if shard_dirs \
+        else datasets.Dataset.from_list([])
+    merged.info.description = json.dumps(provenance)
+    if not (out / "dataset").is_dir():
+        _save_atomic(merged, out / "dataset")
+    return merged
+
+
+def _save_atomic(dataset, target: Path) -> None:
+    """save_to_disk into <target>.partial, then rename: a directory that exists is complete."""
+    tmp = target.with_name(target.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    dataset.save_to_disk(str(tmp))
+    os.replace(tmp, target)
+
+
+def read_shards(paths: Iterable[Path]) -> list[dict]:
+    """Records of legacy ``answers-*.jsonl`` self-distillation shards (kept for old caches;
+    :func:`load_records` reads such a directory as a dataset)."""
+    records = []
+    for path in paths:
+        with open(path, encoding="utf-8") as handle:
+            records.extend(json.loads(line) for line in handle if line.strip())
+    return records
+
+
+def parse_selfdistill_args(argv: list[str] | None = None) -> SelfDistillConfig:
+    parser = argparse.ArgumentParser(
+        prog="python -m draftheads.training.data",
+        description="Self-distillation: the base answers a prompt set (resumable shards, saved as a datasets "
+                    "dataset with provenance). Re-run the same command to resume.")
+    for f in fields(SelfDistillConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in ("bool", bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+        elif f.name == "exclude_sources":
+            parser.add_argument("--exclude-source", dest="exclude_sources", action="append", default=[])
+        else:
+            kind = {"int": int, "float": float}.get(str(f.type), str)
+            parser.add_argument(flag, type=kind, default=f.default)
+    return SelfDistillConfig(**vars(parser.parse_args(argv)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..decoding.base import fingerprint, load_base
+
+    config = parse_selfdistill_args(argv)
+    prompts = select_prompts(load_records(config.prompts), config)
+    model, tokenizer = load_base(config.base, dtype=config.dtype)
+    dataset = self_distill(model, tokenizer, prompts, config, fingerprint(model).to_dict())
+    print(f"{len(dataset)} answers in {Path(config.out) / 'dataset'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

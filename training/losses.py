@@ -1,0 +1,131 @@
+"""Training objectives for draft heads, as small pure functions (tensors in, tensors out).
+
+Conventions: ``logits`` (P, K, V) = the K heads' draft logits at P positions; ``labels``
+(P, K) = draft-vocabulary indices, :data:`IGNORE` where a head has nothing to learn (prompt
+token, past the end of the text, token outside the draft vocabulary). Every loss returns
+``(scalar loss, per-head value (K,))`` so the trainer can log heads separately.
+
+``counts`` (K,) is the number of valid labels each head's mean divides by. By default it is
+this batch's; the trainer passes the count summed over all processes, so that data-parallel
+training (which averages gradients over processes) optimizes exactly the same objective as
+one process with the whole global batch, whatever the IGNORE pattern of each shard.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+IGNORE = -100
+
+
+def head_weights(num_heads: int, decay: float) -> torch.Tensor:
+    """λ_k = decay^k (Medusa-1: 0.8^k): later heads are less accurate and matter less, since a
+    tree path only reaches them after every earlier head was right. decay = 1 → plain sum
+    (Hydra)."""
+    return decay ** torch.arange(num_heads, dtype=torch.float32)
+
+
+def draft_vocab(token_ids: torch.Tensor, size: int, vocab_size: int) -> torch.Tensor:
+    """The ``size`` most frequent ids in ``token_ids`` (negative = none), sorted; 0 = the whole
+    vocabulary. Heads then draft over a row subset of the frozen LM head (cheaper; a token
+    outside it simply cannot be drafted, verification stays exact)."""
+    if not size:
+        return torch.arange(vocab_size)
+    counts = torch.bincount(token_ids[token_ids >= 0].flatten(), minlength=vocab_size)
+    return counts.topk(size).indices.sort().values
+
+
+def head_targets(targets: torch.Tensor, vocab_ids: torch.Tensor, vocab_size: int, num_heads: int) -> torch.Tensor:
+    """Base token ids (P, ≥K), column k = head k's label → draft-vocabulary indices (P, K);
+    IGNORE where undraftable or past the end (negative id)."""
+    lookup = torch.full((vocab_size + 1,), IGNORE, dtype=torch.long, device=targets.device)
+    lookup[vocab_ids.to(targets.device)] = torch.arange(vocab_ids.numel(), device=targets.device)
+    ids = targets[:, :num_heads].clone().long()
+    ids[ids < 0] = vocab_size
+    return lookup[ids]
+
+
+def mask_labels(labels: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """IGNORE every label where ``keep`` is False (prompt tokens, padding, a path that runs
+    past the end of the text): those positions then add nothing to any loss or count."""
+    return labels.masked_fill(~keep.bool(), IGNORE)
+
+
+def label_counts(labels: torch.Tensor) -> torch.Tensor:
+    """Valid labels per head (K,), as float (the denominator of each head's mean)."""
+    return (labels != IGNORE).sum(0).to(torch.float32)
+
+
+def _loss_dtype(t: torch.Tensor) -> torch.dtype:
+    """Losses are computed in at least float32 (bf16 autocast logits are upcast), float64 kept."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+def _weighted(per_head: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return (per_head * weights.to(per_head)).sum(), per_head
+
+
+def head_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+                       counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Σ_k w_k · CE_k with CE_k = (sum of token CE of head k) / counts[k]: cross-entropy on the
+    base's own tokens (Medusa-1). A head with no valid label contributes 0."""
+    logits = logits.to(_loss_dtype(logits))
+    num_heads = logits.shape[1]
+    token_ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE,
+                               reduction="none").view(-1, num_heads)
+    counts = label_counts(labels) if counts is None else counts
+    per_head = token_ce.sum(0) / counts.to(token_ce).clamp(min=1)
+    return _weighted(per_head, weights)
+
+
+def teacher_kl(logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+               counts: torch.Tensor | None = None, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Σ_k w_k · mean KL(p_teacher ‖ p_head) over positions whose label is valid (Hydra++).
+
+    ``teacher_logits`` (P, K, V) are the frozen base's own next-token logits for the token each
+    head drafts, i.e. lm_head(h_{t+k+1}) for head k at position t (see :func:`shifted_rows`);
+    soft targets carry the base's whole ranking, not just its argmax, which is what tree
+    drafting with top-k children needs. ``temperature`` softens both sides (scaled by T² so
+    gradients keep their size, as in Hinton et al.)."""
+    dtype = _loss_dtype(logits)
+    log_student = F.log_softmax(logits.to(dtype) / temperature, dim=-1)
+    log_teacher = F.log_softmax(teacher_logits.to(dtype) / temperature, dim=-1)
+    token_kl = (log_teacher.exp() * (log_teacher - log_student)).sum(-1)  # (P, K)
+    valid = labels != IGNORE
+    token_kl = torch.where(valid, token_kl, torch.zeros_like(token_kl))
+    counts = label_counts(labels) if counts is None else counts
+    per_head = token_kl.sum(0) / counts.to(token_kl).clamp(min=1) * temperature ** 2
+    return _weighted(per_head, weights)
+
+
+def teacher_logits(next_hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
+    """The base's own logits from its cached last hidden states: (P, K, d) hidden at the
+    positions t+k+1 → (P, K, V') through the frozen LM head (rows of the draft vocabulary:
+    the teacher is renormalized over the tokens the heads can draft)."""
+    return next_hidden @ lm_head_weight.to(next_hidden.dtype).t()
+
+
+def input_noise(hidden: torch.Tensor, alpha: float, generator: torch.Generator | None = None) -> torch.Tensor:
+    """NEFTune-style augmentation: add U(-1, 1) · alpha / sqrt(d) per element (Hydra's
+    ``noise_alpha``; the sequence-length factor of NEFTune is 1 because positions are drawn
+    independently). alpha = 0 returns ``hidden`` unchanged. Draws from ``generator`` or the
+    global torch RNG (whose state a resumed run restores)."""
+    if alpha <= 0:
+        return hidden
+    noise = torch.rand(hidden.shape, generator=generator, dtype=hidden.dtype, device=hidden.device) * 2 - 1
+    return hidden + noise * (alpha / math.sqrt(hidden.shape[-1]))
+
+
+def label_ranks(logits: torch.Tensor, labels: torch.Tensor, cap: int) -> torch.Tensor:
+    """Rank of each label in its head's distribution (P, K), capped at ``cap`` (= not in the
+    top-``cap``, or IGNORE). Ranks feed top-k accuracy and the tree search."""
+    top = logits.topk(min(cap, logits.shape[-1]), dim=-1).indices
+    hit = top == labels[..., None]
+    return torch.where(hit.any(-1), hit.float().argmax(-1), torch.full_like(labels, cap))
+
+
+def topk_accuracy(ranks: torch.Tensor, ks: tuple[int, ...] = (1, 5)) -> dict[str, list[float]]:
+    """Per-head share of positions whose label is in the top-k: {"top1": [...], "top5": [...]}."""
+    return {f"top{k}": [round(float((ranks[:, h] < k).float().mean()), 4) for h in range(ranks.shape[1])] for k in ks}

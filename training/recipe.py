@@ -1,0 +1,255 @@
+"""Training recipes: one YAML file → nested dataclasses, validated before anything runs.
+
+An unknown key or a value of the wrong type is an error that names the key (``train.lr``),
+so a typo never silently trains with a default. Command-line overrides use the same dotted
+names (``--train.lr 5e-4``) or, when unambiguous, the bare field name (``--lr 5e-4``);
+their values are parsed as YAML scalars and checked like the file.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import types
+import typing
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .features import MAX_TARGETS
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot be used: unknown key, wrong type, bad value, wrong resume dir."""
+
+
+@dataclass
+class HeadsSection:
+    family: str = "medusa"  # any registered family: medusa, hydra, ...
+    num_heads: int = 4
+    num_layers: int = 1
+    draft_vocab_size: int = 8192  # 0 = full vocabulary
+    extra: dict[str, Any] = field(default_factory=dict)  # family-specific options (HeadConfig.extra)
+
+
+@dataclass
+class DataSection:
+    kind: str = "selfdistill"  # selfdistill (prompt + response_ids) | conversations (messages) | tokens (input_ids)
+    path: str = "../shared/data/selfdistill_smollm2.jsonl"  # file, datasets dir, or self-distillation output dir
+    features_dir: str | None = "data_cache/features-smollm2"  # fp16 hidden-state cache; null = base forward each step
+    eval_examples: int = 256  # held-out examples, taken from the end of the data
+    limit: int = 0  # use only the first N examples (0 = all)
+    max_length: int = 1024  # tokens per example (prompt + answer)
+
+
+@dataclass
+class LossSection:
+    labels: str = "teacher"  # teacher: the base's own argmax (= text when self-distilled) | text
+    ce_weight: float = 1.0  # cross-entropy on the labels
+    kl_weight: float = 0.0  # KL to the base's next-token distribution (Hydra++ teacher distillation)
+    temperature: float = 1.0
+    head_decay: float = 0.8  # head k weighted decay^k (1.0 = plain sum)
+    noise_alpha: float = 0.0  # NEFTune-style uniform noise on the input hidden states
+
+
+@dataclass
+class TrainSection:
+    epochs: float = 3.0
+    max_steps: int = 0  # > 0: stop after this many optimizer steps (overrides epochs)
+    batch_size: int = 512  # per process and micro-step: positions (features) or sequences (on the fly)
+    grad_accum: int = 1
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_ratio: float = 0.05
+    min_lr_ratio: float = 0.0  # cosine decays to lr · min_lr_ratio
+    max_grad_norm: float = 0.0  # 0 = no clipping
+    seed: int = 0
+    mixed_precision: str = "bf16"  # no | bf16 | fp16 (accelerate); bf16 autocast makes CPU LM-head matmuls 2x faster
+    dtype: str = "float32"  # parameter dtype of the heads (float64 for exactness tests)
+
+
+@dataclass
+class RunSection:
+    output_dir: str = "runs/medusa-smollm2"  # checkpoints/, log.jsonl, wandb/
+    final_dir: str | None = None  # save_pretrained target; default <output_dir>/final
+    resume: str = "auto"  # auto (latest checkpoint in output_dir) | never | a checkpoint directory
+    checkpoint_every: int = 200  # optimizer steps between accelerate save_state checkpoints
+    keep_checkpoints: int = 2
+    eval_every: int = 200
+    eval_positions: int = 20000  # cap on held-out positions per evaluation
+    log_every: int = 10
+    wandb: bool = True  # offline unless WANDB_API_KEY is set; skipped if wandb is not installed
+    wandb_project: str = "draftheads"
+    tree_budgets: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64])
+    default_budget: int = 4
+    save_dtype: str = "bfloat16"  # dtype of the final head weights (float32/float64 keep precision)
+
+
+@dataclass
+class Recipe:
+    name: str = "medusa-smollm2"
+    base: str = "embedded"  # embedded SmolLM2, a local model dir, a Hub id in the local cache, or a .gguf
+    base_dtype: str = "bfloat16"  # dtype of the frozen base for feature extraction / on-the-fly forwards
+    heads: HeadsSection = field(default_factory=HeadsSection)
+    data: DataSection = field(default_factory=DataSection)
+    loss: LossSection = field(default_factory=LossSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    run: RunSection = field(default_factory=RunSection)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def identity(self) -> dict:
+        """What must match to resume a run: everything that shapes the optimization (model,
+        data, loss, schedule). ``run.*`` (logging, checkpoint cadence, paths) may change."""
+        data = self.to_dict()
+        data.pop("run")
+        return data
+
+    def fingerprint(self) -> str:
+        return hashlib.sha256(json.dumps(self.identity(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+CHOICES = {"data.kind": ("selfdistill", "conversations", "tokens"), "loss.labels": ("teacher", "text"),
+           "train.mixed_precision": ("no", "bf16", "fp16"), "train.dtype": ("float32", "float64", "bfloat16"),
+           "run.save_dtype": ("float32", "float64", "bfloat16", "float16"),
+           "base_dtype": ("float32", "float64", "bfloat16", "float16")}
+
+
+def _type_ok(value: Any, hint: Any) -> bool:
+    origin = typing.get_origin(hint)
+    if hint is Any:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_ok(value, arg) for arg in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        return isinstance(value, list) and all(_type_ok(v, item) for v in value)
+    if origin is dict:
+        return isinstance(value, dict)
+    return isinstance(value, hint)
+
+
+def _yaml_float(value: Any, hint: Any) -> Any:
+    """PyYAML reads ``1e-3`` (no dot) as a string; for a float field that is a float."""
+    if isinstance(value, str) and _type_ok(1.5, hint) and not _type_ok(value, hint):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
+def _type_name(hint: Any) -> str:
+    return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+
+
+def build(cls: type, data: dict, prefix: str = "") -> Any:
+    """Dataclass ``cls`` from a (nested) dict; unknown keys and wrong types name the key."""
+    if not isinstance(data, dict):
+        raise RecipeError(f"Recipe section {prefix.rstrip('.') or '<root>'} must be a mapping, got {data!r}.")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise RecipeError(f"Unknown recipe key {prefix}{unknown[0]!s}; known keys in "
+                          f"{prefix.rstrip('.') or 'the recipe root'}: {sorted(known)}.")
+    values = {}
+    for name, value in data.items():
+        hint, key = hints[name], prefix + name
+        if is_dataclass(hint):
+            values[name] = build(hint, value or {}, key + ".")
+            continue
+        value = _yaml_float(value, hint)
+        if not _type_ok(value, hint):
+            raise RecipeError(f"Recipe key {key} must be {_type_name(hint)}, got {type(value).__name__} {value!r}.")
+        if hint is float and value is not None:
+            value = float(value)
+        if key in CHOICES and value not in CHOICES[key]:
+            raise RecipeError(f"Recipe key {key} must be one of {list(CHOICES[key])}, got {value!r}.")
+        values[name] = value
+    return cls(**values)
+
+
+def _leaf_keys(cls: type, prefix: str = "") -> list[str]:
+    keys = []
+    for f in fields(cls):
+        hint = typing.get_type_hints(cls)[f.name]
+        keys += _leaf_keys(hint, prefix + f.name + ".") if is_dataclass(hint) else [prefix + f.name]
+    return keys
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """``["--train.lr", "5e-4", "--epochs=2"]`` → nested dict updates (values parsed as YAML)."""
+    leaves = _leaf_keys(Recipe)
+    pairs, items = [], list(overrides)
+    while items:
+        item = items.pop(0)
+        if not item.startswith("--"):
+            raise RecipeError(f"Override {item!r} must look like --key value or --key=value.")
+        key, _, value = item[2:].partition("=")
+        if not _:
+            if not items:
+                raise RecipeError(f"Override --{key} has no value.")
+            value = items.pop(0)
+        key = key.replace("-", "_")
+        if key not in leaves:
+            matches = [leaf for leaf in leaves if leaf.rsplit(".", 1)[-1] == key]
+            if len(matches) != 1:
+                raise RecipeError(f"Unknown recipe key {key} in override --{key}"
+                                  + (f" (ambiguous: {matches})" if matches else f"; known keys: {leaves}."))
+            key = matches[0]
+        pairs.append((key, yaml.safe_load(value)))
+    for key, value in pairs:
+        node = data
+        *parents, last = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if node is None:
+                node = {}
+        node[last] = value
+    return data
+
+
+def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> Recipe:
+    """Read a YAML recipe (None = all defaults), apply overrides, validate."""
+    data: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise RecipeError(f"Recipe {path} not found; the shipped recipes are in recipes/*.yaml.")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise RecipeError(f"Recipe {path} is not valid YAML: {err}") from None
+    data = apply_overrides(data, overrides or [])
+    recipe = build(Recipe, data)
+    check_values(recipe)
+    return recipe
+
+
+def check_values(recipe: Recipe) -> None:
+    """Value ranges that types cannot express."""
+    positive = {"heads.num_heads": recipe.heads.num_heads, "heads.num_layers": recipe.heads.num_layers,
+                "train.batch_size": recipe.train.batch_size, "train.grad_accum": recipe.train.grad_accum,
+                "run.checkpoint_every": recipe.run.checkpoint_every, "run.eval_every": recipe.run.eval_every,
+                "run.log_every": recipe.run.log_every, "data.max_length": recipe.data.max_length}
+    for key, value in positive.items():
+        if value < 1:
+            raise RecipeError(f"Recipe key {key} must be ≥ 1, got {value}.")
+    if recipe.train.lr <= 0:
+        raise RecipeError(f"Recipe key train.lr must be > 0, got {recipe.train.lr}.")
+    if recipe.loss.ce_weight == 0 and recipe.loss.kl_weight == 0:
+        raise RecipeError("Recipe keys loss.ce_weight and loss.kl_weight are both 0: nothing to train on.")
+    if recipe.train.epochs <= 0 and recipe.train.max_steps <= 0:
+        raise RecipeError("Set train.epochs > 0 or train.max_steps > 0.")
+    if recipe.heads.num_heads + 1 > MAX_TARGETS:
+        raise RecipeError(f"Recipe key heads.num_heads={recipe.heads.num_heads}: feature shards store {MAX_TARGETS} "
+                          f"tokens ahead, enough for at most {MAX_TARGETS - 1} heads.")

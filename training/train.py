@@ -1,0 +1,567 @@
+"""One trainer for every draft-head family, driven by 🤗 accelerate.
+
+    python -m draftheads.training.train recipes/medusa-smollm2.yaml [--train.lr 5e-4 ...]
+    accelerate launch --config_file recipes/accelerate/cpu.yaml -m draftheads.training.train recipes/hydra-smollm2.yaml
+    draftheads train recipes/hydrapp-smollm2.yaml
+
+The family is only a name in the recipe: heads come from ``heads.build_heads`` and are called
+as ``heads(hidden, tokens=x_{t+1..t+K})`` → draft logits (P, K, V_draft). The base is frozen;
+with the feature cache (default, the fast path) only its LM head and input embeddings stay in
+memory while the heads train.
+
+Exact resume: data order is a pure function of (seed, epoch, micro-step) and every checkpoint
+(``accelerator.save_state``) holds model, optimizer, scheduler, RNG states and the step, so a
+run killed at any moment continues from its last checkpoint as if it had never stopped.
+Data-parallel runs split each global batch across processes and normalize each head's loss
+by the label count of the *global* batch, so N processes × batch B train exactly like one
+process × batch N·B.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..decoding.base import fingerprint, load_base
+from ..decoding.tree import tree_from_ranks
+from ..heads import DraftHeads, HeadConfig, build_heads
+from .data import DataError, example_features, load_examples, resolve_data_path, shifted_rows
+from .features import Example, Features, extract_features, load_shards
+from .losses import (draft_vocab, head_cross_entropy, head_targets, head_weights, input_noise, label_counts,
+                     label_ranks, mask_labels, teacher_kl, teacher_logits, topk_accuracy)
+from .recipe import Recipe, RecipeError, load_recipe
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CHECKPOINTS = "checkpoints"
+RECIPE_FILE = "recipe.json"
+EVAL_RANK_CAP = 16  # ranks beyond this only matter as "missed" for trees and top-k
+
+
+# -- the frozen base --------------------------------------------------------------------------------
+def load_frozen_base(name: str, dtype: str):
+    """The base model (frozen) and its tokenizer; a local model directory without a tokenizer
+    is fine for pre-tokenized data."""
+    if name in ("embedded", "") or name.endswith(".gguf"):
+        return load_base(None if name in ("embedded", "") else name, dtype=DTYPES[dtype])
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=DTYPES[dtype]).eval().requires_grad_(False)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError):
+        tokenizer = None
+    return model, tokenizer
+
+
+@dataclass
+class FrozenParts:
+    """What the heads read from the base: the LM head and the input embedding table."""
+
+    lm_head: torch.Tensor
+    embed: torch.Tensor
+    fingerprint: dict
+
+
+def frozen_parts(base, dtype: torch.dtype) -> FrozenParts:
+    return FrozenParts(base.get_output_embeddings().weight.detach().to(dtype),
+                       base.get_input_embeddings().weight.detach().to(dtype), fingerprint(base).to_dict())
+
+
+# -- data -----------------------------------------------------------------------------------------------
+def split_examples(examples: list[Example], eval_examples: int) -> tuple[list[Example], list[Example]]:
+    """Held-out = the last ``eval_examples`` examples (never trained on)."""
+    if len(examples) <= eval_examples:
+        raise DataError(f"Only {len(examples)} usable examples but data.eval_examples={eval_examples}: "
+                        "lower data.eval_examples or add data.")
+    return examples[: len(examples) - eval_examples], examples[len(examples) - eval_examples:]
+
+
+def cached_features(base, examples: list[Example], directory: Path, fp: dict, accelerator) -> Features:
+    """Extract (or resume extracting) feature shards on the main process, then every process
+    loads them; shards from another base are refused by :func:`load_shards`."""
+    with accelerator.main_process_first():
+        paths = extract_features(base, examples, directory, fp) if accelerator.is_main_process else None
+    if paths is None:
+        paths = extract_features(base, examples, directory, fp)  # all shards exist now: only lists them
+    return load_shards(paths, fp)
+
+
+class FeatureSource:
+    """Training items = cached positions (the fast path)."""
+
+    def __init__(self, table: Features, num_heads: int):
+        self.table = table
+        self.next_rows = shifted_rows(table.targets, num_heads)
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def batch(self, items: torch.Tensor) -> tuple[Features, torch.Tensor, torch.Tensor]:
+        return self.table, items, self.next_rows[items]
+
+
+class OnTheFlySource:
+    """Training items = examples; each batch runs the frozen base over its sequences."""
+
+    def __init__(self, base, examples: list[Example], num_heads: int):
+        self.base, self.examples, self.num_heads = base, examples, num_heads
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def batch(self, items: torch.Tensor) -> tuple[Features, torch.Tensor, torch.Tensor]:
+        table = example_features(self.base, [self.examples[i] for i in items.tolist()])
+        return table, torch.arange(len(table)), shifted_rows(table.targets, self.num_heads)
+
+
+def epoch_order(num_items: int, seed: int, epoch: int) -> torch.Tensor:
+    """The item order of an epoch: a function of (seed, epoch) only, so a resumed run sees the
+    same order whatever happened before."""
+    return torch.randperm(num_items, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+
+
+def micro_batch_items(num_items: int, micro: int, batch: int, world: int, rank: int, seed: int) -> torch.Tensor:
+    """This process's items for global micro-step ``micro``: slice ``rank`` of the global batch
+    of ``batch · world`` items (the last incomplete global batch of an epoch is dropped)."""
+    global_batch = batch * world
+    per_epoch = num_items // global_batch
+    epoch, index = divmod(micro, per_epoch)
+    start = index * global_batch + rank * batch
+    return epoch_order(num_items, seed, epoch)[start: start + batch]
+
+
+# -- one step's loss ------------------------------------------------------------------------------------
+def head_labels(table: Features, rows: torch.Tensor, heads: DraftHeads, source: str) -> torch.Tensor:
+    """Draft-vocabulary labels (P, K): column k+1 of the text or of the base's own predictions,
+    IGNORE where the path runs past the end of the text or the token cannot be drafted."""
+    k = heads.num_heads
+    ids = (table.teacher if source == "teacher" else table.targets)[rows, 1: k + 1]
+    labels = head_targets(ids, heads.vocab_ids.cpu(), heads.config.vocab_size, k)
+    return mask_labels(labels, table.targets[rows, 1: k + 1] >= 0)
+
+
+def compute_loss(model, heads: DraftHeads, table: Features, rows: torch.Tensor, next_rows: torch.Tensor,
+                 recipe: Recipe, weights: torch.Tensor, dtype: torch.dtype, accelerator) -> tuple[torch.Tensor, dict]:
+    """The recipe's objective on one micro-batch, normalized by the global label count."""
+    device = accelerator.device
+    labels = head_labels(table, rows, heads, recipe.loss.labels).to(device)
+    hidden = table.hidden[rows].to(device, dtype)
+    tokens = table.targets[rows, : heads.num_heads].clamp(min=0).to(device)
+    counts = accelerator.reduce(label_counts(labels), reduction="sum")
+    scale = accelerator.num_processes  # DDP averages gradients over processes
+    logits = model(input_noise(hidden, recipe.loss.noise_alpha), tokens=tokens)
+    loss = torch.zeros((), dtype=torch.promote_types(dtype, torch.float32), device=device)
+    metrics = {}
+    if recipe.loss.ce_weight:
+        ce, per_head = head_cross_entropy(logits, labels, weights, counts)
+        loss = loss + recipe.loss.ce_weight * ce * scale
+        metrics["ce"] = per_head.detach() * scale
+    if recipe.loss.kl_weight:
+        with torch.no_grad():
+            nxt = table.hidden[next_rows.clamp(min=0)].to(device, dtype)  # (P, K, d); masked rows unused
+            with accelerator.autocast():
+                target = teacher_logits(nxt, heads.draft_weight())
+        kl, per_head = teacher_kl(logits, target, labels, weights, counts, recipe.loss.temperature)
+        loss = loss + recipe.loss.kl_weight * kl * scale
+        metrics["kl"] = per_head.detach() * scale
+    return loss, metrics
+
+
+# -- schedule, heads, eval ----------------------------------------------------------------------------------
+def lr_lambda(total: int, warmup_ratio: float, min_ratio: float):
+    """Linear warmup, then cosine from 1 to ``min_ratio``."""
+    warmup = max(1, int(total * warmup_ratio))
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def new_heads(recipe: Recipe, parts: FrozenParts, label_ids: torch.Tensor, dtype: torch.dtype) -> DraftHeads:
+    """Fresh heads of the recipe's family, bound to the frozen LM head and embeddings; the draft
+    vocabulary is the most frequent of the training labels."""
+    vocab_size, d = parts.lm_head.shape
+    config = HeadConfig(family=recipe.heads.family, num_heads=recipe.heads.num_heads,
+                        num_layers=recipe.heads.num_layers, hidden_size=d, vocab_size=vocab_size,
+                        draft_vocab_size=recipe.heads.draft_vocab_size, extra=dict(recipe.heads.extra))
+    heads = build_heads(config).to(dtype)
+    heads.vocab_ids.copy_(draft_vocab(label_ids, recipe.heads.draft_vocab_size, vocab_size))
+    return heads.bind(parts.lm_head, parts.embed)
+
+
+@torch.no_grad()
+def evaluate(heads: DraftHeads, table: Features, recipe: Recipe, dtype: torch.dtype, accelerator,
+             batch_size: int = 2048) -> tuple[dict, torch.Tensor]:
+    """Per-head top-1/top-5 on held-out positions (teacher-forced path tokens); returns the
+    accuracies and the rank matrix (P, K) the tree search uses."""
+    was_training = heads.training
+    heads.eval()
+    count = min(len(table), recipe.run.eval_positions)
+    rows_all = torch.arange(count)
+    ranks = []
+    for start in range(0, count, batch_size):
+        rows = rows_all[start: start + batch_size]
+        labels = head_labels(table, rows, heads, recipe.loss.labels).to(accelerator.device)
+        with accelerator.autocast():
+            logits = heads(table.hidden[rows].to(accelerator.device, dtype),
+                           tokens=table.targets[rows, : heads.num_heads].clamp(min=0).to(accelerator.device))
+        ranks.append(label_ranks(logits.float(), labels, EVAL_RANK_CAP).cpu())
+    heads.train(was_training)
+    ranks = torch.cat(ranks)
+    return topk_accuracy(ranks), ranks
+
+
+# -- run state -----------------------------------------------------------------------------------------------
+class Progress:
+    """Where the run is; saved in every checkpoint next to model/optimizer/scheduler/RNG."""
+
+    def __init__(self):
+        self.step = 0  # optimizer steps done
+        self.positions = 0  # training positions seen (all processes)
+        self.train_seconds = 0.0
+        self.last_loss = float("nan")
+
+    def state_dict(self) -> dict:
+        return dict(vars(self))
+
+    def load_state_dict(self, state: dict) -> None:
+        vars(self).update(state)
+
+
+def checkpoint_dirs(output_dir: Path) -> list[Path]:
+    return sorted(p for p in (output_dir / CHECKPOINTS).glob("step-*") if p.is_dir() and not p.name.endswith(".partial"))
+
+
+def check_same_recipe(directory: Path, recipe: Recipe) -> None:
+    """Refuse to resume a run made with another recipe, naming the keys that differ."""
+    path = directory / RECIPE_FILE
+    if not path.is_file():
+        raise RecipeError(f"{directory} has no {RECIPE_FILE}: it is not a draftheads training run/checkpoint.")
+    saved = json.loads(path.read_text())
+
+    def flat(d: dict, prefix: str = "") -> dict:
+        out = {}
+        for k, v in d.items():
+            out.update(flat(v, prefix + k + ".") if isinstance(v, dict) and k != "extra" else {prefix + k: v})
+        return out
+
+    old, new = flat(saved), flat(recipe.identity())
+    diffs = [f"{k}: {old.get(k)!r} → {new.get(k)!r}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+    if diffs:
+        raise RecipeError(f"Cannot resume {directory}: it was made with a different recipe ({'; '.join(diffs)}). "
+                          "Use another run.output_dir, or run.resume=never to start over there.")
+
+
+def resume_point(recipe: Recipe, output_dir: Path) -> Path | None:
+    """The checkpoint to resume from (None = fresh start), after checking it fits the recipe."""
+    mode = recipe.run.resume
+    if mode == "never":
+        shutil.rmtree(output_dir / CHECKPOINTS, ignore_errors=True)
+        return None
+    if mode == "auto":
+        found = checkpoint_dirs(output_dir)
+        if (output_dir / RECIPE_FILE).is_file():
+            check_same_recipe(output_dir, recipe)
+        if not found:
+            return None
+        chosen = found[-1]
+    else:
+        chosen = Path(mode)
+        if not chosen.is_dir():
+            raise RecipeError(f"run.resume={mode!r}: no such checkpoint directory (use auto, never or a "
+                              f"{output_dir / CHECKPOINTS}/step-* directory).")
+    check_same_recipe(chosen, recipe)
+    return chosen
+
+
+def save_checkpoint(accelerator, output_dir: Path, step: int, recipe: Recipe, keep: int) -> None:
+    """save_state into step-N.partial, renamed when every process has written its part: a
+    checkpoint directory without the suffix is always complete."""
+    final = output_dir / CHECKPOINTS / f"step-{step:07d}"
+    tmp = final.with_name(final.name + ".partial")
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        (tmp / RECIPE_FILE).write_text(json.dumps(recipe.identity(), indent=1) + "\n")
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        for old in checkpoint_dirs(output_dir)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+
+
+class JsonlLog:
+    """Local metrics log (main process). On resume, lines past the resumed step (written by the
+    killed run after its last checkpoint) are dropped so the log reads like one run."""
+
+    def __init__(self, path: Path, resume_step: int | None, enabled: bool):
+        self.path, self.enabled = path, enabled
+        if not enabled:
+            return
+        lines = path.read_text().splitlines() if path.is_file() and resume_step is not None else []
+        kept = [line for line in lines if json.loads(line).get("step", 0) <= resume_step] if lines else []
+        path.write_text("".join(line + "\n" for line in kept))
+
+    def write(self, record: dict) -> None:
+        if self.enabled:
+            with open(self.path, "a", encoding="utf-8") as handle:
+                handle.write(json.dumps(record) + "\n")
+
+
+def make_accelerator(recipe: Recipe, output_dir: Path):
+    """Accelerator with the recipe's precision/accumulation; wandb tracker offline unless an
+    API key is set (never an interactive login), skipped with a notice if not installed."""
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    trackers = []
+    if recipe.run.wandb:
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            print("[draftheads] wandb is not installed: logging to log.jsonl only (pip install wandb).",
+                  file=sys.stderr)
+        else:
+            if not os.environ.get("WANDB_API_KEY"):
+                os.environ["WANDB_MODE"] = "offline"
+            os.environ.setdefault("WANDB_DIR", str(output_dir))
+            os.environ.setdefault("WANDB_SILENT", "true")
+            trackers.append("wandb")
+    # cpu=True without a GPU: processes started by torchrun (accelerate's multi_gpu launcher)
+    # then form a gloo group instead of each training alone
+    return Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=recipe.train.mixed_precision,
+                       gradient_accumulation_steps=recipe.train.grad_accum, log_with=trackers or None,
+                       project_config=ProjectConfiguration(project_dir=str(output_dir)))
+
+
+def configure_deepspeed(accelerator, recipe: Recipe) -> None:
+    """DeepSpeed needs the micro-batch size up front; there is no DataLoader to infer it from."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is not None:
+        plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = recipe.train.batch_size
+        plugin.deepspeed_config["gradient_accumulation_steps"] = recipe.train.grad_accum
+        plugin.deepspeed_config.pop("train_batch_size", None)
+
+
+# -- the loop ---------------------------------------------------------------------------------------------------
+def train(recipe: Recipe) -> dict:
+    """Train the recipe's heads; returns the training report (also written next to the
+    final ``save_pretrained`` checkpoint)."""
+    from accelerate.utils import set_seed
+    from tqdm.auto import tqdm
+
+    output_dir = Path(recipe.run.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    accelerator = make_accelerator(recipe, output_dir)
+    configure_deepspeed(accelerator, recipe)
+    resume = resume_point(recipe, output_dir)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        (output_dir / RECIPE_FILE).write_text(json.dumps(recipe.identity(), indent=1) + "\n")
+    set_seed(recipe.train.seed)
+    dtype = DTYPES[recipe.train.dtype]
+    k = recipe.heads.num_heads
+
+    base, tokenizer = load_frozen_base(recipe.base, recipe.base_dtype)
+    parts = frozen_parts(base, dtype)
+    examples = load_examples(recipe.data.kind, recipe.data.path, tokenizer, recipe.data.max_length, recipe.data.limit)
+    train_examples, eval_examples = split_examples(examples, recipe.data.eval_examples)
+    if recipe.data.features_dir:
+        cache = Path(recipe.data.features_dir)
+        source = FeatureSource(cached_features(base, train_examples, cache / "train", parts.fingerprint, accelerator), k)
+        eval_table = cached_features(base, eval_examples, cache / "eval", parts.fingerprint, accelerator)
+        label_ids = source.table.teacher[:, 1: k + 1]
+        del base  # only the LM head and the embeddings are needed from here on
+    else:
+        eval_table = example_features(base, eval_examples)
+        source = OnTheFlySource(base, train_examples, k)
+        label_ids = torch.tensor([t for e in train_examples for t in e.input_ids[e.response_start:]])
+
+    heads = new_heads(recipe, parts, label_ids, dtype).to(accelerator.device)
+    heads.train()
+    world, batch = accelerator.num_processes, recipe.train.batch_size
+    micro_per_epoch = len(source) // (batch * world)
+    if micro_per_epoch == 0:
+        raise DataError(f"{len(source)} training items cannot fill one global batch of {batch} × {world} processes; "
+                        "lower train.batch_size.")
+    total = recipe.train.max_steps or max(1, int(recipe.train.epochs * micro_per_epoch) // recipe.train.grad_accum)
+    optimizer = torch.optim.AdamW(heads.parameters(), lr=recipe.train.lr, weight_decay=recipe.train.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(total, recipe.train.warmup_ratio,
+                                                                       recipe.train.min_lr_ratio))
+    model, optimizer = accelerator.prepare(heads, optimizer)
+    progress = Progress()
+    # the scheduler is stepped by hand once per optimizer step (accelerate's wrapper would step it
+    # once per process), so it is checkpointed as a plain object
+    accelerator.register_for_checkpointing(scheduler, progress)
+    if resume is not None:
+        accelerator.load_state(str(resume))
+        accelerator.print(f"[draftheads] resumed from {resume} at step {progress.step}")
+    accelerator.init_trackers(recipe.run.wandb_project, config=recipe.to_dict(),
+                              init_kwargs={"wandb": {"name": recipe.name, "dir": str(output_dir)}})
+    log = JsonlLog(output_dir / "log.jsonl", progress.step if resume is not None else None,
+                   accelerator.is_main_process)
+    weights = head_weights(k, recipe.loss.head_decay).to(accelerator.device)
+    bar = tqdm(total=total, initial=progress.step, desc=f"{recipe.name} ({recipe.heads.family})", unit="step",
+               disable=not accelerator.is_local_main_process)
+    unwrapped = accelerator.unwrap_model(model)
+    started = time.perf_counter()
+    while progress.step < total:
+        step_positions, step_loss, step_metrics = 0, torch.zeros(()), {}
+        for _ in range(recipe.train.grad_accum):
+            micro = progress.step * recipe.train.grad_accum + _
+            items = micro_batch_items(len(source), micro, batch, world, accelerator.process_index, recipe.train.seed)
+            table, rows, next_rows = source.batch(items)
+            with accelerator.accumulate(model):
+                loss, metrics = compute_loss(model, unwrapped, table, rows, next_rows, recipe, weights, dtype,
+                                             accelerator)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients and recipe.train.max_grad_norm > 0:
+                    accelerator.clip_grad_norm_(model.parameters(), recipe.train.max_grad_norm)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            step_positions += int(accelerator.reduce(torch.tensor(rows.numel(), device=accelerator.device), "sum"))
+            step_loss = step_loss + accelerator.reduce(loss.detach(), "mean").cpu() / recipe.train.grad_accum
+            for name, value in metrics.items():
+                step_metrics[name] = step_metrics.get(name, 0) + accelerator.reduce(value, "mean").cpu() / recipe.train.grad_accum
+        scheduler.step()
+        progress.step += 1
+        progress.positions += step_positions
+        progress.last_loss = float(step_loss)
+        now = time.perf_counter()
+        progress.train_seconds += now - started
+        started = now
+        bar.update(1)
+        if progress.step % recipe.run.log_every == 0 or progress.step == total:
+            record = {"step": progress.step, "loss": progress.last_loss, "lr": scheduler.get_last_lr()[0],
+                      "positions": progress.positions,
+                      **{f"{name}/head{h}": float(v) for name, vals in step_metrics.items() for h, v in enumerate(vals)}}
+            bar.set_postfix(loss=f"{progress.last_loss:.4f}")
+            log.write(record)
+            accelerator.log(record, step=progress.step)
+        if progress.step % recipe.run.eval_every == 0 and progress.step < total:
+            if accelerator.is_main_process:
+                accuracy, _ = evaluate(unwrapped, eval_table, recipe, dtype, accelerator)
+                record = {"step": progress.step, "eval": accuracy}
+                log.write(record)
+                accelerator.log({f"eval/{m}/head{h}": v for m, vals in accuracy.items() for h, v in enumerate(vals)},
+                                step=progress.step)
+            accelerator.wait_for_everyone()
+            started = time.perf_counter()
+        if progress.step % recipe.run.checkpoint_every == 0 and progress.step < total:
+            save_checkpoint(accelerator, output_dir, progress.step, recipe, recipe.run.keep_checkpoints)
+            started = time.perf_counter()
+    bar.close()
+    report = {}
+    if accelerator.is_main_process:
+        report = finish(unwrapped, eval_table, recipe, parts, progress, dtype, accelerator, total)
+        log.write({"step": progress.step, "eval": report["accuracy"], "final": True})
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return report
+
+
+def finish(heads: DraftHeads, eval_table: Features, recipe: Recipe, parts: FrozenParts, progress: Progress,
+           dtype: torch.dtype, accelerator, total: int) -> dict:
+    """Held-out accuracy, trees for each node budget, ``save_pretrained`` + model card + report."""
+    accuracy, ranks = evaluate(heads, eval_table, recipe, dtype, accelerator)
+    trees = {}
+    for budget in recipe.run.tree_budgets:
+        paths, tau = tree_from_ranks(ranks, budget)
+        trees[str(budget)] = {"paths": [list(p) for p in paths], "expected_tau": round(tau, 4)}
+    config = heads.config
+    config.trees = {b: t["paths"] for b, t in trees.items()}
+    config.base_fingerprint = parts.fingerprint
+    config.base_name = "embedded:smollm2-135m-instruct" if recipe.base == "embedded" else recipe.base
+    config.extra = {**config.extra, "recipe": recipe.to_dict(), "held_out_accuracy": accuracy,
+                    "default_budget": recipe.run.default_budget,
+                    "expected_tau": {b: t["expected_tau"] for b, t in trees.items()}}
+    out = Path(recipe.run.final_dir or Path(recipe.run.output_dir) / "final")
+    heads.save_pretrained(out, dtype=DTYPES[recipe.run.save_dtype])
+    seconds = progress.train_seconds
+    report = {"recipe": recipe.to_dict(), "steps": progress.step, "planned_steps": total,
+              "final_loss": progress.last_loss, "train_positions_seen": progress.positions,
+              "train_tokens_per_second": round(progress.positions / seconds, 1) if seconds else None,
+              "train_wall_seconds": round(seconds, 1), "processes": accelerator.num_processes,
+              "mixed_precision": recipe.train.mixed_precision, "held_out_positions": int(ranks.shape[0]),
+              "accuracy": accuracy, "trees": trees, "base_fingerprint": parts.fingerprint,
+              "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:])}
+    (out / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "README.md").write_text(model_card(config, report))
+    return report
+
+
+def model_card(config: HeadConfig, report: dict) -> str:
+    """A short model card: what the heads are, how they were trained, how good they are."""
+    recipe, acc = report["recipe"], report["accuracy"]
+    rows = "\n".join(f"| {h + 1} | {acc['top1'][h]:.3f} | {acc['top5'][h]:.3f} |" for h in range(len(acc["top1"])))
+    taus = "\n".join(f"| {b} | {t['expected_tau']:.2f} |" for b, t in report["trees"].items())
+    loss = recipe["loss"]
+    objective = " + ".join(part for part in (
+        f"{loss['ce_weight']}·CE on the {loss['labels']} tokens" if loss["ce_weight"] else "",
+        f"{loss['kl_weight']}·KL to the base's next-token distribution" if loss["kl_weight"] else "") if part)
+    return f"""---
+library_name: draftheads
+base_model: {config.base_name}
+tags: [speculative-decoding, {config.family}, draft-heads]
+---
+# {config.family} heads ({recipe['name']})
+
+{config.num_heads} {config.family} heads ({config.num_layers} layer(s) each) for `{config.base_name}`, reading
+its last hidden state and drafting through its frozen LM head over {config.draft_vocab_size or config.vocab_size}
+tokens. Load with `DraftHeadsModel.from_pretrained("<this directory>")`; any other base is refused
+(fingerprint `{config.base_fingerprint}`).
+
+## Training
+- Command: `{report['command']}` (recipe `{recipe['name']}`)
+- Data: `{recipe['data']['path']}` ({recipe['data']['kind']}), held-out: last {recipe['data']['eval_examples']} examples
+- Objective: {objective}; head k weighted {loss['head_decay']}^k; input noise α={loss['noise_alpha']}
+- AdamW lr {recipe['train']['lr']}, warmup {recipe['train']['warmup_ratio']}, cosine; batch
+  {recipe['train']['batch_size']} × {report['processes']} process(es) × {recipe['train']['grad_accum']} accumulation;
+  {report['steps']} steps; mixed precision {report['mixed_precision']}
+- {report['train_positions_seen']} training positions in {report['train_wall_seconds']} s
+  ({report['train_tokens_per_second']} tokens/s), final train loss {report['final_loss']:.4f}
+
+## Held-out accuracy (teacher-forced)
+| head | top-1 | top-5 |
+|---|---|---|
+{rows}
+
+## Stored trees (node budget → expected τ on held-out positions)
+| nodes | expected τ |
+|---|---|
+{taus}
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0 if argv else 2
+    path, overrides = (None, argv) if argv[0].startswith("--") else (argv[0], argv[1:])
+    try:
+        recipe = load_recipe(path, overrides)
+    except RecipeError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    report = train(recipe)
+    if report:
+        print(json.dumps({k: report[k] for k in ("steps", "final_loss", "train_tokens_per_second",
+                                                  "train_wall_seconds", "accuracy")}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
