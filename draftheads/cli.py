@@ -1,5 +1,6 @@
-"""The ``draftheads`` command: ``generate`` (stream an answer, report tokens/s, τ, speedup)
-and ``bench`` (plain HF greedy generate vs draftheads on a prompt file, one run, JSON + PNG)."""
+"""The ``draftheads`` command: ``generate`` (stream an answer, report tokens/s, τ, speedup),
+``bench`` (plain HF greedy generate vs draftheads on a prompt file, one run, JSON + PNG) and
+``train`` (train heads from a recipe)."""
 from __future__ import annotations
 
 import argparse
@@ -112,12 +113,23 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--limit", type=int, default=None)
     bench.add_argument("--out", default="results/bench")
     bench.set_defaults(func=cmd_bench)
+    train = sub.add_parser("train", help="train draft heads from a recipe (same as python -m draftheads.training.train)")
+    train.add_argument("recipe", help="recipes/<name>.yaml")
+    train.add_argument("overrides", nargs=argparse.REMAINDER, help="--key value recipe overrides, e.g. --train.lr 5e-4")
+    train.set_defaults(func=cmd_train)
     return parser
+
+
+def cmd_train(args) -> int:
+    """Single process here; for several, use ``accelerate launch ... -m draftheads.training.train``."""
+    from .training.train import main as train_main
+
+    return train_main([args.recipe, *args.overrides])
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.max_new_tokens <= 0:
+    if getattr(args, "max_new_tokens", 1) <= 0:
         raise SystemExit("error: --max-new-tokens must be positive.")
     return args.func(args)
 

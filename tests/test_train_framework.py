@@ -232,3 +232,15 @@ def test_two_gloo_processes_equal_one_process_with_double_batch(tiny_setup):
     assert report["final_loss"] == pytest.approx(single["final_loss"], abs=1e-9, rel=0)
     ours, theirs = final_weights(tiny_setup / "two"), final_weights(tiny_setup / "one")
     assert max((ours[k] - theirs[k]).abs().max().item() for k in ours) < 1e-9
+
+
+def test_cli_train_subcommand_passes_recipe_and_overrides(monkeypatch):
+    import draftheads.training.train as train_module
+    from draftheads.cli import main
+
+    seen = {}
+    monkeypatch.setattr(train_module, "train", lambda recipe: seen.setdefault("recipe", recipe) and {})
+    assert main(["train", str(RECIPES / "hydra-smollm2.yaml"), "--train.lr", "2e-4", "--num_heads=3"]) == 0
+    assert seen["recipe"].heads.family == "hydra" and seen["recipe"].train.lr == 2e-4
+    assert seen["recipe"].heads.num_heads == 3
+    assert main(["train", str(RECIPES / "hydra-smollm2.yaml"), "--train.lrr", "1"]) == 2  # named error, no run
