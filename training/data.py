@@ -233,7 +233,7 @@ def _prompt_key(dataset) -> str:
     """Hash of the prompt list (ids when present, else texts): a resumed run must answer the
     same prompts in the same order, or shard i would mean something else."""
     column = "id" if "id" in dataset.column_names else "prompt"
-    return hashlib.sha256(json.dumps(dataset[column], ensure_ascii=False).encode()).hexdigest()[:16]
+    return hashlib.sha256(json.dumps(list(dataset[column]), ensure_ascii=False).encode()).hexdigest()[:16]
 
 
 def _check_provenance(path: Path, provenance: dict) -> None:
@@ -268,7 +268,7 @@ def self_distill(model, tokenizer, prompts, config: SelfDistillConfig, base_fing
     eos = set(eos_token_ids(model.generation_config))
     for index in tqdm([i for i, d in enumerate(shard_dirs) if not d.is_dir()], desc="self-distillation", unit="shard"):
         chunk = prompts.select(range(index * config.shard_size, min(len(prompts), (index + 1) * config.shard_size)))
-        texts = chunk["prompt"]
+        texts = list(chunk["prompt"])
         order = sorted(range(len(texts)), key=lambda i: len(texts[i]))  # less padding per batch
         if config.do_sample:
             torch.manual_seed(config.seed + index)
