@@ -244,3 +244,18 @@ def test_cli_train_subcommand_passes_recipe_and_overrides(monkeypatch):
     assert seen["recipe"].heads.family == "hydra" and seen["recipe"].train.lr == 2e-4
     assert seen["recipe"].heads.num_heads == 3
     assert main(["train", str(RECIPES / "hydra-smollm2.yaml"), "--train.lrr", "1"]) == 2  # named error, no run
+
+
+@pytest.mark.parametrize("name", ["cpu", "single_gpu", "multi_gpu", "multi_cpu", "deepspeed_zero2", "deepspeed_zero3"])
+def test_accelerate_configs_are_valid(name):
+    """Every accelerate config parses as accelerate's own config class; DeepSpeed ones point at
+    a DeepSpeed JSON with the ZeRO stage their name promises and batch sizes left to the trainer."""
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    path = RECIPES / "accelerate" / f"{name}.yaml"
+    config = ClusterConfig.from_yaml_file(str(path))
+    if name.startswith("deepspeed"):
+        ds_file = ROOT / config.deepspeed_config["deepspeed_config_file"]
+        ds = json.loads(ds_file.read_text())
+        assert ds["zero_optimization"]["stage"] == int(name[-1])
+        assert ds["train_micro_batch_size_per_gpu"] == "auto" and ds["gradient_accumulation_steps"] == "auto"

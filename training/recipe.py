@@ -36,9 +36,10 @@ class HeadsSection:
 @dataclass
 class DataSection:
     kind: str = "selfdistill"  # selfdistill (prompt + response_ids) | conversations (messages) | tokens (input_ids)
-    path: str = "../shared/data/selfdistill_smollm2.jsonl"  # file, datasets dir, or self-distillation output dir
+    # a file, datasets dir or self-distillation output dir, or a list of them (concatenated in order)
+    path: str | list[str] = "../shared/data/selfdistill_smollm2.jsonl"
     features_dir: str | None = "data_cache/features-smollm2"  # fp16 hidden-state cache; null = base forward each step
-    eval_examples: int = 256  # held-out examples, taken from the end of the data
+    eval_examples: int = 256  # held-out examples, taken from the end of the (last) data
     limit: int = 0  # use only the first N examples (0 = all)
     max_length: int = 1024  # tokens per example (prompt + answer)
 

@@ -18,6 +18,7 @@ process × batch N·B.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -58,6 +59,23 @@ def load_frozen_base(name: str, dtype: str):
     except (OSError, ValueError):
         tokenizer = None
     return model, tokenizer
+
+
+@contextlib.contextmanager
+def unsharded_loading(accelerator):
+    """The frozen base is never sharded: under ZeRO-3, transformers would partition its weights
+    at load time (it follows the global HF DeepSpeed config), and the base runs outside DeepSpeed."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is None or getattr(plugin, "dschf", None) is None:
+        yield
+        return
+    from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        set_hf_deepspeed_config(plugin.dschf)
 
 
 @dataclass
@@ -341,7 +359,8 @@ def make_accelerator(recipe: Recipe, output_dir: Path):
             trackers.append("wandb")
     # cpu=True without a GPU: processes started by torchrun (accelerate's multi_gpu launcher)
     # then form a gloo group instead of each training alone
-    return Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=recipe.train.mixed_precision,
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    return Accelerator(cpu=not torch.cuda.is_available() and not deepspeed, mixed_precision=recipe.train.mixed_precision,
                        gradient_accumulation_steps=recipe.train.grad_accum, log_with=trackers or None,
                        project_config=ProjectConfiguration(project_dir=str(output_dir)))
 
@@ -374,9 +393,12 @@ def train(recipe: Recipe) -> dict:
     dtype = DTYPES[recipe.train.dtype]
     k = recipe.heads.num_heads
 
-    base, tokenizer = load_frozen_base(recipe.base, recipe.base_dtype)
+    with unsharded_loading(accelerator):
+        base, tokenizer = load_frozen_base(recipe.base, recipe.base_dtype)
     parts = frozen_parts(base, dtype)
-    examples = load_examples(recipe.data.kind, recipe.data.path, tokenizer, recipe.data.max_length, recipe.data.limit)
+    paths = [recipe.data.path] if isinstance(recipe.data.path, str) else recipe.data.path
+    examples = [e for path in paths
+                for e in load_examples(recipe.data.kind, path, tokenizer, recipe.data.max_length, recipe.data.limit)]
     train_examples, eval_examples = split_examples(examples, recipe.data.eval_examples)
     if recipe.data.features_dir:
         cache = Path(recipe.data.features_dir)
@@ -494,6 +516,7 @@ def finish(heads: DraftHeads, eval_table: Features, recipe: Recipe, parts: Froze
               "final_loss": progress.last_loss, "train_positions_seen": progress.positions,
               "train_tokens_per_second": round(progress.positions / seconds, 1) if seconds else None,
               "train_wall_seconds": round(seconds, 1), "processes": accelerator.num_processes,
+              "distributed_type": str(accelerator.distributed_type).split(".")[-1],
               "mixed_precision": recipe.train.mixed_precision, "held_out_positions": int(ranks.shape[0]),
               "accuracy": accuracy, "trees": trees, "base_fingerprint": parts.fingerprint,
               "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:])}
