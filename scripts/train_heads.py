@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from draftheads.decoding.base import fingerprint, load_base
-from draftheads.training.features import (SHARD_EXAMPLES, Features, conversation_examples, extract_features,
+from draftheads.training.features import (SHARD_EXAMPLES, conversation_examples, extract_features,
                                           load_shards, read_jsonl, selfdistill_examples)
 from draftheads.training.heads_trainer import HeadTrainConfig, train_and_save
 from draftheads.training.selfdistill import read_shards
@@ -37,8 +37,29 @@ def read_records(source: Path) -> list[dict]:
     return list(read_jsonl(source))
 
 
-def concat(parts: list[Features]) -> Features:
-    return Features(*(torch.cat([getattr(p, name) for p in parts]) for name in ("hidden", "targets", "teacher")))
+def select_records(records: list[dict], sources: str, caps: list[str]) -> list[dict]:
+    """Keep records whose ``source`` starts with one of the comma-separated ``sources``
+    (all when empty), at most N per ``PREFIX=N`` cap, in file order."""
+    keep = tuple(s for s in sources.split(",") if s)
+    limits = {}
+    for cap in caps:
+        prefix, _, count = cap.partition("=")
+        if not prefix or not count.isdigit():
+            raise SystemExit(f"error: --source-cap wants PREFIX=N, got {cap!r}")
+        limits[prefix] = int(count)
+    taken = dict.fromkeys(limits, 0)
+    selected = []
+    for record in records:
+        source = str(record.get("source", ""))
+        if keep and not source.startswith(keep):
+            continue
+        capped = [p for p in limits if source.startswith(p)]
+        if any(taken[p] >= limits[p] for p in capped):
+            continue
+        for p in capped:
+            taken[p] += 1
+        selected.append(record)
+    return selected
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,7 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--conversations", default=None,
                         help="reference conversations (JSONL with 'messages'), labelled by the base itself")
     parser.add_argument("--sources", default="",
-                        help="comma-separated prefixes of the conversations' 'source' to keep (default: all)")
+                        help="comma-separated prefixes of the records' 'source' to keep (default: all)")
+    parser.add_argument("--source-cap", action="append", default=[], metavar="PREFIX=N",
+                        help="keep at most N records whose source starts with PREFIX (repeatable)")
     parser.add_argument("--features", default="data_cache/features-smollm2-selfdistill",
                         help="feature cache of the first --data; the others get <features>-<name>")
     parser.add_argument("--out", default="checkpoints/smollm2-135m-medusa")
@@ -68,10 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         jobs.append((Path(args.conversations), conversation_examples, f"{args.features}-conversations"))
     train_paths, eval_paths, total_records = [], [], 0
     for number, (source, to_examples, cache) in enumerate(jobs):
-        records = read_records(source)
-        if to_examples is conversation_examples and args.sources:
-            keep = tuple(args.sources.split(","))
-            records = [r for r in records if str(r.get("source", "")).startswith(keep)]
+        records = select_records(read_records(source), args.sources, args.source_cap)
         if args.limit:
             records = records[: args.limit]
         total_records += len(records)
@@ -89,8 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     held_out = load_shards(eval_paths, fp)
     config = HeadTrainConfig.from_arguments(args)
     kinds = "prompts answered by the base itself, greedy"
+    if args.sources or args.source_cap:
+        kinds += f" (sources {args.sources or 'all'}, caps {args.source_cap or 'none'})"
     if args.conversations:
-        kinds += f", plus reference conversations ({args.sources or 'all sources'}) labelled by the base's greedy choices"
+        kinds += ", plus reference conversations labelled by the base's greedy choices"
     provenance = {"data": ", ".join(s.name for s, _, _ in jobs), "records": total_records, "data_kind": kinds,
                   "command": " ".join(["python"] + sys.argv), "feature_dtype": "bfloat16 base, fp16 cache"}
     train_and_save(config, train, held_out, base, args.out, provenance)

@@ -6,6 +6,7 @@ at the first missing shard and a partial shard is never mistaken for a complete 
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -163,7 +164,7 @@ def extract_features(model, examples: list[Example], directory: str | Path, fing
     num_shards = (len(examples) + shard_examples - 1) // shard_examples
     paths = [shard_path(directory, i) for i in range(num_shards)]
     todo = [i for i, p in enumerate(paths)
-            if not _shard_matches(p, fingerprint, len(examples[i * shard_examples: (i + 1) * shard_examples]))]
+            if not _shard_matches(p, fingerprint, examples_digest(examples[i * shard_examples: (i + 1) * shard_examples]))]
     for index in tqdm(todo, desc="feature shards", unit="shard"):
         chunk = examples[index * shard_examples: (index + 1) * shard_examples]
         hidden, targets, teacher = [], [], []
@@ -173,13 +174,22 @@ def extract_features(model, examples: list[Example], directory: str | Path, fing
                 targets.append(shift_targets(torch.tensor(example.input_ids), example.response_start))
                 teacher.append(shift_teacher(predicted))
         write_shard(paths[index], torch.cat(hidden), torch.cat(targets), torch.cat(teacher),
-                    {"fingerprint": fingerprint, "examples": len(chunk), "format": FEATURE_FORMAT})
+                    {"fingerprint": fingerprint, "examples": len(chunk), "format": FEATURE_FORMAT,
+                     "digest": examples_digest(chunk)})
     return paths
 
 
-def _shard_matches(path: Path, fingerprint: dict, examples: int) -> bool:
-    """A finished shard for the same base and the same number of examples (a data set that
-    grew since the last run re-does its last, then incomplete, shard)."""
+def examples_digest(examples: list[Example]) -> str:
+    """Content hash of a shard's examples: a cache made from other data (another filter, a
+    data set that grew or changed) is recomputed, never reused because its size matches."""
+    digest = hashlib.sha256()
+    for example in examples:
+        digest.update(repr((example.response_start, example.input_ids)).encode())
+    return digest.hexdigest()[:32]
+
+
+def _shard_matches(path: Path, fingerprint: dict, digest: str) -> bool:
+    """A finished shard for the same base, the same format and the same examples."""
     from safetensors import safe_open
 
     if not path.is_file():
@@ -187,8 +197,8 @@ def _shard_matches(path: Path, fingerprint: dict, examples: int) -> bool:
     with safe_open(str(path), framework="pt") as handle:
         meta = handle.metadata() or {}
     return (json.loads(meta.get("fingerprint", "null")) == fingerprint
-            and json.loads(meta.get("examples", "0")) == examples
-            and json.loads(meta.get("format", "1")) == FEATURE_FORMAT)
+            and json.loads(meta.get("format", "1")) == FEATURE_FORMAT
+            and json.loads(meta.get("digest", "null")) == digest)
 
 
 @dataclass
