@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import functools
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -19,17 +20,22 @@ from ..heads import DraftHeads, load_heads
 from .accept import greedy_accept
 from .base import fingerprint, load_base, prefill, tree_attention_mask, verify
 from .cache import KVState
+from .policy import AdaptivePolicy, CalibrationConfig, calibrate
 from .tree import Tree, chain_tree, tree_from_paths
 
 
 class TreePolicy(Protocol):
-    """Chooses the step's tree; the batch-adaptive policy and a pinned tree share this."""
+    """Chooses the step's tree; the batch-adaptive policy and a pinned tree share this. A
+    policy may also define ``observe(tree, accepted)``: the loop then reports, after every
+    verification, the tree it ran and each live row's number of accepted drafts."""
 
     def choose(self, batch_size: int, context_length: int) -> Tree: ...
 
 
 @dataclass
 class FixedTree:
+    """The pinned strategy: the same tree whatever the batch."""
+
     tree: Tree
 
     def choose(self, batch_size: int, context_length: int) -> Tree:
@@ -46,6 +52,7 @@ class DecodingStats:
     accepted: list[int] = field(default_factory=list)
     seconds: float = 0.0
     tree_nodes: list[int] = field(default_factory=list)
+    batch_sizes: list[int] = field(default_factory=list)  # rows verified per step (the policy's input)
 
     @property
     def tau(self) -> float:
@@ -58,7 +65,16 @@ class DecodingStats:
     def to_dict(self) -> dict:
         return {"new_tokens": self.new_tokens, "steps": self.steps, "tau": round(self.tau, 4),
                 "seconds": round(self.seconds, 4), "tokens_per_second": round(self.tokens_per_second, 3),
-                "mean_tree_nodes": round(sum(self.tree_nodes) / max(1, len(self.tree_nodes)), 2)}
+                "mean_tree_nodes": round(sum(self.tree_nodes) / max(1, len(self.tree_nodes)), 2),
+                "trees_by_batch_size": self.trees_by_batch_size()}
+
+    def trees_by_batch_size(self) -> dict[int, dict[int, int]]:
+        """{rows verified: {tree nodes: steps}}: what the policy chose as the batch shrank."""
+        table: dict[int, dict[int, int]] = {}
+        for rows, nodes in zip(self.batch_sizes, self.tree_nodes):
+            table.setdefault(rows, {}).setdefault(nodes, 0)
+            table[rows][nodes] += 1
+        return table
 
 
 # Generation options whose non-default value changes the output and that the greedy tree
@@ -106,6 +122,11 @@ class DraftHeadsModel:
     """A frozen base model plus draft heads, with a ``generate()`` that returns exactly what
     the base's greedy ``generate()`` returns, faster."""
 
+    #: What happens to a row that finished while others decode: ``"shrink"`` drops it from the
+    #: batch (cache rows included), ``"mask"`` keeps verifying its (ignored) tree. Shrinking
+    #: measured faster (README, "Batched decoding"); ``"mask"`` stays for that comparison.
+    finished_rows: str = "shrink"
+
     def __init__(self, base, heads: DraftHeads | None = None, tokenizer=None, tree: Tree | TreePolicy | None = None):
         self.base = base
         self.tokenizer = tokenizer
@@ -129,9 +150,7 @@ class DraftHeadsModel:
         heads = None
         if heads_path is not None:
             heads = load_heads(_local_checkpoint(heads_path), expected_fingerprint=fingerprint(base).to_dict())
-        if isinstance(tree, int):
-            tree = tree_for_budget(heads, tree)
-        return cls(base, heads, tokenizer, tree)
+        return cls(base, heads, tokenizer, resolve_tree(tree, base, heads))
 
     @property
     def config(self):
@@ -149,12 +168,17 @@ class DraftHeadsModel:
 
         config = resolve_generation_config(self.base.generation_config, generation_config, **kwargs)
         eos = eos_token_ids(config)
-        pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)
-        input_ids, attention_mask = _check_inputs(input_ids, attention_mask, self.base, pad, eos)
+        # transformers' fallback: no pad_token_id → the first EOS id (and no padding inference)
+        pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else None)
+        input_ids, attention_mask = _check_inputs(input_ids, attention_mask, self.base, pad, eos,
+                                                  pad_given=config.pad_token_id is not None)
+        pad = 0 if pad is None else pad  # no pad and no EOS: no row ends early, the value never shows
         batch, prompt_len = input_ids.shape
         if streamer is not None and batch > 1:
             raise ValueError("generate(): a streamer needs batch size 1 (as in transformers).")
         wanted = _wanted_new_tokens(config, prompt_len)
+        check_memory(self.base, batch, prompt_len, min(wanted, self.base.config.max_position_embeddings),
+                     _largest_tree_nodes(self.policy, batch, prompt_len))
         context = self.base.config.max_position_embeddings
         limits = [min(wanted, context - int(n)) for n in attention_mask.sum(1)]
         want_scores = bool(config.return_dict_in_generate and (config.output_scores or config.output_logits))
@@ -176,16 +200,18 @@ class DraftHeadsModel:
         for b in range(batch):
             emit(b, [int(roots[b])], [logits[b]] if want_scores else None, limits[b])
         live = torch.arange(batch)  # original row of each row still decoding
+        observe = getattr(self.policy, "observe", None)
 
         while True:
             running = ~done[live]
             if not bool(running.any()):
                 break
-            if not bool(running.all()):  # finished rows leave the batch: no compute for their trees
-                keep = running.nonzero().squeeze(1)
+            if not bool(running.all()) and self.finished_rows == "shrink":
+                keep = running.nonzero().squeeze(1)  # finished rows leave: no compute for their trees
                 live, hidden, roots = live[keep], hidden[keep], roots[keep]
                 kv.select_rows(keep.to(device))
-            remaining = min(limits[b] - len(generated[b]) for b in live.tolist())
+            active = ~done[live]  # all True when shrinking; finished rows are masked otherwise
+            remaining = min(limits[b] - len(generated[b]) for b in live[active].tolist())
             tree = self.policy.choose(live.numel(), kv.length)
             if tree.max_depth > remaining - 1:
                 tree = tree.truncated(remaining - 1)
@@ -202,9 +228,12 @@ class DraftHeadsModel:
             result = greedy_accept(tokens, tree.parent.to(device), tree.depth.to(device), tree.path_slots.to(device),
                                    tree_logits.argmax(-1))
             kv.commit(result.path + past, result.accepted + 1)
+            if observe is not None:
+                observe(tree, result.accepted[active.to(device)])
             stats.steps += 1
-            stats.accepted.extend(result.accepted.tolist())
+            stats.accepted.extend(result.accepted[active.to(device)].tolist())
             stats.tree_nodes.append(tree.num_nodes)
+            stats.batch_sizes.append(live.numel())
             hidden = states[torch.arange(live.numel(), device=device), result.best]
             roots = result.bonus
             for i, b in enumerate(live.tolist()):
@@ -255,6 +284,26 @@ class DraftHeadsModel:
             streamer.put(torch.tensor(emitted))
 
 
+def resolve_tree(tree, base, heads: DraftHeads | None, calibration: CalibrationConfig | None = None):
+    """``from_pretrained``'s ``tree``: None (the checkpoint's default budget), an int node
+    budget, ``"adaptive"`` (the batch-size-adaptive policy on this machine's calibrated cost
+    model: measured once, ~1-2 min on 2 CPU cores, then cached), a Tree or any TreePolicy."""
+    if isinstance(tree, str):
+        if tree.strip().lower() != "adaptive":
+            try:
+                tree = int(tree)
+            except ValueError:
+                raise ValueError(f"tree={tree!r}: expected 'adaptive' or a node budget (an integer).") from None
+        elif heads is None:
+            return chain_tree(0)
+        else:
+            cost = calibrate(base, heads, calibration or CalibrationConfig())
+            return AdaptivePolicy.from_heads(heads, cost)
+    if isinstance(tree, int) and not isinstance(tree, bool):
+        return tree_for_budget(heads, tree)
+    return tree
+
+
 def default_tree(heads: DraftHeads | None) -> Tree:
     """The checkpoint's tree for the default budget, or plain decoding without heads."""
     if heads is None:
@@ -292,11 +341,21 @@ def _local_checkpoint(path: str | Path) -> Path:
     raise FileNotFoundError(f"Head checkpoint directory {path!r} does not exist.")
 
 
-def _check_inputs(input_ids, attention_mask, base, pad: int | None, eos: list[int]):
+def _check_inputs(input_ids, attention_mask, base, pad: int | None, eos: list[int], pad_given: bool = True):
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         raise ValueError("generate(): input_ids must be a 2-D tensor of token ids (batch, length).")
     if input_ids.shape[1] == 0:
         raise ValueError("generate(): the prompt is empty; pass at least one token.")
+    batched = input_ids.shape[0] > 1
+    if attention_mask is None and batched and not pad_given and eos:
+        warnings.warn("generate(): the attention mask and the pad token id were not set, with a batched input; "
+                      f"padding falls back to EOS id {pad} as in transformers, so padding cannot be told from text. "
+                      "Pass the tokenizer's attention_mask.", UserWarning, stacklevel=3)
+    if attention_mask is None and batched and pad is not None and bool((input_ids[:, -1] == pad).any()):
+        # the same warning transformers gives (the pad id may equal EOS, so it cannot be sure)
+        warnings.warn("generate(): a decoder-only architecture is being used, but right-padding was detected! "
+                      "For correct generation results, please set `padding_side='left'` when initializing the "
+                      "tokenizer (and pass its attention_mask).", UserWarning, stacklevel=3)
     if attention_mask is None:
         # transformers' rule: infer padding from pad_token_id unless pad is also an EOS token
         infer = pad is not None and bool((input_ids == pad).any()) and pad not in eos
@@ -314,6 +373,62 @@ def _check_inputs(input_ids, attention_mask, base, pad: int | None, eos: list[in
         raise ValueError(f"generate(): the prompt has {int(attention_mask.sum(1).max())} tokens, at or over the "
                          f"model's context limit of {limit}; shorten it.")
     return input_ids, attention_mask
+
+
+def _largest_tree_nodes(policy, batch: int, width: int) -> int:
+    candidates = getattr(policy, "candidates", None)
+    if candidates:
+        return max(c.tree.num_nodes for c in candidates)
+    return policy.choose(batch, width).num_nodes
+
+
+def _available_memory_bytes(device: torch.device) -> int | None:
+    """Free memory where the cache will live (None when it cannot be told)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    if device.type == "cpu":
+        try:
+            with open("/proc/meminfo", encoding="ascii") as handle:
+                for line in handle:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            return None
+    return None
+
+
+def decode_memory_bytes(config, batch: int, width: int, new_tokens: int, tree_nodes: int,
+                        bytes_per_value: int) -> dict[str, int]:
+    """Upper estimate of what decoding a batch allocates, from the model config alone: the KV
+    cache at its longest (prompt + new tokens + one tree per row), the prefill's activations
+    (hidden states, MLP, the 4D mask and attention scores of a width × width prompt) and the
+    verification logits (tree nodes × vocabulary per row)."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    inter = getattr(config, "intermediate_size", None) or 4 * config.hidden_size
+    kv = 2 * config.num_hidden_layers * kv_heads * head_dim * batch * (width + new_tokens + tree_nodes) * bytes_per_value
+    prefill_act = batch * width * (4 * config.hidden_size + 3 * inter) * bytes_per_value \
+        + batch * (heads + 1) * width * width * bytes_per_value
+    verify_act = batch * tree_nodes * (config.vocab_size + 4 * config.hidden_size + 3 * inter) * bytes_per_value
+    return {"kv_cache": kv, "activations": max(prefill_act, verify_act), "total": kv + max(prefill_act, verify_act)}
+
+
+def check_memory(base, batch: int, width: int, new_tokens: int, tree_nodes: int) -> None:
+    """Refuse, before any work, a batch whose estimated footprint exceeds the free memory."""
+    param = next(base.parameters())
+    free = _available_memory_bytes(param.device)
+    if free is None:
+        return
+    need = decode_memory_bytes(base.config, batch, width, new_tokens, tree_nodes, param.element_size())
+    if need["total"] > 0.9 * free:
+        per_row = max(1, need["total"] // batch)
+        gib = 1 << 30
+        raise MemoryError(
+            f"generate(): a batch of {batch} × {width}-token prompts with {new_tokens} new tokens needs about "
+            f"{need['total'] / gib:.1f} GiB (KV cache {need['kv_cache'] / gib:.1f} GiB + activations "
+            f"{need['activations'] / gib:.1f} GiB) but only {free / gib:.1f} GiB is free on {param.device}; "
+            f"split it into batches of at most {max(1, int(0.9 * free) // per_row)} rows or lower max_new_tokens.")
 
 
 def _wanted_new_tokens(config, prompt_len: int) -> int:
