@@ -97,8 +97,8 @@ def test_recipe_errors_name_the_key(tmp_path):
         load_recipe(None, ["--nope", "1"])
     with pytest.raises(RecipeError, match=r"train\.epochs must be float"):
         load_recipe(None, ["--epochs", "three"])
-    recipe = load_recipe(None, ["--train.lr", "5e-4", "--num_heads=3"])
-    assert recipe.train.lr == 5e-4 and recipe.heads.num_heads == 3
+    recipe = load_recipe(None, ["--train.lr", "5e-4", "--num_heads=3", "--mixed_precision", "no"])
+    assert recipe.train.lr == 5e-4 and recipe.heads.num_heads == 3 and recipe.train.mixed_precision == "no"
 
 
 # -- the trainer on a tiny model -----------------------------------------------------------------------

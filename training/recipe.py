@@ -187,6 +187,13 @@ def _leaf_keys(cls: type, prefix: str = "") -> list[str]:
     return keys
 
 
+def _leaf_hint(key: str) -> Any:
+    cls: Any = Recipe
+    for part in key.split("."):
+        cls = typing.get_type_hints(cls)[part]
+    return cls
+
+
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
     """``["--train.lr", "5e-4", "--epochs=2"]`` → nested dict updates (values parsed as YAML)."""
     leaves = _leaf_keys(Recipe)
@@ -207,7 +214,10 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
                 raise RecipeError(f"Unknown recipe key {key} in override --{key}"
                                   + (f" (ambiguous: {matches})" if matches else f"; known keys: {leaves}."))
             key = matches[0]
-        pairs.append((key, yaml.safe_load(value)))
+        parsed = yaml.safe_load(value)
+        if isinstance(parsed, (bool, int, float)) and _leaf_hint(key) is str:
+            parsed = value  # YAML 1.1 reads "no"/"off" as False; a str field means the text
+        pairs.append((key, parsed))
     for key, value in pairs:
         node = data
         *parents, last = key.split(".")
