@@ -3,9 +3,14 @@
 Greedy: a child is accepted when its token equals the base's argmax at its parent slot and its
 parent was accepted; each row keeps its deepest accepted node. The token after it (the
 *bonus*) is the base's argmax there, so every emitted token is the base's own greedy choice.
+
+Sampling (``do_sample=True``): :func:`lossless_accept` walks the tree with recursive rejection
+sampling against the base's processed distribution (lossless; proof in
+``draftheads.decoding.sampling``); :func:`typical_accept` is Medusa-2's lossy threshold rule.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -43,3 +48,121 @@ def greedy_accept(tokens: torch.Tensor, parent: torch.Tensor, depth: torch.Tenso
     else:
         path = path_slots[rows, best]
     return Acceptance(best, depth[rows, best], path, predicted[rows, best])
+
+
+# -- sampling: lossless rejection walk and the lossy typical rule -----------------------------
+# The derivation and the proof are in ``draftheads.decoding.sampling``'s module docstring.
+
+@functools.lru_cache(maxsize=256)
+def _children(parent: tuple[int, ...]) -> torch.Tensor:
+    kids: list[list[int]] = [[] for _ in parent]
+    for slot, up in enumerate(parent):
+        if up >= 0:
+            kids[up].append(slot)
+    width = max((len(k) for k in kids), default=0)
+    return torch.tensor([k + [-1] * (width - len(k)) for k in kids], dtype=torch.long).reshape(len(parent), width)
+
+
+def children_table(parent: torch.Tensor) -> torch.Tensor:
+    """(N,) parent slots → (N, W) each slot's children in slot order, padded with -1. Slots
+    are sorted by rank within a parent, so children are tried best draft first (the order
+    changes only how often a child is accepted, never the output distribution)."""
+    return _children(tuple(parent.tolist())).to(parent.device)
+
+
+def sample_from(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sample per row of (B, V) non-negative weights (need not sum to 1) with
+    (B,) uniforms in [0, 1). A token of zero weight is never returned, even when rounding
+    pushes the threshold to the end of the CDF."""
+    cdf = probs.double().cumsum(-1)
+    threshold = uniform.double().to(cdf.device) * cdf[:, -1]
+    index = torch.searchsorted(cdf, threshold[:, None], right=True).squeeze(1)
+    vocab = torch.arange(probs.shape[-1], device=probs.device)
+    last_positive = torch.where(probs > 0, vocab, torch.zeros_like(vocab)).amax(-1)
+    return torch.minimum(index, last_positive)
+
+
+def lossless_accept(tokens: torch.Tensor, probs: torch.Tensor, parent: torch.Tensor, depth: torch.Tensor,
+                    path_slots: torch.Tensor, uniforms: torch.Tensor, bonus_uniform: torch.Tensor) -> Acceptance:
+    """Recursive rejection sampling over a tree of deterministic (point-mass) drafts.
+
+    tokens (B, N) tree tokens (column 0 = the root, already emitted); probs (B, N, V) the
+    base's *processed* next-token distribution at every slot; parent, depth (N,);
+    path_slots (N, D+1); uniforms (B, D, W) in [0, 1), one per (level, child trial), drawn
+    before the walk so the random stream does not depend on the outcome; bonus_uniform (B,).
+
+    Per row, from the root: walk the current node's children in order and accept child x
+    with probability r(x) / Σr, r the current residual (initially p at the node); on
+    rejection set r(x) = 0. The first accepted child becomes the current node (r ← p at that
+    child's slot); if every child is rejected, or the node is a leaf, the bonus token is
+    sampled from r and the walk stops. Every row is walked at once (vectorized over B).
+    """
+    batch, nodes = tokens.shape
+    device = tokens.device
+    children = children_table(parent.to(device))
+    levels = path_slots.shape[-1] - 1
+    node = torch.zeros(batch, dtype=torch.long, device=device)
+    residual = probs[:, 0].clone()
+    mass = residual.sum(-1)
+    final = residual
+    walking = torch.ones(batch, dtype=torch.bool, device=device)
+    tiny = torch.finfo(residual.dtype).tiny
+    for level in range(levels):
+        kids = children[node]  # (B, W)
+        taken = torch.full((batch,), -1, dtype=torch.long, device=device)
+        for j in range(kids.shape[1]):
+            kid = kids[:, j]
+            trying = walking & (taken < 0) & (kid >= 0)
+            if not bool(trying.any()):
+                break
+            x = tokens.gather(1, kid.clamp(min=0)[:, None])  # (B, 1)
+            px = residual.gather(1, x).squeeze(1)
+            ok = trying & (uniforms[:, level, j].to(device) < px / mass.clamp_min(tiny))
+            taken = torch.where(ok, kid, taken)
+            miss = trying & ~ok
+            residual = residual.scatter(1, x, torch.where(miss, 0.0, px)[:, None].to(residual.dtype))
+            mass = torch.where(miss, mass - px, mass)
+        stop = walking & (taken < 0)
+        final = torch.where(stop[:, None], residual, final)
+        walking = walking & ~stop
+        if not bool(walking.any()):
+            break
+        node = torch.where(walking, taken, node)
+        at_node = probs.gather(1, node[:, None, None].expand(-1, 1, probs.shape[-1])).squeeze(1)
+        residual = torch.where(walking[:, None], at_node, residual)
+        mass = torch.where(walking, at_node.sum(-1), mass)
+    final = torch.where(walking[:, None], residual, final)  # reached the deepest level: full p at the leaf
+    accepted = depth.to(device)[node]
+    return Acceptance(node, accepted, path_slots.to(device)[node], sample_from(final, bonus_uniform))
+
+
+def typical_accept(tokens: torch.Tensor, probs: torch.Tensor, parent: torch.Tensor, depth: torch.Tensor,
+                   path_slots: torch.Tensor, bonus_uniform: torch.Tensor, epsilon: float = 0.09,
+                   delta: float = 0.3) -> Acceptance:
+    """Medusa-2's typical acceptance (LOSSY): a child x of node u is accepted when
+    p_u(x) > min(ε, δ·exp(−H(p_u))) and u is accepted (H with log(p + 1e-5), as Medusa).
+    Each row keeps its deepest accepted node, ties broken by the highest Σ log p along the
+    path; the bonus token is then *sampled* from p at that node (Medusa's ``fast`` mode
+    takes the argmax instead, which would make the whole output deterministic).
+
+    The emitted text is no longer distributed as the base's: low-probability-but-typical
+    tokens are accepted with certainty. It trades fidelity for acceptance length."""
+    batch, nodes = tokens.shape
+    device = tokens.device
+    parent_safe = parent.to(device).clamp(min=0)
+    depth = depth.to(device)
+    entropy = -(probs * torch.log(probs + 1e-5)).sum(-1)  # (B, N)
+    threshold = torch.clamp(delta * torch.exp(-entropy), max=epsilon)
+    candidate = probs[:, parent_safe].gather(-1, tokens[:, :, None]).squeeze(-1)  # p at parent of own token
+    ok = candidate > threshold[:, parent_safe]
+    accepted = (depth == 0).expand(batch, nodes).clone()
+    loglik = torch.zeros(batch, nodes, dtype=probs.dtype, device=device)
+    for level in range(1, int(depth.max()) + 1):
+        at = (depth == level)[None, :]
+        accepted = accepted | (at & ok & accepted[:, parent_safe])
+        loglik = torch.where(at, loglik[:, parent_safe] + torch.log(candidate.clamp_min(1e-30)), loglik)
+    deepest = torch.where(accepted, depth[None, :], torch.full_like(accepted, -1, dtype=torch.long)).amax(-1)
+    score = torch.where(accepted & (depth[None, :] == deepest[:, None]), loglik, torch.full_like(loglik, -torch.inf))
+    best = score.argmax(-1)
+    rows = torch.arange(batch, device=device)
+    return Acceptance(best, depth[best], path_slots.to(device)[best], sample_from(probs[rows, best], bonus_uniform))

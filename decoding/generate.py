@@ -17,9 +17,9 @@ from typing import Protocol
 import torch
 
 from ..heads import DraftHeads, load_heads
-from .accept import greedy_accept
 from .base import fingerprint, load_base, prefill, tree_attention_mask, verify
 from .cache import KVState
+from .sampling import Acceptor, Typical, check_sampling_config, resolve_acceptance
 from .policy import AdaptivePolicy, CalibrationConfig, calibrate
 from .tree import Tree, chain_tree, tree_from_paths
 
@@ -80,7 +80,7 @@ class DecodingStats:
 # Generation options whose non-default value changes the output and that the greedy tree
 # decoder does not implement yet: refused with a clear message, never silently ignored.
 _UNSUPPORTED = {
-    "num_beams": 1, "num_beam_groups": 1, "penalty_alpha": None, "repetition_penalty": 1.0,
+    "num_beams": 1, "num_beam_groups": 1, "penalty_alpha": None,
     "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "bad_words_ids": None, "force_words_ids": None,
     "min_length": 0, "min_new_tokens": None, "forced_bos_token_id": None, "forced_eos_token_id": None,
     "suppress_tokens": None, "begin_suppress_tokens": None, "sequence_bias": None, "guidance_scale": None,
@@ -104,9 +104,7 @@ def resolve_generation_config(base_config, generation_config=None, **kwargs):
         if value not in (default, None):
             raise ValueError(f"generate(): `{name}={value!r}` is not supported by draftheads yet; "
                              f"leave it at {default!r} or use the base model's own generate().")
-    if config.do_sample:
-        raise ValueError("generate(): do_sample=True is not supported yet (lossless tree sampling is planned); "
-                         "use greedy decoding (do_sample=False).")
+    check_sampling_config(config)
     return config
 
 
@@ -163,10 +161,16 @@ class DraftHeadsModel:
     # -- the drop-in generate ----------------------------------------------------------------
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, generation_config=None,
-                 streamer=None, stopping_criteria=None, **kwargs):
+                 streamer=None, stopping_criteria=None, generator: torch.Generator | None = None,
+                 acceptance: str | Typical | None = None, **kwargs):
+        """transformers' ``generate`` arguments; with ``do_sample=True`` also ``generator`` (seeded
+        randomness; default: seeded from the global torch RNG) and ``acceptance``: "lossless"
+        (default, exactly the base's sampling distribution) or "typical" / ``Typical(ε, δ)``
+        (Medusa-2's rule, lossy). See ``draftheads.decoding.sampling``."""
         from transformers.generation.utils import GenerateDecoderOnlyOutput
 
         config = resolve_generation_config(self.base.generation_config, generation_config, **kwargs)
+        mode = resolve_acceptance(config, acceptance)
         eos = eos_token_ids(config)
         # transformers' fallback: no pad_token_id → the first EOS id (and no padding inference)
         pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else None)
@@ -191,14 +195,15 @@ class DraftHeadsModel:
         cache, hidden = prefill(self.base, input_ids, attention_mask)
         kv = KVState.after_prefill(cache, attention_mask)
         logits = self.base.lm_head(hidden)  # (B, V)
-        roots = logits.argmax(-1)
         generated: list[list[int]] = [[] for _ in range(batch)]
+        acceptor = Acceptor(config, mode, logits.shape[-1], input_ids, attention_mask, generated, generator)
+        roots = acceptor.first(logits)
         scores: list[list[torch.Tensor]] = [[] for _ in range(batch)]
         done = torch.zeros(batch, dtype=torch.bool)
         emit = functools.partial(self._emit, generated=generated, scores=scores, done=done, eos=set(eos),
                                  stopping_criteria=stopping_criteria, input_ids=input_ids, streamer=streamer)
         for b in range(batch):
-            emit(b, [int(roots[b])], [logits[b]] if want_scores else None, limits[b])
+            emit(b, [int(roots[b])], [acceptor.reported(logits)[b]] if want_scores else None, limits[b])
         live = torch.arange(batch)  # original row of each row still decoding
         observe = getattr(self.policy, "observe", None)
 
@@ -225,8 +230,7 @@ class DraftHeadsModel:
             past = kv.length_with_tree()
             states = verify(self.base, tokens, positions, mask, kv.cache)
             tree_logits = self.base.lm_head(states)  # (B, N, V)
-            result = greedy_accept(tokens, tree.parent.to(device), tree.depth.to(device), tree.path_slots.to(device),
-                                   tree_logits.argmax(-1))
+            result = acceptor.accept(tokens, tree, tree_logits, live)
             kv.commit(result.path + past, result.accepted + 1)
             if observe is not None:
                 observe(tree, result.accepted[active.to(device)])
@@ -236,10 +240,11 @@ class DraftHeadsModel:
             stats.batch_sizes.append(live.numel())
             hidden = states[torch.arange(live.numel(), device=device), result.best]
             roots = result.bonus
+            reported = acceptor.reported(tree_logits) if want_scores else None
             for i, b in enumerate(live.tolist()):
                 a = int(result.accepted[i])
                 new = tokens[i, result.path[i, 1: a + 1]].tolist() + [int(result.bonus[i])]
-                step_scores = [tree_logits[i, s] for s in result.path[i, : a + 1].tolist()] if want_scores else None
+                step_scores = [reported[i, s] for s in result.path[i, : a + 1].tolist()] if want_scores else None
                 emit(b, new, step_scores, limits[b])
         if streamer is not None:
             streamer.end()

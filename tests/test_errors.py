@@ -20,8 +20,8 @@ def drafter(tree=None) -> DraftHeadsModel:
     ({"max_new_tokens": 0}, "max_new_tokens.*(must be positive|greater than 0)"),
     ({"max_new_tokens": -3}, "max_new_tokens.*(must be positive|greater than 0)"),
     ({"num_beams": 4}, "num_beams=4.*not supported"),
-    ({"repetition_penalty": 1.3}, "repetition_penalty=1.3.*not supported"),
-    ({"do_sample": True}, "do_sample=True is not supported yet"),
+    ({"do_sample": True, "min_p": 0.1}, "min_p=0.1.*not supported with do_sample=True"),
+    ({"acceptance": "typical"}, "acceptance=.*pass do_sample=True"),
     ({"frobnicate": 1}, "does not understand.*frobnicate"),
 ])
 def test_bad_generate_arguments(kwargs, message):

@@ -1,0 +1,394 @@
+"""Sampling with draft trees: the output is distributed exactly as the base's own sampling.
+
+The statistical tests use a tiny Llama with a 12-token vocabulary, so the base's processed
+distribution over the first K = 3 generated tokens can be enumerated exactly (1 + 12 + 144
+prefixes). A batch of 20,000 identical rows is decoded through the acceptance function with
+those exact per-node probabilities (prefill sample, then tree steps until K tokens) and the
+empirical K-token distribution is compared with the exact one by Pearson's χ² test (cells with an
+expected count < 10 pooled). A smaller end-to-end ``generate()`` run checks the wiring, and
+deliberately broken rules show that the same test fails.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GenerationConfig, set_seed
+
+from conftest import OracleHeads, tiny_llama
+from draftheads.decoding import DraftHeadsModel, tree_from_paths
+from draftheads.decoding.accept import lossless_accept, sample_from, typical_accept, children_table
+from draftheads.decoding.sampling import logits_processors, processed_scores, Typical
+from draftheads.heads import HeadConfig, HydraHeads, MedusaHeads
+
+VOCAB = 12
+K = 3
+DRAWS = 20_000
+PROMPT = [3, 7, 5, 9]
+MODEL = tiny_llama(seed=4, vocab=VOCAB)
+DRAFTER = tiny_llama(seed=5, vocab=VOCAB)  # a different model: imperfect, realistic drafts
+
+TREES = {
+    "d1w1": [(0,)],
+    "d1w4": [(0,), (1,), (2,), (3,)],
+    "d2w2": [(0,), (1,), (0, 0), (0, 1), (1, 0)],
+    "d3w1": [(0,), (0, 0), (0, 0, 0)],
+    "d3w3": [(0,), (1,), (2,), (0, 0), (0, 1), (0, 2), (1, 0), (0, 0, 0), (0, 0, 1), (0, 1, 0)],
+    "d3w4": [(0,), (1,), (2,), (3,), (0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (2, 0), (0, 0, 0), (0, 0, 1),
+             (0, 0, 2), (0, 0, 3), (1, 0, 0)],
+}
+CONFIGS = {
+    "T0.5": dict(temperature=0.5),
+    "T1.0": dict(temperature=1.0),
+    "T0.5-topk5-topp0.8": dict(temperature=0.5, top_k=5, top_p=0.8),
+    "T1.0-topk4-topp0.9": dict(temperature=1.0, top_k=4, top_p=0.9),
+    "T1.0-penalty1.5": dict(temperature=1.0, repetition_penalty=1.5),
+}
+
+
+# -- exact distributions ------------------------------------------------------------------------
+def offsets() -> list[int]:
+    """Context id of a prefix of length l (< K) = offsets[l] + its base-VOCAB code; id
+    offsets[K] = "K or more tokens" (never scored)."""
+    out = [0]
+    for length in range(K):
+        out.append(out[-1] + VOCAB ** length)
+    return out
+
+
+OFFSETS = offsets()
+BEYOND = OFFSETS[K]
+
+
+def context_table(model, config: GenerationConfig) -> torch.Tensor:
+    """(contexts + 1, V) the model's processed next-token distribution after the prompt +
+    every prefix of fewer than K tokens (last row: uniform, for contexts beyond K)."""
+    processors = logits_processors(config)
+    rows = []
+    for length in range(K):
+        prefixes = torch.cartesian_prod(*[torch.arange(VOCAB)] * length).reshape(-1, length) if length else \
+            torch.zeros(1, 0, dtype=torch.long)
+        ids = torch.cat([torch.tensor([PROMPT]).expand(prefixes.shape[0], -1), prefixes], dim=1)
+        with torch.no_grad():
+            logits = model(ids).logits[:, -1]
+        scores = processed_scores(processors, logits[:, None], ids, torch.full((ids.shape[0], 1), VOCAB),
+                                  torch.zeros(1, 1, dtype=torch.long))[:, 0]
+        rows.append(scores.double().softmax(-1))
+    rows.append(torch.full((1, VOCAB), 1.0 / VOCAB, dtype=torch.float64))
+    return torch.cat(rows)
+
+
+OFFSETS_T = torch.tensor(OFFSETS)
+
+
+def extend(context: torch.Tensor, length: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+    """Context id after appending ``token`` to a prefix of ``length`` tokens."""
+    new_length = (length + 1).clamp(max=K)
+    child = OFFSETS_T[new_length] + (context - OFFSETS_T[new_length - 1]) * VOCAB + token
+    return torch.where(new_length < K, child, BEYOND)
+
+
+def exact_joint(table: torch.Tensor) -> torch.Tensor:
+    """(V^K,) exact probability of every K-token continuation (first token most significant)."""
+    joint = table[0]
+    for length in range(1, K):
+        prefixes = torch.cartesian_prod(*[torch.arange(VOCAB)] * length).reshape(-1, length)
+        code = (prefixes * VOCAB ** torch.arange(length - 1, -1, -1)).sum(1)
+        joint = (joint[:, None] * table[OFFSETS[length] + code]).reshape(-1)
+    return joint
+
+
+def chi2_test(samples: torch.Tensor, probs: torch.Tensor, min_expected: float = 10.0) -> float:
+    """p-value of Pearson's χ² test of ``samples`` (codes) against ``probs``. Cells expecting
+    fewer than 10 draws are pooled into one: with 1,728 cells a G-test pooled at 5 was
+    anti-conservative here (4.5 % of exact multinomial draws below p = 0.01), Pearson pooled at
+    10 was not (0.5–3 % over 200 draws). A sample in a zero-probability cell gives 0."""
+    observed = torch.bincount(samples, minlength=probs.numel()).double()
+    if bool(((probs == 0) & (observed > 0)).any()):
+        return 0.0
+    expected = probs * observed.sum()
+    small = expected < min_expected
+    obs = torch.cat([observed[~small], observed[small].sum()[None]])
+    exp = torch.cat([expected[~small], expected[small].sum()[None]])
+    keep = exp > 1e-9
+    obs, exp = obs[keep], exp[keep]
+    assert obs.numel() >= 2, "too few draws for a χ² test: every cell expects < 10"
+    stat = ((obs - exp) ** 2 / exp).sum()
+    dof = obs.numel() - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat / 2))
+
+
+# -- the vectorized decoder over exact tables ---------------------------------------------------
+def draft_tokens(kind: str, drafts: torch.Tensor, noise: torch.Tensor, context: torch.Tensor, root_context: torch.Tensor,
+                 depth: int, rank: int) -> torch.Tensor:
+    """A child's token, a fixed function of its context (never of the acceptance uniforms):
+    "path": the drafter's rank-th choice at the node's own context (Hydra-like);
+    "cartesian": a fixed random table indexed by the root context, depth and rank (Medusa-like;
+    tokens may repeat among siblings and fall outside top-k/top-p)."""
+    if kind == "path":
+        return drafts[context, rank]
+    return noise[root_context, depth - 1, rank]
+
+
+def decode_exact(table: torch.Tensor, paths, kind: str, rule, draws: int = DRAWS, seed: int = 0) -> torch.Tensor:
+    """Decode ``draws`` identical rows: the first token sampled from p after the prompt, then
+    tree steps (children drafted by ``kind``, verified by ``rule`` against exact per-node
+    probabilities) until every row has K tokens. Returns each row's K tokens as one code."""
+    gen = torch.Generator().manual_seed(seed)
+    tree = tree_from_paths(paths)
+    drafts = draft_table().topk(4, dim=-1).indices
+    noise = torch.randint(0, VOCAB, (table.shape[0], 3, 4), generator=torch.Generator().manual_seed(99))
+    rows = torch.arange(draws)
+    out = torch.zeros(draws, K, dtype=torch.long)
+    first = sample_from(table[torch.zeros(draws, dtype=torch.long)], torch.rand(draws, generator=gen, dtype=torch.float64))
+    out[:, 0] = first
+    count = torch.ones(draws, dtype=torch.long)
+    context = extend(torch.zeros(draws, dtype=torch.long), torch.zeros(draws, dtype=torch.long), first)
+    while bool((count < K).any()):
+        nodes = tree.num_nodes
+        tokens = torch.zeros(draws, nodes, dtype=torch.long)
+        tokens[:, 0] = out[rows, count - 1]
+        ctx = torch.zeros(draws, nodes, dtype=torch.long)
+        ctx[:, 0] = context
+        for n in range(1, nodes):
+            up, d, r = int(tree.parent[n]), int(tree.depth[n]), int(tree.rank[n])
+            tokens[:, n] = draft_tokens(kind, drafts, noise, ctx[:, up], context, d, r)
+            ctx[:, n] = extend(ctx[:, up], (count + d - 1), tokens[:, n])
+        result = rule(tokens, table[ctx], tree, gen)
+        emitted = torch.cat([tokens.gather(1, result.path[:, 1:]), result.bonus[:, None]], dim=1)
+        emitted[rows, result.accepted] = result.bonus  # accepted path, then the bonus
+        emitted_count = result.accepted + 1
+        for i in range(emitted.shape[1]):
+            take = (i < emitted_count) & (count < K)
+            out[rows[take], count[take]] = emitted[take, i]
+            context = torch.where(take, extend(context, count, emitted[:, i]), context)
+            count = count + take.long()
+    return (out * VOCAB ** torch.arange(K - 1, -1, -1)).sum(1)
+
+
+def uniforms(tree, batch: int, gen: torch.Generator):
+    width = children_table(tree.parent).shape[1]
+    return (torch.rand(batch, tree.path_slots.shape[1] - 1, width, generator=gen, dtype=torch.float64),
+            torch.rand(batch, generator=gen, dtype=torch.float64))
+
+
+def lossless(tokens, probs, tree, gen):
+    return lossless_accept(tokens, probs, tree.parent, tree.depth, tree.path_slots, *uniforms(tree, tokens.shape[0], gen))
+
+
+def broken_accept_always(tokens, probs, tree, gen):
+    """Accept every child that has any probability (uniforms forced to 0)."""
+    u, bonus = uniforms(tree, tokens.shape[0], gen)
+    return lossless_accept(tokens, probs, tree.parent, tree.depth, tree.path_slots, torch.zeros_like(u), bonus)
+
+
+def broken_bonus_from_full_p(tokens, probs, tree, gen):
+    """Right acceptance, but the bonus after rejections is sampled from p instead of the residual."""
+    result = lossless(tokens, probs, tree, gen)
+    rows = torch.arange(tokens.shape[0])
+    result.bonus = sample_from(probs[rows, result.best], torch.rand(tokens.shape[0], generator=gen, dtype=torch.float64))
+    return result
+
+
+def typical(tokens, probs, tree, gen):
+    return typical_accept(tokens, probs, tree.parent, tree.depth, tree.path_slots,
+                          torch.rand(tokens.shape[0], generator=gen, dtype=torch.float64))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Single-threaded torch for this module: these are many small ops, and on a shared 2-core
+    machine two threads per op were measured 10–30× slower than one. Restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class _Tables(dict):
+    """Exact tables per configuration, computed on first use (inside the one-thread fixture)."""
+
+    def __missing__(self, name: str) -> torch.Tensor:
+        self[name] = context_table(MODEL, GenerationConfig(do_sample=True, **CONFIGS[name]))
+        return self[name]
+
+
+TABLES = _Tables()
+DRAFT_TABLE = None  # the drafter's table, filled on first use by draft_table()
+
+
+def draft_table() -> torch.Tensor:
+    global DRAFT_TABLE
+    if DRAFT_TABLE is None:
+        DRAFT_TABLE = context_table(DRAFTER, GenerationConfig(do_sample=True, temperature=0.7))
+    return DRAFT_TABLE
+
+
+# Every tree × every configuration (30 cases × 20,000 draws), the drafting scheme alternating.
+CASES = [(tree, config, "path" if (i + j) % 2 == 0 else "cartesian")
+         for i, tree in enumerate(TREES) for j, config in enumerate(CONFIGS)]
+
+
+@pytest.mark.parametrize("tree_name,config_name,kind", CASES)
+def test_tree_sampling_is_lossless(tree_name, config_name, kind):
+    table = TABLES[config_name]
+    samples = decode_exact(table, TREES[tree_name], kind, lossless, seed=CASES.index((tree_name, config_name, kind)))
+    p = chi2_test(samples, exact_joint(table))
+    assert p > 0.01, f"χ² p = {p:.2e}: the tree sampler does not reproduce the base's distribution"
+
+
+@pytest.mark.parametrize("tree_name,config_name,kind", [
+    ("d1w1", "T1.0", "path"), ("d1w4", "T0.5-topk5-topp0.8", "path"), ("d2w2", "T1.0-penalty1.5", "cartesian"),
+    ("d3w4", "T0.5", "path")])
+def test_broken_rules_are_detected(tree_name, config_name, kind):
+    """The same test rejects a rule that accepts every drafted token in the support, and one
+    that samples the bonus from p instead of the residual (a subtler bug)."""
+    table = TABLES[config_name]
+    exact = exact_joint(table)
+    assert chi2_test(decode_exact(table, TREES[tree_name], kind, broken_accept_always), exact) < 1e-6
+    assert chi2_test(decode_exact(table, TREES[tree_name], kind, broken_bonus_from_full_p), exact) < 1e-3
+
+
+def test_typical_acceptance_is_lossy_and_accepts_more():
+    """Typical acceptance changes the distribution (the test detects it) but accepts longer paths."""
+    table = TABLES["T1.0"]
+    exact = exact_joint(table)
+    assert chi2_test(decode_exact(table, TREES["d3w3"], "path", typical), exact) < 1e-6
+
+
+def test_typical_rule_semantics():
+    """Deepest accepted node wins; ties go to the higher path likelihood; threshold is
+    min(ε, δ·exp(−H)) at the parent."""
+    probs = torch.zeros(1, 4, 4, dtype=torch.float64)
+    probs[0, 0] = torch.tensor([0.5, 0.3, 0.15, 0.05])  # root: children tokens 1 (p .3) and 2 (p .15)
+    probs[0, 1] = torch.tensor([0.97, 0.01, 0.01, 0.01])  # below node 1: token 3 has p .01 < threshold
+    probs[0, 2] = torch.tensor([0.25, 0.25, 0.25, 0.25])
+    probs[0, 3] = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    tree = tree_from_paths([(0,), (1,), (0, 0)])
+    tokens = torch.tensor([[0, 1, 2, 3]])
+    result = typical_accept(tokens, probs, tree.parent, tree.depth, tree.path_slots, torch.tensor([0.5]))
+    assert result.accepted.tolist() == [1] and result.best.tolist() == [1]  # .3 beats .15 at equal depth
+    tokens = torch.tensor([[0, 1, 2, 0]])  # node 3 now carries p .97 → depth 2 accepted
+    result = typical_accept(tokens, probs, tree.parent, tree.depth, tree.path_slots, torch.tensor([0.5]))
+    assert result.accepted.tolist() == [2] and result.bonus.tolist() == [0]
+    strict = typical_accept(tokens, probs, tree.parent, tree.depth, tree.path_slots, torch.tensor([0.5]),
+                            epsilon=0.99, delta=10.0)  # threshold .99 at every node: nothing accepted
+    assert strict.accepted.tolist() == [0]
+
+
+# -- generate(): the wiring --------------------------------------------------------------------
+def random_heads(family: str, seed: int = 0):
+    torch.manual_seed(seed)
+    cls = {"medusa": MedusaHeads, "hydra": HydraHeads}[family]
+    heads = cls(HeadConfig(family=family, num_heads=3, hidden_size=32, vocab_size=VOCAB)).to(torch.float64)
+    for p in heads.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    return heads
+
+
+@pytest.mark.parametrize("family,config_name,paths", [
+    ("medusa", "T0.5-topk5-topp0.8", TREES["d2w2"]), ("hydra", "T1.0-penalty1.5", TREES["d3w3"])])
+def test_generate_end_to_end_matches_exact_distribution(family, config_name, paths):
+    """generate() on a batch of identical rows: the first K tokens follow the exact distribution
+    (tested as the pairs (t1, t2) and (t2, t3): 144 cells each, enough for 2,000 draws)."""
+    rows = 2000
+    drafter = DraftHeadsModel(MODEL, random_heads(family), tree=tree_from_paths(paths))
+    ids = torch.tensor([PROMPT] * rows)
+    out = drafter.generate(ids, max_new_tokens=K + 1, do_sample=True, generator=torch.Generator().manual_seed(7),
+                           eos_token_id=None, **CONFIGS[config_name])
+    assert drafter.last_stats.tau > 1.0  # the trees were really used
+    new = out[:, len(PROMPT): len(PROMPT) + K]
+    joint = exact_joint(TABLES[config_name]).view(VOCAB, VOCAB, VOCAB)
+    assert chi2_test(new[:, 0] * VOCAB + new[:, 1], joint.sum(2).flatten()) > 0.01
+    assert chi2_test(new[:, 1] * VOCAB + new[:, 2], joint.sum(0).flatten()) > 0.01
+
+
+def test_processors_match_transformers():
+    """Our processor list = transformers' own (private ``_get_logits_processor``, used here only
+    as the oracle), left padding of the repetition penalty included."""
+    ids = torch.tensor([[0, 0, 5, 6, 7, 0], [3, 4, 0, 9, 9, 1]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    logits = torch.randn(2, 1, VOCAB, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    for kwargs in [dict(temperature=0.6, top_k=5, top_p=0.8, repetition_penalty=1.3), dict(top_p=0.5),
+                   dict(repetition_penalty=0.7), dict(do_sample=False, repetition_penalty=1.4)]:
+        config = GenerationConfig(**{"do_sample": True, **kwargs})
+        theirs = MODEL._get_logits_processor(config, input_ids_seq_length=ids.shape[1], device="cpu",
+                                             model_kwargs={"attention_mask": mask})
+        expected = theirs(ids, logits[:, 0].float().clone())
+        history = ids.masked_fill(mask == 0, VOCAB)
+        ours = processed_scores(logits_processors(config), logits, history, torch.full((2, 1), VOCAB),
+                                torch.zeros(1, 1, dtype=torch.long))[:, 0]
+        assert torch.equal(ours, expected), kwargs
+
+
+def left_pad(prompts: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):] = torch.tensor(p)
+        mask[row, width - len(p):] = 1
+    return ids, mask
+
+
+def test_greedy_with_repetition_penalty_matches_transformers():
+    """Greedy + repetition penalty (the penalty sees each node's own drafted path), batched."""
+    model = tiny_llama(seed=1)
+    ids, mask = left_pad([[5, 6, 7], [8, 9, 10, 11, 12, 13], [14, 15]])
+    reference = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, repetition_penalty=1.3,
+                               pad_token_id=0)
+    heads = OracleHeads(reference[:, ids.shape[1]:].tolist(), vocab=96, error=0.2, seed=2)
+    drafter = DraftHeadsModel(model, heads, tree=tree_from_paths([(0,), (1,), (0, 0), (0, 0, 0), (0, 0, 0, 0)]))
+    ours = drafter.generate(ids, attention_mask=mask, max_new_tokens=24, repetition_penalty=1.3, pad_token_id=0)
+    assert ours.tolist() == reference.tolist()
+    assert drafter.last_stats.tau > 1.5
+
+
+def test_seeded_sampling_is_reproducible():
+    drafter = DraftHeadsModel(MODEL, random_heads("medusa"), tree=tree_from_paths(TREES["d2w2"]))
+    ids, mask = left_pad([PROMPT, PROMPT])
+    kwargs = dict(attention_mask=mask, max_new_tokens=30, do_sample=True, temperature=0.8, top_p=0.95,
+                  eos_token_id=None)
+    a = drafter.generate(ids, generator=torch.Generator().manual_seed(3), **kwargs)
+    b = drafter.generate(ids, generator=torch.Generator().manual_seed(3), **kwargs)
+    c = drafter.generate(ids, generator=torch.Generator().manual_seed(4), **kwargs)
+    set_seed(11)
+    d = drafter.generate(ids, **kwargs)
+    set_seed(11)
+    e = drafter.generate(ids, **kwargs)
+    f = drafter.generate(ids, **kwargs)  # no reseed: the global RNG moved on
+    assert torch.equal(a, b) and torch.equal(d, e)
+    assert not torch.equal(a, c) and not torch.equal(e, f)
+    assert not torch.equal(a[0], a[1])  # identical prompts: each row draws its own randomness
+
+
+@pytest.mark.parametrize("acceptance", ["lossless", "typical"])
+def test_batched_sampling_stops_each_row_at_its_eos(acceptance):
+    model = tiny_llama(seed=2)
+    drafter = DraftHeadsModel(model, OracleHeads([[]] * 6, vocab=96, error=1.0), tree=tree_from_paths(TREES["d3w3"]))
+    ids, mask = left_pad([[5, 6, 7], [8, 9, 10, 11], [14], [20, 21], [30, 31, 32, 33, 34], [40]])
+    eos = 17
+    free = drafter.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=True, eos_token_id=None,
+                            generator=torch.Generator().manual_seed(0), acceptance=acceptance, pad_token_id=0)
+    # with a flat random tiny model some token is frequent; make it the EOS of a second run
+    eos = int(torch.mode(free[:, ids.shape[1]:].flatten()).values)
+    out = drafter.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=True, eos_token_id=eos,
+                           generator=torch.Generator().manual_seed(1), acceptance=acceptance, pad_token_id=0)
+    new = out[:, ids.shape[1]:]
+    stopped = 0
+    for row in new.tolist():
+        if eos in row:
+            end = row.index(eos) + 1
+            assert all(t == 0 for t in row[end:]), row  # nothing after the row's own EOS but padding
+            stopped += 1
+        else:
+            assert len(row) == 40
+    assert 0 < stopped
+    assert new.shape[1] <= 40
+
+
+def test_typical_needs_do_sample():
+    drafter = DraftHeadsModel(MODEL, random_heads("medusa"), tree=tree_from_paths(TREES["d1w1"]))
+    with pytest.raises(ValueError, match="pass do_sample=True"):
+        drafter.generate(torch.tensor([PROMPT]), max_new_tokens=3, acceptance="typical")
+    with pytest.raises(ValueError, match="acceptance='fast' is unknown"):
+        drafter.generate(torch.tensor([PROMPT]), max_new_tokens=3, do_sample=True, acceptance="fast")
