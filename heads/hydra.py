@@ -96,3 +96,88 @@ class HydraHeads(DraftHeads):
             for i, slot in enumerate(children.tolist()):
                 paths[slot] = torch.cat([context[:, int(parent_index[i])], embedded[:, i, None]], dim=1)
         return tokens
+
+
+def rotate(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
+    """Rotary position embedding of x (B, H, T, D) at integer positions (B, T)."""
+    half = x.shape[-1] // 2
+    inv_freq = 1.0 / base ** (torch.arange(half, device=x.device, dtype=torch.float32) / half)
+    angles = positions[:, None, :, None].float() * inv_freq  # (B, 1, T, half)
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    first, second = x[..., :half], x[..., half:]
+    return torch.cat([first * cos - second * sin, first * sin + second * cos], dim=-1)
+
+
+class PrefixLayer(nn.Module):
+    """Hydra++'s extra decoder layer over the base's last hidden states (pre-norm causal
+    self-attention with RoPE, then a SiLU MLP), so the heads read a context summary trained
+    for drafting rather than the base's own next-token state. Output projections start at
+    zero: a fresh layer is the identity and a fresh Hydra++ equals Hydra.
+
+    Attention goes through a transformers ``Cache`` (``update(k, v, 0)``) when given one, so
+    the decoder keeps this layer's keys/values exactly like the base's: one tree per step,
+    accepted slots compacted, no recomputation over the context."""
+
+    def __init__(self, hidden_size: int, num_heads: int, mlp_size: int):
+        super().__init__()
+        if hidden_size % num_heads or (hidden_size // num_heads) % 2:
+            raise ValueError(f"prefix_heads={num_heads} must divide hidden_size={hidden_size} into even head sizes.")
+        self.num_heads = num_heads
+        self.attn_norm = nn.RMSNorm(hidden_size, eps=1e-5)
+        self.qkv = nn.Linear(hidden_size, 3 * hidden_size, bias=False)
+        self.attn_out = nn.Linear(hidden_size, hidden_size, bias=False)
+        self.mlp_norm = nn.RMSNorm(hidden_size, eps=1e-5)
+        self.up = nn.Linear(hidden_size, 2 * mlp_size, bias=False)
+        self.down = nn.Linear(mlp_size, hidden_size, bias=False)
+        nn.init.zeros_(self.attn_out.weight)
+        nn.init.zeros_(self.down.weight)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache=None) -> torch.Tensor:
+        """x (B, T, d), positions (B, T), mask (B, 1, T, T_past+T) bool (True = may attend)."""
+        batch, length, dim = x.shape
+        q, k, v = self.qkv(self.attn_norm(x)).view(batch, length, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
+        q, k = rotate(q, positions), rotate(k, positions)
+        if cache is not None:
+            k, v = cache.update(k, v, 0)
+        attended = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        x = x + self.attn_out(attended.transpose(1, 2).reshape(batch, length, dim))
+        gate, value = self.up(self.mlp_norm(x)).chunk(2, dim=-1)
+        return x + self.down(nn.functional.silu(gate) * value)
+
+
+@register
+class HydraPlusPlusHeads(HydraHeads):
+    """Hydra++: Hydra heads (deeper MLPs: ``num_layers``) reading the output of a trained
+    :class:`PrefixLayer` over the generated context instead of the raw hidden state.
+
+    The prefix layer sees the context from the last prompt token on (what training sees:
+    the cached positions of the answer), with positions counted from there."""
+
+    family = "hydra++"
+    contextual = True
+
+    def __init__(self, config: HeadConfig):
+        super().__init__(config)
+        extra = config.extra
+        self.prefix = PrefixLayer(config.hidden_size, int(extra.get("prefix_heads", max(1, config.hidden_size // 64))),
+                                  int(extra.get("prefix_mlp_size", 4 * config.hidden_size)))
+
+    def contextualize(self, hidden: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+                      cache=None) -> torch.Tensor:
+        """Base hidden states (B, T, d) → what the heads read at each position."""
+        return self.prefix(hidden, positions, mask, cache)
+
+    def forward(self, hidden: torch.Tensor, tokens: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, **_: object) -> torch.Tensor:
+        """Training/eval on whole sequences: hidden (B, T, d), tokens (B, T, ≥K), attention_mask
+        (B, T) (1 = real position, left-aligned) → draft logits (B, T, K, V_draft)."""
+        if hidden.dim() != 3:
+            raise ValueError("Hydra++ heads read sequences: hidden must be (batch, positions, hidden_size).")
+        batch, length, _ = hidden.shape
+        valid = torch.ones(batch, length, dtype=torch.bool, device=hidden.device) if attention_mask is None \
+            else attention_mask.bool()
+        causal = torch.ones(length, length, dtype=torch.bool, device=hidden.device).tril()
+        mask = (causal[None] & valid[:, None, :])[:, None]
+        mask = mask | torch.eye(length, dtype=torch.bool, device=hidden.device)  # padded rows stay finite
+        positions = torch.arange(length, device=hidden.device).expand(batch, length)
+        return super().forward(self.contextualize(hidden, positions, mask), tokens=tokens)

@@ -104,6 +104,10 @@ class DraftHeads(nn.Module):
     family: ClassVar[str] = ""
     #: True when depth d needs the tokens drafted at depths < d (Hydra-style families).
     sequential: ClassVar[bool] = False
+    #: True when the heads read their own summary of the generated context (Hydra++'s prefix
+    #: layer): the decoder then passes each step's verified hidden states through
+    #: ``contextualize(hidden, positions, mask, cache)`` with a cache it keeps like the base's.
+    contextual: ClassVar[bool] = False
 
     def __init__(self, config: HeadConfig):
         super().__init__()

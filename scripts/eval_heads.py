@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         heads = load_heads(path, expected_fingerprint=fp, dtype=torch.float32)
         heads.bind(base.get_output_embeddings().weight.float(), base.get_input_embeddings().weight.float())
         labels, tokens = head_inputs(features, heads)
-        ranks = rank_matrix(heads, features.hidden.float(), labels, 16, tokens=tokens)
+        ranks = rank_matrix(heads, features.hidden.float(), labels, 16, tokens=tokens, targets=features.targets)
         taus = {budget: tree_tau(ranks, paths) for budget, paths in heads.config.trees.items()}
         results["checkpoints"][path] = {"family": heads.family, "accuracy": topk_accuracy(ranks), "tree_tau": taus}
         print(f"{path}: {heads.family} top1 {topk_accuracy(ranks)['top1']} τ by budget {taus}", file=sys.stderr)

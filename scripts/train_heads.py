@@ -24,7 +24,7 @@ from draftheads.decoding.base import fingerprint, load_base
 from draftheads.training.features import (SHARD_EXAMPLES, conversation_examples, extract_features,
                                           load_shards, read_jsonl, selfdistill_examples)
 from draftheads.training.heads_trainer import HeadTrainConfig, train_and_save
-from draftheads.training.selfdistill import read_shards
+from draftheads.training.data import read_shards
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 DEFAULT_DATA = SHARED / "selfdistill_smollm2.jsonl"

@@ -71,6 +71,8 @@ def test_family_checkpoint_round_trip(tmp_path, family):
     loaded.bind(model.lm_head.weight, model.get_input_embeddings().weight)
     hidden = torch.randn(4, model.config.hidden_size, dtype=model.dtype)
     tokens = torch.randint(0, model.config.vocab_size, (4, 3))
+    if heads.contextual:  # reads whole sequences
+        hidden, tokens = hidden[None], tokens[None]
     assert loaded.family == family
     assert torch.equal(heads(hidden, tokens=tokens), loaded(hidden, tokens=tokens))
 
@@ -80,3 +82,40 @@ def test_hydra_without_path_tokens_says_what_it_needs():
     heads = random_heads("hydra", model)
     with pytest.raises(ValueError, match="path tokens"):
         heads(torch.randn(2, model.config.hidden_size, dtype=model.dtype))
+
+
+def test_prefix_layer_cache_matches_a_full_pass():
+    """Hydra++'s layer run step by step through a transformers Cache (a tree per step, the
+    accepted slot kept) equals one causal pass over the accepted sequence."""
+    from transformers import DynamicCache
+
+    from draftheads.decoding.accept import Acceptance
+    from draftheads.decoding.context import HeadContext
+
+    model = tiny_llama(0)
+    heads = random_heads("hydra++", model)
+    d = model.config.hidden_size
+    torch.manual_seed(1)
+    sequence = torch.randn(2, 7, d, dtype=model.dtype)  # the hidden states the rows accept
+    full = heads.contextualize(sequence, torch.arange(7).expand(2, 7),
+                               torch.ones(7, 7, dtype=torch.bool).tril()[None, None].expand(2, 1, 7, 7))
+    context = HeadContext(heads, sequence[:, 0])
+    assert torch.allclose(context.hidden, full[:, 0], atol=1e-10)
+    tree = tree_from_paths([[0], [1], [0, 0]])  # slots: root, (0), (1), (0, 0)
+    position = [1, 1]
+    while min(position) < 6:
+        # row 0 accepts (0,0): 2 drafts; row 1 accepts (1): 1 draft; other slots hold noise
+        states = torch.randn(2, 4, d, dtype=model.dtype)
+        accepted = torch.tensor([min(2, 6 - position[0]), min(1, 6 - position[1])])
+        slots = [[0, 1, 3][: int(accepted[0]) + 1], [0, 2][: int(accepted[1]) + 1]]
+        for row in range(2):
+            for i, slot in enumerate(slots[row]):
+                states[row, slot] = sequence[row, position[row] + i]
+        best = torch.tensor([slots[0][-1], slots[1][-1]])
+        path = torch.stack([torch.tensor(s + [s[-1]] * (3 - len(s))) for s in slots])
+        context.step(states, tree, Acceptance(best, accepted, path, torch.zeros(2, dtype=torch.long)))
+        for row in range(2):
+            position[row] += int(accepted[row]) + 1
+            assert torch.allclose(context.hidden[row], full[row, position[row] - 1], atol=1e-10), (row, position)
+        if max(position) >= 6:
+            break

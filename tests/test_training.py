@@ -10,9 +10,8 @@ from conftest import tiny_llama
 from draftheads.decoding import fingerprint
 from draftheads.training.features import (MAX_TARGETS, Example, Features, extract_features, load_shards,
                                           shard_path, shift_targets, shift_teacher)
-from draftheads.training.heads_trainer import (IGNORE, HeadTrainConfig, draft_vocab, head_inputs, head_targets,
-                                               head_weights, medusa_loss, new_heads, rank_matrix, topk_accuracy,
-                                               train_heads)
+from draftheads.training.heads_trainer import HeadTrainConfig, head_inputs, new_heads, rank_matrix, train_heads
+from draftheads.training.losses import IGNORE, draft_vocab, head_targets, topk_accuracy
 
 
 def test_shift_targets_line_up_with_heads():
@@ -46,16 +45,6 @@ def test_head_targets_map_into_the_draft_vocabulary():
     vocab_ids = torch.tensor([5, 9])
     assert head_targets(targets, vocab_ids, vocab_size=10, num_heads=3).tolist() == [[0, IGNORE, IGNORE], [1, 0, 0]]
     assert draft_vocab(torch.tensor([[1, 1, 2], [3, 3, 3]]), 2, 5).tolist() == [1, 3]
-
-
-def test_medusa_loss_is_the_weighted_sum_of_head_cross_entropies():
-    logits = torch.zeros(2, 2, 4)
-    logits[0, 0, 1] = math.log(3.0)  # p(1) = 3/6
-    labels = torch.tensor([[1, 2], [IGNORE, 3]])
-    loss, per_head = medusa_loss(logits, labels, head_weights(2, 0.5))
-    assert per_head[0].item() == pytest.approx(-math.log(0.5))
-    assert per_head[1].item() == pytest.approx(math.log(4.0))
-    assert loss.item() == pytest.approx(-math.log(0.5) + 0.5 * math.log(4.0))
 
 
 def test_features_resume_and_refuse_another_base(tmp_path):
@@ -102,3 +91,34 @@ def test_training_learns_a_shifted_copy_task():
     after = topk_accuracy(rank_matrix(heads, hidden, labels, 5))["top1"][0]
     assert after > before + 0.25, (before, after)
     assert stats["log"][-1]["loss"] < 0.8 * stats["log"][0]["loss"]
+
+
+def test_sequence_chunks_follow_example_boundaries():
+    """Contextual families train on whole sequences: an example ends where x_(t+2) is missing."""
+    from draftheads.training.heads_trainer import sequence_chunks
+
+    examples = [torch.tensor(list(range(10, 10 + n))) for n in (6, 4, 9)]
+    targets = torch.cat([shift_targets(ids, 2) for ids in examples])  # 4 + 2 + 7 positions
+    assert sequence_chunks(targets, 100) == [(0, 4), (4, 6), (6, 13)]
+    assert sequence_chunks(targets, 3) == [(0, 3), (3, 4), (4, 6), (6, 9), (9, 12), (12, 13)]
+
+
+def test_hydrapp_trains_on_sequence_chunks():
+    """Hydra++ (prefix layer over the context) trains through the same trainer and its loss falls."""
+    model = tiny_llama(0, dtype=torch.float32)
+    examples = [torch.randint(3, 96, (n,)) for n in (40, 25, 60, 33) * 8]
+    targets = torch.cat([shift_targets(ids, 2) for ids in examples])
+    torch.manual_seed(0)
+    hidden = torch.randn(targets.shape[0], 32)
+    # the "base" repeats the last token of the path: learnable from the path tokens
+    teacher = torch.roll(targets, 1, dims=1)
+    config = HeadTrainConfig(family="hydra++", num_heads=2, draft_vocab_size=0, epochs=15, batch_size=256, lr=1e-2,
+                             bf16_autocast=False, chunk_length=32)
+    heads, stats = train_heads(config, Features(hidden.half(), targets, teacher), model)
+    assert heads.family == "hydra++"
+    assert stats["log"][-1]["loss"] < 0.8 * stats["log"][0]["loss"]
+    labels, tokens = head_inputs(Features(hidden.half(), targets, teacher), heads)
+    ranks = rank_matrix(heads, hidden, labels, 5, tokens=tokens, targets=targets)
+    assert ranks.shape == (targets.shape[0], 2)
+    accuracy = topk_accuracy(ranks)
+    assert min(accuracy["top5"]) > 5 * 5 / 96, accuracy  # well above chance

@@ -1,9 +1,8 @@
 """A minimal, real trainer for any head family on cached features (CPU friendly).
 
 Pieces are small functions so the full framework (accelerate, resume, wandb) can reuse them:
-``draft_vocab`` (which tokens heads may draft), ``head_targets`` (map base ids into the draft
-vocabulary), ``head_inputs`` (labels and path tokens from a feature batch), ``medusa_loss``,
-``rank_matrix`` / ``topk_accuracy`` (held-out evaluation) and ``train_and_save``.
+``head_inputs`` (labels and path tokens from a feature batch), ``rank_matrix`` (held-out
+evaluation) and ``train_and_save``; losses and label maps live in :mod:`.losses`.
 
 Labels are the base's own greedy choices (``Features.teacher``): on self-distilled text they
 equal the text, on any other text they are what the base would accept. Sequential families
@@ -17,17 +16,17 @@ import math
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import Iterator
 
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from ..decoding.base import fingerprint
 from ..decoding.tree import tree_from_ranks
 from ..heads import DraftHeads, HeadConfig, build_heads
 from .features import Features
+from .losses import IGNORE, draft_vocab, head_cross_entropy, head_targets, head_weights, label_ranks, topk_accuracy
 
-IGNORE = -100
 
 
 @dataclass
@@ -47,6 +46,7 @@ class HeadTrainConfig:
     tree_budgets: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
     max_rank: int = 16
     default_budget: int = 4  # tree used when the caller names none; pick it with scripts/sweep_trees.py
+    chunk_length: int = 256  # contextual families (Hydra++) train on sequence chunks of at most this many positions
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
@@ -65,36 +65,6 @@ class HeadTrainConfig:
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
 
 
-def draft_vocab(targets: torch.Tensor, size: int, vocab_size: int) -> torch.Tensor:
-    """The ``size`` most frequent target tokens (sorted ids); 0 = the whole vocabulary."""
-    if not size:
-        return torch.arange(vocab_size)
-    counts = torch.bincount(targets[targets >= 0].flatten(), minlength=vocab_size)
-    return counts.topk(size).indices.sort().values
-
-
-def head_targets(targets: torch.Tensor, vocab_ids: torch.Tensor, vocab_size: int, num_heads: int) -> torch.Tensor:
-    """Base token ids (P, ≥K), column k = head k's label → draft-vocabulary indices (P, K);
-    IGNORE where undraftable or past the end (-1)."""
-    lookup = torch.full((vocab_size + 1,), IGNORE, dtype=torch.long)
-    lookup[vocab_ids] = torch.arange(vocab_ids.numel())
-    ids = targets[:, :num_heads].clone()
-    ids[ids < 0] = vocab_size
-    return lookup[ids]
-
-
-def head_weights(num_heads: int, decay: float) -> torch.Tensor:
-    return decay ** torch.arange(num_heads, dtype=torch.float32)
-
-
-def medusa_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weighted sum over heads of token CE. logits (B, K, V), labels (B, K) → (loss, per-head CE)."""
-    per_head = torch.stack([F.cross_entropy(logits[:, k].float(), labels[:, k], ignore_index=IGNORE)
-                            for k in range(logits.shape[1])])
-    per_head = torch.nan_to_num(per_head)  # a batch with no valid label for a head
-    return (per_head * weights.to(per_head)).sum(), per_head
-
-
 def head_inputs(features: Features, heads: DraftHeads) -> tuple[torch.Tensor, torch.Tensor]:
     """(labels (P, K) in draft-vocabulary indices, path tokens (P, K) = x_{t+1}..x_{t+K}).
     Head k's label is the base's greedy choice after x_{t+1}..x_{t+k+1}; it is IGNOREd where
@@ -106,36 +76,100 @@ def head_inputs(features: Features, heads: DraftHeads) -> tuple[torch.Tensor, to
     return labels, tokens.clamp(min=0)
 
 
+def sequence_chunks(targets: torch.Tensor, max_length: int) -> list[tuple[int, int]]:
+    """Contiguous row ranges [start, end) of at most ``max_length`` positions that never cross
+    an example. Feature shards keep each example's positions in order; an example's last
+    position is the only one whose x_{t+2} is past the end (``targets[:, 1] < 0``)."""
+    ends = (targets[:, 1] < 0).nonzero().squeeze(1).tolist()
+    chunks, start = [], 0
+    for end in ends:
+        for s in range(start, end + 1, max_length):
+            chunks.append((s, min(s + max_length, end + 1)))
+        start = end + 1
+    return chunks
+
+
+def pad_chunks(values: torch.Tensor, chunks: list[tuple[int, int]], fill: float | int = 0) -> torch.Tensor:
+    """Rows of ``values`` for each chunk, stacked and right-padded: (B, T, ...)."""
+    width = max(e - s for s, e in chunks)
+    out = values.new_full((len(chunks), width, *values.shape[1:]), fill)
+    for row, (s, e) in enumerate(chunks):
+        out[row, : e - s] = values[s:e]
+    return out
+
+
+def chunk_logits(heads: DraftHeads, hidden: torch.Tensor, tokens: torch.Tensor,
+                 chunks: list[tuple[int, int]]) -> torch.Tensor:
+    """A contextual family's logits over padded chunks (B, T, K, V) with their padding mask."""
+    lengths = torch.tensor([e - s for s, e in chunks])
+    mask = (torch.arange(int(lengths.max()))[None, :] < lengths[:, None]).long()
+    return heads(pad_chunks(hidden, chunks).float(), tokens=pad_chunks(tokens, chunks), attention_mask=mask), mask
+
+
+def eval_ranges(heads: DraftHeads, targets: torch.Tensor, batch_size: int) -> list[list[tuple[int, int]]]:
+    """Groups of contiguous row ranges to score together: whole-sequence chunks for
+    contextual families (their layer needs the context), fixed slices otherwise."""
+    if heads.contextual:
+        chunks = sequence_chunks(targets, 512)
+        return [chunks[i: i + 8] for i in range(0, len(chunks), 8)]
+    rows = targets.shape[0]
+    return [[(s, min(s + batch_size, rows))] for s in range(0, rows, batch_size)]
+
+
 @torch.no_grad()
 def rank_matrix(heads: DraftHeads, hidden: torch.Tensor, labels: torch.Tensor, cap: int,
-                tokens: torch.Tensor | None = None, batch_size: int = 2048) -> torch.Tensor:
+                tokens: torch.Tensor | None = None, batch_size: int = 2048,
+                targets: torch.Tensor | None = None) -> torch.Tensor:
     """Rank of the true token in each head's draft distribution (P, K), capped at ``cap``
-    (= not in the top-``cap``, or not draftable)."""
+    (= not in the top-``cap``, or not draftable). Contextual families need ``targets`` (to
+    find the sequences) and score whole chunks."""
+    if heads.contextual and targets is None:
+        raise ValueError("rank_matrix: contextual heads (Hydra++) need `targets` to find the sequences.")
     ranks = []
-    for start in range(0, hidden.shape[0], batch_size):
-        path = None if tokens is None else tokens[start:start + batch_size]
-        logits = heads(hidden[start:start + batch_size].float(), tokens=path)
-        top = logits.topk(cap, dim=-1).indices  # (b, K, cap)
-        label = labels[start:start + batch_size]
-        hit = top == label[..., None]
-        rank = torch.where(hit.any(-1), hit.float().argmax(-1), torch.full_like(label, cap))
-        ranks.append(rank)
+    groups = eval_ranges(heads, targets if targets is not None else labels, batch_size)
+    for group in groups:
+        if heads.contextual:
+            padded, mask = chunk_logits(heads, hidden, tokens, group)
+            logits = padded[mask.bool()]
+        else:
+            (start, end), = group
+            logits = heads(hidden[start:end].float(), tokens=None if tokens is None else tokens[start:end])
+        ranks.append(label_ranks(logits, torch.cat([labels[s:e] for s, e in group]), cap))
     return torch.cat(ranks)
-
-
-def topk_accuracy(ranks: torch.Tensor, ks: tuple[int, ...] = (1, 5)) -> dict[str, list[float]]:
-    return {f"top{k}": [round(float((ranks[:, h] < k).float().mean()), 4) for h in range(ranks.shape[1])] for k in ks}
 
 
 def new_heads(config: HeadTrainConfig, base, label_ids: torch.Tensor) -> DraftHeads:
     """Fresh heads of ``config.family`` bound to the base's frozen LM head and embeddings; the
     draft vocabulary is the most frequent of ``label_ids``."""
     vocab_size, d = base.get_output_embeddings().weight.shape
+    extra = {"prefix_heads": base.config.num_attention_heads} if config.family == "hydra++" else {}
     head_cfg = HeadConfig(family=config.family, num_heads=config.num_heads, num_layers=config.num_layers,
-                          hidden_size=d, vocab_size=vocab_size, draft_vocab_size=config.draft_vocab_size)
+                          hidden_size=d, vocab_size=vocab_size, draft_vocab_size=config.draft_vocab_size, extra=extra)
     heads = build_heads(head_cfg)
     heads.vocab_ids.copy_(draft_vocab(label_ids, config.draft_vocab_size, vocab_size))
     return heads.bind(base.get_output_embeddings().weight.float(), base.get_input_embeddings().weight.float())
+
+
+def position_batches(rows: int, batch_size: int, generator: torch.Generator) -> Iterator[torch.Tensor]:
+    """Shuffled row indices, ``batch_size`` at a time, reshuffled every epoch."""
+    while True:
+        order = torch.randperm(rows, generator=generator)
+        for start in range(0, rows - batch_size + 1, batch_size):
+            yield order[start: start + batch_size]
+
+
+def chunk_batches(chunks: list[tuple[int, int]], positions: int, generator: torch.Generator
+                  ) -> Iterator[list[tuple[int, int]]]:
+    """Shuffled sequence chunks grouped to about ``positions`` positions per batch (so a step
+    costs about what a per-position batch costs), reshuffled every epoch."""
+    while True:
+        batch, size = [], 0
+        for index in torch.randperm(len(chunks), generator=generator).tolist():
+            batch.append(chunks[index])
+            size += chunks[index][1] - chunks[index][0]
+            if size >= positions:
+                yield batch
+                batch, size = [], 0
 
 
 def train_heads(config: HeadTrainConfig, train: Features, base) -> tuple[DraftHeads, dict]:
@@ -151,17 +185,19 @@ def train_heads(config: HeadTrainConfig, train: Features, base) -> tuple[DraftHe
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / total))))
     generator = torch.Generator().manual_seed(config.seed)
-    order = torch.randperm(hidden.shape[0], generator=generator)
-    started, cursor, log = time.time(), 0, []
+    batches = (chunk_batches(sequence_chunks(train.targets, config.chunk_length), config.batch_size, generator)
+               if heads.contextual else position_batches(len(train), config.batch_size, generator))
+    started, log = time.time(), []
     bar = tqdm(range(total), desc=f"{config.family} heads", unit="step")
     for step in bar:
-        if cursor + config.batch_size > order.numel():
-            order, cursor = torch.randperm(hidden.shape[0], generator=generator), 0
-        index = order[cursor: cursor + config.batch_size]
-        cursor += config.batch_size
+        batch = next(batches)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.bf16_autocast):
-            logits = heads(hidden[index].float(), tokens=tokens[index])
-        loss, per_head = medusa_loss(logits, labels[index], weights)
+            if heads.contextual:
+                padded, mask = chunk_logits(heads, hidden, tokens, batch)
+                logits, batch_labels = padded[mask.bool()], pad_chunks(labels, batch, IGNORE)[mask.bool()]
+            else:
+                logits, batch_labels = heads(hidden[batch].float(), tokens=tokens[batch]), labels[batch]
+        loss, per_head = head_cross_entropy(logits, batch_labels, weights)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -188,7 +224,7 @@ def train_and_save(config: HeadTrainConfig, train: Features, held_out: Features,
                    provenance: dict) -> Path:
     heads, stats = train_heads(config, train, base)
     labels, tokens = head_inputs(held_out, heads)
-    ranks = rank_matrix(heads, held_out.hidden, labels, config.max_rank, tokens=tokens)
+    ranks = rank_matrix(heads, held_out.hidden, labels, config.max_rank, tokens=tokens, targets=held_out.targets)
     accuracy = topk_accuracy(ranks)
     trees = trees_from_ranks(ranks, config.tree_budgets)
     heads.config.trees = {k: v["paths"] for k, v in trees.items()}

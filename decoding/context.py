@@ -1,0 +1,57 @@
+"""What the heads read at each step: the base's hidden state at the last accepted token, or,
+for contextual families (Hydra++), their own layer's output over the generated context.
+
+A contextual family's layer keeps keys/values like one more base layer: each step it runs
+over the same tree slots as the verifier, with the same ancestor mask, and the same accepted
+slots are compacted into its cache (:class:`KVState`), so nothing is recomputed over the
+context and every row keeps its own length.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..heads import DraftHeads
+from .accept import Acceptance
+from .base import tree_attention_mask
+from .cache import KVState
+from .tree import Tree
+
+
+class HeadContext:
+    """Per-row head input (``hidden``, (B, d)) maintained across verification steps."""
+
+    def __init__(self, heads: DraftHeads | None, last_hidden: torch.Tensor):
+        self.heads = heads
+        self.kv: KVState | None = None
+        self.hidden = last_hidden
+        if heads is not None and heads.contextual:
+            from transformers import DynamicCache
+
+            batch, device = last_hidden.shape[0], last_hidden.device
+            # The layer's context starts at the last prompt token (position 0), as in training.
+            first = torch.ones(batch, 1, dtype=torch.bool, device=device)
+            cache = DynamicCache()
+            out = heads.contextualize(last_hidden[:, None], torch.zeros(batch, 1, dtype=torch.long, device=device),
+                                      first[:, None, None, :], cache)
+            self.kv = KVState.after_prefill(cache, first)
+            self.hidden = out[:, 0]
+
+    def step(self, states: torch.Tensor, tree: Tree, result: Acceptance) -> None:
+        """After a verification: ``states`` (B, N, d) of every tree slot; keep the accepted ones."""
+        rows = torch.arange(states.shape[0], device=states.device)
+        if self.kv is None:
+            self.hidden = states[rows, result.best]
+            return
+        device = states.device
+        past = self.kv.length_with_tree()
+        mask = tree_attention_mask(self.kv.valid, tree.ancestor.to(device))
+        positions = self.kv.next_pos[:, None] + tree.depth.to(device)[None, :]
+        out = self.heads.contextualize(states, positions, mask, self.kv.cache)
+        self.kv.commit(result.path + past, result.accepted + 1)
+        self.hidden = out[rows, result.best]
+
+    def select_rows(self, keep: torch.Tensor) -> None:
+        """Finished rows leave the batch."""
+        self.hidden = self.hidden[keep]
+        if self.kv is not None:
+            self.kv.select_rows(keep)
