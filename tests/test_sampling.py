@@ -392,3 +392,19 @@ def test_typical_needs_do_sample():
         drafter.generate(torch.tensor([PROMPT]), max_new_tokens=3, acceptance="typical")
     with pytest.raises(ValueError, match="acceptance='fast' is unknown"):
         drafter.generate(torch.tensor([PROMPT]), max_new_tokens=3, do_sample=True, acceptance="fast")
+
+
+def test_output_scores_are_the_processed_scores():
+    """As transformers: ``scores`` are the processed scores (top-k leaves 3 finite entries per
+    step) and every sampled token is one of them; ``logits`` stay raw."""
+    drafter = DraftHeadsModel(MODEL, random_heads("hydra"), tree=tree_from_paths(TREES["d3w3"]))
+    ids = torch.tensor([PROMPT] * 4)
+    kwargs = dict(max_new_tokens=12, do_sample=True, top_k=3, temperature=0.9, eos_token_id=None,
+                  return_dict_in_generate=True, generator=torch.Generator().manual_seed(5))
+    out = drafter.generate(ids, output_scores=True, **kwargs)
+    assert len(out.scores) == 12
+    for step, scores in enumerate(out.scores):
+        assert (scores.isfinite().sum(-1) == 3).all()
+        assert scores.isfinite().gather(1, out.sequences[:, len(PROMPT) + step, None]).all()
+    raw = drafter.generate(ids, output_logits=True, **kwargs).logits
+    assert all(bool(step.isfinite().all()) for step in raw)
