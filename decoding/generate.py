@@ -19,6 +19,7 @@ import torch
 from ..heads import DraftHeads, load_heads
 from .base import fingerprint, load_base, prefill, tree_attention_mask, verify
 from .cache import KVState
+from .context import HeadContext
 from .sampling import Acceptor, Typical, check_sampling_config, resolve_acceptance
 from .policy import AdaptivePolicy, CalibrationConfig, calibrate
 from .tree import Tree, chain_tree, tree_from_paths
@@ -204,6 +205,7 @@ class DraftHeadsModel:
                                  stopping_criteria=stopping_criteria, input_ids=input_ids, streamer=streamer)
         for b in range(batch):
             emit(b, [int(roots[b])], [acceptor.reported(logits)[b]] if want_scores else None, limits[b])
+        context = HeadContext(self.heads, hidden)  # what the heads read (Hydra++: their own layer's state)
         live = torch.arange(batch)  # original row of each row still decoding
         observe = getattr(self.policy, "observe", None)
 
@@ -213,8 +215,9 @@ class DraftHeadsModel:
                 break
             if not bool(running.all()) and self.finished_rows == "shrink":
                 keep = running.nonzero().squeeze(1)  # finished rows leave: no compute for their trees
-                live, hidden, roots = live[keep], hidden[keep], roots[keep]
+                live, roots = live[keep], roots[keep]
                 kv.select_rows(keep.to(device))
+                context.select_rows(keep.to(device))
             active = ~done[live]  # all True when shrinking; finished rows are masked otherwise
             remaining = min(limits[b] - len(generated[b]) for b in live[active].tolist())
             tree = self.policy.choose(live.numel(), kv.length)
@@ -224,7 +227,7 @@ class DraftHeadsModel:
                 tree = chain_tree(0)
                 tokens = roots[:, None]
             else:
-                tokens = self.heads.propose(hidden, roots, tree.spec)
+                tokens = self.heads.propose(context.hidden, roots, tree.spec)
             mask = tree_attention_mask(kv.valid, tree.ancestor.to(device))
             positions = kv.next_pos[:, None] + tree.depth.to(device)[None, :]
             past = kv.length_with_tree()
@@ -238,7 +241,7 @@ class DraftHeadsModel:
             stats.accepted.extend(result.accepted[active.to(device)].tolist())
             stats.tree_nodes.append(tree.num_nodes)
             stats.batch_sizes.append(live.numel())
-            hidden = states[torch.arange(live.numel(), device=device), result.best]
+            context.step(states, tree, result)
             roots = result.bonus
             reported = acceptor.reported(tree_logits) if want_scores else None
             for i, b in enumerate(live.tolist()):
