@@ -115,3 +115,239 @@ def plot(rows: list[dict], overall: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+# -- batched: HF batched greedy vs every fixed tree vs the adaptive policy --------------------
+def left_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded ids + attention mask, as a tokenizer with ``padding_side='left'`` gives."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = torch.tensor(r)
+        mask[i, width - len(r):] = 1
+    return ids, mask
+
+
+def generated_counts(sequences: torch.Tensor, width: int, eos: set[int]) -> list[int]:
+    """New tokens per row up to and including its first EOS (the padding after it is not work)."""
+    counts = []
+    for row in sequences[:, width:].tolist():
+        stop = next((i for i, t in enumerate(row) if t in eos), None)
+        counts.append(len(row) if stop is None else stop + 1)
+    return counts
+
+
+def batch_divergences(base, reference: torch.Tensor, ours: torch.Tensor, mask: torch.Tensor) -> list[dict]:
+    """Per mismatching row: first differing position and the base's top-1/top-2 gap there."""
+    out = []
+    width = mask.shape[1]
+    for r in range(reference.shape[0]):
+        if reference[r].tolist() == ours[r].tolist():
+            continue
+        start = width - int(mask[r].sum())
+        diag = divergence(base, reference[r:r + 1, start:], ours[r:r + 1, start:], width - start)
+        out.append({"row": r, **(diag or {})})
+    return out
+
+
+def strategy_names(budgets: list[int], compare_mask: bool) -> list[str]:
+    names = ["hf"] + [f"fixed:{b}" for b in budgets] + ["adaptive"]
+    return names + (["adaptive:mask"] if compare_mask else [])
+
+
+def run_batch_bench(model, prompts: list[dict], batch_sizes: list[int], budgets: list[int], max_new_tokens: int,
+                    out_dir: Path, max_batches: int = 4, compare_mask: bool = True, meta: dict | None = None,
+                    surfaces: list[Path] = (), log=print) -> dict:
+    """One run, the same batches for every strategy (the first ``bs × max_batches`` prompts
+    in file order, chat template, left padding), strategies interleaved per batch so they share
+    the machine's state. Throughput = new tokens (to EOS) over the batch / wall seconds."""
+    from .cli import chat_input
+    from .decoding.generate import FixedTree, eos_token_ids, tree_for_budget
+    from .decoding.policy import AdaptivePolicy, calibrate
+
+    base, tokenizer = model.base, model.tokenizer
+    out_dir.mkdir(parents=True, exist_ok=True)
+    eos = set(eos_token_ids(base.generation_config))
+    pad = base.generation_config.pad_token_id
+    pad = pad if pad is not None else (tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos))
+    cost = calibrate(base, model.heads, log=log)
+    adaptive = AdaptivePolicy.from_heads(model.heads, cost)
+    policies = {f"fixed:{b}": FixedTree(tree_for_budget(model.heads, b)) for b in budgets}
+    policies["adaptive"] = policies["adaptive:mask"] = adaptive
+    names = strategy_names(budgets, compare_mask)
+    encoded = [chat_input(tokenizer, p["prompt"])[0].tolist() for p in prompts]
+
+    def run(name: str, ids: torch.Tensor, mask: torch.Tensor, new: int):
+        if name == "hf":
+            return base.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=pad), None
+        model.policy = policies[name]
+        model.finished_rows = "mask" if name.endswith(":mask") else "shrink"
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new, pad_token_id=pad)
+        return out, model.last_stats
+
+    warm_ids, warm_mask = left_pad(encoded[:2], pad)
+    for name in names:
+        run(name, warm_ids, warm_mask, 4)
+    adaptive.reset()  # the online τ scale starts from the checkpoint's τ, then learns through the run
+
+    results: dict = {}
+    for bs in batch_sizes:
+        batches = [encoded[i: i + bs] for i in range(0, min(len(encoded), bs * max_batches), bs)]
+        batches = [b for b in batches if len(b) == bs]
+        if not batches:
+            log(f"bs {bs}: fewer than {bs} prompts, skipped (raise --limit)")
+            continue
+        acc = {n: {"new_tokens": 0, "seconds": 0.0, "accepted": 0, "steps_rows": 0, "steps": 0, "trees": {},
+                   "mismatching_rows": 0, "mismatches": []} for n in names}
+        for bi, rows in enumerate(batches):
+            ids, mask = left_pad(rows, pad)
+            reference = None
+            for name in names:
+                out, seconds = timed(lambda: run(name, ids, mask, max_new_tokens))
+                out, stats = out
+                a = acc[name]
+                a["new_tokens"] += sum(generated_counts(out, ids.shape[1], eos))
+                a["seconds"] += seconds
+                if name == "hf":
+                    reference = out
+                    continue
+                a["accepted"] += sum(stats.accepted)
+                a["steps_rows"] += len(stats.accepted)
+                a["steps"] += stats.steps
+                for live, nodes in stats.trees_by_batch_size().items():
+                    for n, count in nodes.items():
+                        key = f"{live}:{n}"
+                        a["trees"][key] = a["trees"].get(key, 0) + count
+                diverged = batch_divergences(base, reference, out, mask)
+                a["mismatching_rows"] += len(diverged)
+                a["mismatches"] += [{"batch": bi, **d} for d in diverged]
+            log(f"bs {bs} batch {bi + 1}/{len(batches)}: " + "  ".join(
+                f"{n} {acc[n]['new_tokens'] / max(acc[n]['seconds'], 1e-9):.1f}" for n in names) + " tok/s")
+        table = {}
+        for name, a in acc.items():
+            entry = {"new_tokens": a["new_tokens"], "seconds": round(a["seconds"], 3),
+                     "tokens_per_second": round(a["new_tokens"] / a["seconds"], 3)}
+            if name != "hf":
+                entry.update({"tau": round((a["accepted"] + a["steps_rows"]) / max(1, a["steps_rows"]), 4),
+                              "verify_steps": a["steps"],
+                              "trees_live_rows_to_nodes": dict(sorted(a["trees"].items(),
+                                                                      key=lambda kv: tuple(map(int, kv[0].split(":"))))),
+                              "mismatching_rows": a["mismatching_rows"],
+                              "mismatches_not_near_tie": sum(not m.get("near_tie", False) for m in a["mismatches"]),
+                              "mismatches": a["mismatches"]})
+            table[name] = entry
+        hf_tps = table["hf"]["tokens_per_second"]
+        for entry in table.values():
+            entry["speedup_vs_hf"] = round(entry["tokens_per_second"] / hf_tps, 4)
+        best_fixed = max((n for n in table if n.startswith("fixed:") or n == "hf"),
+                         key=lambda n: table[n]["tokens_per_second"])
+        ctx = int(sum(len(r) for b in batches for r in b) / sum(len(b) for b in batches)) + max_new_tokens // 2
+        predicted = adaptive.rank(bs, ctx)
+        results[str(bs)] = {"batches": len(batches), "prompts": len(batches) * bs, "strategies": table,
+                            "best_of_fixed_and_hf": best_fixed,
+                            "adaptive_vs_best": round(table["adaptive"]["tokens_per_second"]
+                                                      / table[best_fixed]["tokens_per_second"], 4),
+                            "policy_prediction": {"context": ctx, "tau_scale": round(adaptive.scale, 4),
+                                                  "ranked": [asdict_choice(c) for c in predicted]}}
+    payload = {"meta": {**{k: (v if isinstance(v, (int, float, str, bool, type(None))) else str(v))
+                           for k, v in (meta or {}).items()},
+                        "max_new_tokens": max_new_tokens, "batch_sizes": batch_sizes, "budgets": budgets,
+                        "torch": torch.__version__, "threads": torch.get_num_threads(),
+                        "machine": platform.processor() or platform.machine(), "dtype": str(base.dtype),
+                        "calibration_seconds": cost.meta.get("seconds")},
+               "results": results, "gpu_surfaces": policy_on_surfaces(model.heads, list(surfaces)),
+               "calibration": cost.to_dict()}
+    (out_dir / "results.json").write_text(json.dumps(payload, indent=1) + "\n")
+    plot_throughput(results, out_dir / "throughput.png", max_new_tokens)
+    plot_surface(cost, adaptive, out_dir / "latency_surface.png")
+    return payload
+
+
+def policy_on_surfaces(heads, paths: list[Path], batch_sizes=(1, 2, 4, 8, 16, 32, 64)) -> dict:
+    """What the adaptive policy would choose on measured GPU forward costs (no drafting or loop
+    overhead in those files, checkpoint τ): predicted speedups over plain decoding, not measured."""
+    from .decoding.policy import AdaptivePolicy, load_cost_surface
+
+    out = {}
+    for path in paths:
+        cost = load_cost_surface(path)
+        policy = AdaptivePolicy.from_heads(heads, cost, learn=False)
+        ctx = int(cost.meta.get("ctx", 512))
+        rows = {}
+        for bs in batch_sizes:
+            ranked = policy.rank(bs, ctx)
+            plain = next(c for c in ranked if c.budget == 0)
+            rows[str(bs)] = {"budget": ranked[0].budget, "predicted_speedup_vs_plain":
+                             round(ranked[0].tokens_per_second / plain.tokens_per_second, 3)}
+        out[Path(path).name] = {"model": cost.meta.get("model"), "device": cost.meta.get("device"), "ctx": ctx,
+                                "choice": rows}
+    return out
+
+
+def asdict_choice(choice) -> dict:
+    return {"budget": choice.budget, "nodes": choice.nodes, "tau": round(choice.tau, 4),
+            "step_ms": round(choice.step_ms, 2), "tokens_per_second": round(choice.tokens_per_second, 2)}
+
+
+def plot_throughput(results: dict, path: Path, max_new_tokens: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = [int(b) for b in results]
+    names = list(next(iter(results.values()))["strategies"]) if results else []
+    fig, ax = plt.subplots(figsize=(7.5, 4.6))
+    for name in names:
+        ys = [results[str(b)]["strategies"][name]["tokens_per_second"] for b in sizes]
+        style = {"hf": dict(color="k", lw=2.2), "adaptive": dict(color="tab:red", lw=2.2, marker="s"),
+                 "adaptive:mask": dict(color="tab:red", lw=1, ls="--", marker="x")}.get(name, dict(lw=1, marker="o", ms=3))
+        ax.plot(sizes, ys, label="HF generate (batched greedy)" if name == "hf" else name, **style)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes, [str(s) for s in sizes])
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("generated tokens / s (whole batch)")
+    ax.set_title(f"SmolLM2-135M + Medusa heads, MT-Bench, {max_new_tokens} new tokens")
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_surface(cost, policy, path: Path) -> None:
+    """Left: profiled step latency vs tree slots per batch size (forward + loop overhead);
+    right: the policy's chosen budget per batch size at each calibrated context."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    contexts = list(cost.forward.points)
+    fig, axes = plt.subplots(1, len(contexts) + 1, figsize=(5 * (len(contexts) + 1), 4.2))
+    for ax, ctx in zip(axes, contexts):
+        for bs, points in cost.forward.points[ctx].items():
+            qs = [q for q, _ in points]
+            ax.plot(qs, [ms for _, ms in points], "o-", ms=3, label=f"bs {bs}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("query tokens per row (tree slots)")
+        ax.set_ylabel("forward ms (measured)")
+        ax.set_title(f"context {ctx}")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    ax = axes[-1]
+    sizes = [1, 2, 4, 8, 16, 32, 64]
+    for ctx in contexts:
+        ax.plot(sizes, [policy.rank(bs, ctx)[0].budget for bs in sizes], "o-", label=f"context {ctx}")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes, [str(s) for s in sizes])
+    ax.set_xlabel("live batch size")
+    ax.set_ylabel("chosen node budget (0 = plain)")
+    ax.set_title(f"adaptive choice (τ scale {policy.scale:.2f})")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

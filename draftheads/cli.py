@@ -1,5 +1,6 @@
 """The ``draftheads`` command: ``generate`` (stream an answer, report tokens/s, τ, speedup),
-``bench`` (plain HF greedy generate vs draftheads on a prompt file, one run, JSON + PNG) and
+``bench`` (plain HF greedy generate vs draftheads on a prompt file, one run, JSON + PNG; with
+``--batch-sizes``: batched HF generate vs every fixed tree vs the adaptive policy) and
 ``train`` (train heads from a recipe)."""
 from __future__ import annotations
 
@@ -85,10 +86,52 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def tree_argument(value: str) -> str | int:
+    """``--tree``: ``adaptive`` or a node budget."""
+    if value.strip().lower() == "adaptive":
+        return "adaptive"
+    try:
+        budget = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'adaptive' or a node budget (an integer), got {value!r}") from None
+    if budget < 0:
+        raise argparse.ArgumentTypeError(f"a node budget must be >= 0, got {budget}")
+    return budget
+
+
+def int_list(value: str) -> list[int]:
+    try:
+        items = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {value!r}") from None
+    if not items or min(items) < 0:
+        raise argparse.ArgumentTypeError(f"expected non-negative integers, got {value!r}")
+    return items
+
+
 def cmd_bench(args) -> int:
-    from .bench import run_bench
+    from .bench import run_batch_bench, run_bench
 
     model = load_model(args)
+    if args.batch_sizes:
+        if min(args.batch_sizes) < 1:
+            raise SystemExit("error: --batch-sizes must be positive.")
+        if model.heads is None:
+            raise SystemExit("error: --batch-sizes compares tree strategies and needs heads (--heads).")
+        stored = sorted(int(b) for b in model.heads.config.trees)
+        budgets = args.budgets if args.budgets is not None else [0] + [b for b in stored if b in (1, 2, 4, 8, 16)]
+        unknown = [b for b in budgets if b and b not in stored]
+        if unknown:
+            raise SystemExit(f"error: no stored tree for budget(s) {unknown}; the checkpoint stores {stored}.")
+        prompts = read_prompts(args.prompts, args.limit or max(args.batch_sizes) * args.max_batches)
+        out = Path(args.out if args.out != "results/bench" else "results/batch")
+        payload = run_batch_bench(model, prompts, args.batch_sizes, budgets, args.max_new_tokens, out,
+                                  max_batches=args.max_batches, compare_mask=not args.no_mask_compare,
+                                  meta=vars(args), surfaces=sorted(Path(args.prompts).parent.glob("cost_surfaces/cost_*.json")))
+        summary = {bs: {name: s["tokens_per_second"] for name, s in r["strategies"].items()}
+                   for bs, r in payload["results"].items()}
+        print(json.dumps(summary, indent=1))
+        return 0
     prompts = read_prompts(args.prompts, args.limit)
     results = run_bench(model, prompts, args.max_new_tokens, Path(args.out), meta=vars(args))
     print(json.dumps(results["overall"], indent=2))
@@ -102,15 +145,27 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--heads", default=DEFAULT_HEADS, help="head checkpoint directory, or 'none' for plain decoding")
     common.add_argument("--base", default=None, help="base model dir / Hub id / .gguf (default: embedded SmolLM2)")
     common.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    common.add_argument("--tree", type=int, default=None, help="tree node budget (default: the checkpoint's)")
-    common.add_argument("--max-new-tokens", type=int, default=128)
+    common.add_argument("--tree", type=tree_argument, default=None,
+                        help="'adaptive' (choose per live batch size from this machine's calibrated cost model; "
+                             "first use calibrates for ~1-2 min, then cached) or a tree node budget "
+                             "(default: the checkpoint's)")
+    common.add_argument("--max-new-tokens", type=int, default=None,
+                        help="default 128 (32 for the batched bench, which runs ~9 strategies x 6 batch sizes)")
     gen = sub.add_parser("generate", parents=[common], help="answer one prompt, streaming")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--no-baseline", action="store_true", help="skip the plain-generate comparison")
     gen.set_defaults(func=cmd_generate)
     bench = sub.add_parser("bench", parents=[common], help="HF generate vs draftheads on a prompt file")
     bench.add_argument("--prompts", required=True)
-    bench.add_argument("--limit", type=int, default=None)
+    bench.add_argument("--limit", type=int, default=None,
+                       help="use the first N prompts (batched default: max batch size x --max-batches)")
+    bench.add_argument("--batch-sizes", type=int_list, default=None,
+                       help="e.g. 1,2,4,8,16,32: batched HF generate vs each fixed tree vs adaptive, JSON + PNGs")
+    bench.add_argument("--budgets", type=int_list, default=None,
+                       help="fixed tree budgets to compare (default: 0 and the stored ones among 1,2,4,8,16)")
+    bench.add_argument("--max-batches", type=int, default=2, help="batches per batch size (batched bench)")
+    bench.add_argument("--no-mask-compare", action="store_true",
+                       help="skip the 'adaptive:mask' strategy (finished rows masked instead of dropped)")
     bench.add_argument("--out", default="results/bench")
     bench.set_defaults(func=cmd_bench)
     train = sub.add_parser("train", help="train draft heads from a recipe (same as python -m draftheads.training.train)")
@@ -129,6 +184,8 @@ def cmd_train(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "max_new_tokens", 1) is None:
+        args.max_new_tokens = 32 if getattr(args, "batch_sizes", None) else 128
     if getattr(args, "max_new_tokens", 1) <= 0:
         raise SystemExit("error: --max-new-tokens must be positive.")
     return args.func(args)

@@ -262,3 +262,25 @@ def test_from_pretrained_adaptive_uses_the_calibrated_policy(tmp_path, monkeypat
     assert out.tolist() == model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
                                           pad_token_id=0).tolist()
     assert isinstance(DraftHeadsModel(model, heads, tree=resolve_tree(3, model, heads)).policy, FixedTree)
+
+
+def test_cli_tree_and_batch_size_arguments():
+    from draftheads.cli import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["bench", "--prompts", "x.jsonl", "--tree", "adaptive", "--batch-sizes", "1,2,4",
+                              "--budgets", "0,4"])
+    assert args.tree == "adaptive" and args.batch_sizes == [1, 2, 4] and args.budgets == [0, 4]
+    assert parser.parse_args(["generate", "--prompt", "hi", "--tree", "8"]).tree == 8
+    for bad in (["--tree", "huge"], ["--batch-sizes", "1,x"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["bench", "--prompts", "x.jsonl", *bad])
+
+
+def test_monotone_envelope_removes_spikes_from_other_jobs():
+    from draftheads.decoding.policy import monotone_envelope
+
+    rows = [{"bs": 1, "q": q, "ctx": 64, "ms": ms} for q, ms in [(1, 50.0), (2, 600.0), (4, 70.0)]]
+    rows += [{"bs": 2, "q": 1, "ctx": 64, "ms": 55.0}, {"bs": 2, "q": 4, "ctx": 64, "ms": 90.0}]
+    smooth = {(r["bs"], r["q"]): r["ms"] for r in monotone_envelope(rows)}
+    assert smooth == {(1, 1): 50.0, (1, 2): 70.0, (1, 4): 70.0, (2, 1): 55.0, (2, 4): 90.0}
