@@ -25,7 +25,8 @@ from draftheads.decoding.tree import tree_from_paths
 from draftheads.heads import load_heads
 from draftheads.training.features import (chat_prompt_ids, extract_features, load_shards, read_jsonl,
                                           selfdistill_examples)
-from draftheads.training.heads_trainer import head_inputs, rank_matrix, topk_accuracy
+from draftheads.training.losses import topk_accuracy
+from draftheads.training.train import rank_table
 
 
 def base_answers(base, tokenizer, prompts: list[dict], max_new_tokens: int, cache: Path) -> list[dict]:
@@ -81,8 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     for path in args.checkpoints:
         heads = load_heads(path, expected_fingerprint=fp, dtype=torch.float32)
         heads.bind(base.get_output_embeddings().weight.float(), base.get_input_embeddings().weight.float())
-        labels, tokens = head_inputs(features, heads)
-        ranks = rank_matrix(heads, features.hidden.float(), labels, 16, tokens=tokens, targets=features.targets)
+        ranks = rank_table(heads, features, "teacher", torch.float32, "cpu")
         taus = {budget: tree_tau(ranks, paths) for budget, paths in heads.config.trees.items()}
         results["checkpoints"][path] = {"family": heads.family, "accuracy": topk_accuracy(ranks), "tree_tau": taus}
         print(f"{path}: {heads.family} top1 {topk_accuracy(ranks)['top1']} τ by budget {taus}", file=sys.stderr)

@@ -259,3 +259,39 @@ def test_accelerate_configs_are_valid(name):
         ds = json.loads(ds_file.read_text())
         assert ds["zero_optimization"]["stage"] == int(name[-1])
         assert ds["train_micro_batch_size_per_gpu"] == "auto" and ds["gradient_accumulation_steps"] == "auto"
+
+
+def test_contextual_family_trains_on_sequence_chunks_and_decodes_identically(tiny_setup):
+    """Hydra++ (prefix layer over the context): the framework feeds it whole sequence chunks
+    (batch_size counts chunks), KL + CE fall, and the saved heads decode token-identically."""
+    from draftheads.decoding import DraftHeadsModel
+    from draftheads.training.train import chunk_rows, sequence_chunks
+
+    report = run_inprocess(tiny_recipe(
+        tiny_setup, "hydrapp", heads__family="hydra++", heads__extra={"prefix_heads": 2}, train__batch_size=4,
+        train__chunk_length=8, train__epochs=3, run__checkpoint_every=1000))
+    log = [json.loads(line) for line in (tiny_setup / "hydrapp" / "log.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in log if "loss" in r]
+    assert losses[-1] < 0.9 * losses[0]
+    assert report["steps"] > 0 and report["train_positions_seen"] > 0
+    targets = torch.full((7, 2), 5)
+    targets[[2, 6], 1] = -1  # two examples: rows 0-2 and 3-6
+    assert sequence_chunks(targets, 2) == [(0, 2), (2, 3), (3, 5), (5, 7)]
+    assert chunk_rows([(0, 2), (2, 3)]).tolist() == [[0, 1], [2, -1]]
+    model = tiny_llama(0, dtype=torch.float64)
+    drafter = DraftHeadsModel.from_pretrained(tiny_setup / "hydrapp" / "final", base=model, tree=3)
+    assert drafter.heads.family == "hydra++"
+    prompt = torch.tensor([[5, 9, 33, 4]])
+    reference = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=24, do_sample=False)
+    assert drafter.generate(prompt, max_new_tokens=24).tolist() == reference.tolist()
+    assert drafter.last_stats.tau > 1.0  # the trained heads get drafts accepted on their own data
+
+
+def test_source_selection_caps_and_filters():
+    from draftheads.training.data import select_sources
+
+    sources = ["gsm8k-train", "t0:a", "gsm8k-train", "roleplay", "t0:b", "gsm8k-train", "code"]
+    assert select_sources(sources) == list(range(7))
+    assert select_sources(sources, caps={"gsm8k": 2, "t0": 1}) == [0, 1, 2, 3, 6]
+    assert select_sources(sources, keep=["t0", "code"]) == [1, 4, 6]
+    assert select_sources(sources, keep=["gsm8k"], caps={"gsm8k": 0}) == []

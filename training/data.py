@@ -131,12 +131,38 @@ def token_examples(records: Iterable[dict], max_length: int = 1024) -> list[Exam
     return examples
 
 
-def load_examples(kind: str, path: str | Path, tokenizer=None, max_length: int = 1024, limit: int = 0) -> list[Example]:
-    """Data of ``kind`` at ``path`` → examples (the first ``limit`` records when > 0)."""
+def select_sources(sources: list[str], keep: Iterable[str] = (), caps: dict[str, int] | None = None) -> list[int]:
+    """Indices of the records to use, in order: those whose source starts with one of ``keep``
+    (all when empty), at most N of those starting with each ``caps`` prefix. Rebalances a
+    prompt mix (e.g. the shared prompts are 45 % GSM8K) without copying the data."""
+    keep, caps = tuple(keep), dict(caps or {})
+    taken = dict.fromkeys(caps, 0)
+    chosen = []
+    for index, source in enumerate(sources):
+        if keep and not source.startswith(keep):
+            continue
+        capped = [p for p in caps if source.startswith(p)]
+        if any(taken[p] >= caps[p] for p in capped):
+            continue
+        for p in capped:
+            taken[p] += 1
+        chosen.append(index)
+    return chosen
+
+
+def load_examples(kind: str, path: str | Path, tokenizer=None, max_length: int = 1024, limit: int = 0,
+                  sources: Iterable[str] = (), source_caps: dict[str, int] | None = None) -> list[Example]:
+    """Data of ``kind`` at ``path`` → examples: records selected by ``source`` prefix and caps
+    (:func:`select_sources`), then the first ``limit`` of them when > 0."""
     if kind not in ("selfdistill", "conversations", "tokens"):
         raise DataError(f"Unknown data kind {kind!r}; use selfdistill, conversations or tokens.")
     dataset = load_records(path)
     require_columns(dataset, kind, path)
+    if tuple(sources) or source_caps:
+        if "source" not in dataset.column_names:
+            raise DataError(f"{path} has no 'source' column, so data.sources / data.source_caps cannot select "
+                            "records; remove them from the recipe.")
+        dataset = dataset.select(select_sources(dataset["source"], sources, source_caps))
     if limit:
         dataset = dataset.select(range(min(limit, len(dataset))))
     if kind == "tokens":

@@ -60,27 +60,6 @@ def selfdistill_examples(records: Iterable[dict], tokenizer, max_length: int = 1
     return examples
 
 
-def conversation_examples(records: Iterable[dict], tokenizer, max_length: int = 1024) -> list[Example]:
-    """Conversation records (``messages``: a user turn then an assistant turn, e.g. the shared
-    ``train_conversations.jsonl``) → examples over the assistant text. The text is not the
-    base's own, so training reads its labels from the base (``teacher`` in the shards)."""
-    end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    examples = []
-    for record in records:
-        messages = record.get("messages")
-        if not messages or len(messages) < 2 or messages[-1].get("role") != "assistant":
-            raise ValueError("A conversation record needs 'messages' ending with an assistant turn; "
-                             f"got keys {sorted(record)}.")
-        prompt = chat_prompt_ids(tokenizer, messages[-2]["content"])
-        answer = tokenizer.encode(messages[-1]["content"], add_special_tokens=False)
-        if isinstance(end_of_turn, int) and end_of_turn != tokenizer.unk_token_id:
-            answer.append(end_of_turn)
-        ids = (prompt + answer)[:max_length]
-        if len(ids) > len(prompt) + 1:
-            examples.append(Example(ids, len(prompt)))
-    return examples
-
-
 def shift_targets(input_ids: torch.Tensor, start: int) -> torch.Tensor:
     """For positions t = start-1 .. L-2 (the hidden state that predicts token t+1), the text
     tokens t+1 .. t+MAX_TARGETS; -1 past the end. Column 0 is the root the base emits, column

@@ -42,6 +42,8 @@ class DataSection:
     eval_examples: int = 256  # held-out examples, taken from the end of the (last) data
     limit: int = 0  # use only the first N examples (0 = all)
     max_length: int = 1024  # tokens per example (prompt + answer)
+    sources: list[str] = field(default_factory=list)  # keep records whose 'source' starts with one of these
+    source_caps: dict[str, int] = field(default_factory=dict)  # at most N records per 'source' prefix
 
 
 @dataclass
@@ -66,6 +68,7 @@ class TrainSection:
     min_lr_ratio: float = 0.0  # cosine decays to lr · min_lr_ratio
     max_grad_norm: float = 0.0  # 0 = no clipping
     seed: int = 0
+    chunk_length: int = 256  # contextual families (Hydra++): positions per sequence chunk; batch_size counts chunks
     mixed_precision: str = "bf16"  # no | bf16 | fp16 (accelerate); bf16 autocast makes CPU LM-head matmuls 2x faster
     dtype: str = "float32"  # parameter dtype of the heads (float64 for exactness tests)
 
@@ -251,10 +254,14 @@ def check_values(recipe: Recipe) -> None:
     positive = {"heads.num_heads": recipe.heads.num_heads, "heads.num_layers": recipe.heads.num_layers,
                 "train.batch_size": recipe.train.batch_size, "train.grad_accum": recipe.train.grad_accum,
                 "run.checkpoint_every": recipe.run.checkpoint_every, "run.eval_every": recipe.run.eval_every,
-                "run.log_every": recipe.run.log_every, "data.max_length": recipe.data.max_length}
+                "run.log_every": recipe.run.log_every, "data.max_length": recipe.data.max_length,
+                "train.chunk_length": recipe.train.chunk_length}
     for key, value in positive.items():
         if value < 1:
             raise RecipeError(f"Recipe key {key} must be ≥ 1, got {value}.")
+    for prefix, cap in recipe.data.source_caps.items():
+        if not isinstance(cap, int) or isinstance(cap, bool) or cap < 0:
+            raise RecipeError(f"Recipe key data.source_caps.{prefix} must be a count ≥ 0, got {cap!r}.")
     if recipe.train.lr <= 0:
         raise RecipeError(f"Recipe key train.lr must be > 0, got {recipe.train.lr}.")
     if recipe.loss.ce_weight == 0 and recipe.loss.kl_weight == 0:

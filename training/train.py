@@ -32,7 +32,7 @@ import torch
 
 from ..decoding.base import fingerprint, load_base
 from ..decoding.tree import tree_from_ranks
-from ..heads import DraftHeads, HeadConfig, build_heads
+from ..heads import REGISTRY, DraftHeads, HeadConfig, build_heads
 from .data import DataError, example_features, load_examples, resolve_data_path, shifted_rows
 from .features import Example, Features, extract_features, load_shards
 from .losses import (draft_vocab, head_cross_entropy, head_targets, head_weights, input_noise, label_counts,
@@ -112,31 +112,76 @@ def cached_features(base, examples: list[Example], directory: Path, fp: dict, ac
 
 
 class FeatureSource:
-    """Training items = cached positions (the fast path)."""
+    """Training items = cached positions (the fast path); for contextual families (Hydra++,
+    whose layer reads the context) items are sequence chunks and a batch is their rows,
+    right-padded with -1 (B, T)."""
 
-    def __init__(self, table: Features, num_heads: int):
+    def __init__(self, table: Features, num_heads: int, chunk_length: int | None = None):
         self.table = table
         self.next_rows = shifted_rows(table.targets, num_heads)
+        self.chunks = None if chunk_length is None else sequence_chunks(table.targets, chunk_length)
 
     def __len__(self) -> int:
-        return len(self.table)
+        return len(self.table) if self.chunks is None else len(self.chunks)
 
     def batch(self, items: torch.Tensor) -> tuple[Features, torch.Tensor, torch.Tensor]:
-        return self.table, items, self.next_rows[items]
+        if self.chunks is None:
+            return self.table, items, self.next_rows[items]
+        rows = chunk_rows([self.chunks[i] for i in items.tolist()])
+        return self.table, rows, self.next_rows[rows[rows >= 0]]
+
+
+def sequence_chunks(targets: torch.Tensor, max_length: int) -> list[tuple[int, int]]:
+    """Contiguous row ranges [start, end) of at most ``max_length`` positions that never cross
+    an example. The cache keeps each example's positions in order, and an example's last
+    position is the only one whose x_{t+2} is past the end (``targets[:, 1] < 0``)."""
+    chunks, start = [], 0
+    for end in (targets[:, 1] < 0).nonzero().squeeze(1).tolist():
+        chunks += [(s, min(s + max_length, end + 1)) for s in range(start, end + 1, max_length)]
+        start = end + 1
+    return chunks
+
+
+def chunk_rows(chunks: list[tuple[int, int]]) -> torch.Tensor:
+    """Row indices of each chunk, right-padded with -1: (B, T)."""
+    width = max(e - s for s, e in chunks)
+    rows = torch.full((len(chunks), width), -1, dtype=torch.long)
+    for i, (s, e) in enumerate(chunks):
+        rows[i, : e - s] = torch.arange(s, e)
+    return rows
+
+
+def head_logits(model, table: Features, rows: torch.Tensor, num_heads: int, device, dtype,
+                noise_alpha: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draft logits (P, K, V) for ``rows`` and the rows they belong to, flattened: per-position
+    families read ``rows`` (P,) directly; contextual ones read padded chunks (B, T) as sequences."""
+    safe = rows.clamp(min=0)
+    hidden = input_noise(table.hidden[safe].to(device, dtype), noise_alpha)
+    tokens = table.targets[safe, :num_heads].clamp(min=0).to(device)
+    if rows.dim() == 1:
+        return model(hidden, tokens=tokens), rows
+    valid = rows >= 0
+    logits = model(hidden, tokens=tokens, attention_mask=valid.to(device))
+    return logits[valid.to(device)], rows[valid]
 
 
 class OnTheFlySource:
-    """Training items = examples; each batch runs the frozen base over its sequences."""
+    """Training items = examples; each batch runs the frozen base over its sequences (for
+    contextual families the batch's rows come as sequence chunks, as in :class:`FeatureSource`)."""
 
-    def __init__(self, base, examples: list[Example], num_heads: int):
-        self.base, self.examples, self.num_heads = base, examples, num_heads
+    def __init__(self, base, examples: list[Example], num_heads: int, chunk_length: int | None = None):
+        self.base, self.examples, self.num_heads, self.chunk_length = base, examples, num_heads, chunk_length
 
     def __len__(self) -> int:
         return len(self.examples)
 
     def batch(self, items: torch.Tensor) -> tuple[Features, torch.Tensor, torch.Tensor]:
         table = example_features(self.base, [self.examples[i] for i in items.tolist()])
-        return table, torch.arange(len(table)), shifted_rows(table.targets, self.num_heads)
+        shifted = shifted_rows(table.targets, self.num_heads)
+        if self.chunk_length is None:
+            return table, torch.arange(len(table)), shifted
+        rows = chunk_rows(sequence_chunks(table.targets, self.chunk_length))
+        return table, rows, shifted[rows[rows >= 0]]
 
 
 def epoch_order(num_items: int, seed: int, epoch: int) -> torch.Tensor:
@@ -169,12 +214,10 @@ def compute_loss(model, heads: DraftHeads, table: Features, rows: torch.Tensor, 
                  recipe: Recipe, weights: torch.Tensor, dtype: torch.dtype, accelerator) -> tuple[torch.Tensor, dict]:
     """The recipe's objective on one micro-batch, normalized by the global label count."""
     device = accelerator.device
+    logits, rows = head_logits(model, table, rows, heads.num_heads, device, dtype, recipe.loss.noise_alpha)
     labels = head_labels(table, rows, heads, recipe.loss.labels).to(device)
-    hidden = table.hidden[rows].to(device, dtype)
-    tokens = table.targets[rows, : heads.num_heads].clamp(min=0).to(device)
     counts = accelerator.reduce(label_counts(labels), reduction="sum")
     scale = accelerator.num_processes  # DDP averages gradients over processes
-    logits = model(input_noise(hidden, recipe.loss.noise_alpha), tokens=tokens)
     loss = torch.zeros((), dtype=torch.promote_types(dtype, torch.float32), device=device)
     metrics = {}
     if recipe.loss.ce_weight:
@@ -225,19 +268,31 @@ def evaluate(heads: DraftHeads, table: Features, recipe: Recipe, dtype: torch.dt
     accuracies and the rank matrix (P, K) the tree search uses."""
     was_training = heads.training
     heads.eval()
-    count = min(len(table), recipe.run.eval_positions)
-    rows_all = torch.arange(count)
-    ranks = []
-    for start in range(0, count, batch_size):
-        rows = rows_all[start: start + batch_size]
-        labels = head_labels(table, rows, heads, recipe.loss.labels).to(accelerator.device)
-        with accelerator.autocast():
-            logits = heads(table.hidden[rows].to(accelerator.device, dtype),
-                           tokens=table.targets[rows, : heads.num_heads].clamp(min=0).to(accelerator.device))
-        ranks.append(label_ranks(logits.float(), labels, EVAL_RANK_CAP).cpu())
+    with accelerator.autocast():
+        ranks = rank_table(heads, table, recipe.loss.labels, dtype, accelerator.device, recipe.run.eval_positions,
+                           recipe.train.chunk_length, batch_size)
     heads.train(was_training)
-    ranks = torch.cat(ranks)
     return topk_accuracy(ranks), ranks
+
+
+@torch.no_grad()
+def rank_table(heads: DraftHeads, table: Features, labels_from: str = "teacher", dtype=torch.float32, device="cpu",
+               max_positions: int = 0, chunk_length: int = 256, batch_size: int = 2048) -> torch.Tensor:
+    """Rank of each held-out label in its head's draft distribution (P, K), capped at
+    EVAL_RANK_CAP, over the first ``max_positions`` rows (0 = all; contextual families score
+    whole sequence chunks, so they may stop a little past it)."""
+    count = min(len(table), max_positions) if max_positions else len(table)
+    if heads.contextual:
+        chunks = [c for c in sequence_chunks(table.targets, chunk_length) if c[0] < count]
+        batches = [chunk_rows(chunks[i: i + 8]) for i in range(0, len(chunks), 8)]
+    else:
+        batches = [torch.arange(s, min(s + batch_size, count)) for s in range(0, count, batch_size)]
+    ranks = []
+    for rows in batches:
+        logits, flat = head_logits(heads, table, rows, heads.num_heads, device, dtype)
+        labels = head_labels(table, flat, heads, labels_from).to(device)
+        ranks.append(label_ranks(logits.float(), labels, EVAL_RANK_CAP).cpu())
+    return torch.cat(ranks)
 
 
 # -- run state -----------------------------------------------------------------------------------------------
@@ -392,23 +447,26 @@ def train(recipe: Recipe) -> dict:
     set_seed(recipe.train.seed)
     dtype = DTYPES[recipe.train.dtype]
     k = recipe.heads.num_heads
+    chunking = recipe.train.chunk_length if getattr(REGISTRY.get(recipe.heads.family), "contextual", False) else None
 
     with unsharded_loading(accelerator):
         base, tokenizer = load_frozen_base(recipe.base, recipe.base_dtype)
     parts = frozen_parts(base, dtype)
     paths = [recipe.data.path] if isinstance(recipe.data.path, str) else recipe.data.path
     examples = [e for path in paths
-                for e in load_examples(recipe.data.kind, path, tokenizer, recipe.data.max_length, recipe.data.limit)]
+                for e in load_examples(recipe.data.kind, path, tokenizer, recipe.data.max_length, recipe.data.limit,
+                                       recipe.data.sources, recipe.data.source_caps)]
     train_examples, eval_examples = split_examples(examples, recipe.data.eval_examples)
     if recipe.data.features_dir:
         cache = Path(recipe.data.features_dir)
-        source = FeatureSource(cached_features(base, train_examples, cache / "train", parts.fingerprint, accelerator), k)
+        source = FeatureSource(cached_features(base, train_examples, cache / "train", parts.fingerprint, accelerator),
+                               k, chunking)
         eval_table = cached_features(base, eval_examples, cache / "eval", parts.fingerprint, accelerator)
         label_ids = source.table.teacher[:, 1: k + 1]
         del base  # only the LM head and the embeddings are needed from here on
     else:
         eval_table = example_features(base, eval_examples)
-        source = OnTheFlySource(base, train_examples, k)
+        source = OnTheFlySource(base, train_examples, k, chunking)
         label_ids = torch.tensor([t for e in train_examples for t in e.input_ids[e.response_start:]])
 
     heads = new_heads(recipe, parts, label_ids, dtype).to(accelerator.device)
@@ -453,7 +511,8 @@ def train(recipe: Recipe) -> dict:
                     accelerator.clip_grad_norm_(model.parameters(), recipe.train.max_grad_norm)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-            step_positions += int(accelerator.reduce(torch.tensor(rows.numel(), device=accelerator.device), "sum"))
+            step_positions += int(accelerator.reduce(torch.tensor(int((rows >= 0).sum()), device=accelerator.device),
+                                                     "sum"))
             step_loss = step_loss + accelerator.reduce(loss.detach(), "mean").cpu() / recipe.train.grad_accum
             for name, value in metrics.items():
                 step_metrics[name] = step_metrics.get(name, 0) + accelerator.reduce(value, "mean").cpu() / recipe.train.grad_accum
