@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-DEFAULT_HEADS = "checkpoints/smollm2-135m-medusa"
+DEFAULT_HEADS = "checkpoints/smollm2-135m-hydra"
 
 
 def find_heads(path: str | None) -> str | None:

@@ -14,7 +14,7 @@ from draftheads.bench import divergence
 from draftheads.cli import chat_input
 from draftheads.decoding import DraftHeadsModel
 
-CHECKPOINT = Path(__file__).resolve().parents[1] / "checkpoints" / "smollm2-135m-medusa"
+CHECKPOINT = Path(__file__).resolve().parents[1] / "checkpoints" / "smollm2-135m-hydra"  # the default heads
 
 
 @pytest.mark.slow

@@ -593,6 +593,14 @@ def model_card(config: HeadConfig, report: dict) -> str:
     objective = " + ".join(part for part in (
         f"{loss['ce_weight']}·CE on the {loss['labels']} tokens" if loss["ce_weight"] else "",
         f"{loss['kl_weight']}·KL to the base's next-token distribution" if loss["kl_weight"] else "") if part)
+    reads = {"medusa": "its last hidden state",
+             "hydra": "its last hidden state and the input embeddings of the tokens drafted before each head",
+             "hydra++": "a trained decoder layer over its hidden states (kept incrementally while decoding) and "
+                        "the input embeddings of the tokens drafted before each head"}.get(config.family,
+                                                                                       "its last hidden state")
+    data = recipe["data"]
+    selection = "".join(f"; sources {data['sources']}" for _ in [0] if data.get("sources")) + "".join(
+        f"; at most {n} records per source prefix {p!r}" for p, n in (data.get("source_caps") or {}).items())
     return f"""---
 library_name: draftheads
 base_model: {config.base_name}
@@ -601,13 +609,13 @@ tags: [speculative-decoding, {config.family}, draft-heads]
 # {config.family} heads ({recipe['name']})
 
 {config.num_heads} {config.family} heads ({config.num_layers} layer(s) each) for `{config.base_name}`, reading
-its last hidden state and drafting through its frozen LM head over {config.draft_vocab_size or config.vocab_size}
+{reads}, and drafting through its frozen LM head over {config.draft_vocab_size or config.vocab_size}
 tokens. Load with `DraftHeadsModel.from_pretrained("<this directory>")`; any other base is refused
 (fingerprint `{config.base_fingerprint}`).
 
 ## Training
 - Command: `{report['command']}` (recipe `{recipe['name']}`)
-- Data: `{recipe['data']['path']}` ({recipe['data']['kind']}), held-out: last {recipe['data']['eval_examples']} examples
+- Data: `{data['path']}` ({data['kind']}{selection}), held-out: last {data['eval_examples']} examples
 - Objective: {objective}; head k weighted {loss['head_decay']}^k; input noise α={loss['noise_alpha']}
 - AdamW lr {recipe['train']['lr']}, warmup {recipe['train']['warmup_ratio']}, cosine; batch
   {recipe['train']['batch_size']} × {report['processes']} process(es) × {recipe['train']['grad_accum']} accumulation;
