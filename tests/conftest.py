@@ -29,6 +29,17 @@ def tiny_llama(seed: int = 0, vocab: int = 96, dtype=torch.float64, max_pos: int
     return model
 
 
+def left_pad(prompts: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A left-padded batch and its attention mask, as a tokenizer with padding_side='left' gives."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):] = torch.tensor(p)
+        mask[row, width - len(p):] = 1
+    return ids, mask
+
+
 class OracleHeads(DraftHeads):
     """Knows each row's true greedy continuation; proposes it on rank-0 paths, with errors."""
 

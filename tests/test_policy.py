@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from conftest import DATA, OracleHeads, tiny_llama
+from conftest import DATA, OracleHeads, left_pad, tiny_llama
 from draftheads.decoding import DraftHeadsModel, chain_tree, tree_from_paths
 from draftheads.decoding.generate import FixedTree, resolve_tree
 from draftheads.decoding.policy import (AdaptivePolicy, CalibrationConfig, Candidate, CostModel, LatencyTable,
@@ -195,16 +195,6 @@ def chaotic_llama(seed: int = 0) -> "torch.nn.Module":
 
 MODEL = chaotic_llama(0)
 PAD = 0
-
-
-def left_pad(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), PAD)
-    mask = torch.zeros_like(ids)
-    for row, p in enumerate(prompts):
-        ids[row, width - len(p):] = torch.tensor(p)
-        mask[row, width - len(p):] = 1
-    return ids, mask
 
 
 def batch_sensitive_policy() -> AdaptivePolicy:

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import GenerationConfig, set_seed
 
-from conftest import OracleHeads, tiny_llama
+from conftest import OracleHeads, left_pad, tiny_llama
 from draftheads.decoding import DraftHeadsModel, tree_from_paths
 from draftheads.decoding.accept import lossless_accept, sample_from, typical_accept, children_table
 from draftheads.decoding.sampling import logits_processors, processed_scores, Typical
@@ -318,16 +318,6 @@ def test_processors_match_transformers():
         ours = processed_scores(logits_processors(config), logits, history, torch.full((2, 1), VOCAB),
                                 torch.zeros(1, 1, dtype=torch.long))[:, 0]
         assert torch.equal(ours, expected), kwargs
-
-
-def left_pad(prompts: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad)
-    mask = torch.zeros_like(ids)
-    for row, p in enumerate(prompts):
-        ids[row, width - len(p):] = torch.tensor(p)
-        mask[row, width - len(p):] = 1
-    return ids, mask
 
 
 def test_greedy_with_repetition_penalty_matches_transformers():
