@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .base import tree_attention_mask
+
 
 @dataclass
 class KVState:
@@ -57,6 +59,15 @@ class KVState:
         self.valid = old | ((keep >= self.end[:, None]) & (keep < new_end[:, None]))
         self.end = new_end
         self.next_pos = self.next_pos + count
+
+    def tree_inputs(self, ancestor: torch.Tensor, depth: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """For one step's tree (ancestor (N, N), depth (N,)): the 4D mask over this cache + the
+        tree, each slot's position, and the cache length before the tree is appended (what
+        :meth:`commit` adds to the accepted slots)."""
+        device = self.valid.device
+        mask = tree_attention_mask(self.valid, ancestor.to(device))
+        positions = self.next_pos[:, None] + depth.to(device)[None, :]
+        return mask, positions, self.length_with_tree()
 
     def length_with_tree(self) -> int:
         return int(self.cache.get_seq_length())

@@ -12,7 +12,6 @@ import torch
 
 from ..heads import DraftHeads
 from .accept import Acceptance
-from .base import tree_attention_mask
 from .cache import KVState
 from .tree import Tree
 
@@ -42,10 +41,7 @@ class HeadContext:
         if self.kv is None:
             self.hidden = states[rows, result.best]
             return
-        device = states.device
-        past = self.kv.length_with_tree()
-        mask = tree_attention_mask(self.kv.valid, tree.ancestor.to(device))
-        positions = self.kv.next_pos[:, None] + tree.depth.to(device)[None, :]
+        mask, positions, past = self.kv.tree_inputs(tree.ancestor, tree.depth)
         out = self.heads.contextualize(states, positions, mask, self.kv.cache)
         self.kv.commit(result.path + past, result.accepted + 1)
         self.hidden = out[rows, result.best]

@@ -17,7 +17,7 @@ from typing import Protocol
 import torch
 
 from ..heads import DraftHeads, load_heads
-from .base import fingerprint, load_base, prefill, tree_attention_mask, verify
+from .base import fingerprint, load_base, prefill, verify
 from .cache import KVState
 from .context import HeadContext
 from .sampling import Acceptor, Typical, check_sampling_config, resolve_acceptance
@@ -228,9 +228,7 @@ class DraftHeadsModel:
                 tokens = roots[:, None]
             else:
                 tokens = self.heads.propose(context.hidden, roots, tree.spec)
-            mask = tree_attention_mask(kv.valid, tree.ancestor.to(device))
-            positions = kv.next_pos[:, None] + tree.depth.to(device)[None, :]
-            past = kv.length_with_tree()
+            mask, positions, past = kv.tree_inputs(tree.ancestor, tree.depth)
             states = verify(self.base, tokens, positions, mask, kv.cache)
             tree_logits = self.base.lm_head(states)  # (B, N, V)
             result = acceptor.accept(tokens, tree, tree_logits, live)

@@ -83,7 +83,7 @@ class HydraHeads(DraftHeads):
         batch, nodes = roots.shape[0], tree.num_nodes
         tokens = torch.empty(batch, nodes, dtype=torch.long, device=roots.device)
         tokens[:, 0] = roots
-        # path_embeddings[b, slot] = embeddings root→slot (filled level by level)
+        # paths[slot] = (B, depth+1, dim): the embeddings of the tokens root→slot, filled level by level
         paths: dict[int, torch.Tensor] = {0: self.embed(roots, hidden.dtype)[:, None, :]}
         levels = _levels(tuple(tree.parent.tolist()), tuple(tree.depth.tolist()), tuple(tree.rank.tolist()))
         for d, (parents, children, parent_index, ranks) in enumerate(levels):

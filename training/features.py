@@ -142,10 +142,11 @@ def extract_features(model, examples: list[Example], directory: str | Path, fing
     directory.mkdir(parents=True, exist_ok=True)
     num_shards = (len(examples) + shard_examples - 1) // shard_examples
     paths = [shard_path(directory, i) for i in range(num_shards)]
-    todo = [i for i, p in enumerate(paths)
-            if not _shard_matches(p, fingerprint, examples_digest(examples[i * shard_examples: (i + 1) * shard_examples]))]
+    chunks = [examples[i * shard_examples: (i + 1) * shard_examples] for i in range(num_shards)]
+    digests = [examples_digest(chunk) for chunk in chunks]
+    todo = [i for i, p in enumerate(paths) if not _shard_matches(p, fingerprint, digests[i])]
     for index in tqdm(todo, desc="feature shards", unit="shard"):
-        chunk = examples[index * shard_examples: (index + 1) * shard_examples]
+        chunk = chunks[index]
         hidden, targets, teacher = [], [], []
         for batch in batches_by_tokens(chunk, max_batch_tokens):
             for example, (states, predicted) in zip(batch, hidden_states(model, batch)):
@@ -154,7 +155,7 @@ def extract_features(model, examples: list[Example], directory: str | Path, fing
                 teacher.append(shift_teacher(predicted))
         write_shard(paths[index], torch.cat(hidden), torch.cat(targets), torch.cat(teacher),
                     {"fingerprint": fingerprint, "examples": len(chunk), "format": FEATURE_FORMAT,
-                     "digest": examples_digest(chunk)})
+                     "digest": digests[index]})
     return paths
 
 
