@@ -3,6 +3,7 @@ from .protocol import (CheckpointError, DraftHeads, HeadConfig, REGISTRY, TreeSp
                        read_config, register)
 from .medusa import MedusaHeads, ResBlock
 from .hydra import HydraHeads
+from .amphista import AmphistaHeads
 
-__all__ = ["CheckpointError", "DraftHeads", "HeadConfig", "HydraHeads", "MedusaHeads", "REGISTRY", "ResBlock", "TreeSpec",
-           "build_heads", "load_heads", "read_config", "register"]
+__all__ = ["AmphistaHeads", "CheckpointError", "DraftHeads", "HeadConfig", "HydraHeads", "MedusaHeads", "REGISTRY",
+           "ResBlock", "TreeSpec", "build_heads", "load_heads", "read_config", "register"]
