@@ -129,3 +129,54 @@ def label_ranks(logits: torch.Tensor, labels: torch.Tensor, cap: int) -> torch.T
 def topk_accuracy(ranks: torch.Tensor, ks: tuple[int, ...] = (1, 5)) -> dict[str, list[float]]:
     """Per-head share of positions whose label is in the top-k: {"top1": [...], "top5": [...]}."""
     return {f"top{k}": [round(float((ranks[:, h] < k).float().mean()), 4) for h in range(ranks.shape[1])] for k in ks}
+
+
+# -- adversarial (KOALA) ------------------------------------------------------------------------------
+# ``real``/``fake`` (P, K) are discriminator logits (scores before the sigmoid) for the base's
+# and the heads' distribution of each head's token; positions whose label is IGNORE add nothing.
+def _masked_per_head(token_loss: torch.Tensor, labels: torch.Tensor, counts: torch.Tensor | None) -> torch.Tensor:
+    valid = labels != IGNORE
+    token_loss = torch.where(valid, token_loss, torch.zeros_like(token_loss))
+    counts = label_counts(labels) if counts is None else counts
+    return token_loss.sum(0) / counts.to(token_loss).clamp(min=1)
+
+
+def discriminator_bce(real: torch.Tensor, fake: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+                      counts: torch.Tensor | None = None, smoothing: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The discriminator's loss Σ_k w_k · mean[BCE(D(real), 1 − s) + BCE(D(fake), 0)]: REAL is the
+    base's distribution, FAKE the heads' (pass it detached: this loss trains the discriminator
+    only). ``smoothing`` s is one-sided label smoothing (Salimans et al. 2016): 2·log 2 per head
+    at chance, → 0 for a perfect discriminator (s = 0)."""
+    dtype = _loss_dtype(real)
+    real, fake = real.to(dtype), fake.to(dtype)
+    token = (F.binary_cross_entropy_with_logits(real, torch.full_like(real, 1.0 - smoothing), reduction="none")
+             + F.binary_cross_entropy_with_logits(fake, torch.zeros_like(fake), reduction="none"))
+    return _weighted(_masked_per_head(token, labels, counts), weights)
+
+
+def generator_adversarial(fake: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+                          counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The heads' non-saturating adversarial loss Σ_k w_k · mean(−log D(fake)) = mean softplus(−fake)
+    (Goodfellow et al. 2014): strong gradients exactly when the discriminator wins."""
+    fake = fake.to(_loss_dtype(fake))
+    return _weighted(_masked_per_head(F.softplus(-fake), labels, counts), weights)
+
+
+def generator_objective(supervised: torch.Tensor, adversarial: torch.Tensor | None, weight: float) -> torch.Tensor:
+    """supervised + λ · adversarial; λ = 0 (or no adversarial term) returns ``supervised`` itself,
+    so a run with λ = 0 optimizes the very same graph as a plain supervised run."""
+    if not weight or adversarial is None:
+        return supervised
+    return supervised + weight * adversarial
+
+
+def r1_penalty(real: torch.Tensor, real_inputs: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+               counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """R1 gradient penalty (Mescheder et al. 2018) Σ_k w_k · mean ½‖∂D(real)/∂x‖² over the REAL
+    inputs x (P, K, …) that produced ``real`` (P, K) (x must require grad; the graph is kept so the
+    penalty trains the discriminator). It keeps the discriminator smooth around the data, the usual
+    stabilizer of non-saturating GANs."""
+    valid = labels != IGNORE
+    (grad,) = torch.autograd.grad(real.masked_fill(~valid, 0).sum(), real_inputs, create_graph=True)
+    token = 0.5 * grad.to(_loss_dtype(grad)).pow(2).flatten(2).sum(-1)
+    return _weighted(_masked_per_head(token, labels, counts), weights)

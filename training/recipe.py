@@ -91,6 +91,26 @@ class RunSection:
 
 
 @dataclass
+class AdversarialSection:
+    """KOALA's adversarial learning (arXiv 2408.08146) on top of any head family: a small
+    discriminator (training/adversarial.py) tells the base's next-token distribution from the
+    heads' and the heads also learn to fool it. ``enabled`` builds and trains the discriminator;
+    ``weight`` = λ is how much the heads see of it (0 = they never do: the run trains exactly
+    like the plain supervised one)."""
+
+    enabled: bool = False
+    weight: float = 0.1  # λ: generator loss = supervised + λ · (−log D(fake))
+    schedule: str = "constant"  # constant | linear (λ ramps 0 → weight over ramp_steps after warmup)
+    warmup_steps: int = 0  # optimizer steps with supervised loss only (the discriminator already trains)
+    ramp_steps: int = 0  # linear schedule: steps from 0 to the full weight
+    disc_lr: float = 1e-4  # the discriminator's own Adam (betas 0.5, 0.999)
+    disc_hidden: int = 256  # MLP width
+    disc_steps: int = 1  # discriminator updates per micro-batch (on the same batch)
+    label_smoothing: float = 0.0  # one-sided: REAL targets are 1 − s
+    grad_penalty: float = 0.0  # γ of the R1 penalty γ/2·‖∇D(real)‖² (0 = off)
+
+
+@dataclass
 class Recipe:
     name: str = "medusa-smollm2"
     base: str = "embedded"  # embedded SmolLM2, a local model dir, a Hub id in the local cache, or a .gguf
@@ -100,6 +120,7 @@ class Recipe:
     loss: LossSection = field(default_factory=LossSection)
     train: TrainSection = field(default_factory=TrainSection)
     run: RunSection = field(default_factory=RunSection)
+    adversarial: AdversarialSection = field(default_factory=AdversarialSection)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -109,6 +130,8 @@ class Recipe:
         data, loss, schedule). ``run.*`` (logging, checkpoint cadence, paths) may change."""
         data = self.to_dict()
         data.pop("run")
+        if not self.adversarial.enabled:
+            data.pop("adversarial")  # off = as before the section existed: older runs still resume
         return data
 
     def fingerprint(self) -> str:
@@ -118,7 +141,8 @@ class Recipe:
 CHOICES = {"data.kind": ("selfdistill", "conversations", "tokens"), "loss.labels": ("teacher", "text"),
            "train.mixed_precision": ("no", "bf16", "fp16"), "train.dtype": ("float32", "float64", "bfloat16"),
            "run.save_dtype": ("float32", "float64", "bfloat16", "float16"),
-           "base_dtype": ("float32", "float64", "bfloat16", "float16")}
+           "base_dtype": ("float32", "float64", "bfloat16", "float16"),
+           "adversarial.schedule": ("constant", "linear")}
 
 
 def _type_ok(value: Any, hint: Any) -> bool:
@@ -271,3 +295,27 @@ def check_values(recipe: Recipe) -> None:
     if recipe.heads.num_heads + 1 > MAX_TARGETS:
         raise RecipeError(f"Recipe key heads.num_heads={recipe.heads.num_heads}: feature shards store {MAX_TARGETS} "
                           f"tokens ahead, enough for at most {MAX_TARGETS - 1} heads.")
+    check_adversarial(recipe.adversarial)
+
+
+def check_adversarial(adv: AdversarialSection) -> None:
+    """The adversarial section's ranges (checked even when it is off, so a typo'd value never
+    waits for the day it is switched on)."""
+    for key, value in {"weight": adv.weight, "warmup_steps": adv.warmup_steps, "ramp_steps": adv.ramp_steps,
+                       "grad_penalty": adv.grad_penalty}.items():
+        if value < 0:
+            raise RecipeError(f"Recipe key adversarial.{key} must be ≥ 0, got {value}.")
+    for key, value in {"disc_hidden": adv.disc_hidden, "disc_steps": adv.disc_steps}.items():
+        if value < 1:
+            raise RecipeError(f"Recipe key adversarial.{key} must be ≥ 1, got {value}.")
+    if adv.disc_lr <= 0:
+        raise RecipeError(f"Recipe key adversarial.disc_lr must be > 0, got {adv.disc_lr}.")
+    if not 0 <= adv.label_smoothing < 0.5:
+        raise RecipeError(f"Recipe key adversarial.label_smoothing must be in [0, 0.5) (REAL targets become "
+                          f"1 − s), got {adv.label_smoothing}.")
+    if adv.schedule == "linear" and adv.ramp_steps < 1:
+        raise RecipeError("Recipe key adversarial.schedule=linear needs adversarial.ramp_steps ≥ 1 (the steps over "
+                          "which λ grows to adversarial.weight); use schedule: constant for a fixed λ.")
+    if adv.schedule == "constant" and adv.ramp_steps:
+        raise RecipeError(f"Recipe key adversarial.ramp_steps={adv.ramp_steps} only applies to schedule: linear "
+                          "(the schedule is constant).")

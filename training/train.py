@@ -15,6 +15,10 @@ run killed at any moment continues from its last checkpoint as if it had never s
 Data-parallel runs split each global batch across processes and normalize each head's loss
 by the label count of the *global* batch, so N processes × batch B train exactly like one
 process × batch N·B.
+
+KOALA (``adversarial.enabled``, see training/adversarial.py) works on top of any family: a
+discriminator with its own optimizer (both in every checkpoint) learns to tell the base's
+next-token distribution from the heads', and the heads add λ·(−log D(fake)) to their loss.
 """
 from __future__ import annotations
 
@@ -33,10 +37,11 @@ import torch
 from ..decoding.base import fingerprint, load_base
 from ..decoding.tree import tree_from_ranks
 from ..heads import REGISTRY, DraftHeads, HeadConfig, build_heads
+from .adversarial import Adversary, expected_embedding, koala_info
 from .data import DataError, example_features, load_examples, resolve_data_path, shifted_rows
 from .features import Example, Features, extract_features, load_shards
-from .losses import (draft_vocab, head_cross_entropy, head_targets, head_weights, input_noise, label_counts,
-                     label_ranks, mask_labels, teacher_kl, teacher_logits, topk_accuracy)
+from .losses import (draft_vocab, generator_objective, head_cross_entropy, head_targets, head_weights, input_noise,
+                     label_counts, label_ranks, mask_labels, teacher_kl, teacher_logits, topk_accuracy)
 from .recipe import Recipe, RecipeError, load_recipe
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -211,8 +216,11 @@ def head_labels(table: Features, rows: torch.Tensor, heads: DraftHeads, source: 
 
 
 def compute_loss(model, heads: DraftHeads, table: Features, rows: torch.Tensor, next_rows: torch.Tensor,
-                 recipe: Recipe, weights: torch.Tensor, dtype: torch.dtype, accelerator) -> tuple[torch.Tensor, dict]:
-    """The recipe's objective on one micro-batch, normalized by the global label count."""
+                 recipe: Recipe, weights: torch.Tensor, dtype: torch.dtype, accelerator,
+                 adversary: Adversary | None = None, step: int = 0) -> tuple[torch.Tensor, dict]:
+    """The recipe's objective on one micro-batch, normalized by the global label count. With an
+    ``adversary`` (KOALA), its discriminator first takes its steps on this batch (REAL = the
+    base's distribution, FAKE = the heads', detached), then the heads' loss adds λ(step)·(−log D)."""
     device = accelerator.device
     logits, rows = head_logits(model, table, rows, heads.num_heads, device, dtype, recipe.loss.noise_alpha)
     labels = head_labels(table, rows, heads, recipe.loss.labels).to(device)
@@ -224,15 +232,42 @@ def compute_loss(model, heads: DraftHeads, table: Features, rows: torch.Tensor, 
         ce, per_head = head_cross_entropy(logits, labels, weights, counts)
         loss = loss + recipe.loss.ce_weight * ce * scale
         metrics["ce"] = per_head.detach() * scale
-    if recipe.loss.kl_weight:
+    if recipe.loss.kl_weight or adversary is not None:
         with torch.no_grad():
             nxt = table.hidden[next_rows.clamp(min=0)].to(device, dtype)  # (P, K, d); masked rows unused
             with accelerator.autocast():
                 target = teacher_logits(nxt, heads.draft_weight())
+    if recipe.loss.kl_weight:
         kl, per_head = teacher_kl(logits, target, labels, weights, counts, recipe.loss.temperature)
         loss = loss + recipe.loss.kl_weight * kl * scale
         metrics["kl"] = per_head.detach() * scale
+    if adversary is not None:
+        loss = adversarial_term(adversary, heads, table, rows, logits, target, labels, counts, weights, step, loss,
+                                metrics, accelerator)
     return loss, metrics
+
+
+def adversarial_term(adversary: Adversary, heads: DraftHeads, table: Features, rows: torch.Tensor,
+                     logits: torch.Tensor, target: torch.Tensor, labels: torch.Tensor, counts: torch.Tensor,
+                     weights: torch.Tensor, step: int, loss: torch.Tensor, metrics: dict, accelerator) -> torch.Tensor:
+    """Train the discriminator on this batch, then return ``loss`` + λ·adversarial (``loss``
+    itself when λ = 0: the heads' graph is then exactly the supervised one)."""
+    device, scale = accelerator.device, accelerator.num_processes
+    draft = heads.draft_weight()
+    context = table.hidden[rows.clamp(min=0)].to(device, draft.dtype)  # h_t as cached (no input noise)
+    with accelerator.autocast():
+        with torch.no_grad():
+            real = expected_embedding(target, draft)
+        fake = expected_embedding(logits, draft)
+    d_metrics = adversary.train_discriminator(real, fake.detach(), context, labels, counts,
+                                              lambda grad: accelerator.reduce(grad, "sum"))
+    metrics.update({name: value * scale for name, value in d_metrics.items()})  # global means, like ce/kl
+    lam = adversary.weight(step)
+    with contextlib.nullcontext() if lam else torch.no_grad():  # λ = 0: measured, not trained on
+        adv, per_head = adversary.generator_loss(fake, context, labels, weights, counts)
+    metrics["adv"] = per_head.detach() * scale
+    metrics["adv_weight"] = torch.tensor(float(lam), dtype=torch.float64, device=device)
+    return generator_objective(loss, adv * scale, lam)
 
 
 # -- schedule, heads, eval ----------------------------------------------------------------------------------
@@ -253,9 +288,12 @@ def new_heads(recipe: Recipe, parts: FrozenParts, label_ids: torch.Tensor, dtype
     """Fresh heads of the recipe's family, bound to the frozen LM head and embeddings; the draft
     vocabulary is the most frequent of the training labels."""
     vocab_size, d = parts.lm_head.shape
+    extra = dict(recipe.heads.extra)
+    if recipe.adversarial.enabled:  # a KOALA checkpoint says so (reports label it KOALA-<family>)
+        extra["koala"] = koala_info(recipe.heads.family, recipe.heads.num_layers, recipe.adversarial)
     config = HeadConfig(family=recipe.heads.family, num_heads=recipe.heads.num_heads,
                         num_layers=recipe.heads.num_layers, hidden_size=d, vocab_size=vocab_size,
-                        draft_vocab_size=recipe.heads.draft_vocab_size, extra=dict(recipe.heads.extra))
+                        draft_vocab_size=recipe.heads.draft_vocab_size, extra=extra)
     heads = build_heads(config).to(dtype)
     heads.vocab_ids.copy_(draft_vocab(label_ids, recipe.heads.draft_vocab_size, vocab_size))
     return heads.bind(parts.lm_head, parts.embed)
@@ -480,11 +518,18 @@ def train(recipe: Recipe) -> dict:
     optimizer = torch.optim.AdamW(heads.parameters(), lr=recipe.train.lr, weight_decay=recipe.train.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(total, recipe.train.warmup_ratio,
                                                                        recipe.train.min_lr_ratio))
+    # KOALA's discriminator: built from its own generator (the global RNG is untouched), trained
+    # by its own optimizer; both are checkpointed (after scheduler and progress, so the custom
+    # checkpoint indices of plain runs stay as they were)
+    adversary = Adversary(recipe.adversarial, heads.config.hidden_size, k, heads.draft_weight(), recipe.train.seed,
+                          accelerator.device, dtype) if recipe.adversarial.enabled else None
     model, optimizer = accelerator.prepare(heads, optimizer)
     progress = Progress()
     # the scheduler is stepped by hand once per optimizer step (accelerate's wrapper would step it
     # once per process), so it is checkpointed as a plain object
     accelerator.register_for_checkpointing(scheduler, progress)
+    if adversary is not None:
+        accelerator.register_for_checkpointing(adversary.discriminator, adversary.optimizer)
     if resume is not None:
         accelerator.load_state(str(resume))
         accelerator.print(f"[draftheads] resumed from {resume} at step {progress.step}")
@@ -505,7 +550,7 @@ def train(recipe: Recipe) -> dict:
             table, rows, next_rows = source.batch(items)
             with accelerator.accumulate(model):
                 loss, metrics = compute_loss(model, unwrapped, table, rows, next_rows, recipe, weights, dtype,
-                                             accelerator)
+                                             accelerator, adversary, progress.step)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and recipe.train.max_grad_norm > 0:
                     accelerator.clip_grad_norm_(model.parameters(), recipe.train.max_grad_norm)
@@ -527,7 +572,7 @@ def train(recipe: Recipe) -> dict:
         if progress.step % recipe.run.log_every == 0 or progress.step == total:
             record = {"step": progress.step, "loss": progress.last_loss, "lr": scheduler.get_last_lr()[0],
                       "positions": progress.positions,
-                      **{f"{name}/head{h}": float(v) for name, vals in step_metrics.items() for h, v in enumerate(vals)}}
+                      **metric_fields(step_metrics)}
             bar.set_postfix(loss=f"{progress.last_loss:.4f}")
             log.write(record)
             accelerator.log(record, step=progress.step)
@@ -551,6 +596,17 @@ def train(recipe: Recipe) -> dict:
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return report
+
+
+def metric_fields(metrics: dict) -> dict:
+    """Per-head metrics (K,) → ``name/head<h>``; scalars (e.g. adv_weight) keep their name."""
+    out = {}
+    for name, vals in metrics.items():
+        if vals.dim() == 0:
+            out[name] = float(vals)
+        else:
+            out.update({f"{name}/head{h}": float(v) for h, v in enumerate(vals)})
+    return out
 
 
 def finish(heads: DraftHeads, eval_table: Features, recipe: Recipe, parts: FrozenParts, progress: Progress,
@@ -598,15 +654,24 @@ def model_card(config: HeadConfig, report: dict) -> str:
              "hydra++": "a trained decoder layer over its hidden states (kept incrementally while decoding) and "
                         "the input embeddings of the tokens drafted before each head"}.get(config.family,
                                                                                        "its last hidden state")
+    koala = config.extra.get("koala")
+    title = koala["label"] if koala else config.family
+    adversarial = "" if not koala else (
+        f"\n- KOALA (arXiv 2408.08146): K = {koala['layers']}-layer heads, plus adversarial learning: a discriminator "
+        f"(MLP of width {koala['disc_hidden']}, Adam lr {koala['disc_lr']}, {koala['disc_steps']} update(s) per batch, "
+        f"label smoothing {koala['label_smoothing']}, R1 γ={koala['grad_penalty']}) tells the base's next-token "
+        f"distribution from the heads', and the heads add λ·(−log D) with λ={koala['adversarial_weight']} "
+        f"({koala['schedule']}" + (f", ramp {koala['ramp_steps']} steps" if koala["schedule"] == "linear" else "")
+        + f", after {koala['warmup_steps']} supervised-only steps); the discriminator is not part of this checkpoint")
     data = recipe["data"]
     selection = "".join(f"; sources {data['sources']}" for _ in [0] if data.get("sources")) + "".join(
         f"; at most {n} records per source prefix {p!r}" for p, n in (data.get("source_caps") or {}).items())
     return f"""---
 library_name: draftheads
 base_model: {config.base_name}
-tags: [speculative-decoding, {config.family}, draft-heads]
+tags: [speculative-decoding, {config.family}, draft-heads{", koala" if koala else ""}]
 ---
-# {config.family} heads ({recipe['name']})
+# {title} heads ({recipe['name']})
 
 {config.num_heads} {config.family} heads ({config.num_layers} layer(s) each) for `{config.base_name}`, reading
 {reads}, and drafting through its frozen LM head over {config.draft_vocab_size or config.vocab_size}
@@ -616,7 +681,7 @@ tokens. Load with `DraftHeadsModel.from_pretrained("<this directory>")`; any oth
 ## Training
 - Command: `{report['command']}` (recipe `{recipe['name']}`)
 - Data: `{data['path']}` ({data['kind']}{selection}), held-out: last {data['eval_examples']} examples
-- Objective: {objective}; head k weighted {loss['head_decay']}^k; input noise α={loss['noise_alpha']}
+- Objective: {objective}; head k weighted {loss['head_decay']}^k; input noise α={loss['noise_alpha']}{adversarial}
 - AdamW lr {recipe['train']['lr']}, warmup {recipe['train']['warmup_ratio']}, cosine; batch
   {recipe['train']['batch_size']} × {report['processes']} process(es) × {recipe['train']['grad_accum']} accumulation;
   {report['steps']} steps; mixed precision {report['mixed_precision']}
