@@ -12,10 +12,10 @@ FAMILIES = sorted(f for f in REGISTRY if not f.endswith("-test"))
 TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 1, 0], [1, 0, 0]]
 
 
-def random_heads(family: str, model, seed: int = 0, draft_vocab: int = 0):
+def random_heads(family: str, model, seed: int = 0, draft_vocab: int = 0, num_layers: int = 1):
     """Heads with random (non-zero) weights so drafts are diverse and mostly wrong."""
     cfg = model.config
-    heads = build_heads(HeadConfig(family=family, num_heads=3, num_layers=1, hidden_size=cfg.hidden_size,
+    heads = build_heads(HeadConfig(family=family, num_heads=3, num_layers=num_layers, hidden_size=cfg.hidden_size,
                                    vocab_size=cfg.vocab_size, draft_vocab_size=draft_vocab,
                                    base_fingerprint=fingerprint(model).to_dict()))
     torch.manual_seed(seed)
@@ -35,6 +35,20 @@ def test_family_decodes_token_identically(family, seed):
     reference = model.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=0)
     drafter = DraftHeadsModel(model, random_heads(family, model, seed), tree=tree_from_paths(TREE))
     assert drafter.generate(ids, attention_mask=mask, max_new_tokens=30).tolist() == reference.tolist()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_multilayer_heads_decode_token_identically(family):
+    """KOALA's K-layer heads (``num_layers`` > 1, distinct blocks) keep every family exact."""
+    model = tiny_llama(3)
+    heads = random_heads(family, model, seed=3, num_layers=3)
+    blocks = [m for m in heads.modules() if type(m).__name__ == "ResBlock"]
+    assert len({id(b.linear.weight) for b in blocks}) == len(blocks) >= 3 * heads.num_heads
+    ids = torch.tensor([[0, 3, 5, 9, 33, 4], [7, 8, 9, 10, 11, 12]])
+    mask = (ids != 0).long()
+    reference = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0)
+    drafter = DraftHeadsModel(model, heads, tree=tree_from_paths(TREE))
+    assert drafter.generate(ids, attention_mask=mask, max_new_tokens=24).tolist() == reference.tolist()
 
 
 @pytest.mark.parametrize("draft_vocab", [0, 40])
