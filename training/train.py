@@ -652,7 +652,9 @@ def model_card(config: HeadConfig, report: dict) -> str:
     reads = {"medusa": "its last hidden state",
              "hydra": "its last hidden state and the input embeddings of the tokens drafted before each head",
              "hydra++": "a trained decoder layer over its hidden states (kept incrementally while decoding) and "
-                        "the input embeddings of the tokens drafted before each head"}.get(config.family,
+                        "the input embeddings of the tokens drafted before each head",
+             "amphista": "its last hidden state and the input embedding of the token it just produced, through "
+                         "staged adaptation layers; the heads attend to each other bidirectionally"}.get(config.family,
                                                                                        "its last hidden state")
     koala = config.extra.get("koala")
     title = koala["label"] if koala else config.family
