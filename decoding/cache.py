@@ -42,12 +42,15 @@ class KVState:
         of the step's tree."""
         batch, width = slots.shape
         rows = torch.arange(batch, device=slots.device)[:, None]
-        dest = self.end[:, None] + torch.arange(width, device=slots.device)[None, :]
-        for layer in self.layers():
-            for name in ("keys", "values"):
-                tensor = getattr(layer, name)
-                moved = tensor[rows, :, slots]  # (B, W, H, D): gather before writing
-                tensor[rows, :, dest] = moved
+        columns = torch.arange(width, device=slots.device)[None, :]
+        dest = self.end[:, None] + columns
+        # Plain steps and root-only acceptances already sit where they belong: skip the copy.
+        if bool(((slots != dest) & (columns < count[:, None])).any()):
+            for layer in self.layers():
+                for name in ("keys", "values"):
+                    tensor = getattr(layer, name)
+                    moved = tensor[rows, :, slots]  # (B, W, H, D): gather before writing
+                    tensor[rows, :, dest] = moved
         new_end = self.end + count
         new_length = int(new_end.max())
         remove = self.length_with_tree() - new_length
