@@ -115,6 +115,11 @@ class DraftHeads(nn.Module):
         self.register_buffer("vocab_ids", torch.arange(config.draft_vocab_size or config.vocab_size), persistent=True)
         self._shared: SharedBase | None = None
         self._draft_weight: torch.Tensor | None = None
+        self._draft_casts: dict[torch.dtype, torch.Tensor] = {}
+        #: dtype of the draft readout (None = the states' dtype). Drafts are only proposals —
+        #: the base verifies them in its own dtype — so a decoder may read out in bfloat16,
+        #: which halves the LM-head rows read per call (set by ``DraftHeadsModel``, never in training).
+        self.draft_dtype: torch.dtype | None = None
 
     # -- the frozen base parts -------------------------------------------------------------
     def bind(self, lm_head_weight: torch.Tensor, embed_weight: torch.Tensor | None = None) -> "DraftHeads":
@@ -124,6 +129,7 @@ class DraftHeads(nn.Module):
                 f"but the base has {tuple(lm_head_weight.shape)}: the checkpoint was made for another base model.")
         self._shared = SharedBase(lm_head_weight.detach(), None if embed_weight is None else embed_weight.detach())
         self._draft_weight = None
+        self._draft_casts = {}
         return self
 
     @property
@@ -140,11 +146,18 @@ class DraftHeads(nn.Module):
             if self._draft_weight is None or self._draft_weight.device != weight.device:
                 self._draft_weight = weight.index_select(0, self.vocab_ids.to(weight.device))
             weight = self._draft_weight
-        return weight if dtype is None else weight.to(dtype)
+        if dtype is None or dtype == weight.dtype:
+            return weight
+        cast = self._draft_casts.get(dtype)
+        if cast is None or cast.device != weight.device:  # cast once: a copy per call costs more than the matmul
+            cast = self._draft_casts[dtype] = weight.to(dtype)
+        return cast
 
     def readout(self, states: torch.Tensor) -> torch.Tensor:
-        """Draft logits over the draft vocabulary through the shared LM head."""
-        return states @ self.draft_weight(states.dtype).t()
+        """Draft logits over the draft vocabulary through the shared LM head (in ``draft_dtype``
+        when one is set)."""
+        dtype = self.draft_dtype or states.dtype
+        return states.to(dtype) @ self.draft_weight(dtype).t()
 
     def to_vocab(self, draft_index: torch.Tensor) -> torch.Tensor:
         """Map draft-vocabulary indices back to base token ids."""
