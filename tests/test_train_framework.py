@@ -76,7 +76,7 @@ def test_shifted_rows_point_at_the_teacher_position_of_the_same_sequence():
 
 
 # -- recipes ------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["medusa-smollm2", "hydra-smollm2", "hydrapp-smollm2", "medusa-vicuna7b"])
+@pytest.mark.parametrize("name", sorted(p.stem for p in RECIPES.glob("*.yaml")))
 def test_shipped_recipes_validate(name):
     recipe = load_recipe(RECIPES / f"{name}.yaml")
     assert recipe.name == name
