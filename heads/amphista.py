@@ -154,14 +154,6 @@ class AmphistaHeads(DraftHeads):
         self.heads = nn.ModuleList(nn.Sequential(*(ResBlock(d) for _ in range(config.num_layers)))
                                    for _ in range(k))
 
-    def embed(self, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Input embeddings of base token ids from the frozen, shared table (never a copy)."""
-        table = self.shared.embed_weight
-        if table is None:
-            raise RuntimeError("Amphista heads read the root token's input embedding: bind it with "
-                               "heads.bind(lm_head_weight, embed_weight).")
-        return nn.functional.embedding(tokens.clamp(min=0), table).to(dtype)
-
     def slots(self, hidden: torch.Tensor, roots: torch.Tensor) -> torch.Tensor:
         """Staged adaptation: hidden (..., d), roots (...) → each head's slot feature (..., K, d)."""
         features = []

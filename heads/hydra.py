@@ -61,14 +61,6 @@ class HydraHeads(DraftHeads):
         self.heads = nn.ModuleList(HydraHead(config.hidden_size, k + 1, config.num_layers)
                                    for k in range(config.num_heads))
 
-    def embed(self, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Input embeddings of base token ids from the frozen, shared table (never a copy)."""
-        table = self.shared.embed_weight
-        if table is None:
-            raise RuntimeError("Hydra heads read the base's input embeddings: bind them with "
-                               "heads.bind(lm_head_weight, embed_weight).")
-        return nn.functional.embedding(tokens.clamp(min=0), table).to(dtype)
-
     def forward(self, hidden: torch.Tensor, tokens: torch.Tensor | None = None, **_: object) -> torch.Tensor:
         """Teacher-forced training/eval: hidden (P, d), tokens (P, ≥K) = x_{t+1}.. → (P, K, V_draft)."""
         if tokens is None or tokens.shape[-1] < self.num_heads:

@@ -159,6 +159,15 @@ class DraftHeads(nn.Module):
         dtype = self.draft_dtype or states.dtype
         return states.to(dtype) @ self.draft_weight(dtype).t()
 
+    def embed(self, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Input embeddings of base token ids from the frozen, shared table (never a copy), for
+        families that read tokens: Hydra its drafted path, Amphista the root."""
+        table = self.shared.embed_weight
+        if table is None:
+            raise RuntimeError(f"{type(self).__name__} read the base's input embeddings: bind them with "
+                               "heads.bind(lm_head_weight, embed_weight).")
+        return nn.functional.embedding(tokens.clamp(min=0), table).to(dtype)
+
     def to_vocab(self, draft_index: torch.Tensor) -> torch.Tensor:
         """Map draft-vocabulary indices back to base token ids."""
         return self.vocab_ids[draft_index] if self.config.draft_vocab_size else draft_index

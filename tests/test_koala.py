@@ -15,7 +15,8 @@ import torch
 import yaml
 
 from conftest import tiny_llama
-from test_train_framework import KILL_AT, final_weights, run_inprocess, subprocess_env, tiny_recipe, tiny_setup  # noqa: F401
+from test_train_framework import (final_weights, kill_then_resume, run_inprocess, subprocess_env,  # noqa: F401
+                                  tiny_recipe, tiny_setup)
 from draftheads.heads import HeadConfig, build_heads
 from draftheads.training.adversarial import (Adversary, Discriminator, adversarial_weight, expected_embedding,
                                              koala_label)
@@ -249,17 +250,12 @@ def test_sigkill_then_resume_with_adversarial_matches_uninterrupted_run(tiny_set
     recipe = koala_recipe(tiny_setup, "koala-killed", adversarial, **over)
     kill_at = reference["steps"] // 2 + 3
     assert kill_at % 4 != 0 and kill_at < reference["steps"]
-    killed = subprocess.run([sys.executable, "-c", KILL_AT, str(recipe)], cwd=tiny_setup, capture_output=True,
-                            text=True, env=subprocess_env() | {"KILL_AT_STEP": str(kill_at)}, timeout=300)
-    assert killed.returncode == -9, killed.stderr[-3000:]
     run_dir = tiny_setup / "koala-killed"
-    checkpoint = run_dir / "checkpoints" / f"step-{kill_at // 4 * 4:07d}"
-    assert (checkpoint / "custom_checkpoint_2.pkl").is_file() and (checkpoint / "custom_checkpoint_3.pkl").is_file()
-    resumed = subprocess.run([sys.executable, "-m", "draftheads.training.train", str(recipe)], cwd=tiny_setup,
-                             capture_output=True, text=True, env=subprocess_env(), timeout=300)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed from" in resumed.stdout + resumed.stderr
-    report = json.loads((run_dir / "final" / "training_report.json").read_text())
+
+    def discriminator_saved(checkpoint: Path) -> None:
+        assert (checkpoint / "custom_checkpoint_2.pkl").is_file() and (checkpoint / "custom_checkpoint_3.pkl").is_file()
+
+    report = kill_then_resume(tiny_setup, recipe, run_dir, kill_at, discriminator_saved)
     assert report["steps"] == reference["steps"]
     assert report["final_loss"] == pytest.approx(reference["final_loss"], abs=1e-9, rel=0)
     ours, theirs = final_weights(run_dir), final_weights(tiny_setup / "koala-whole")

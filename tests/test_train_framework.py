@@ -172,6 +172,25 @@ sys.exit(t.main(sys.argv[1:]))
 """
 
 
+def kill_then_resume(cwd: Path, recipe: Path, run_dir: Path, kill_at: int, after_kill=None) -> dict:
+    """SIGKILL a training run right after it logs step ``kill_at`` (checkpoints every 4 steps),
+    call ``after_kill(checkpoint_dir)``, relaunch the same command, and return the finished
+    run's training report."""
+    killed = subprocess.run([sys.executable, "-c", KILL_AT, str(recipe)], cwd=cwd, capture_output=True,
+                            text=True, env=subprocess_env() | {"KILL_AT_STEP": str(kill_at)}, timeout=300)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    assert not (run_dir / "final").exists()
+    checkpoint = run_dir / "checkpoints" / f"step-{kill_at // 4 * 4:07d}"
+    assert checkpoint.is_dir()
+    if after_kill is not None:
+        after_kill(checkpoint)
+    resumed = subprocess.run([sys.executable, "-m", "draftheads.training.train", str(recipe)], cwd=cwd,
+                             capture_output=True, text=True, env=subprocess_env(), timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout + resumed.stderr
+    return json.loads((run_dir / "final" / "training_report.json").read_text())
+
+
 def test_sigkill_mid_epoch_then_resume_matches_uninterrupted_run(tiny_setup):
     """A run SIGKILLed between checkpoints and resumed ends with the same loss and weights (float64)."""
     reference = run_inprocess(tiny_recipe(tiny_setup, "whole"))
@@ -179,17 +198,8 @@ def test_sigkill_mid_epoch_then_resume_matches_uninterrupted_run(tiny_setup):
     steps_per_epoch = reference["steps"] // 2
     kill_at = steps_per_epoch + 3  # mid-epoch 2, after the checkpoint of a multiple of 4 steps
     assert kill_at % 4 != 0 and kill_at < reference["steps"]
-    killed = subprocess.run([sys.executable, "-c", KILL_AT, str(recipe)], cwd=tiny_setup, capture_output=True,
-                            text=True, env=subprocess_env() | {"KILL_AT_STEP": str(kill_at)}, timeout=300)
-    assert killed.returncode == -9, killed.stderr[-3000:]
     run_dir = tiny_setup / "killed"
-    assert not (run_dir / "final").exists()
-    assert (run_dir / "checkpoints" / f"step-{kill_at // 4 * 4:07d}").is_dir()
-    resumed = subprocess.run([sys.executable, "-m", "draftheads.training.train", str(recipe)], cwd=tiny_setup,
-                             capture_output=True, text=True, env=subprocess_env(), timeout=300)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed from" in resumed.stdout + resumed.stderr
-    report = json.loads((run_dir / "final" / "training_report.json").read_text())
+    report = kill_then_resume(tiny_setup, recipe, run_dir, kill_at)
     assert report["steps"] == reference["steps"]
     assert report["final_loss"] == pytest.approx(reference["final_loss"], abs=1e-6, rel=0)
     ours, theirs = final_weights(run_dir), final_weights(tiny_setup / "whole")
