@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from .medusa import ResBlock
-from .protocol import DraftHeads, HeadConfig, TreeSpec, register
+from .protocol import DraftHeads, HeadConfig, TreeSpec, cartesian_tokens, register
 
 #: Seed of the head-index embedding's init: construction stays independent of the global RNG
 #: state for it (other modules are zeroed after their default init anyway).
@@ -139,6 +139,7 @@ class AutoEmbeddingBlock(nn.Module):
 @register
 class AmphistaHeads(DraftHeads):
     family = "amphista"
+    display_name = "Amphista"
 
     def __init__(self, config: HeadConfig):
         super().__init__(config)
@@ -186,10 +187,5 @@ class AmphistaHeads(DraftHeads):
 
     @torch.no_grad()
     def propose(self, hidden: torch.Tensor, roots: torch.Tensor, tree: TreeSpec) -> torch.Tensor:
-        # Cartesian semantics, as Medusa: a node's token depends on its depth and rank only
-        # (the heads condition on the root, not on the drafted path).
-        candidates = self.topk(hidden, roots, int(tree.rank.max()) + 1)  # (B, K, k)
-        depth = (tree.depth.clamp(min=1) - 1).to(candidates.device)
-        tokens = candidates[:, depth, tree.rank.to(candidates.device)]  # (B, N)
-        tokens[:, 0] = roots
-        return tokens
+        # Cartesian, as Medusa: the heads condition on the root, not on the drafted path.
+        return cartesian_tokens(self.topk(hidden, roots, int(tree.rank.max()) + 1), roots, tree)

@@ -54,6 +54,7 @@ def _levels(parent: tuple[int, ...], depth: tuple[int, ...], rank: tuple[int, ..
 @register
 class HydraHeads(DraftHeads):
     family = "hydra"
+    display_name = "Hydra"
     sequential = True
 
     def __init__(self, config: HeadConfig):
@@ -146,6 +147,7 @@ class HydraPlusPlusHeads(HydraHeads):
     the cached positions of the answer), with positions counted from there."""
 
     family = "hydra++"
+    display_name = "Hydra++"
     contextual = True
 
     def __init__(self, config: HeadConfig):

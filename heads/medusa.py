@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .protocol import DraftHeads, HeadConfig, TreeSpec, register
+from .protocol import DraftHeads, HeadConfig, TreeSpec, cartesian_tokens, register
 
 
 class ResBlock(nn.Module):
@@ -27,6 +27,7 @@ class ResBlock(nn.Module):
 @register
 class MedusaHeads(DraftHeads):
     family = "medusa"
+    display_name = "Medusa"
 
     def __init__(self, config: HeadConfig):
         super().__init__(config)
@@ -50,9 +51,4 @@ class MedusaHeads(DraftHeads):
 
     @torch.no_grad()
     def propose(self, hidden: torch.Tensor, roots: torch.Tensor, tree: TreeSpec) -> torch.Tensor:
-        # Cartesian semantics: a node's token depends on its depth and rank only.
-        candidates = self.topk(hidden, int(tree.rank.max()) + 1)  # (B, K, k)
-        depth = tree.depth.clamp(min=1) - 1
-        tokens = candidates[:, depth, tree.rank]  # (B, N)
-        tokens[:, 0] = roots
-        return tokens
+        return cartesian_tokens(self.topk(hidden, int(tree.rank.max()) + 1), roots, tree)

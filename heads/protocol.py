@@ -102,6 +102,8 @@ class DraftHeads(nn.Module):
     (decoding: fill a token tree)."""
 
     family: ClassVar[str] = ""
+    #: how reports and model cards name the family ("Hydra++"); empty = ``family`` itself
+    display_name: ClassVar[str] = ""
     #: True when depth d needs the tokens drafted at depths < d (Hydra-style families).
     sequential: ClassVar[bool] = False
     #: True when the heads read their own summary of the generated context (Hydra++'s prefix
@@ -114,8 +116,7 @@ class DraftHeads(nn.Module):
         self.config = config
         self.register_buffer("vocab_ids", torch.arange(config.draft_vocab_size or config.vocab_size), persistent=True)
         self._shared: SharedBase | None = None
-        self._draft_weight: torch.Tensor | None = None
-        self._draft_casts: dict[torch.dtype, torch.Tensor] = {}
+        self._draft_weights: dict[torch.dtype, torch.Tensor] = {}  # draft rows per dtype (see draft_weight)
         #: dtype of the draft readout (None = the states' dtype). Drafts are only proposals —
         #: the base verifies them in its own dtype — so a decoder may read out in bfloat16,
         #: which halves the LM-head rows read per call (set by ``DraftHeadsModel``, never in training).
@@ -128,8 +129,7 @@ class DraftHeads(nn.Module):
                 f"These heads expect an LM head of shape ({self.config.vocab_size}, {self.config.hidden_size}) "
                 f"but the base has {tuple(lm_head_weight.shape)}: the checkpoint was made for another base model.")
         self._shared = SharedBase(lm_head_weight.detach(), None if embed_weight is None else embed_weight.detach())
-        self._draft_weight = None
-        self._draft_casts = {}
+        self._draft_weights = {}
         return self
 
     @property
@@ -139,19 +139,18 @@ class DraftHeads(nn.Module):
         return self._shared
 
     def draft_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Rows of the frozen LM head for the draft vocabulary (a gathered view, cached;
-        for the full vocabulary it is the LM head itself)."""
+        """Rows of the frozen LM head for the draft vocabulary in ``dtype`` (default: the LM
+        head's), gathered and cast once per dtype and cached (a copy per call would cost more
+        than the matmul); for the full vocabulary in the LM head's dtype it is the LM head itself."""
         weight = self.shared.lm_head_weight
-        if self.config.draft_vocab_size:
-            if self._draft_weight is None or self._draft_weight.device != weight.device:
-                self._draft_weight = weight.index_select(0, self.vocab_ids.to(weight.device))
-            weight = self._draft_weight
-        if dtype is None or dtype == weight.dtype:
+        dtype = dtype or weight.dtype
+        if not self.config.draft_vocab_size and dtype == weight.dtype:
             return weight
-        cast = self._draft_casts.get(dtype)
-        if cast is None or cast.device != weight.device:  # cast once: a copy per call costs more than the matmul
-            cast = self._draft_casts[dtype] = weight.to(dtype)
-        return cast
+        cached = self._draft_weights.get(dtype)
+        if cached is None or cached.device != weight.device:
+            rows = weight.index_select(0, self.vocab_ids.to(weight.device)) if self.config.draft_vocab_size else weight
+            cached = self._draft_weights[dtype] = rows.to(dtype)
+        return cached
 
     def readout(self, states: torch.Tensor) -> torch.Tensor:
         """Draft logits over the draft vocabulary through the shared LM head (in ``draft_dtype``
@@ -222,6 +221,22 @@ def register(cls: type[DraftHeads]) -> type[DraftHeads]:
     """Class decorator: make a family loadable by name from ``config.json``."""
     REGISTRY[cls.family] = cls
     return cls
+
+
+def display_name(family: str) -> str:
+    """A registered family's display name ("Medusa", "Hydra++"), else the family string."""
+    cls = REGISTRY.get(family)
+    return (cls.display_name if cls is not None else "") or family
+
+
+def cartesian_tokens(candidates: torch.Tensor, roots: torch.Tensor, tree: TreeSpec) -> torch.Tensor:
+    """Medusa's Cartesian tree filling for families that draft every depth in one call:
+    candidates (B, K, k) base token ids per head, best first → tree tokens (B, N); a node's
+    token depends only on its depth and rank, column 0 holds the roots."""
+    depth = (tree.depth.clamp(min=1) - 1).to(candidates.device)
+    tokens = candidates[:, depth, tree.rank.to(candidates.device)]
+    tokens[:, 0] = roots
+    return tokens
 
 
 def build_heads(config: HeadConfig) -> DraftHeads:

@@ -54,16 +54,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..heads import display_name
 from .losses import IGNORE, discriminator_bce, generator_adversarial, label_counts, r1_penalty
 
 DISC_SEED_OFFSET = 0x6B6F616C  # "koal": the discriminator's generator seed = train.seed + this
 HEAD_EMBEDDING = 16  # size of the head-index embedding
-FAMILY_NAMES = {"medusa": "Medusa", "hydra": "Hydra", "hydra++": "Hydra++", "amphista": "Amphista"}
 
 
 def koala_label(family: str) -> str:
     """"KOALA-Medusa", "KOALA-Hydra", ... (what reports call a checkpoint trained with KOALA)."""
-    return f"KOALA-{FAMILY_NAMES.get(family, family)}"
+    return f"KOALA-{display_name(family)}"
 
 
 def koala_info(family: str, num_layers: int, section) -> dict:
