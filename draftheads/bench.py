@@ -35,32 +35,50 @@ def divergence(base, reference: torch.Tensor, ours: torch.Tensor, prompt_len: in
             "our_token": got[index] if index < len(got) else None, "top1_top2_gap": gap, "near_tie": gap < NEAR_TIE}
 
 
+def hf_greedy(base, ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+    """The baseline every speedup is measured against: transformers' own greedy ``generate``."""
+    return base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False)
+
+
+def run_timing(new_tokens: int, seconds: float) -> dict:
+    return {"new_tokens": new_tokens, "seconds": round(seconds, 4), "tokens_per_second": round(new_tokens / seconds, 3)}
+
+
+def timed_hf(base, ids: torch.Tensor, max_new_tokens: int) -> tuple[torch.Tensor, dict]:
+    """HF greedy on one prompt: (its output, new tokens / seconds / tokens per second)."""
+    plain, seconds = timed(lambda: hf_greedy(base, ids, max_new_tokens))
+    return plain, run_timing(plain.shape[1] - ids.shape[1], seconds)
+
+
+def timed_draftheads(model, ids: torch.Tensor, plain: torch.Tensor, hf: dict, max_new_tokens: int) -> dict:
+    """draftheads on the prompt HF just answered (``plain``, timed in ``hf``): its timing, τ, verify
+    steps, speedup over HF and the first divergence from HF's tokens (None when identical)."""
+    ours, seconds = timed(lambda: model.generate(ids, max_new_tokens=max_new_tokens))
+    new = ours.shape[1] - ids.shape[1]
+    return {**run_timing(new, seconds), "tau": round(model.last_stats.tau, 4), "verify_steps": model.last_stats.steps,
+            "speedup": round((new / seconds) / (hf["new_tokens"] / hf["seconds"]), 4),
+            "mismatch": divergence(model.base, plain, ours, ids.shape[1])}
+
+
 def run_bench(model, prompts: list[dict], max_new_tokens: int, out_dir: Path, meta: dict | None = None) -> dict:
     from .cli import chat_input
 
     tokenizer, base = model.tokenizer, model.base
     out_dir.mkdir(parents=True, exist_ok=True)
     warm = chat_input(tokenizer, "Hello!")
-    base.generate(warm, attention_mask=torch.ones_like(warm), max_new_tokens=8, do_sample=False)
+    hf_greedy(base, warm, 8)
     model.generate(warm, max_new_tokens=8)
     rows = []
     for index, item in enumerate(prompts):
         ids = chat_input(tokenizer, item["prompt"])
-        plain, t_plain = timed(lambda: base.generate(ids, attention_mask=torch.ones_like(ids),
-                                                      max_new_tokens=max_new_tokens, do_sample=False))
-        ours, t_ours = timed(lambda: model.generate(ids, max_new_tokens=max_new_tokens))
-        stats = model.last_stats
-        n_plain, n_ours = plain.shape[1] - ids.shape[1], ours.shape[1] - ids.shape[1]
-        row = {"id": item["id"], "category": item["category"], "prompt_tokens": ids.shape[1],
-               "hf": {"new_tokens": n_plain, "seconds": round(t_plain, 4), "tokens_per_second": round(n_plain / t_plain, 3)},
-               "draftheads": {"new_tokens": n_ours, "seconds": round(t_ours, 4),
-                              "tokens_per_second": round(n_ours / t_ours, 3), "tau": round(stats.tau, 4),
-                              "verify_steps": stats.steps},
-               "speedup": round((n_ours / t_ours) / (n_plain / t_plain), 4),
-               "mismatch": divergence(base, plain, ours, ids.shape[1])}
+        plain, hf = timed_hf(base, ids, max_new_tokens)
+        ours = timed_draftheads(model, ids, plain, hf, max_new_tokens)
+        row = {"id": item["id"], "category": item["category"], "prompt_tokens": ids.shape[1], "hf": hf,
+               "draftheads": {k: ours[k] for k in ("new_tokens", "seconds", "tokens_per_second", "tau", "verify_steps")},
+               "speedup": ours["speedup"], "mismatch": ours["mismatch"]}
         rows.append(row)
         print(f"[{index + 1}/{len(prompts)}] id={item['id']} hf {row['hf']['tokens_per_second']:.1f} tok/s  "
-              f"ours {row['draftheads']['tokens_per_second']:.1f} tok/s  τ={stats.tau:.2f}  "
+              f"ours {row['draftheads']['tokens_per_second']:.1f} tok/s  τ={ours['tau']:.2f}  "
               f"speedup {row['speedup']:.2f}x{'  MISMATCH' if row['mismatch'] else ''}", flush=True)
     overall = summarize(rows)
     results = {"meta": {**{k: (v if isinstance(v, (int, float, str, bool, type(None))) else str(v))

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from .bench import hf_greedy
 from .decoding.base import fingerprint
 from .decoding.tree import tree_from_paths
 from .heads import DraftHeads
@@ -42,7 +43,7 @@ def base_answers(base, tokenizer, prompts: list[dict], max_new_tokens: int, cach
     records = []
     for item in prompts:
         ids = torch.tensor([chat_prompt_ids(tokenizer, item["prompt"])])
-        out = base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False)
+        out = hf_greedy(base, ids, max_new_tokens)
         records.append({"id": item["id"], "category": item["category"], "prompt": item["prompt"],
                         "response_ids": out[0, ids.shape[1]:].tolist()})
     if cache is not None:

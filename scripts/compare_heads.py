@@ -33,20 +33,20 @@ from typing import Callable
 
 import torch
 
-from draftheads.bench import divergence, summarize, timed
+from draftheads.bench import hf_greedy, summarize, timed, timed_draftheads, timed_hf
 from draftheads.cli import chat_input, read_prompts
 from draftheads.decoding import DraftHeadsModel, HeadContext, Tree, fingerprint, greedy_accept, load_base
 from draftheads.decoding.base import prefill, verify
 from draftheads.decoding.cache import KVState
 from draftheads.evaluation import answer_features, answers_cache_path, base_answers, score_heads
-from draftheads.heads import HeadConfig, load_heads, read_config
+from draftheads.heads import HeadConfig, display_name, load_heads, read_config
+from draftheads.training.adversarial import koala_label
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared" / "data"
 # Spec-Bench's first 80 records are MT-Bench (its "multi-turn conversation" task, first turns).
 MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 GROUP_ORDER = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
-FAMILY_NAMES = {"medusa": "Medusa", "hydra": "Hydra", "hydra++": "Hydra++", "amphista": "Amphista"}
 DASH = "—"
 Log = Callable[[str], None]
 
@@ -73,8 +73,7 @@ def group_of(category: str) -> str:
 
 def family_label(config: HeadConfig) -> str:
     """Display name; KOALA variants (``extra.koala``) keep their family's name behind a prefix."""
-    name = FAMILY_NAMES.get(config.family, config.family[:1].upper() + config.family[1:])
-    return f"KOALA-{name}" if config.extra.get("koala") else name
+    return koala_label(config.family) if config.extra.get("koala") else display_name(config.family)
 
 
 def head_parameters(heads: torch.nn.Module) -> int:
@@ -196,36 +195,19 @@ def latency_section(candidates: list[Candidate], ids: torch.Tensor, steps: int, 
 
 
 # -- speed vs HF generate -----------------------------------------------------------------------------
-def hf_generate(base, ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-    return base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False)
-
-
-def decode_entry(c: Candidate, ids: torch.Tensor, plain: torch.Tensor, hf: dict, max_new_tokens: int) -> dict:
-    """One checkpoint on one prompt, in ``bench.run_bench``'s per-prompt layout."""
-    ours, seconds = timed(lambda: c.model.generate(ids, max_new_tokens=max_new_tokens))
-    stats, new = c.model.last_stats, ours.shape[1] - ids.shape[1]
-    tps = new / seconds
-    return {"new_tokens": new, "seconds": round(seconds, 4), "tokens_per_second": round(tps, 3),
-            "tau": round(stats.tau, 4), "verify_steps": stats.steps,
-            "speedup": round(tps / hf["tokens_per_second"], 4),
-            "mismatch": divergence(c.model.base, plain, ours, ids.shape[1])}
-
-
 def run_prompt(base, tokenizer, candidates: list[Candidate], item: dict, max_new_tokens: int) -> dict:
     """HF once, then every checkpoint right after it (same machine state for all)."""
     ids = chat_input(tokenizer, item["prompt"])
-    plain, seconds = timed(lambda: hf_generate(base, ids, max_new_tokens))
-    new = plain.shape[1] - ids.shape[1]
-    hf = {"new_tokens": new, "seconds": round(seconds, 4), "tokens_per_second": round(new / seconds, 3)}
+    plain, hf = timed_hf(base, ids, max_new_tokens)
     return {"id": item["id"], "category": item["category"], "group": group_of(item["category"]),
             "prompt_tokens": ids.shape[1], "hf": hf,
-            "checkpoints": {c.name: decode_entry(c, ids, plain, hf, max_new_tokens) for c in candidates}}
+            "checkpoints": {c.name: timed_draftheads(c.model, ids, plain, hf, max_new_tokens) for c in candidates}}
 
 
 def warm_up(base, tokenizer, candidates: list[Candidate], prompt: str) -> None:
     """First calls pay one-off costs (allocations, lazy init): keep them out of the timings."""
     ids = chat_input(tokenizer, prompt)
-    hf_generate(base, ids, 4)
+    hf_greedy(base, ids, 4)
     for c in candidates:
         c.model.generate(ids, max_new_tokens=4)
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +13,7 @@ import torch
 import yaml
 
 from conftest import tiny_llama
-from test_train_framework import (final_weights, kill_then_resume, run_inprocess, subprocess_env,  # noqa: F401
+from test_train_framework import (final_weights, kill_then_resume, launch_two_processes, run_inprocess,  # noqa: F401
                                   tiny_recipe, tiny_setup)
 from draftheads.heads import HeadConfig, build_heads
 from draftheads.training.adversarial import (Adversary, Discriminator, adversarial_weight, expected_embedding,
@@ -291,13 +289,7 @@ def test_two_gloo_processes_equal_one_process_with_double_batch_adversarial(tiny
     over = dict(heads__family="medusa", heads__num_layers=2, run__checkpoint_every=1000)
     single = run_inprocess(koala_recipe(tiny_setup, "koala-one", adversarial, **over))
     recipe = koala_recipe(tiny_setup, "koala-two", adversarial, train__batch_size=32, **over)
-    launched = subprocess.run(
-        [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-         str(ROOT / "recipes" / "accelerate" / "multi_cpu.yaml"), "--main_process_port", "29519", "-m",
-         "draftheads.training.train", str(recipe)],
-        cwd=tiny_setup, capture_output=True, text=True, env=subprocess_env(), timeout=300)
-    assert launched.returncode == 0, launched.stderr[-3000:]
-    report = json.loads((tiny_setup / "koala-two" / "final" / "training_report.json").read_text())
+    report = launch_two_processes(tiny_setup, recipe, tiny_setup / "koala-two", port=29519)
     assert report["processes"] == 2 and report["steps"] == single["steps"]
     assert report["final_loss"] == pytest.approx(single["final_loss"], abs=1e-9, rel=0)
     ours, theirs = final_weights(tiny_setup / "koala-two"), final_weights(tiny_setup / "koala-one")

@@ -227,17 +227,22 @@ def test_resume_refuses_another_recipe_and_data_errors_are_clear(tiny_setup, tmp
         load_examples("selfdistill", no_column)
 
 
+def launch_two_processes(cwd: Path, recipe: Path, run_dir: Path, port: int) -> dict:
+    """``accelerate launch`` the recipe on 2 CPU processes (gloo); the finished run's report."""
+    launched = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+         str(RECIPES / "accelerate" / "multi_cpu.yaml"), "--main_process_port", str(port), "-m",
+         "draftheads.training.train", str(recipe)],
+        cwd=cwd, capture_output=True, text=True, env=subprocess_env(), timeout=300)
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    return json.loads((run_dir / "final" / "training_report.json").read_text())
+
+
 def test_two_gloo_processes_equal_one_process_with_double_batch(tiny_setup):
     """accelerate launch (2 CPU processes, gloo) × batch 32 == 1 process × batch 64."""
     single = run_inprocess(tiny_recipe(tiny_setup, "one", run__checkpoint_every=1000))
     recipe = tiny_recipe(tiny_setup, "two", train__batch_size=32, run__checkpoint_every=1000)
-    launched = subprocess.run(
-        [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-         str(RECIPES / "accelerate" / "multi_cpu.yaml"), "--main_process_port", "29517", "-m",
-         "draftheads.training.train", str(recipe)],
-        cwd=tiny_setup, capture_output=True, text=True, env=subprocess_env(), timeout=300)
-    assert launched.returncode == 0, launched.stderr[-3000:]
-    report = json.loads((tiny_setup / "two" / "final" / "training_report.json").read_text())
+    report = launch_two_processes(tiny_setup, recipe, tiny_setup / "two", port=29517)
     assert report["processes"] == 2 and report["steps"] == single["steps"]
     assert report["final_loss"] == pytest.approx(single["final_loss"], abs=1e-9, rel=0)
     ours, theirs = final_weights(tiny_setup / "two"), final_weights(tiny_setup / "one")
