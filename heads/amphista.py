@@ -33,7 +33,7 @@ import math
 import torch
 from torch import nn
 
-from .medusa import ResBlock
+from .medusa import resblock_stacks
 from .protocol import DraftHeads, HeadConfig, TreeSpec, cartesian_tokens, register
 
 #: Seed of the head-index embedding's init: construction stays independent of the global RNG
@@ -151,9 +151,7 @@ class AmphistaHeads(DraftHeads):
         self.stages = nn.ModuleList(AdaptationStage(d, mlp_size, gated, fuse_root=(s == 0))
                                     for s in range(max(self.stage_of) + 1))
         self.auto_embedding = AutoEmbeddingBlock(d, k, attn_heads, mlp_size, gated)
-        # Distinct modules per layer and head (``[ResBlock(d)] * n`` would tie them).
-        self.heads = nn.ModuleList(nn.Sequential(*(ResBlock(d) for _ in range(config.num_layers)))
-                                   for _ in range(k))
+        self.heads = resblock_stacks(d, config.num_layers, k)
 
     def slots(self, hidden: torch.Tensor, roots: torch.Tensor) -> torch.Tensor:
         """Staged adaptation: hidden (..., d), roots (...) → each head's slot feature (..., K, d)."""

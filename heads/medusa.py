@@ -24,6 +24,12 @@ class ResBlock(nn.Module):
         return x + self.act(self.linear(x))
 
 
+def resblock_stacks(hidden_size: int, num_layers: int, count: int) -> nn.ModuleList:
+    """``count`` stacks of ``num_layers`` ResBlocks, every block its own module:
+    ``[ResBlock(d)] * n`` would tie their weights (Medusa PR #133)."""
+    return nn.ModuleList(nn.Sequential(*(ResBlock(hidden_size) for _ in range(num_layers))) for _ in range(count))
+
+
 @register
 class MedusaHeads(DraftHeads):
     family = "medusa"
@@ -31,10 +37,7 @@ class MedusaHeads(DraftHeads):
 
     def __init__(self, config: HeadConfig):
         super().__init__(config)
-        # Distinct modules per layer: ``[ResBlock(d)] * n`` would tie them (Medusa PR #133).
-        self.heads = nn.ModuleList(
-            nn.Sequential(*(ResBlock(config.hidden_size) for _ in range(config.num_layers)))
-            for _ in range(config.num_heads))
+        self.heads = resblock_stacks(config.hidden_size, config.num_layers, config.num_heads)
 
     def head_states(self, hidden: torch.Tensor) -> torch.Tensor:
         """(..., d) → (..., K, d): each head's transformed hidden state."""
