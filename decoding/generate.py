@@ -54,6 +54,7 @@ class DecodingStats:
     seconds: float = 0.0
     tree_nodes: list[int] = field(default_factory=list)
     batch_sizes: list[int] = field(default_factory=list)  # rows verified per step (the policy's input)
+    delegated: bool = False  # the policy chose plain decoding and the base's own generate ran
 
     @property
     def tau(self) -> float:
@@ -67,7 +68,7 @@ class DecodingStats:
         return {"new_tokens": self.new_tokens, "steps": self.steps, "tau": round(self.tau, 4),
                 "seconds": round(self.seconds, 4), "tokens_per_second": round(self.tokens_per_second, 3),
                 "mean_tree_nodes": round(sum(self.tree_nodes) / max(1, len(self.tree_nodes)), 2),
-                "trees_by_batch_size": self.trees_by_batch_size()}
+                "trees_by_batch_size": self.trees_by_batch_size(), "delegated": self.delegated}
 
     def trees_by_batch_size(self) -> dict[int, dict[int, int]]:
         """{rows verified: {tree nodes: steps}}: what the policy chose as the batch shrank."""
@@ -125,6 +126,10 @@ class DraftHeadsModel:
     #: batch (cache rows included), ``"mask"`` keeps verifying its (ignored) tree. Shrinking
     #: measured faster (README, "Batched decoding"); ``"mask"`` stays for that comparison.
     finished_rows: str = "shrink"
+    #: When the policy says at the start that speculation does not pay for this batch (large
+    #: batches; see ``AdaptivePolicy.prefers_plain``), run the base's own ``generate`` instead of
+    #: the tree loop with a 1-node tree. False keeps every call in the loop (for measuring it).
+    delegate_plain: bool = True
 
     def __init__(self, base, heads: DraftHeads | None = None, tokenizer=None, tree: Tree | TreePolicy | None = None):
         self.base = base
@@ -191,6 +196,8 @@ class DraftHeadsModel:
         device = input_ids.device
 
         started = time.perf_counter()
+        if self._delegates(batch, prompt_len, generator):
+            return self._plain_generate(input_ids, attention_mask, config, streamer, stopping_criteria, eos, started)
         stats = DecodingStats()
         if streamer is not None:
             streamer.put(input_ids.cpu())
@@ -265,6 +272,26 @@ class DraftHeadsModel:
         return GenerateDecoderOnlyOutput(sequences=sequences, scores=score_tuple if config.output_scores else None,
                                          logits=score_tuple if config.output_logits else None,
                                          past_key_values=cache_out)
+
+    def _delegates(self, batch: int, prompt_len: int, generator) -> bool:
+        """Plain decoding by the base itself: the policy prefers it for this batch, and nothing
+        asked for what only the loop provides (a ``torch.Generator`` for seeded sampling)."""
+        prefers = getattr(self.policy, "prefers_plain", None)
+        return bool(self.delegate_plain and generator is None and prefers is not None and prefers(batch, prompt_len))
+
+    def _plain_generate(self, input_ids, attention_mask, config, streamer, stopping_criteria, eos: list[int],
+                        started: float):
+        """The base's own ``generate`` with the same (already checked) arguments; its output is
+        the reference itself, so greedy identity and sampling's distribution hold trivially."""
+        output = self.base.generate(input_ids, attention_mask=attention_mask, generation_config=config,
+                                    streamer=streamer, stopping_criteria=stopping_criteria)
+        sequences = output if isinstance(output, torch.Tensor) else output.sequences
+        counts = generated_counts(sequences, input_ids.shape[1], set(eos))
+        steps = max(counts, default=0)
+        self.last_stats = DecodingStats(new_tokens=sum(counts), steps=steps, accepted=[0] * sum(counts),
+                                        seconds=time.perf_counter() - started, tree_nodes=[1] * steps,
+                                        batch_sizes=[input_ids.shape[0]] * steps, delegated=True)
+        return output
 
     @staticmethod
     def _emit(row: int, new: list[int], new_scores, max_new: int, *, generated, scores, done, eos: set[int],
@@ -473,6 +500,16 @@ def _wanted_new_tokens(config, prompt_len: int) -> int:
         raise ValueError(f"generate(): max_length={config.max_length} leaves no room after a {prompt_len}-token "
                          "prompt; set max_new_tokens.")
     return wanted
+
+
+def generated_counts(sequences: torch.Tensor, width: int, eos: set[int]) -> list[int]:
+    """New tokens per row (after the ``width`` prompt columns) up to and including its first
+    EOS: the padding after it is not work."""
+    counts = []
+    for row in sequences[:, width:].tolist():
+        stop = next((i for i, t in enumerate(row) if t in eos), None)
+        counts.append(len(row) if stop is None else stop + 1)
+    return counts
 
 
 def _stack_scores(scores: list[list[torch.Tensor]], steps: int, vocab: int, dtype) -> tuple[torch.Tensor, ...]:

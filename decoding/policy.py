@@ -409,6 +409,13 @@ class AdaptivePolicy:
             choices.append(Choice(c.budget, c.tree.num_nodes, tau, ms, batch_size * tau * 1000.0 / ms))
         return sorted(choices, key=lambda ch: (-ch.tokens_per_second, ch.nodes))
 
+    def prefers_plain(self, batch_size: int, context_length: int) -> bool:
+        """Whether plain decoding has the best expected goodput for this batch: the decoder then
+        hands the whole call to the base's own ``generate`` (as vLLM's
+        ``speculative_disable_by_batch_size`` does), whose plain step has none of the tree
+        loop's bookkeeping, so "no speculation" costs exactly what plain decoding costs."""
+        return self.rank(batch_size, context_length)[0].budget == 0
+
     def choose(self, batch_size: int, context_length: int) -> Tree:
         best = self.rank(batch_size, context_length)[0]
         self._last = next(c for c in self.candidates if c.budget == best.budget)

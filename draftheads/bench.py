@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from .decoding.generate import generated_counts
+
 NEAR_TIE = 1e-3
 
 
@@ -147,15 +149,6 @@ def left_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tenso
     return ids, mask
 
 
-def generated_counts(sequences: torch.Tensor, width: int, eos: set[int]) -> list[int]:
-    """New tokens per row up to and including its first EOS (the padding after it is not work)."""
-    counts = []
-    for row in sequences[:, width:].tolist():
-        stop = next((i for i, t in enumerate(row) if t in eos), None)
-        counts.append(len(row) if stop is None else stop + 1)
-    return counts
-
-
 def batch_divergences(base, reference: torch.Tensor, ours: torch.Tensor, mask: torch.Tensor) -> list[dict]:
     """Per mismatching row: first differing position and the base's top-1/top-2 gap there."""
     out = []
@@ -176,7 +169,7 @@ def strategy_names(budgets: list[int], compare_mask: bool) -> list[str]:
 
 def run_batch_bench(model, prompts: list[dict], batch_sizes: list[int], budgets: list[int], max_new_tokens: int,
                     out_dir: Path, max_batches: int = 4, compare_mask: bool = True, meta: dict | None = None,
-                    surfaces: list[Path] = (), log=print) -> dict:
+                    surfaces: list[Path] = (), log=print, recalibrate: bool = False) -> dict:
     """One run, the same batches for every strategy (the first ``bs × max_batches`` prompts
     in file order, chat template, left padding), strategies interleaved per batch so they share
     the machine's state. Throughput = new tokens (to EOS) over the batch / wall seconds."""
@@ -189,7 +182,7 @@ def run_batch_bench(model, prompts: list[dict], batch_sizes: list[int], budgets:
     eos = set(eos_token_ids(base.generation_config))
     pad = base.generation_config.pad_token_id
     pad = pad if pad is not None else (tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos))
-    cost = calibrate(base, model.heads, log=log)
+    cost = calibrate(base, model.heads, log=log, refresh=recalibrate)
     adaptive = AdaptivePolicy.from_heads(model.heads, cost)
     policies = {f"fixed:{b}": FixedTree(tree_for_budget(model.heads, b)) for b in budgets}
     policies["adaptive"] = policies["adaptive:mask"] = adaptive
@@ -217,7 +210,7 @@ def run_batch_bench(model, prompts: list[dict], batch_sizes: list[int], budgets:
             log(f"bs {bs}: fewer than {bs} prompts, skipped (raise --limit)")
             continue
         acc = {n: {"new_tokens": 0, "seconds": 0.0, "accepted": 0, "steps_rows": 0, "steps": 0, "trees": {},
-                   "mismatching_rows": 0, "mismatches": []} for n in names}
+                   "mismatching_rows": 0, "mismatches": [], "delegated": 0} for n in names}
         for bi, rows in enumerate(batches):
             ids, mask = left_pad(rows, pad)
             reference = None
@@ -233,6 +226,7 @@ def run_batch_bench(model, prompts: list[dict], batch_sizes: list[int], budgets:
                 a["accepted"] += sum(stats.accepted)
                 a["steps_rows"] += len(stats.accepted)
                 a["steps"] += stats.steps
+                a["delegated"] += int(stats.delegated)
                 for live, nodes in stats.trees_by_batch_size().items():
                     for n, count in nodes.items():
                         key = f"{live}:{n}"
@@ -251,6 +245,7 @@ def run_batch_bench(model, prompts: list[dict], batch_sizes: list[int], budgets:
                               "verify_steps": a["steps"],
                               "trees_live_rows_to_nodes": dict(sorted(a["trees"].items(),
                                                                       key=lambda kv: tuple(map(int, kv[0].split(":"))))),
+                              "batches_run_by_base_generate": a["delegated"],
                               "mismatching_rows": a["mismatching_rows"],
                               "mismatches_not_near_tie": sum(not m.get("near_tie", False) for m in a["mismatches"]),
                               "mismatches": a["mismatches"]})

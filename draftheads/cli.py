@@ -127,6 +127,7 @@ def cmd_bench(args) -> int:
         out = Path(args.out if args.out != "results/bench" else "results/batch")
         payload = run_batch_bench(model, prompts, args.batch_sizes, budgets, args.max_new_tokens, out,
                                   max_batches=args.max_batches, compare_mask=not args.no_mask_compare,
+                                  recalibrate=args.recalibrate,
                                   meta=vars(args), surfaces=sorted(Path(args.prompts).parent.glob("cost_surfaces/cost_*.json")))
         summary = {bs: {name: s["tokens_per_second"] for name, s in r["strategies"].items()}
                    for bs, r in payload["results"].items()}
@@ -166,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--max-batches", type=int, default=2, help="batches per batch size (batched bench)")
     bench.add_argument("--no-mask-compare", action="store_true",
                        help="skip the 'adaptive:mask' strategy (finished rows masked instead of dropped)")
+    bench.add_argument("--recalibrate", action="store_true",
+                       help="measure the cost model again even if this machine has a cached one (batched bench; "
+                            "do it on a quiet machine: a calibration taken while other jobs ran misleads the policy)")
     bench.add_argument("--out", default="results/bench")
     bench.set_defaults(func=cmd_bench)
     train = sub.add_parser("train", help="train draft heads from a recipe (same as python -m draftheads.training.train)")

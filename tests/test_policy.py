@@ -219,6 +219,7 @@ def test_adaptive_decoding_matches_hf_batched_greedy(case, finished_rows):
     eos = [2] + [t for t in continuations[case % 5][3 + case:] if t not in firsts][:1]  # rows end at different steps
     drafter = DraftHeadsModel(MODEL, None, tree=batch_sensitive_policy())
     drafter.finished_rows = finished_rows
+    drafter.delegate_plain = False  # keep 5 rows in the loop: the tree must change as the batch shrinks
     for rows in (slice(0, 5), slice(4, 5)):  # the batch, then its last row alone
         drafter.heads = OracleHeads(continuations[rows], vocab=96, error=0.2, seed=case)
         sub_mask = mask[rows][:, mask[rows].any(0)]
@@ -234,6 +235,36 @@ def test_adaptive_decoding_matches_hf_batched_greedy(case, finished_rows):
         if 1 in chosen:
             assert max(chosen[1]) == 10  # alone: the 9-node tree (10 slots)
     assert max(drafter.last_stats.tree_nodes) == 10 and drafter.last_stats.tau > 1.5
+
+
+def test_plain_choice_hands_the_batch_to_the_base_generate():
+    """5 rows: the policy prefers plain decoding, so the base's own generate runs (same tokens,
+    same output type, stats say so); 1 row: it speculates in the loop; a torch.Generator
+    (seeded sampling only the loop provides) keeps the call in the loop."""
+    from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 96, (int(n),), generator=gen).tolist() for n in (3, 7, 5, 2, 6)]
+    ids, mask = left_pad(prompts)
+    reference = MODEL.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=PAD,
+                               return_dict_in_generate=True, output_scores=True)
+    drafter = DraftHeadsModel(MODEL, None, tree=batch_sensitive_policy())
+    drafter.heads = OracleHeads(reference.sequences[:, ids.shape[1]:].tolist(), vocab=96, error=0.0, seed=0)
+    ours = drafter.generate(ids, attention_mask=mask, max_new_tokens=16, pad_token_id=PAD,
+                            return_dict_in_generate=True, output_scores=True)
+    assert isinstance(ours, GenerateDecoderOnlyOutput) and ours.sequences.tolist() == reference.sequences.tolist()
+    assert all(torch.equal(a, b) for a, b in zip(ours.scores, reference.scores))
+    stats = drafter.last_stats
+    assert stats.delegated and stats.tau == 1.0 and set(stats.tree_nodes) == {1}
+    assert stats.new_tokens == sum(16 if 2 not in row else row.index(2) + 1
+                                   for row in reference.sequences[:, ids.shape[1]:].tolist())
+    alone = drafter.generate(ids[4:, -6:], attention_mask=mask[4:, -6:], max_new_tokens=16, pad_token_id=PAD)
+    assert not drafter.last_stats.delegated and max(drafter.last_stats.tree_nodes) == 10
+    assert alone.tolist() == MODEL.generate(ids[4:, -6:], attention_mask=mask[4:, -6:], max_new_tokens=16,
+                                            do_sample=False, pad_token_id=PAD).tolist()
+    drafter.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=PAD, do_sample=True,
+                     generator=torch.Generator().manual_seed(0))
+    assert not drafter.last_stats.delegated
 
 
 def test_from_pretrained_adaptive_uses_the_calibrated_policy(tmp_path, monkeypatch):

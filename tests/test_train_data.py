@@ -60,3 +60,24 @@ def test_conversation_examples_start_the_answer_after_the_prompt(smollm2_tokeniz
         assert answer.strip() == record["messages"][-1]["content"].strip()[: len(answer.strip())]
         prompt = smollm2_tokenizer.decode(example.input_ids[: example.response_start])
         assert record["messages"][0]["content"][:20] in prompt
+
+
+def test_prompt_selection_skips_file_lines_then_filters_sources_then_limits():
+    """``--skip 3072`` means "after the shared answers" whatever the source filters: skipping
+    after filtering would silently re-answer (or drop) prompts."""
+    import datasets
+
+    sources = ["gsm8k-train", "gpteacher-roleplay", "t0:a", "self-instruct-user", "gpteacher-roleplay",
+               "gsm8k-train", "self-instruct-seed", "gpteacher-roleplay"]
+    prompts = datasets.Dataset.from_list([{"id": i, "source": s, "prompt": f"p{i}"} for i, s in enumerate(sources)])
+
+    def ids(**config):
+        return data.select_prompts(prompts, data.SelfDistillConfig(**config))["id"]
+
+    assert ids(skip=2, limit=3) == [2, 3, 4]
+    assert ids(skip=2, sources=["gpteacher-roleplay", "self-instruct"]) == [3, 4, 6, 7]
+    assert ids(skip=2, sources=["gpteacher-roleplay", "self-instruct"], limit=2) == [3, 4]
+    assert ids(skip=1, exclude_sources=["gsm8k-train", "t0:a"]) == [1, 3, 4, 6, 7]
+    assert data.parse_selfdistill_args(["--source", "a", "--source", "b", "--skip", "5"]).sources == ["a", "b"]
+    with pytest.raises(data.DataError, match="'source' column"):
+        data.select_prompts(datasets.Dataset.from_list([{"prompt": "x"}]), data.SelfDistillConfig(sources=["a"]))

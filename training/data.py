@@ -86,7 +86,9 @@ def load_records(path: str | Path):
         if files:
             return datasets.load_dataset("json", data_files=[str(f) for f in files], split="train")
         raise DataError(f"{source} holds no dataset: expected a save_to_disk directory or *.jsonl files.")
-    raise DataError(f"Data {path!r} not found (looked at {source}); shared data lives in ../shared/data/.")
+    raise DataError(f"Data {path!r} not found (looked at {source}); shared data lives in ../shared/data/, and "
+                    "a self-distillation output is made by the command in the recipe's comment "
+                    "(python scripts/selfdistill.py ... --out <that path>).")
 
 
 def require_columns(dataset, kind: str, source: str | Path) -> None:
@@ -205,8 +207,9 @@ class SelfDistillConfig:
 
     prompts: str = str(DEFAULT_PROMPTS)
     out: str = "data_cache/selfdistill"
-    skip: int = 0  # start after the first N prompts (e.g. those already answered)
-    limit: int = 0  # answer at most N prompts (0 = all)
+    skip: int = 0  # start after the first N lines of the prompt file (e.g. those already answered)
+    limit: int = 0  # answer at most N prompts (0 = all), counted after the source filters
+    sources: list[str] = field(default_factory=list)  # keep only these source prefixes (e.g. gpteacher-roleplay)
     exclude_sources: list[str] = field(default_factory=list)
     max_new_tokens: int = 384
     batch_size: int = 16  # prompts per generate call (left-padded, length-sorted within a shard)
@@ -220,14 +223,18 @@ class SelfDistillConfig:
 
 
 def select_prompts(dataset, config: SelfDistillConfig):
-    """The prompts to answer, in file order: sources filtered, then skip/limit applied."""
-    if config.exclude_sources:
+    """The prompts to answer, in file order: the first ``skip`` lines dropped (``skip`` counts
+    file lines, so ``--skip 3072`` always means "after the shared answers" whatever the filters),
+    then the source filters (``sources`` keeps prefixes, ``exclude_sources`` drops exact names),
+    then at most ``limit`` prompts."""
+    dataset = dataset.select(range(min(config.skip, len(dataset)), len(dataset)))
+    if config.sources or config.exclude_sources:
         if "source" not in dataset.column_names:
-            raise DataError("exclude_sources needs a 'source' column in the prompt data.")
+            raise DataError("sources / exclude_sources need a 'source' column in the prompt data.")
+        dataset = dataset.select(select_sources(dataset["source"], config.sources))
         excluded = set(config.exclude_sources)
         dataset = dataset.filter(lambda r: r["source"] not in excluded)
-    end = len(dataset) if not config.limit else min(len(dataset), config.skip + config.limit)
-    return dataset.select(range(min(config.skip, len(dataset)), end))
+    return dataset.select(range(min(config.limit, len(dataset)) if config.limit else len(dataset)))
 
 
 @torch.no_grad()
@@ -344,6 +351,9 @@ def parse_selfdistill_args(argv: list[str] | None = None) -> SelfDistillConfig:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
         elif f.name == "exclude_sources":
             parser.add_argument("--exclude-source", dest="exclude_sources", action="append", default=[])
+        elif f.name == "sources":
+            parser.add_argument("--source", dest="sources", action="append", default=[],
+                                help="keep only prompts whose source starts with this (repeatable)")
         else:
             kind = {"int": int, "float": float}.get(str(f.type), str)
             parser.add_argument(flag, type=kind, default=f.default)
