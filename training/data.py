@@ -30,7 +30,7 @@ from typing import Iterable
 import torch
 from tqdm.auto import tqdm
 
-from ..decoding.generate import eos_token_ids
+from ..decoding.generate import eos_token_ids, generated_counts
 from .features import Example, Features, chat_prompt_ids, hidden_states, selfdistill_examples, shift_targets, \
     shift_teacher
 
@@ -254,12 +254,8 @@ def answer_batch(model, tokenizer, prompts: list[str], config: SelfDistillConfig
     device = next(model.parameters()).device
     out = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=config.max_new_tokens,
                          pad_token_id=pad, **sampling)
-    eos = set(eos_token_ids(model.generation_config))
-    answers = []
-    for row in out[:, width:].tolist():
-        end = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
-        answers.append(row[:end])
-    return answers
+    counts = generated_counts(out, width, set(eos_token_ids(model.generation_config)))
+    return [row[:n] for row, n in zip(out[:, width:].tolist(), counts)]
 
 
 def _prompt_key(dataset) -> str:
