@@ -162,7 +162,7 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
     position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
     cache = DynamicCache(config=model.config)
     out = model.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                      past_key_values=cache, use_cache=True)
+                      past_key_values=cache, use_cache=True, **_pack_kwargs(model))
     return cache, out.last_hidden_state[:, -1]
 
 
@@ -180,5 +180,13 @@ def verify(model, tokens: torch.Tensor, position_ids: torch.Tensor, mask: torch.
     """One base forward over every tree slot of every row; returns hidden states (B, N, d).
     The cache grows by N slots per row (the caller keeps the accepted ones)."""
     out = model.model(input_ids=tokens, attention_mask=mask, position_ids=position_ids,
-                      past_key_values=cache, use_cache=True)
+                      past_key_values=cache, use_cache=True, **_pack_kwargs(model))
     return out.last_hidden_state
+
+
+def _pack_kwargs(model) -> dict:
+    """Ask for grouped-query packing when the base runs :mod:`.attention`'s SDPA (the keyword
+    means nothing to other attention implementations, so it is only passed to that one)."""
+    from .attention import PACK_FLAG, PACKED_SDPA
+
+    return {PACK_FLAG: True} if getattr(model.config, "_attn_implementation", None) == PACKED_SDPA else {}

@@ -162,17 +162,26 @@ def batch_divergences(base, reference: torch.Tensor, ours: torch.Tensor, mask: t
     return out
 
 
+def rotated(names: list[str], shift: int) -> list[str]:
+    """The strategies in batch ``shift``'s order: each batch starts one strategy later, so a slow
+    spell of a shared machine (measured here: 10-15 % for tens of seconds) does not always hit
+    the same strategy."""
+    k = shift % len(names)
+    return names[k:] + names[:k]
+
+
 def strategy_names(budgets: list[int], compare_mask: bool) -> list[str]:
     names = ["hf"] + [f"fixed:{b}" for b in budgets] + ["adaptive"]
     return names + (["adaptive:mask"] if compare_mask else [])
 
 
 def run_batch_bench(model, prompts: list[dict], batch_sizes: list[int], budgets: list[int], max_new_tokens: int,
-                    out_dir: Path, max_batches: int = 4, compare_mask: bool = True, meta: dict | None = None,
+                    out_dir: Path, max_batches: int | dict[int, int] = 4, compare_mask: bool = True, meta: dict | None = None,
                     surfaces: list[Path] = (), log=print, recalibrate: bool = False) -> dict:
     """One run, the same batches for every strategy (the first ``bs × max_batches`` prompts
-    in file order, chat template, left padding), strategies interleaved per batch so they share
-    the machine's state. Throughput = new tokens (to EOS) over the batch / wall seconds."""
+    in file order, chat template, left padding), strategies interleaved per batch (in a rotating
+    order) so they share the machine's state. Throughput = new tokens (to EOS) over the batch /
+    wall seconds."""
     from .cli import chat_input
     from .decoding.generate import FixedTree, eos_token_ids, tree_for_budget
     from .decoding.policy import AdaptivePolicy, calibrate
@@ -204,7 +213,8 @@ def run_batch_bench(model, prompts: list[dict], batch_sizes: list[int], budgets:
 
     results: dict = {}
     for bs in batch_sizes:
-        batches = [encoded[i: i + bs] for i in range(0, min(len(encoded), bs * max_batches), bs)]
+        count = max_batches[bs] if isinstance(max_batches, dict) else max_batches
+        batches = [encoded[i: i + bs] for i in range(0, min(len(encoded), bs * count), bs)]
         batches = [b for b in batches if len(b) == bs]
         if not batches:
             log(f"bs {bs}: fewer than {bs} prompts, skipped (raise --limit)")
@@ -213,15 +223,16 @@ def run_batch_bench(model, prompts: list[dict], batch_sizes: list[int], budgets:
                    "mismatching_rows": 0, "mismatches": [], "delegated": 0} for n in names}
         for bi, rows in enumerate(batches):
             ids, mask = left_pad(rows, pad)
-            reference = None
+            runs = {}
+            for name in rotated(names, bi):
+                runs[name] = timed(lambda: run(name, ids, mask, max_new_tokens))
+            reference = runs["hf"][0][0]
             for name in names:
-                out, seconds = timed(lambda: run(name, ids, mask, max_new_tokens))
-                out, stats = out
+                (out, stats), seconds = runs[name]
                 a = acc[name]
                 a["new_tokens"] += sum(generated_counts(out, ids.shape[1], eos))
                 a["seconds"] += seconds
                 if name == "hf":
-                    reference = out
                     continue
                 a["accepted"] += sum(stats.accepted)
                 a["steps_rows"] += len(stats.accepted)

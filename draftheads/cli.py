@@ -109,6 +109,16 @@ def int_list(value: str) -> list[int]:
     return items
 
 
+def batches_per_size(batch_sizes: list[int], max_batches: list[int]) -> dict[int, int]:
+    """``--max-batches`` as {batch size: batches}: one value for all sizes or one per size."""
+    if len(max_batches) == 1:
+        max_batches = max_batches * len(batch_sizes)
+    if len(max_batches) != len(batch_sizes) or min(max_batches) < 1:
+        raise SystemExit(f"error: --max-batches needs one positive number or one per batch size "
+                         f"({len(batch_sizes)}), got {','.join(map(str, max_batches))}.")
+    return dict(zip(batch_sizes, max_batches))
+
+
 def cmd_bench(args) -> int:
     from .bench import run_batch_bench, run_bench
 
@@ -123,10 +133,11 @@ def cmd_bench(args) -> int:
         unknown = [b for b in budgets if b and b not in stored]
         if unknown:
             raise SystemExit(f"error: no stored tree for budget(s) {unknown}; the checkpoint stores {stored}.")
-        prompts = read_prompts(args.prompts, args.limit or max(args.batch_sizes) * args.max_batches)
+        per_size = batches_per_size(args.batch_sizes, args.max_batches)
+        prompts = read_prompts(args.prompts, args.limit or max(bs * n for bs, n in per_size.items()))
         out = Path(args.out if args.out != "results/bench" else "results/batch")
         payload = run_batch_bench(model, prompts, args.batch_sizes, budgets, args.max_new_tokens, out,
-                                  max_batches=args.max_batches, compare_mask=not args.no_mask_compare,
+                                  max_batches=per_size, compare_mask=not args.no_mask_compare,
                                   recalibrate=args.recalibrate,
                                   meta=vars(args), surfaces=sorted(Path(args.prompts).parent.glob("cost_surfaces/cost_*.json")))
         summary = {bs: {name: s["tokens_per_second"] for name, s in r["strategies"].items()}
@@ -164,7 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="e.g. 1,2,4,8,16,32: batched HF generate vs each fixed tree vs adaptive, JSON + PNGs")
     bench.add_argument("--budgets", type=int_list, default=None,
                        help="fixed tree budgets to compare (default: 0 and the stored ones among 1,2,4,8,16)")
-    bench.add_argument("--max-batches", type=int, default=2, help="batches per batch size (batched bench)")
+    bench.add_argument("--max-batches", type=int_list, default=[2],
+                       help="batches per batch size (batched bench): one number for every size, or one per "
+                            "--batch-sizes entry (e.g. 6,4,4,3,2,1: more batches where they are cheap)")
     bench.add_argument("--no-mask-compare", action="store_true",
                        help="skip the 'adaptive:mask' strategy (finished rows masked instead of dropped)")
     bench.add_argument("--recalibrate", action="store_true",

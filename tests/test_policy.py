@@ -249,6 +249,8 @@ def test_plain_choice_hands_the_batch_to_the_base_generate():
     reference = MODEL.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=PAD,
                                return_dict_in_generate=True, output_scores=True)
     drafter = DraftHeadsModel(MODEL, None, tree=batch_sensitive_policy())
+    assert not drafter.delegate_plain  # off by default: the loop drops finished rows, the base's generate does not
+    drafter.delegate_plain = True
     drafter.heads = OracleHeads(reference.sequences[:, ids.shape[1]:].tolist(), vocab=96, error=0.0, seed=0)
     ours = drafter.generate(ids, attention_mask=mask, max_new_tokens=16, pad_token_id=PAD,
                             return_dict_in_generate=True, output_scores=True)
@@ -292,6 +294,13 @@ def test_cli_tree_and_batch_size_arguments():
                               "--budgets", "0,4"])
     assert args.tree == "adaptive" and args.batch_sizes == [1, 2, 4] and args.budgets == [0, 4]
     assert parser.parse_args(["generate", "--prompt", "hi", "--tree", "8"]).tree == 8
+    from draftheads.cli import batches_per_size
+
+    assert batches_per_size([1, 4, 32], [2]) == {1: 2, 4: 2, 32: 2}
+    assert batches_per_size([1, 4, 32], [6, 4, 1]) == {1: 6, 4: 4, 32: 1}
+    for bad in ([6, 4], [2, 0, 1]):
+        with pytest.raises(SystemExit, match="--max-batches needs one positive number or one per batch size"):
+            batches_per_size([1, 4, 32], bad)
     for bad in (["--tree", "huge"], ["--batch-sizes", "1,x"]):
         with pytest.raises(SystemExit):
             parser.parse_args(["bench", "--prompts", "x.jsonl", *bad])

@@ -1,0 +1,88 @@
+"""Grouped-query packing for tree verification (decoding/attention.py): the same hidden
+states as transformers' SDPA with repeated key/value heads, and no effect on any forward
+that did not ask for it (the base's own generate)."""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from conftest import left_pad, tiny_llama
+from draftheads.decoding.attention import PACKED_SDPA, use_packed_sdpa
+from draftheads.decoding.base import prefill, tree_attention_mask, verify
+from draftheads.decoding.generate import DraftHeadsModel
+from draftheads.decoding.policy import _synthetic_cache
+
+
+def _verify_states(model, bs: int, q: int, ctx: int, seed: int = 0) -> torch.Tensor:
+    """Hidden states of a verification forward over a random cache with holes and a random tree."""
+    gen = torch.Generator().manual_seed(seed)
+    cache = _synthetic_cache(model, bs, ctx)
+    for layer in cache.layers:  # same random cache whatever the attention implementation
+        layer.keys.copy_(torch.randn(layer.keys.shape, generator=gen, dtype=layer.keys.dtype))
+        layer.values.copy_(torch.randn(layer.values.shape, generator=gen, dtype=layer.values.dtype))
+    valid = torch.rand(bs, ctx, generator=gen) > 0.3
+    valid[:, -1] = True
+    parent = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, q)]
+    ancestor = torch.eye(q, dtype=torch.bool)
+    for i in range(1, q):
+        ancestor[i] |= ancestor[parent[i]]
+    depth = ancestor.sum(1) - 1
+    mask = tree_attention_mask(valid, ancestor)
+    positions = valid.sum(1, keepdim=True) + depth[None]
+    tokens = torch.randint(3, model.config.vocab_size, (bs, q), generator=gen)
+    return verify(model, tokens, positions, mask, cache)
+
+
+def test_packed_verification_equals_repeated_heads(monkeypatch):
+    import transformers.integrations.sdpa_attention as hf_sdpa
+
+    copies = []
+    original = hf_sdpa.repeat_kv
+    monkeypatch.setattr(hf_sdpa, "repeat_kv", lambda x, n: copies.append(n) or original(x, n))
+    reference = tiny_llama(0)
+    packed = copy.deepcopy(reference)
+    assert use_packed_sdpa(packed) and packed.config._attn_implementation == PACKED_SDPA
+    assert reference.config._attn_implementation == "sdpa"
+    for bs, q, ctx in [(1, 1, 5), (1, 7, 9), (3, 4, 12), (5, 2, 3)]:
+        copies.clear()
+        ours = _verify_states(packed, bs, q, ctx)
+        assert not copies  # packed: no key/value head was repeated
+        theirs = _verify_states(reference, bs, q, ctx)
+        assert len(copies) == (0 if q == 1 else 2 * reference.config.num_hidden_layers)  # keys + values per layer
+        torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
+
+
+def test_packed_prefill_equals_sdpa_with_left_padding():
+    reference = tiny_llama(1)
+    packed = copy.deepcopy(reference)
+    use_packed_sdpa(packed)
+    ids, mask = left_pad([[5, 6, 7], [8, 9, 10, 11, 12, 13], [14]])
+    _, ours = prefill(packed, ids, mask)
+    _, theirs = prefill(reference, ids, mask)
+    torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
+
+
+def test_base_generate_is_untouched_and_only_grouped_sdpa_bases_switch():
+    """The switch leaves the base's own generate on transformers' SDPA path (the forward flag is
+    absent there); bases without grouped heads or with another implementation keep theirs."""
+    model = tiny_llama(0)
+    ids, mask = left_pad([[5, 6, 7], [8, 9, 10, 11, 12, 13]])
+    before = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0,
+                            return_dict_in_generate=True, output_scores=True)
+    DraftHeadsModel(model, None)
+    assert model.config._attn_implementation == PACKED_SDPA
+    after = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0,
+                           return_dict_in_generate=True, output_scores=True)
+    assert after.sequences.tolist() == before.sequences.tolist()
+    assert all(torch.equal(a, b) for a, b in zip(after.scores, before.scores))  # bit-identical logits
+
+    no_groups = tiny_llama(0)
+    no_groups.config.num_key_value_heads = no_groups.config.num_attention_heads
+    assert not use_packed_sdpa(no_groups) and no_groups.config._attn_implementation == "sdpa"
+    eager = tiny_llama(0)
+    eager.set_attn_implementation("eager")
+    assert not use_packed_sdpa(eager) and eager.config._attn_implementation == "eager"
+    kept = tiny_llama(0)
+    DraftHeadsModel(kept, None, packed_attention=False)
+    assert kept.config._attn_implementation == "sdpa"
