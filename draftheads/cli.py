@@ -126,6 +126,8 @@ def cmd_bench(args) -> int:
     if args.batch_sizes:
         if min(args.batch_sizes) < 1:
             raise SystemExit("error: --batch-sizes must be positive.")
+        if args.repeats < 1:
+            raise SystemExit(f"error: --repeats must be at least 1, got {args.repeats}.")
         if model.heads is None:
             raise SystemExit("error: --batch-sizes compares tree strategies and needs heads (--heads).")
         stored = sorted(int(b) for b in model.heads.config.trees)
@@ -138,7 +140,7 @@ def cmd_bench(args) -> int:
         out = Path(args.out if args.out != "results/bench" else "results/batch")
         payload = run_batch_bench(model, prompts, args.batch_sizes, budgets, args.max_new_tokens, out,
                                   max_batches=per_size, compare_mask=not args.no_mask_compare,
-                                  recalibrate=args.recalibrate,
+                                  recalibrate=args.recalibrate, repeats=args.repeats,
                                   meta=vars(args), surfaces=sorted(Path(args.prompts).parent.glob("cost_surfaces/cost_*.json")))
         summary = {bs: {name: s["tokens_per_second"] for name, s in r["strategies"].items()}
                    for bs, r in payload["results"].items()}
@@ -178,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--max-batches", type=int_list, default=[2],
                        help="batches per batch size (batched bench): one number for every size, or one per "
                             "--batch-sizes entry (e.g. 6,4,4,3,2,1: more batches where they are cheap)")
+    bench.add_argument("--repeats", type=int, default=1,
+                       help="batched bench: run each batch this many times per strategy and count the fastest "
+                            "(greedy output is identical each time; filters a shared machine's slow spells)")
     bench.add_argument("--no-mask-compare", action="store_true",
                        help="skip the 'adaptive:mask' strategy (finished rows masked instead of dropped)")
     bench.add_argument("--recalibrate", action="store_true",

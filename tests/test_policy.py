@@ -306,6 +306,18 @@ def test_cli_tree_and_batch_size_arguments():
             parser.parse_args(["bench", "--prompts", "x.jsonl", *bad])
 
 
+def test_batched_bench_rotates_strategies_and_keeps_the_fastest_repeat():
+    from draftheads.bench import keep_fastest, rotated
+
+    names = ["hf", "fixed:0", "adaptive"]
+    assert [rotated(names, k)[0] for k in range(4)] == ["hf", "fixed:0", "adaptive", "hf"]
+    assert sorted(rotated(names, 2)) == sorted(names)
+    best: dict = {}
+    for result in (("first", 2.0), ("second", 1.5), ("third", 1.7)):
+        keep_fastest(best, "hf", result)
+    assert best == {"hf": ("second", 1.5)}
+
+
 def test_monotone_envelope_removes_spikes_from_other_jobs():
     from draftheads.decoding.policy import monotone_envelope
 
