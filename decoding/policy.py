@@ -437,10 +437,10 @@ class AdaptivePolicy:
         return sorted(choices, key=lambda ch: (-ch.tokens_per_second, ch.nodes))
 
     def prefers_plain(self, batch_size: int, context_length: int) -> bool:
-        """Whether plain decoding has the best expected goodput for this batch: the decoder then
-        hands the whole call to the base's own ``generate`` (as vLLM's
-        ``speculative_disable_by_batch_size`` does), whose plain step has none of the tree
-        loop's bookkeeping, so "no speculation" costs exactly what plain decoding costs."""
+        """Whether plain decoding has the best expected goodput for this batch. With the
+        decoder's ``delegate_plain`` on, the whole call then goes to the base's own ``generate``
+        (as vLLM's ``speculative_disable_by_batch_size`` does); off (the default), the loop runs
+        plain steps itself, drops finished rows, and may return to trees as the batch shrinks."""
         return self.rank(batch_size, context_length)[0].budget == 0
 
     def choose(self, batch_size: int, context_length: int) -> Tree:
