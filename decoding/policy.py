@@ -151,7 +151,7 @@ class CalibrationConfig:
 
     def grid_nodes(self, heads=None) -> list[int]:
         """The query-token counts to measure for these heads."""
-        stored = getattr(getattr(heads, "config", None), "trees", None) if heads is not None else None
+        stored = getattr(getattr(heads, "config", None), "trees", None)
         if self.tree_nodes and stored:
             return sorted({1, 2} | {int(b) + 1 for b in stored})
         return sorted(set(self.nodes))

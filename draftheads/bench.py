@@ -299,7 +299,7 @@ def run_batch_bench(model, prompts: list[dict], batch_sizes: list[int], budgets:
                "calibration": cost.to_dict()}
     (out_dir / "results.json").write_text(json.dumps(payload, indent=1) + "\n")
     plot_throughput(results, out_dir / "throughput.png", max_new_tokens,
-                    heads=f"{model.heads.config.family.capitalize()}")
+                    heads=model.heads.config.family.capitalize())
     plot_surface(cost, adaptive, out_dir / "latency_surface.png")
     return payload
 

@@ -86,3 +86,7 @@ def test_base_generate_is_untouched_and_only_grouped_sdpa_bases_switch():
     kept = tiny_llama(0)
     DraftHeadsModel(kept, None, packed_attention=False)
     assert kept.config._attn_implementation == "sdpa"
+    DraftHeadsModel.from_pretrained(None, base=kept, packed_attention=False)
+    assert kept.config._attn_implementation == "sdpa"
+    DraftHeadsModel.from_pretrained(None, base=kept)
+    assert kept.config._attn_implementation == PACKED_SDPA
