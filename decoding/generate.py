@@ -18,11 +18,12 @@ import torch
 
 from ..heads import DraftHeads, load_heads
 from .attention import use_packed_sdpa
-from .base import fingerprint, load_base, prefill, verify
+from .base import cpu_has_bf16, dtype_name, fingerprint, load_base, prefill
 from .cache import KVState
 from .context import HeadContext
 from .sampling import Acceptor, Typical, check_sampling_config, resolve_acceptance
 from .policy import AdaptivePolicy, CalibrationConfig, calibrate
+from .step import PhaseTimer, decode_step
 from .tree import Tree, chain_tree, tree_from_paths
 
 
@@ -148,17 +149,20 @@ class DraftHeadsModel:
             heads.to(base.dtype)
             heads.draft_dtype = drafting_dtype(base)
         if tree is None:
-            tree = default_tree(heads)
+            tree = default_tree(heads, base.dtype)
         self.policy: TreePolicy = FixedTree(tree) if isinstance(tree, Tree) else tree
         self.last_stats = DecodingStats()
 
     # -- loading ---------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, heads_path: str | Path | None = None, base=None, tokenizer=None,
-                        base_name_or_path: str | None = None, dtype=torch.float32, tree=None,
+                        base_name_or_path: str | None = None, dtype: torch.dtype | str | None = "auto", tree=None,
                         packed_attention: bool = True) -> "DraftHeadsModel":
         """Load heads from a local checkpoint directory (or a Hub id already in the local HF
-        cache) and the base they were made for (default: the embedded SmolLM2)."""
+        cache) and the base they were made for (default: the embedded SmolLM2), in ``dtype``:
+        ``"auto"`` (default) is the base's native dtype where the hardware computes it natively
+        (bf16 on CPUs with AVX512-BF16/AMX and on GPUs), else float32; an explicit dtype wins.
+        The heads are cast to the base's dtype."""
         if base is None:
             base, tokenizer = load_base(base_name_or_path, dtype=dtype)
         if packed_attention:  # before an adaptive tree's calibration, which measures the loop's forward
@@ -180,11 +184,12 @@ class DraftHeadsModel:
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, generation_config=None,
                  streamer=None, stopping_criteria=None, generator: torch.Generator | None = None,
-                 acceptance: str | Typical | None = None, **kwargs):
+                 acceptance: str | Typical | None = None, timer: PhaseTimer | None = None, **kwargs):
         """transformers' ``generate`` arguments; with ``do_sample=True`` also ``generator`` (seeded
         randomness; default: seeded from the global torch RNG) and ``acceptance``: "lossless"
         (default, exactly the base's sampling distribution) or "typical" / ``Typical(ε, δ)``
-        (Medusa-2's rule, lossy). See ``draftheads.decoding.sampling``."""
+        (Medusa-2's rule, lossy). See ``draftheads.decoding.sampling``. ``timer``: a
+        :class:`~draftheads.decoding.step.PhaseTimer` that sums each step phase's time (profiling)."""
         from transformers.generation.utils import GenerateDecoderOnlyOutput
 
         config = resolve_generation_config(self.base.generation_config, generation_config, **kwargs)
@@ -242,30 +247,21 @@ class DraftHeadsModel:
             tree = self.policy.choose(live.numel(), kv.length)
             if tree.max_depth > remaining - 1:
                 tree = tree.truncated(remaining - 1)
-            if self.heads is None or tree.num_nodes == 1:
-                tree = chain_tree(0)
-                tokens = roots[:, None]
-            else:
-                tokens = self.heads.propose(context.hidden, roots, tree.spec)
-            mask, positions, past = kv.tree_inputs(tree.ancestor, tree.depth)
-            states = verify(self.base, tokens, positions, mask, kv.cache)
-            tree_logits = self.base.lm_head(states)  # (B, N, V)
-            result = acceptor.accept(tokens, tree, tree_logits, live)
-            kv.commit(result.path + past, result.accepted + 1)
+            step = decode_step(self.base, self.heads, acceptor, kv, context, roots, tree, live, timer)
+            tree, tokens, result = step.tree, step.tokens, step.acceptance
             if observe is not None:
                 observe(tree, result.accepted[active.to(device)])
             stats.steps += 1
             stats.accepted.extend(result.accepted[active.to(device)].tolist())
             stats.tree_nodes.append(tree.num_nodes)
             stats.batch_sizes.append(live.numel())
-            context.step(states, tree, result)
             roots = result.bonus
-            reported = acceptor.reported(tree_logits) if want_scores else None
+            reported = acceptor.reported(step.logits) if want_scores else None
             for i, b in enumerate(live.tolist()):
                 a = int(result.accepted[i])
                 new = tokens[i, result.path[i, 1: a + 1]].tolist() + [int(result.bonus[i])]
                 step_scores = [reported[i, s] for s in result.path[i, : a + 1].tolist()] if want_scores else None
-                emit(b, new, step_scores, limits[b])
+                emit(b, new, step_scores, limits[b], drafted=a)
         if streamer is not None:
             streamer.end()
         stats.new_tokens = sum(len(g) for g in generated)
@@ -306,9 +302,10 @@ class DraftHeadsModel:
 
     @staticmethod
     def _emit(row: int, new: list[int], new_scores, max_new: int, *, generated, scores, done, eos: set[int],
-              stopping_criteria, input_ids, streamer) -> None:
+              stopping_criteria, input_ids, streamer, drafted: int = 0) -> None:
         """Append tokens one by one, stopping exactly where transformers would: after an EOS,
-        at ``max_new`` tokens, or when a user stopping criterion fires."""
+        at ``max_new`` tokens, or when a user stopping criterion fires. The first ``drafted``
+        of ``new`` are accepted drafts: a streamer with ``put_step`` is told so (colouring)."""
         if bool(done[row]):
             return
         emitted = []
@@ -326,19 +323,10 @@ class DraftHeadsModel:
                 done[row] = True
                 break
         if streamer is not None and emitted:
-            streamer.put(torch.tensor(emitted))
-
-
-@functools.lru_cache(maxsize=1)
-def cpu_has_bf16() -> bool:
-    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX); elsewhere bf16
-    matmuls are emulated and slower than fp32."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as handle:
-            flags = handle.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+            if hasattr(streamer, "put_step"):
+                streamer.put_step(torch.tensor(emitted), min(drafted, len(emitted)))
+            else:
+                streamer.put(torch.tensor(emitted))
 
 
 def drafting_dtype(base) -> torch.dtype | None:
@@ -373,11 +361,21 @@ def resolve_tree(tree, base, heads: DraftHeads | None, calibration: CalibrationC
     return tree
 
 
-def default_tree(heads: DraftHeads | None) -> Tree:
-    """The checkpoint's tree for the default budget, or plain decoding without heads."""
+def default_budget(heads: DraftHeads, dtype: torch.dtype | None = None) -> int:
+    """The checkpoint's default node budget for a base in ``dtype``: the one the cost model chose
+    for that dtype (``extra.default_budget_by_dtype``, written by ``scripts/default_trees.py``
+    from a calibration × the heads' expected τ), else its dtype-independent ``default_budget``."""
+    by_dtype = heads.config.extra.get("default_budget_by_dtype") or {}
+    if dtype is not None and dtype_name(dtype) in by_dtype:
+        return int(by_dtype[dtype_name(dtype)]["budget"])
+    return int(heads.config.extra.get("default_budget", 4))
+
+
+def default_tree(heads: DraftHeads | None, dtype: torch.dtype | None = None) -> Tree:
+    """The checkpoint's tree for the default budget in ``dtype``, or plain decoding without heads."""
     if heads is None:
         return chain_tree(0)
-    return tree_for_budget(heads, heads.config.extra.get("default_budget", 4))
+    return tree_for_budget(heads, default_budget(heads, dtype))
 
 
 def tree_for_budget(heads: DraftHeads | None, budget: int) -> Tree:

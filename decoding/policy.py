@@ -28,7 +28,8 @@ from typing import Iterable, Sequence
 
 import torch
 
-from .base import cache_root, fingerprint, tree_attention_mask, verify
+from .accept import greedy_tokens
+from .base import cache_root, fingerprint, lm_logits, tree_attention_mask, verify
 from .tree import Tree, chain_tree, tree_from_paths
 
 Row = dict  # {"bs", "q", "ctx", "ms"}: one measured point
@@ -160,7 +161,19 @@ class CalibrationConfig:
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"{platform.machine()} {platform.processor() or 'cpu'} ({torch.get_num_threads()} threads)".strip()
+    return f"{platform.machine()} {cpu_model()} ({torch.get_num_threads()} threads)".strip()
+
+
+def cpu_model() -> str:
+    """The CPU's model name (a calibration from another CPU model is never reused)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
 
 
 def calibration_key(model, heads=None) -> dict:
@@ -230,7 +243,7 @@ def measure_forward(model, bs: int, q: int, ctx: int, reps: int = 2) -> float:
 
     def step():
         states = verify(model, tokens, positions, mask, cache)
-        model.lm_head(states).argmax(-1)
+        greedy_tokens(lm_logits(model, states))
         _sync(device)
         cache.crop(-q)
 
@@ -350,6 +363,16 @@ def calibrate(model, heads=None, config: CalibrationConfig = CalibrationConfig()
     return cost
 
 
+def best_budget(heads, cost: CostModel, batch_size: int = 1, context_length: int = 256,
+                tau_scale: float = 1.0, budgets: Iterable[int] | None = None) -> list["Choice"]:
+    """The cost model's ranking of the stored trees (and plain decoding) for a fixed tree:
+    expected τ (the checkpoint's, its drafted part scaled by ``tau_scale``) over the calibrated
+    step time at this batch size and context; best first. The default tree a checkpoint ships
+    for each dtype is the first of these at batch size 1."""
+    policy = AdaptivePolicy.from_heads(heads, cost, budgets, learn=False, prior_scale=tau_scale)
+    return policy.rank(batch_size, context_length)
+
+
 # -- the policy ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Candidate:
@@ -404,7 +427,7 @@ class AdaptivePolicy:
     timings, so greedy runs are deterministic (and the output tokens never depend on it)."""
 
     def __init__(self, candidates: Sequence[Candidate], cost: CostModel, learn: bool = True, decay: float = 0.98,
-                 prior_weight: float = 16.0):
+                 prior_weight: float = 16.0, prior_scale: float = 1.0):
         if not candidates:
             raise ValueError("AdaptivePolicy needs at least one candidate tree.")
         self.candidates = sorted(candidates, key=lambda c: c.budget)
@@ -412,6 +435,7 @@ class AdaptivePolicy:
         self.learn = learn
         self.decay = decay
         self.prior_weight = prior_weight
+        self.prior_scale = prior_scale  # the scale before any observation (fades as steps are seen)
         self._accepted = 0.0  # decayed sums behind the scale
         self._expected = 0.0
         self._last: Candidate | None = None
@@ -422,7 +446,7 @@ class AdaptivePolicy:
 
     @property
     def scale(self) -> float:
-        return (self._accepted + self.prior_weight) / (self._expected + self.prior_weight)
+        return (self._accepted + self.prior_weight * self.prior_scale) / (self._expected + self.prior_weight)
 
     def tau(self, candidate: Candidate) -> float:
         return 1.0 + self.scale * (candidate.tau - 1.0)

@@ -59,7 +59,7 @@ from typing import Sequence
 
 import torch
 
-from .accept import Acceptance, children_table, greedy_accept, lossless_accept, sample_from, typical_accept
+from .accept import Acceptance, children_table, greedy_accept, greedy_tokens, lossless_accept, sample_from, typical_accept
 
 # Sampling warpers transformers would apply that draftheads does not build (yet): refused
 # with their name instead of silently sampling from another distribution.
@@ -218,10 +218,10 @@ class Acceptor:
         """logits (B, V) after the prompt → the first generated token per row."""
         rows = torch.arange(logits.shape[0])
         if self.mode == "greedy" and len(self.processors) == 0:
-            return logits.argmax(-1)
+            return greedy_tokens(logits)
         scores = self._scores(logits[:, None], rows)[:, 0]
         if self.mode == "greedy":
-            return scores.argmax(-1)
+            return greedy_tokens(scores)
         return sample_from(scores.softmax(-1), self._uniform(logits.shape[0])).to(logits.device)
 
     def accept(self, tokens: torch.Tensor, tree, logits: torch.Tensor, rows: torch.Tensor) -> Acceptance:
@@ -230,10 +230,10 @@ class Acceptor:
         device = tokens.device
         parent, depth, path_slots = tree.parent.to(device), tree.depth.to(device), tree.path_slots.to(device)
         if self.mode == "greedy" and len(self.processors) == 0:
-            return greedy_accept(tokens, parent, depth, path_slots, logits.argmax(-1))
+            return greedy_accept(tokens, parent, depth, path_slots, greedy_tokens(logits))
         scores = self._scores(logits, rows, tokens, path_slots)
         if self.mode == "greedy":  # greedy with a repetition penalty: argmax of the penalized scores
-            return greedy_accept(tokens, parent, depth, path_slots, scores.argmax(-1))
+            return greedy_accept(tokens, parent, depth, path_slots, greedy_tokens(scores))
         probs = scores.softmax(-1)
         batch = tokens.shape[0]
         if isinstance(self.mode, Typical):

@@ -11,6 +11,9 @@ from pathlib import Path
 
 import torch
 
+from .decoding.base import DTYPE_CHOICES, DtypeError
+from .prompts import PromptFileError, chat_input, read_prompts, split_cap
+
 DEFAULT_HEADS = "checkpoints/smollm2-135m-hydra"
 
 
@@ -28,61 +31,51 @@ def find_heads(path: str | None) -> str | None:
     return path  # maybe a Hub id in the local cache; DraftHeadsModel explains if not
 
 
-def chat_input(tokenizer, prompt: str) -> torch.Tensor:
-    from .training.features import chat_prompt_ids
-
-    if not prompt.strip():
-        raise SystemExit("error: the prompt is empty; pass --prompt \"...\"")
-    return torch.tensor([chat_prompt_ids(tokenizer, prompt)])
-
-
-def read_prompts(path: str, limit: int | None) -> list[dict]:
-    """MT-Bench / Spec-Bench (``turns``: first turn) or ``{"prompt": ...}`` JSON lines."""
-    prompts = []
-    with open(path, encoding="utf-8") as handle:
-        for line_no, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            record = json.loads(line)
-            if "turns" in record:
-                text = record["turns"][0]
-            elif "prompt" in record:
-                text = record["prompt"]
-            else:
-                raise SystemExit(f"error: {path}:{line_no} has neither 'turns' nor 'prompt'.")
-            prompts.append({"id": record.get("question_id", record.get("id", line_no)),
-                            "category": record.get("category", record.get("source", "")), "prompt": text})
-    return prompts[:limit] if limit else prompts
-
-
 def load_model(args):
     from .decoding import DraftHeadsModel
 
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    return DraftHeadsModel.from_pretrained(find_heads(args.heads), base_name_or_path=args.base, dtype=dtype,
+    return DraftHeadsModel.from_pretrained(find_heads(args.heads), base_name_or_path=args.base, dtype=args.dtype,
                                            tree=args.tree)
 
 
-def cmd_generate(args) -> int:
-    from transformers import TextStreamer
+def identity_status(diff: dict | None, dtype: torch.dtype) -> str:
+    """One line on whether the answer is the base's own, under the dtype's guarantee."""
+    name = str(dtype).removeprefix("torch.")
+    if diff is None:
+        return f"identical to plain generate ({name})"
+    where = (f"first divergence at token {diff['position']}, where the base's top-1/top-2 logit gap is "
+             f"{diff['top1_top2_gap']:.4g} ({diff['gap_ulps']:g} ulps of {name})")
+    if diff["within_band"]:
+        return f"{where}: within {name} rounding, as the guarantee allows"
+    return f"{where}: OUTSIDE {name} rounding — please report this as a bug"
 
-    from .bench import timed
+
+def cmd_generate(args) -> int:
+    from .bench import hf_greedy, timed
+    from .decoding.guarantee import first_divergence
+    from .streamer import DraftColourStreamer
 
     model = load_model(args)
     ids = chat_input(model.tokenizer, args.prompt)
-    streamer = TextStreamer(model.tokenizer, skip_prompt=True, skip_special_tokens=True)
+    if not args.no_baseline:  # warm both paths up (first calls allocate), so the timing compares steady states
+        hf_greedy(model.base, ids[:, -8:], 4)
+    model.generate(ids[:, -8:], max_new_tokens=4)
+    streamer = DraftColourStreamer(model.tokenizer)
     ours, seconds = timed(lambda: model.generate(ids, max_new_tokens=args.max_new_tokens, streamer=streamer))
     stats = model.last_stats
     new = ours.shape[1] - ids.shape[1]
-    print(f"\n[draftheads] {new} tokens in {seconds:.2f}s = {new / seconds:.1f} tok/s, "
-          f"τ = {stats.tau:.2f} tokens/step over {stats.steps} verify steps", file=sys.stderr)
+    dtype = model.base.dtype
+    legend = " (green: accepted drafts)" if streamer.colour else ""
+    print(f"[draftheads] {str(dtype).removeprefix('torch.')}: {new} tokens in {seconds:.2f}s = {new / seconds:.1f} tok/s, "
+          f"τ = {stats.tau:.2f} tokens/step over {stats.steps} verify steps, "
+          f"{streamer.drafted_tokens} drafted tokens accepted{legend}", file=sys.stderr)
     if not args.no_baseline:
-        plain, base_seconds = timed(lambda: model.base.generate(ids, attention_mask=torch.ones_like(ids),
-                                                                max_new_tokens=args.max_new_tokens, do_sample=False))
+        plain, base_seconds = timed(lambda: hf_greedy(model.base, ids, args.max_new_tokens))
         base_new = plain.shape[1] - ids.shape[1]
-        same = plain.tolist() == ours.tolist()
-        print(f"[plain HF generate] {base_new} tokens in {base_seconds:.2f}s = {base_new / base_seconds:.1f} tok/s; "
-              f"speedup {(new / seconds) / (base_new / base_seconds):.2f}x; identical tokens: {same}", file=sys.stderr)
+        status = identity_status(first_divergence(model.base, plain, ours, ids.shape[1]), dtype)
+        print(f"[plain HF generate, same dtype] {base_new} tokens in {base_seconds:.2f}s = "
+              f"{base_new / base_seconds:.1f} tok/s; speedup {(new / seconds) / (base_new / base_seconds):.2f}x; "
+              f"{status}", file=sys.stderr)
     return 0
 
 
@@ -141,15 +134,38 @@ def cmd_bench(args) -> int:
         payload = run_batch_bench(model, prompts, args.batch_sizes, budgets, args.max_new_tokens, out,
                                   max_batches=per_size, compare_mask=not args.no_mask_compare,
                                   recalibrate=args.recalibrate, repeats=args.repeats,
-                                  meta=vars(args), surfaces=sorted(Path(args.prompts).parent.glob("cost_surfaces/cost_*.json")))
+                                  meta=vars(args), surfaces=sorted(Path(split_cap(args.prompts[0])[0]).parent.glob("cost_surfaces/cost_*.json")))
         summary = {bs: {name: s["tokens_per_second"] for name, s in r["strategies"].items()}
                    for bs, r in payload["results"].items()}
         print(json.dumps(summary, indent=1))
         return 0
     prompts = read_prompts(args.prompts, args.limit)
-    results = run_bench(model, prompts, args.max_new_tokens, Path(args.out), meta=vars(args))
-    print(json.dumps(results["overall"], indent=2))
+    results = run_bench(model, prompts, args.max_new_tokens, Path(args.out), meta=vars(args),
+                        control=not args.no_control)
+    print(bench_table(results))
     return 0
+
+
+def bench_table(results: dict) -> str:
+    """The bench's summary as a Markdown table: per category and overall, tokens/s, speedups
+    over HF plain generate (draftheads and HF prompt lookup), τ, and identity under the dtype's
+    guarantee with the controls."""
+    dtype = results["meta"]["dtype"].removeprefix("torch.")
+    lines = [f"draftheads bench, {dtype}, {results['meta']['tree_nodes']}-node default tree, "
+             f"{results['meta']['max_new_tokens']} new tokens, bs 1",
+             "| category | prompts | HF tok/s | draftheads tok/s | speedup | τ | prompt lookup | diverged "
+             "(outside band) | control: padded batch of 2 | control: prompt lookup |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, s in [*results["by_category"].items(), ("overall", results["overall"])]:
+        lookup = s.get("prompt_lookup", {})
+        padded = s.get("control_padded_batch", {})
+        lines.append(
+            f"| {name} | {s['prompts']} | {s['hf_tokens_per_second']:.1f} | {s['draftheads_tokens_per_second']:.1f} | "
+            f"{s['speedup']:.2f}x | {s['tau']:.2f} | {lookup.get('speedup', float('nan')):.2f}x | "
+            f"{s['mismatching_prompts']} ({s['divergences_outside_band']}) | "
+            f"{padded.get('mismatching_prompts', '-')}/{padded.get('prompts', '-')} | "
+            f"{lookup.get('mismatching_prompts', '-')} |")
+    return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -158,7 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--heads", default=DEFAULT_HEADS, help="head checkpoint directory, or 'none' for plain decoding")
     common.add_argument("--base", default=None, help="base model dir / Hub id / .gguf (default: embedded SmolLM2)")
-    common.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    common.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                        help="'auto' (default): the base's native dtype where this hardware computes it natively "
+                             "(bfloat16 for SmolLM2 on CPUs with AVX512-BF16/AMX and on GPUs), else float32")
     common.add_argument("--tree", type=tree_argument, default=None,
                         help="'adaptive' (choose per live batch size from this machine's calibrated cost model; "
                              "first use calibrates for ~1-2 min, then cached) or a tree node budget "
@@ -170,7 +188,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-baseline", action="store_true", help="skip the plain-generate comparison")
     gen.set_defaults(func=cmd_generate)
     bench = sub.add_parser("bench", parents=[common], help="HF generate vs draftheads on a prompt file")
-    bench.add_argument("--prompts", required=True)
+    bench.add_argument("--prompts", required=True, nargs="+",
+                       help="JSON-lines prompt file(s); FILE@N takes the first N prompts of each category, and a "
+                            "prompt already read from an earlier file is skipped (e.g. mt_bench.jsonl "
+                            "spec_bench_dev.jsonl@8)")
     bench.add_argument("--limit", type=int, default=None,
                        help="use the first N prompts (batched default: max batch size x --max-batches)")
     bench.add_argument("--batch-sizes", type=int_list, default=None,
@@ -188,6 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--recalibrate", action="store_true",
                        help="measure the cost model again even if this machine has a cached one (batched bench; "
                             "do it on a quiet machine: a calibration taken while other jobs ran misleads the policy)")
+    bench.add_argument("--no-control", action="store_true",
+                       help="skip the controls (HF prompt lookup on each prompt, HF on each pair of prompts as a "
+                            "padded batch of 2): faster, but no peer speed and no identity control")
     bench.add_argument("--out", default="results/bench")
     bench.set_defaults(func=cmd_bench)
     train = sub.add_parser("train", help="train draft heads from a recipe (same as python -m draftheads.training.train)")
@@ -210,7 +234,10 @@ def main(argv: list[str] | None = None) -> int:
         args.max_new_tokens = 32 if getattr(args, "batch_sizes", None) else 128
     if getattr(args, "max_new_tokens", 1) <= 0:
         raise SystemExit("error: --max-new-tokens must be positive.")
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (PromptFileError, DtypeError) as err:
+        raise SystemExit(f"error: {err}") from None
 
 
 if __name__ == "__main__":

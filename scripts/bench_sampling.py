@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from draftheads.cli import chat_input, read_prompts
+from draftheads.prompts import chat_input, read_prompts
 from draftheads.decoding import DraftHeadsModel
 
 MODES = ("hf_sample", "greedy", "lossless", "typical")

@@ -34,7 +34,7 @@ from typing import Callable
 import torch
 
 from draftheads.bench import hf_greedy, summarize, timed, timed_draftheads, timed_hf
-from draftheads.cli import chat_input, read_prompts
+from draftheads.prompts import chat_input, read_prompts
 from draftheads.decoding import DraftHeadsModel, HeadContext, Tree, fingerprint, greedy_accept, load_base
 from draftheads.decoding.base import prefill, verify
 from draftheads.decoding.cache import KVState
@@ -319,7 +319,7 @@ def render_tables(results: dict) -> str:
             group_cell(speed, "mt_bench", "tau", ".2f"), group_cell(speed, "mt_bench", "speedup", ".2f", "x"),
             group_cell(speed, "overall", "tau", ".2f"), group_cell(speed, "overall", "speedup", ".2f", "x"),
             fmt(e["latency"]["drafting_ms"]), fmt(e["latency"]["verify_ms_mean"], ".1f"),
-            f"{mism}/{speed['overall']['prompts']}" + (f" ({speed['overall']['mismatches_not_near_tie']} not near-tie)"
+            f"{mism}/{speed['overall']['prompts']}" + (f" ({speed['overall']['divergences_outside_band']} outside the dtype's band)"
                                                       if mism else "") + " |"]))
     source = f" ({Path(meta['accuracy_prompts_file']).name})" if meta.get("accuracy_prompts_file") else ""
     lines += ["", f"Per-head accuracy, teacher-forced on the base's own greedy answers to {meta['accuracy_prompts']} "
@@ -433,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print((args.out / "table.md").read_text())
     for name, e in results["checkpoints"].items():
-        if e["speed"]["overall"]["mismatches_not_near_tie"]:
+        if e["speed"]["overall"]["divergences_outside_band"]:
             print(f"warning: {name} differs from HF generate away from a near-tie; see results.json", file=sys.stderr)
     return 0
 

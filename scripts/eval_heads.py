@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from draftheads.cli import read_prompts
+from draftheads.prompts import read_prompts
 from draftheads.decoding.base import fingerprint, load_base
 from draftheads.evaluation import answer_features, answers_cache_path, base_answers, score_heads
 from draftheads.heads import load_heads

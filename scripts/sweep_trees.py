@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 
 from draftheads.bench import timed
-from draftheads.cli import chat_input, find_heads, read_prompts
+from draftheads.cli import find_heads
+from draftheads.prompts import chat_input, read_prompts
 from draftheads.decoding import DraftHeadsModel, tree_for_budget
 
 

@@ -16,6 +16,7 @@ SHARED = Path(__file__).resolve().parents[2] / "shared"
 if not SHARED.exists():
     SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 DATA = SHARED / "data"
+REPO = Path(__file__).resolve().parents[1]
 
 
 def tiny_llama(seed: int = 0, vocab: int = 96, dtype=torch.float64, max_pos: int = 256) -> LlamaForCausalLM:
@@ -85,3 +86,12 @@ def smollm2():
     if os.environ.get("DRAFTHEADS_SKIP_SMOLLM2"):
         pytest.skip("DRAFTHEADS_SKIP_SMOLLM2 is set")
     return load_base(dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def smollm2_bf16():
+    from draftheads.decoding.base import load_base
+
+    if os.environ.get("DRAFTHEADS_SKIP_SMOLLM2"):
+        pytest.skip("DRAFTHEADS_SKIP_SMOLLM2 is set")
+    return load_base(dtype=torch.bfloat16)

@@ -139,7 +139,8 @@ def test_prefix_layer_cache_matches_a_full_pass():
 def test_bf16_drafting_changes_drafts_not_outputs(family):
     """Heads may read out in bfloat16 (the decoder's default for fp32 bases on CPUs with native
     bf16): drafts are only proposals, so the output stays the base's own."""
-    from draftheads.decoding.generate import cpu_has_bf16, drafting_dtype
+    from draftheads.decoding.base import cpu_has_bf16
+    from draftheads.decoding.generate import drafting_dtype
 
     model = tiny_llama(5)
     assert drafting_dtype(model) is None  # float64 bases draft in float64

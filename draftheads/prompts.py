@@ -1,0 +1,107 @@
+"""Prompt files and chat formatting: the one place the CLI, the benches, the evaluation and the
+scripts read prompts from, so every figure is measured on prompts selected the same way.
+
+A prompt file is JSON lines: MT-Bench / Spec-Bench records (``turns``: the first turn is the
+prompt; ``category``) or ``{"prompt": ...}``. A path may end in ``@N``: the first N prompts of
+each category of that file (``spec_bench_dev.jsonl@8``). Several files are read in order and a
+prompt text seen in an earlier file is skipped, so ``mt_bench.jsonl spec_bench_dev.jsonl@8``
+is MT-Bench's 80 prompts plus 8 of each other Spec-Bench category.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from .training.features import chat_prompt_ids
+
+#: MT-Bench's eight categories (Spec-Bench counts them as one task, "mt_bench")
+MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
+
+
+class PromptFileError(ValueError):
+    """A prompt file that cannot be read: names the file (and line) and what is wrong."""
+
+
+def group_of(category: str) -> str:
+    """Spec-Bench category group: MT-Bench's eight categories count as one task."""
+    return "mt_bench" if category in MT_BENCH_CATEGORIES else category
+
+
+def chat_input(tokenizer, prompt: str) -> torch.Tensor:
+    """(1, L) input ids of one chat-formatted prompt."""
+    if not prompt.strip():
+        raise ValueError("The prompt is empty; pass some text (--prompt \"...\").")
+    return torch.tensor([chat_prompt_ids(tokenizer, prompt)])
+
+
+def split_cap(spec: str) -> tuple[str, int | None]:
+    """``path@N`` → (path, N); a plain path → (path, None)."""
+    path, sep, cap = str(spec).rpartition("@")
+    if sep and cap.isdigit() and path:
+        if int(cap) < 1:
+            raise PromptFileError(f"{spec}: the per-category count after '@' must be at least 1.")
+        return path, int(cap)
+    return str(spec), None
+
+
+def read_prompt_file(path: str) -> list[dict]:
+    """All records of one file as {"id", "category", "prompt"}, in file order."""
+    prompts = []
+    with open(path, encoding="utf-8") as handle:
+        for line_no, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise PromptFileError(f"{path}:{line_no} is not valid JSON ({err.msg}).") from None
+            if not isinstance(record, dict):
+                raise PromptFileError(f"{path}:{line_no} is not a JSON object.")
+            if "turns" in record:
+                if not record["turns"] or not isinstance(record["turns"][0], str):
+                    raise PromptFileError(f"{path}:{line_no} has no first turn ('turns' is empty or not text).")
+                text = record["turns"][0]
+            elif "prompt" in record:
+                text = record["prompt"]
+            else:
+                raise PromptFileError(f"{path}:{line_no} has neither 'turns' nor 'prompt'.")
+            prompts.append({"id": record.get("question_id", record.get("id", line_no)),
+                            "category": record.get("category", record.get("source", "")), "prompt": text})
+    return prompts
+
+
+def first_per_category(records: list[dict], per_category: int) -> list[dict]:
+    """The first ``per_category`` records of each category, in file order."""
+    counts: dict[str, int] = {}
+    chosen = []
+    for item in records:
+        if counts.get(item["category"], 0) < per_category:
+            counts[item["category"]] = counts.get(item["category"], 0) + 1
+            chosen.append(item)
+    return chosen
+
+
+def read_prompts(paths: str | Sequence[str], limit: int | None = None) -> list[dict]:
+    """Prompts from one or more files (see the module docstring for ``@N`` and de-duplication),
+    then the first ``limit`` of them (None: all)."""
+    if limit is not None and limit < 1:
+        raise PromptFileError(f"limit must be at least 1 (or None for all prompts), got {limit}.")
+    seen: set[str] = set()
+    prompts: list[dict] = []
+    for spec in [paths] if isinstance(paths, str) else list(paths):
+        path, cap = split_cap(spec)
+        if not Path(path).is_file():
+            raise PromptFileError(f"Prompt file {path} does not exist.")
+        records = read_prompt_file(path)
+        if cap is not None:
+            records = first_per_category([r for r in records if r["prompt"] not in seen], cap)
+        for record in records:
+            if record["prompt"] not in seen:
+                seen.add(record["prompt"])
+                prompts.append(record)
+    if not prompts:
+        raise PromptFileError(f"No prompts in {', '.join(map(str, [paths] if isinstance(paths, str) else paths))}.")
+    return prompts[:limit] if limit else prompts

@@ -1,0 +1,66 @@
+"""Choose each checkpoint's default tree per dtype with the cost model, and record it in the
+checkpoint (``extra.default_budget_by_dtype``): for every dtype, a short batch-size-1
+calibration of this machine's step cost (the base forward over each stored tree size, the
+loop's overhead and the heads' drafting) times the heads' expected τ per budget, with the
+drafted part of τ scaled by ``--tau-scale``, then the budget with the highest expected
+tokens/s at ``--context`` tokens.
+
+Why a τ scale: the checkpoint's expected τ is measured on held-out self-distilled text, which
+the heads predict better than open-ended prompts; on MT-Bench the accepted part of τ measured
+0.66-0.88 of it (docs/measurements.md), so 0.75 is the default.
+
+    python scripts/default_trees.py checkpoints/smollm2-135m-hydra --dtypes bfloat16,float32
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from draftheads.decoding import DraftHeadsModel
+from draftheads.decoding.base import dtype_name, parse_dtype
+from draftheads.decoding.policy import CalibrationConfig, best_budget, calibrate
+
+QUICK = CalibrationConfig(batch_sizes=(1,), contexts=(128, 512), reps=6)
+
+
+def choose(checkpoint: str, dtype: torch.dtype, context: int, tau_scale: float, refresh: bool) -> dict:
+    model = DraftHeadsModel.from_pretrained(checkpoint, dtype=dtype, tree=0)
+    cost = calibrate(model.base, model.heads, QUICK, refresh=refresh)
+    ranked = best_budget(model.heads, cost, 1, context, tau_scale)
+    return {"budget": ranked[0].budget, "context": context, "tau_scale": tau_scale,
+            "ranked": [{"budget": c.budget, "nodes": c.nodes, "tau": round(c.tau, 3), "step_ms": round(c.step_ms, 2),
+                        "tokens_per_second": round(c.tokens_per_second, 2)} for c in ranked],
+            "calibration": cost.meta.get("key", {}).get("device", "")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoints", nargs="+")
+    parser.add_argument("--dtypes", default="bfloat16,float32")
+    parser.add_argument("--context", type=int, default=256, help="context length the default is chosen for")
+    parser.add_argument("--tau-scale", type=float, default=0.75)
+    parser.add_argument("--refresh", action="store_true", help="measure again even if a calibration is cached")
+    parser.add_argument("--dry-run", action="store_true", help="print the choice, do not write the checkpoint")
+    args = parser.parse_args(argv)
+    for checkpoint in args.checkpoints:
+        config_path = Path(checkpoint) / "config.json"
+        config = json.loads(config_path.read_text())
+        chosen = dict(config["extra"].get("default_budget_by_dtype") or {})
+        for name in args.dtypes.split(","):
+            dtype = parse_dtype(name)
+            result = choose(checkpoint, dtype, args.context, args.tau_scale, args.refresh)
+            chosen[dtype_name(dtype)] = result
+            print(f"{checkpoint} {dtype_name(dtype)}: budget {result['budget']}  " + "  ".join(
+                f"{c['budget']}:{c['tokens_per_second']:.1f}" for c in result["ranked"]), flush=True)
+        if not args.dry_run:
+            config["extra"]["default_budget_by_dtype"] = chosen
+            config_path.write_text(json.dumps(config, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

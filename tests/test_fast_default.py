@@ -1,0 +1,167 @@
+"""Fast by default: the dtype chosen from the base and the hardware, the cheaper step's pieces
+(float32 few-row LM head, greedy argmax) equal to what they replace, the per-dtype default tree,
+and the streamer that colours accepted drafts."""
+from __future__ import annotations
+
+import io
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import OracleHeads, tiny_llama
+from draftheads.decoding import DraftHeadsModel, tree_from_paths
+from draftheads.decoding import base as base_module
+from draftheads.decoding.accept import greedy_tokens
+from draftheads.decoding.base import DtypeError, choose_dtype, lm_logits, native_dtype, parse_dtype
+from draftheads.decoding.generate import default_budget
+from draftheads.decoding.step import PHASES, PhaseTimer
+from draftheads.streamer import DRAFT_COLOUR, RESET, DraftColourStreamer
+
+
+# -- dtype -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("text,dtype", [("bf16", torch.bfloat16), ("bfloat16", torch.bfloat16), ("fp32", torch.float32),
+                                        ("torch.float16", torch.float16), ("float64", torch.float64),
+                                        (torch.float32, torch.float32)])
+def test_parse_dtype_accepts_names_and_dtypes(text, dtype):
+    assert parse_dtype(text) is dtype
+
+
+@pytest.mark.parametrize("bad", ["bogus", "int8", torch.int64, 3, ["bf16"]])
+def test_parse_dtype_refuses_what_is_not_a_float_dtype(bad):
+    with pytest.raises(DtypeError, match="not a floating-point dtype.*auto, bfloat16, float16, float32"):
+        parse_dtype(bad)
+
+
+def test_auto_takes_the_native_dtype_only_where_the_hardware_computes_it(monkeypatch):
+    monkeypatch.setattr(base_module, "_cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
+    assert choose_dtype("auto", torch.bfloat16) is torch.bfloat16
+    assert choose_dtype(None, torch.float16) is torch.float32  # fp16 is emulated on this CPU: fp32
+    assert choose_dtype("auto", torch.float32) is torch.float32
+    monkeypatch.setattr(base_module, "_cpu_flags", lambda: frozenset({"avx2"}))
+    assert choose_dtype("auto", torch.bfloat16) is torch.float32
+
+
+def test_an_explicit_dtype_wins_with_a_warning_when_emulated(monkeypatch):
+    monkeypatch.setattr(base_module, "_cpu_flags", lambda: frozenset({"avx2"}))
+    with pytest.warns(UserWarning, match="no native bfloat16 arithmetic.*'auto' picks float32"):
+        assert choose_dtype("bfloat16", torch.bfloat16) is torch.bfloat16
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert choose_dtype("float32", torch.bfloat16) is torch.float32
+        assert choose_dtype("float64", torch.bfloat16) is torch.float64
+
+
+def test_native_dtype_reads_the_config_and_calls_gguf_bfloat16(tmp_path):
+    (tmp_path / "config.json").write_text('{"dtype": "bfloat16"}')
+    assert native_dtype(tmp_path) is torch.bfloat16
+    (tmp_path / "config.json").write_text('{"torch_dtype": "float16"}')
+    assert native_dtype(tmp_path) is torch.float16
+    assert native_dtype(tmp_path / "missing") is torch.float32
+    assert native_dtype(tmp_path, gguf="model.gguf") is torch.bfloat16
+
+
+def test_load_base_refuses_a_bad_dtype_before_loading():
+    with pytest.raises(DtypeError, match="dtype='bogus'"):
+        base_module.load_base("/nonexistent/model", dtype="bogus")
+
+
+# -- the cheaper step's pieces -------------------------------------------------------------------
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 17])
+def test_float32_lm_logits_equal_the_lm_head(rows):
+    model = tiny_llama(1, dtype=torch.float32)
+    states = torch.randn(1, rows, 32)
+    expected = model.lm_head(states)
+    got = lm_logits(model, states)
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    if rows == 1 or rows > 8:  # outside the few-row path it *is* the LM head
+        assert torch.equal(got, expected)
+
+
+def test_float32_lm_logits_keep_the_batch_shape():
+    model = tiny_llama(1, dtype=torch.float32)
+    states = torch.randn(2, 3, 32)
+    torch.testing.assert_close(lm_logits(model, states), F.linear(states, model.lm_head.weight))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_greedy_tokens_is_argmax_with_first_index_on_ties(dtype):
+    logits = torch.randn(3, 7, 500).to(dtype)
+    logits[0, 0, [10, 20, 30]] = 100.0  # a three-way tie: the first index wins, as torch.argmax
+    logits[2, 4, [499, 3]] = 50.0
+    assert torch.equal(greedy_tokens(logits), logits.argmax(-1))
+    assert int(greedy_tokens(logits)[0, 0]) == 10 and int(greedy_tokens(logits)[2, 4]) == 3
+
+
+def test_float32_tree_decoding_follows_the_base_with_the_few_row_lm_head():
+    """float32 tiny model, trees of 2-8 slots (the few-row LM head path): identical tokens."""
+    model = tiny_llama(2, dtype=torch.float32)
+    prompt = torch.tensor([[5, 17, 33, 8, 9]])
+    reference = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=40, do_sample=False)
+    for paths in ([(0,)], [(0,), (1,), (0, 0)], [(0,), (0, 0), (0, 0, 0), (1,), (2,), (1, 0), (0, 1)]):
+        heads = OracleHeads([reference[0, 5:].tolist()], vocab=96, error=0.3, seed=4)
+        ours = DraftHeadsModel(model, heads, tree=tree_from_paths(paths)).generate(prompt, max_new_tokens=40)
+        assert ours.tolist() == reference.tolist()
+
+
+def test_phase_timer_sees_every_phase_of_every_step():
+    model = tiny_llama(0)
+    prompt = torch.tensor([[5, 17, 33]])
+    reference = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=20, do_sample=False)
+    heads = OracleHeads([reference[0, 3:].tolist()], vocab=96, error=0.2)
+    drafter = DraftHeadsModel(model, heads, tree=tree_from_paths([(0,), (0, 0)]))
+    timer = PhaseTimer()
+    assert drafter.generate(prompt, max_new_tokens=20, timer=timer).tolist() == reference.tolist()
+    assert timer.steps == drafter.last_stats.steps > 0
+    per_step = timer.per_step()
+    assert all(per_step[p] > 0 for p in PHASES)
+    assert per_step["total"] == pytest.approx(sum(per_step[p] for p in PHASES))
+
+
+# -- the default tree per dtype ------------------------------------------------------------------
+def test_default_budget_is_chosen_per_dtype():
+    heads = OracleHeads([[1]], vocab=96)
+    heads.config.extra = {"default_budget": 4, "default_budget_by_dtype": {"bfloat16": {"budget": 8},
+                                                                            "float32": {"budget": 2}}}
+    assert default_budget(heads, torch.bfloat16) == 8
+    assert default_budget(heads, torch.float32) == 2
+    assert default_budget(heads, torch.float64) == 4  # no choice recorded for float64: the general default
+    assert default_budget(heads) == 4
+
+
+# -- the streamer --------------------------------------------------------------------------------
+class LetterTokenizer:
+    """Token t decodes to chr(ord('a') + t % 26): enough to see which tokens were coloured."""
+
+    def decode(self, tokens, skip_special_tokens=True):
+        return "".join(chr(ord("a") + t % 26) for t in tokens)
+
+
+def test_streamer_colours_accepted_drafts_only_on_a_terminal():
+    out = io.StringIO()
+    streamer = DraftColourStreamer(LetterTokenizer(), out, colour=True)
+    streamer.put(torch.tensor([[0, 1, 2]]))  # the prompt: not printed
+    streamer.put_step(torch.tensor([3]), 0)
+    streamer.put_step(torch.tensor([4, 5, 6]), 2)
+    streamer.end()
+    assert out.getvalue() == f"d{DRAFT_COLOUR}e{RESET}{DRAFT_COLOUR}f{RESET}g\n"
+    assert streamer.drafted_tokens == 2
+    plain = io.StringIO()  # StringIO is not a tty: no escape codes by default
+    streamer = DraftColourStreamer(LetterTokenizer(), plain)
+    streamer.put_step(torch.tensor([4, 5, 6]), 2)
+    assert plain.getvalue() == "efg"
+
+
+def test_generate_tells_the_streamer_which_tokens_were_drafts():
+    model = tiny_llama(1)
+    prompt = torch.tensor([[7, 9, 11]])
+    reference = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=30, do_sample=False)
+    heads = OracleHeads([reference[0, 3:].tolist()], vocab=96, error=0.3, seed=2)
+    drafter = DraftHeadsModel(model, heads, tree=tree_from_paths([(0,), (0, 0), (1,)]))
+    streamer = DraftColourStreamer(LetterTokenizer(), io.StringIO(), colour=False)
+    out = drafter.generate(prompt, max_new_tokens=30, streamer=streamer)
+    assert out.tolist() == reference.tolist()
+    assert streamer.tokens == reference[0, 3:].tolist()
+    assert streamer.drafted_tokens == sum(drafter.last_stats.accepted) > 0
