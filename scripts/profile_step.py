@@ -67,10 +67,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", default=str(Path(__file__).resolve().parents[2] / "shared/data/mt_bench.jsonl"))
     parser.add_argument("--limit", type=int, default=10)
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--no-packed-linears", action="store_true",
+                        help="run the decoder's forwards with plain F.linear (the 'before' of the packing)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--out", default=None, help="write the result as JSON here")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model = DraftHeadsModel.from_pretrained(find_heads(args.heads), base_name_or_path=args.base, dtype=args.dtype,
-                                            tree=args.tree)
+                                            tree=args.tree, packed_linears=not args.no_packed_linears)
     prompts = read_prompts(args.prompts, args.limit)
     result = profile(model, prompts, args.max_new_tokens)
     result["meta"] = {**vars(args), "dtype": str(model.base.dtype), "threads": torch.get_num_threads(),

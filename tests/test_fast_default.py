@@ -14,7 +14,9 @@ from conftest import OracleHeads, tiny_llama
 from draftheads.decoding import DraftHeadsModel, tree_from_paths
 from draftheads.decoding import base as base_module
 from draftheads.decoding.accept import greedy_tokens
-from draftheads.decoding.base import DtypeError, choose_dtype, lm_logits, native_dtype, parse_dtype
+from draftheads.decoding.base import (DtypeError, choose_dtype, lm_logits, native_dtype, parse_dtype, prefill,
+                                     use_packed_linears)
+from draftheads.heads.linear import PackedLinear, packed_linears, packing_available
 from draftheads.decoding.generate import default_budget
 from draftheads.decoding.step import PHASES, PhaseTimer
 from draftheads.streamer import DRAFT_COLOUR, RESET, DraftColourStreamer
@@ -68,22 +70,46 @@ def test_load_base_refuses_a_bad_dtype_before_loading():
 
 
 # -- the cheaper step's pieces -------------------------------------------------------------------
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 17])
-def test_float32_lm_logits_equal_the_lm_head(rows):
-    model = tiny_llama(1, dtype=torch.float32)
+needs_packing = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN packed linear")
+
+
+@needs_packing
+@pytest.mark.parametrize("rows", [1, 2, 5, 9, 40])
+def test_packed_forwards_are_bit_identical_in_bfloat16(rows):
+    """Packed weights change nothing in bfloat16: the verify forward's hidden states, the LM
+    head's logits; and the base's own forward (outside the decoder) still runs F.linear."""
+    plain, packed = tiny_llama(1, dtype=torch.bfloat16), tiny_llama(1, dtype=torch.bfloat16)
+    assert use_packed_linears(packed)
+    assert any(isinstance(m, PackedLinear) for m in packed.modules())
+    assert packed.state_dict().keys() == plain.state_dict().keys()
+    ids = torch.randint(3, 96, (2, rows))
+    mask = torch.ones_like(ids)
+    _, hidden_plain = prefill(plain, ids, mask)
+    _, hidden_packed = prefill(packed, ids, mask)
+    assert torch.equal(hidden_plain, hidden_packed)
+    states = torch.randn(2, rows, 32).to(torch.bfloat16)
+    assert torch.equal(lm_logits(packed, states), plain.lm_head(states))
+    assert torch.equal(packed(ids).logits, plain(ids).logits)
+
+
+@needs_packing
+@pytest.mark.parametrize("rows", [1, 3, 9])
+def test_packed_forwards_stay_within_float32_rounding(rows):
+    plain, packed = tiny_llama(1, dtype=torch.float32), tiny_llama(1, dtype=torch.float32)
+    use_packed_linears(packed)
     states = torch.randn(1, rows, 32)
-    expected = model.lm_head(states)
-    got = lm_logits(model, states)
-    assert got.shape == expected.shape
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
-    if rows == 1 or rows > 8:  # outside the few-row path it *is* the LM head
-        assert torch.equal(got, expected)
+    torch.testing.assert_close(lm_logits(packed, states), plain.lm_head(states), rtol=1e-5, atol=1e-5)
+    ids = torch.randint(3, 96, (1, rows))
+    torch.testing.assert_close(prefill(packed, ids, torch.ones_like(ids))[1], prefill(plain, ids, torch.ones_like(ids))[1],
+                               rtol=1e-4, atol=1e-5)
+    with packed_linears(False):  # outside the decoder's forwards: exactly F.linear
+        assert torch.equal(packed(ids).logits, plain(ids).logits)
 
 
-def test_float32_lm_logits_keep_the_batch_shape():
-    model = tiny_llama(1, dtype=torch.float32)
-    states = torch.randn(2, 3, 32)
-    torch.testing.assert_close(lm_logits(model, states), F.linear(states, model.lm_head.weight))
+def test_float64_is_never_packed():
+    model = tiny_llama(1)
+    assert not use_packed_linears(model)
+    assert not any(isinstance(m, PackedLinear) for m in model.modules())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -95,8 +121,9 @@ def test_greedy_tokens_is_argmax_with_first_index_on_ties(dtype):
     assert int(greedy_tokens(logits)[0, 0]) == 10 and int(greedy_tokens(logits)[2, 4]) == 3
 
 
-def test_float32_tree_decoding_follows_the_base_with_the_few_row_lm_head():
-    """float32 tiny model, trees of 2-8 slots (the few-row LM head path): identical tokens."""
+def test_float32_tree_decoding_follows_the_base_with_packed_weights():
+    """float32 tiny model with packed forwards, trees of 2-8 slots: identical tokens (no
+    near-tie in this model's 40 tokens: float32 rounding cannot reach a decision)."""
     model = tiny_llama(2, dtype=torch.float32)
     prompt = torch.tensor([[5, 17, 33, 8, 9]])
     reference = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=40, do_sample=False)
