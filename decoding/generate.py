@@ -156,16 +156,18 @@ class DraftHeadsModel:
     @classmethod
     def from_pretrained(cls, heads_path: str | Path | None = None, base=None, tokenizer=None,
                         base_name_or_path: str | None = None, dtype=torch.float32, tree=None,
-                        packed_attention: bool = True) -> "DraftHeadsModel":
-        """Load heads from a local checkpoint directory (or a Hub id already in the local HF
-        cache) and the base they were made for (default: the embedded SmolLM2)."""
+                        packed_attention: bool = True, **hub_kwargs) -> "DraftHeadsModel":
+        """Load heads from a local checkpoint directory or a Hub id (``hub_kwargs``: ``revision``,
+        ``cache_dir``, ``token``, ``local_files_only``; ``HF_HUB_OFFLINE=1`` reads the cache only)
+        and the base they were made for (default: the embedded SmolLM2)."""
         if base is None:
             base, tokenizer = load_base(base_name_or_path, dtype=dtype)
         if packed_attention:  # before an adaptive tree's calibration, which measures the loop's forward
             use_packed_sdpa(base)
         heads = None
         if heads_path is not None:
-            heads = load_heads(_local_checkpoint(heads_path), expected_fingerprint=fingerprint(base).to_dict())
+            heads = load_heads(heads_path, expected_fingerprint=fingerprint(base).to_dict(),
+                               base_name=getattr(base, "name_or_path", None) or None, **hub_kwargs)
         return cls(base, heads, tokenizer, resolve_tree(tree, base, heads), packed_attention=packed_attention)
 
     @property
@@ -393,21 +395,6 @@ def tree_for_budget(heads: DraftHeads | None, budget: int) -> Tree:
         tree = chain_tree(min(budget, heads.num_heads))
     heads.check_tree(tree.spec)
     return tree
-
-
-def _local_checkpoint(path: str | Path) -> Path:
-    local = Path(path)
-    if local.is_dir():
-        return local
-    if "/" in str(path) and not local.exists():
-        from huggingface_hub import snapshot_download
-
-        try:
-            return Path(snapshot_download(str(path), local_files_only=True))
-        except Exception as err:  # noqa: BLE001 - any hub failure means "not available offline"
-            raise FileNotFoundError(f"Head checkpoint {path!r} is neither a local directory nor in the local "
-                                    f"Hugging Face cache ({type(err).__name__}); download it first.") from None
-    raise FileNotFoundError(f"Head checkpoint directory {path!r} does not exist.")
 
 
 def _check_inputs(input_ids, attention_mask, base, pad: int | None, eos: list[int], pad_given: bool = True):
