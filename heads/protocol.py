@@ -375,6 +375,7 @@ def load_heads(directory: str | Path, expected_fingerprint: dict | None = None,
         state = load_file(str(weights))
     except (SafetensorError, OSError, ValueError) as err:
         raise CheckpointError(f"{weights} is corrupt or truncated ({err}); re-download or re-train it.") from None
+    heads.to(dtype)  # before loading: a float64 checkpoint must not pass through float32 params
     missing, unexpected = heads.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise CheckpointError(f"{weights} does not match its config.json (missing {missing}, unexpected {unexpected}).")
