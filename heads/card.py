@@ -68,8 +68,12 @@ def basic_card(config: HeadConfig, name: str = "<repo id or folder>") -> str:
     """The card of a checkpoint without a training report (imported, hand-made)."""
     cls = REGISTRY.get(config.family)
     title = (cls.display_name if cls is not None else "") or config.family
-    return (front_matter(config, []) + f"# {title} draft heads\n\n" + summary(config) + "\n" + usage(config, name)
-            + trees_table(config, {}))
+    source = config.extra.get("imported_from")
+    origin = "" if not source else (
+        f"\nImported with `draftheads import-medusa` from a FasterDecoding Medusa checkpoint ({source['format']}, "
+        f"`{source['file']}`, trained for `{source.get('base_model_name_or_path')}`); not retrained.\n")
+    return (front_matter(config, []) + f"# {title} draft heads\n\n" + summary(config) + origin + "\n"
+            + usage(config, name) + trees_table(config, {}))
 
 
 def trees_table(config: HeadConfig, expected: dict) -> str:
@@ -115,14 +119,15 @@ def accuracy_section(accuracy: dict) -> str:
 
 def measured_section(measured: dict, entry: dict, meta: dict) -> str:
     """τ and speedup of one checkpoint from a benchmark's results JSON, with the command."""
-    groups = entry["speed"]["groups"]
-    names = {"mt_bench": "MT-Bench", "spec_bench": "Spec-Bench"}
-    lines = []
-    for key, group in groups.items():
-        lines.append(f"- {names.get(key, key)} ({group['prompts']} prompts × up to {meta['max_new_tokens']} new tokens): "
-                     f"τ {group['tau']:.2f}, {group['speedup']:.2f}× HF `generate` "
-                     f"({group['draftheads_tokens_per_second']:.2f} vs {group['hf_tokens_per_second']:.2f} tokens/s)")
-    overall = entry["speed"]["overall"]
+    overall, groups = entry["speed"]["overall"], entry["speed"]["groups"]
+
+    def speed(name: str, group: dict) -> str:
+        return (f"- {name} ({group['prompts']} prompts × up to {meta['max_new_tokens']} new tokens): τ {group['tau']:.2f}, "
+                f"{group['speedup']:.2f}× HF `generate` ({group['draftheads_tokens_per_second']:.2f} vs "
+                f"{group['hf_tokens_per_second']:.2f} tokens/s)")
+
+    lines = [speed(f"All prompts of `{Path(meta['prompts_file']).name}`", overall)] if len(groups) > 1 else []
+    lines += [speed({"mt_bench": "MT-Bench"}.get(key, key), group) for key, group in groups.items()]
     lines.append(f"- {overall['mismatching_prompts']}/{overall['prompts']} prompts differ from HF greedy `generate`.")
     acc = entry.get("accuracy")
     if acc:
