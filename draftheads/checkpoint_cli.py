@@ -69,7 +69,8 @@ def cmd_import_medusa(args) -> int:
 
     source = resolve_checkpoint(args.source, revision=args.revision)
     base = load_base_model(args.base)
-    heads = import_medusa(source, fingerprint(base).to_dict(), base_label(args.base))
+    heads = import_medusa(source, fingerprint(base).to_dict(), base_label(args.base),
+                          base_revision=getattr(base.config, "_commit_hash", None))
     heads.save_pretrained(args.out, dtype=DTYPES[args.save_dtype])
     print(f"wrote {args.out}: {heads.num_heads} Medusa heads ({heads.config.num_layers} layer(s), "
           f"{'own' if heads.config.owns_lm_head else 'shared'} LM head)", file=sys.stderr)
