@@ -68,13 +68,31 @@ def cmd_import_medusa(args) -> int:
     from .heads.medusa_import import import_medusa
 
     source = resolve_checkpoint(args.source, revision=args.revision)
-    base = load_base_model(args.base)
+    if args.trees_from:
+        from .decoding.base import load_base
+
+        base, tokenizer = load_base(args.base)
+    else:
+        base = load_base_model(args.base)
     heads = import_medusa(source, fingerprint(base).to_dict(), base_label(args.base),
                           base_revision=getattr(base.config, "_commit_hash", None))
+    if args.trees_from:
+        fit_imported_trees(heads, base, tokenizer, args)
     heads.save_pretrained(args.out, dtype=DTYPES[args.save_dtype])
     print(f"wrote {args.out}: {heads.num_heads} Medusa heads ({heads.config.num_layers} layer(s), "
           f"{'own' if heads.config.owns_lm_head else 'shared'} LM head)", file=sys.stderr)
     return 0
+
+
+def fit_imported_trees(heads, base, tokenizer, args) -> None:
+    """Trees + expected τ from the heads' ranks on the base's greedy answers to ``--trees-from``."""
+    from .evaluation import answer_features, base_answers
+    from .tree_fit import fit_trees, prompt_records
+
+    records = base_answers(base, tokenizer, prompt_records(args.trees_from, args.limit), args.max_new_tokens)
+    taus = fit_trees(heads, base, answer_features(base, tokenizer, records),
+                     source=f"{args.trees_from} (first {args.limit} prompts, {args.max_new_tokens} tokens)")
+    print(f"fitted trees, expected τ per node budget: {taus}", file=sys.stderr)
 
 
 def record_measured(checkpoint: Path, results: str, command: str, date: str | None) -> None:
@@ -143,6 +161,10 @@ def add_commands(sub) -> None:
     imp.add_argument("--base", default=None, help="the base the Medusa heads were trained for")
     imp.add_argument("--revision", default=None, help="Hub revision of the source")
     imp.add_argument("--save-dtype", choices=list(DTYPES), default="keep")
+    imp.add_argument("--trees-from", default=None, help="prompt file (JSON lines, like bench's): fit stored trees and "
+                                                        "expected τ on the base's answers, for tree=<budget>/adaptive")
+    imp.add_argument("--limit", type=int, default=20, help="prompts of --trees-from to use")
+    imp.add_argument("--max-new-tokens", type=int, default=128, help="answer length for --trees-from")
     imp.set_defaults(func=clean_errors(cmd_import_medusa))
     card = sub.add_parser("card", help="regenerate a checkpoint's README.md model card from its recorded figures")
     card.add_argument("checkpoint")

@@ -103,3 +103,32 @@ def test_hidden_size_mismatch_and_bad_files_are_named(tmp_path):
     (tmp_path / "c" / "medusa_lm_head.pt").write_bytes(b"garbage")
     with pytest.raises(CheckpointError, match="cannot be read"):
         import_medusa(tmp_path / "c", fingerprint(model).to_dict())
+
+
+def test_imported_heads_get_trees_and_decode_with_the_adaptive_policy(tmp_path, monkeypatch):
+    """Imported checkpoints carry no trees: fit_trees runs training's tree search on the heads'
+    ranks over the base's outputs, after which tree=<budget> and the calibrated adaptive policy work."""
+    from draftheads.decoding.generate import resolve_tree
+    from draftheads.decoding.policy import AdaptivePolicy, CalibrationConfig
+    from draftheads.training.features import Example, extract_features, load_shards
+    from draftheads.tree_fit import fit_trees
+
+    monkeypatch.setenv("DRAFTHEADS_CACHE", str(tmp_path / "cache"))
+    model = tiny_llama(0, max_pos=64)
+    write_medusa(tmp_path / "medusa", reference_heads(32, 96, heads=2, layers=1, projection=True), 1, "safetensors")
+    heads = import_medusa(tmp_path / "medusa", fingerprint(model).to_dict())
+    generator = torch.Generator().manual_seed(0)
+    examples = [Example(torch.randint(3, 96, (20,), generator=generator).tolist(), 4) for _ in range(6)]
+    fp = fingerprint(model).to_dict()
+    features = load_shards(extract_features(model, examples, tmp_path / "features", fp), fp)
+    taus = fit_trees(heads, model, features, budgets=(1, 3))
+    assert list(heads.config.trees) == ["1", "3"] and 1.0 <= taus["1"] <= taus["3"] <= 3.0
+    heads.save_pretrained(tmp_path / "ours", dtype=None)
+    loaded = load_heads(tmp_path / "ours", expected_fingerprint=fp, dtype=torch.float64)
+    grid = CalibrationConfig(batch_sizes=(1, 2), nodes=(1, 2, 4), contexts=(8, 16), max_tokens=4, reps=1)
+    loaded.bind(model.get_output_embeddings().weight, model.get_input_embeddings().weight)
+    policy = resolve_tree("adaptive", model, loaded, grid)
+    assert isinstance(policy, AdaptivePolicy) and [c.budget for c in policy.candidates] == [0, 1, 3]
+    ids, mask = left_pad([[5, 6, 7, 8], [9, 10]])
+    out = DraftHeadsModel(model, loaded, tree=policy).generate(ids, attention_mask=mask, max_new_tokens=12)
+    assert out.tolist() == model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False).tolist()
