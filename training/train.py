@@ -91,11 +91,13 @@ class FrozenParts:
     lm_head: torch.Tensor
     embed: torch.Tensor
     fingerprint: dict
+    revision: str | None = None  # the Hub commit of a base loaded from the Hub (recorded in the checkpoint)
 
 
 def frozen_parts(base, dtype: torch.dtype) -> FrozenParts:
     return FrozenParts(base.get_output_embeddings().weight.detach().to(dtype),
-                       base.get_input_embeddings().weight.detach().to(dtype), fingerprint(base).to_dict())
+                       base.get_input_embeddings().weight.detach().to(dtype), fingerprint(base).to_dict(),
+                       getattr(base.config, "_commit_hash", None))
 
 
 # -- data -----------------------------------------------------------------------------------------------
@@ -622,6 +624,7 @@ def finish(heads: DraftHeads, eval_table: Features, recipe: Recipe, parts: Froze
     config.trees = {b: t["paths"] for b, t in trees.items()}
     config.base_fingerprint = parts.fingerprint
     config.base_name = "embedded:smollm2-135m-instruct" if recipe.base == "embedded" else recipe.base
+    config.base_revision = parts.revision
     config.extra = {**config.extra, "recipe": recipe.to_dict(), "held_out_accuracy": accuracy,
                     "default_budget": recipe.run.default_budget,
                     "expected_tau": {b: t["expected_tau"] for b, t in trees.items()}}
