@@ -281,6 +281,11 @@ class atomic_directory:
         if exc_type is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
             return
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(self.tmp, 0o777 & ~umask)  # mkdtemp makes it private; a checkpoint is as readable as any folder
+        for item in self.tmp.iterdir():
+            os.chmod(item, 0o666 & ~umask)
         if self.target.is_file():
             shutil.rmtree(self.tmp, ignore_errors=True)
             raise CheckpointError(f"{self.target} is a file; a checkpoint is a directory: choose another path.")

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -38,6 +40,10 @@ def test_save_writes_config_weights_card_and_version(tmp_path):
     assert saved["format_version"] == protocol.FORMAT_VERSION and saved["draftheads_version"] == __version__
     assert (out / "README.md").read_text().startswith("---\n")
     assert leftovers(tmp_path) == []
+    umask = os.umask(0)
+    os.umask(umask)  # the temporary folder was private; the checkpoint follows the umask like any folder
+    assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~umask
+    assert stat.S_IMODE((out / "model.safetensors").stat().st_mode) == 0o666 & ~umask
 
 
 def test_failed_save_keeps_the_old_checkpoint_and_leaves_nothing(tmp_path):
