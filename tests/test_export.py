@@ -103,3 +103,23 @@ def test_unrepresentable_exports_are_refused_with_the_reason(tmp_path):
     with pytest.raises(ExportError, match="pass the base"):
         export_heads(random_medusa(model), "vllm-medusa", tmp_path / "e")
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing half-written
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("share", [False, True])
+def test_shipped_medusa_checkpoint_exports_for_vllm(tmp_path, smollm2, share):
+    """The shipped SmolLM2 Medusa heads (8,192-token draft vocabulary → vLLM's token_map)."""
+    from pathlib import Path
+
+    from draftheads.heads import load_heads
+
+    base, _ = smollm2
+    checkpoint = Path(__file__).resolve().parents[1] / "checkpoints" / "smollm2-135m-medusa"
+    heads = load_heads(checkpoint, expected_fingerprint=fingerprint(base).to_dict()).bind(base.lm_head.weight)
+    out = export_heads(heads, "vllm-medusa", tmp_path / "vllm", base.lm_head.weight, share_lm_head=share)
+    hidden = torch.randn(4, base.config.hidden_size)
+    ref, ours = vllm_medusa_reference(out, hidden), draftheads_full_logits(heads, hidden)
+    finite = ours.isfinite()
+    assert torch.equal(ref.isinf(), ~finite) and int(finite[0, 0].sum()) == 8192
+    assert torch.allclose(ref[finite], ours[finite], atol=1e-4)
+    assert torch.equal(ref.argmax(-1), ours.argmax(-1))
