@@ -80,7 +80,8 @@ def trees_table(config: HeadConfig, expected: dict) -> str:
     if not config.trees:
         return ""
     rows = "\n".join(f"| {b} | {expected[b]:.2f} |" if b in expected else f"| {b} | — |" for b in config.trees)
-    return f"\n## Stored trees (node budget → expected τ on held-out positions)\n| nodes | expected τ |\n|---|---|\n{rows}\n"
+    return ("\n## Stored trees (node budget → expected τ on held-out positions)\n"
+            f"| nodes | expected τ |\n|---|---|\n{rows}\n")
 
 
 def training_section(config: HeadConfig, report: dict) -> str:
@@ -122,7 +123,8 @@ def measured_section(measured: dict, entry: dict, meta: dict) -> str:
     overall, groups = entry["speed"]["overall"], entry["speed"]["groups"]
 
     def speed(name: str, group: dict) -> str:
-        return (f"- {name} ({group['prompts']} prompts × up to {meta['max_new_tokens']} new tokens): τ {group['tau']:.2f}, "
+        return (f"- {name} ({group['prompts']} prompts × up to {meta['max_new_tokens']} new tokens): "
+                f"τ {group['tau']:.2f}, "
                 f"{group['speedup']:.2f}× HF `generate` ({group['draftheads_tokens_per_second']:.2f} vs "
                 f"{group['hf_tokens_per_second']:.2f} tokens/s)")
 

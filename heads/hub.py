@@ -38,7 +38,8 @@ def resolve_checkpoint(name_or_path: str | Path, revision: str | None = None, ca
     from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError,
                                         RevisionNotFoundError)
 
-    where = f"{name_or_path!r}" + (f" (revision {revision!r})" if revision else "")
+    where = (f"{name_or_path!r}" + (f" (revision {revision!r})" if revision else "")
+             + " is no local folder, and as a Hub id it")
     try:
         return Path(snapshot_download(str(name_or_path), revision=revision, cache_dir=cache_dir, token=token,
                                       local_files_only=local_files_only))
@@ -50,7 +51,7 @@ def resolve_checkpoint(name_or_path: str | Path, revision: str | None = None, ca
             f"with network (`hf download {name_or_path}`), or pass a local checkpoint folder.") from None
     except (RepositoryNotFoundError, GatedRepoError) as err:
         raise CheckpointError(f"Head checkpoint {where} is not on the Hub or not accessible with this token "
-                              f"({type(err).__name__}); check the id, or log in (`hf auth login`).") from None
+                              f"({type(err).__name__}); check the path or id, or log in (`hf auth login`).") from None
     except RevisionNotFoundError:
         raise CheckpointError(f"Head checkpoint {name_or_path!r} has no revision {revision!r} on the Hub.") from None
 

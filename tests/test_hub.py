@@ -86,10 +86,11 @@ def test_hub_id_loads_from_the_cache_without_network(tmp_path, monkeypatch, no_n
 
 def test_uncached_hub_id_offline_is_a_clear_error(tmp_path, monkeypatch, no_network):
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    with pytest.raises(CheckpointError, match=r"'someone/absent' is not in the local Hugging Face cache .*HF_HUB_OFFLINE=1"):
+    with pytest.raises(CheckpointError, match=r"'someone/absent' is no local folder, and as a Hub id it is not in "
+                                              r"the local Hugging Face cache .*HF_HUB_OFFLINE=1"):
         load_heads("someone/absent", cache_dir=tmp_path)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     with pytest.raises(CheckpointError, match=r"revision 'v2'.*local_files_only=True"):
-        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
         load_heads("someone/absent", cache_dir=tmp_path, revision="v2", local_files_only=True)
 
 
