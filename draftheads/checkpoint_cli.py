@@ -107,9 +107,12 @@ def record_measured(checkpoint: Path, results: str, command: str, date: str | No
 
 def write_text_atomic(path: Path, text: str) -> None:
     """Replace a file in one rename, so a reader never sees half of it."""
+    from .heads.protocol import current_umask
+
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     with os.fdopen(fd, "w") as handle:
         handle.write(text)
+    os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp makes it private
     os.replace(tmp, path)
 
 

@@ -265,6 +265,13 @@ class DraftHeads(nn.Module):
             return upload_checkpoint(folder, repo_id, **hub_kwargs)
 
 
+def current_umask() -> int:
+    """The process umask (read by setting it and putting it back)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
 class atomic_directory:
     """``with atomic_directory(target) as tmp:`` write into ``tmp``; on success it replaces
     ``target`` (files only the old folder had are carried over), on error it is deleted."""
@@ -281,11 +288,9 @@ class atomic_directory:
         if exc_type is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
             return
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(self.tmp, 0o777 & ~umask)  # mkdtemp makes it private; a checkpoint is as readable as any folder
+        os.chmod(self.tmp, 0o777 & ~current_umask())  # mkdtemp makes it private; a checkpoint is not
         for item in self.tmp.iterdir():
-            os.chmod(item, 0o666 & ~umask)
+            os.chmod(item, 0o666 & ~current_umask())
         if self.target.is_file():
             shutil.rmtree(self.tmp, ignore_errors=True)
             raise CheckpointError(f"{self.target} is a file; a checkpoint is a directory: choose another path.")

@@ -15,6 +15,7 @@ from draftheads.decoding import fingerprint
 from draftheads.heads import HeadConfig, HydraHeads, load_heads
 from draftheads.heads.card import card_for_checkpoint
 from draftheads.heads.medusa_import import import_medusa
+from draftheads.heads.protocol import current_umask
 from test_export import draftheads_full_logits, vllm_medusa_reference
 from test_medusa_import import reference_heads, write_medusa
 
@@ -49,6 +50,7 @@ def test_card_check_fails_on_a_stale_card(tmp_path):
     assert main(["card", str(tmp_path), "--check"]) == 1
     assert main(["card", str(tmp_path)]) == 0 and main(["card", str(tmp_path), "--check"]) == 0
     assert (tmp_path / "README.md").read_text().startswith("---\nlibrary_name: draftheads\n")
+    assert (tmp_path / "README.md").stat().st_mode & 0o777 == 0o666 & ~current_umask()  # not mkstemp's 0600
 
 
 def test_import_then_export_from_the_command_line(tmp_path):

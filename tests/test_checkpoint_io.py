@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 import stat
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from draftheads import __version__
 from draftheads.decoding import DraftHeadsModel, fingerprint
 from draftheads.heads import CheckpointError, HeadConfig, HydraHeads, MedusaHeads, load_heads, read_config
 from draftheads.heads import protocol
+from draftheads.heads.protocol import current_umask
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -40,8 +40,7 @@ def test_save_writes_config_weights_card_and_version(tmp_path):
     assert saved["format_version"] == protocol.FORMAT_VERSION and saved["draftheads_version"] == __version__
     assert (out / "README.md").read_text().startswith("---\n")
     assert leftovers(tmp_path) == []
-    umask = os.umask(0)
-    os.umask(umask)  # the temporary folder was private; the checkpoint follows the umask like any folder
+    umask = current_umask()  # the temporary folder was private; the checkpoint follows the umask like any folder
     assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~umask
     assert stat.S_IMODE((out / "model.safetensors").stat().st_mode) == 0o666 & ~umask
 
