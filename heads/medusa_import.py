@@ -8,8 +8,11 @@ next to ``medusa_lm_head.safetensors`` or ``medusa_lm_head.pt`` holding the stat
 * **Medusa-1** (``medusa_model.py``): head i = ``Sequential(ResBlock × L, Linear(d, V, bias=False))``
   → keys ``{i}.{j}.linear.weight`` (d, d), ``{i}.{j}.linear.bias`` (d,), ``{i}.{L}.weight`` (V, d).
   Imported with ``owns_lm_head=True``: each head keeps its projection.
-* **shared LM head** (``medusa_model_legacy.py``): head i = ``Sequential(ResBlock × L)`` read out
-  through the base's LM head → only the ResBlock keys. Imported as ordinary heads (the draftheads default).
+* **shared LM head, "v2"** (``medusa_model_legacy.py``; its trainer ``train_legacy.py`` writes
+  ``version: "2"`` into config.json): head i = ``Sequential(ResBlock × L)`` read out through the
+  base's LM head → only the ResBlock keys. Imported as ordinary heads (the draftheads default).
+
+The variant is read from the tensors (a ``{i}.{L}.weight`` projection or not), not from ``version``.
 
 ``ResBlock`` is ``x + SiLU(W x + b)`` in both, as here. Medusa builds ``[ResBlock(d)] * L``, one
 module repeated (tied weights; Medusa PR #133): the state dict then repeats the same tensor
@@ -125,7 +128,7 @@ def import_medusa(folder: str | Path, base_fingerprint: dict, base_name: str | N
         base_name=base_name or config.get("base_model_name_or_path"), base_revision=base_revision,
         owns_lm_head=layout.owns_lm_head,
         extra={"imported_from": {"format": "medusa-1" if layout.owns_lm_head else "medusa-shared-lm-head",
-                                 "path": str(folder), "file": path.name,
+                                 "path": str(folder), "file": path.name, "version": config.get("version"),
                                  "base_model_name_or_path": config.get("base_model_name_or_path")}}))
     ours = {f"heads.{key}": value for key, value in state.items() if not key.endswith(f".{layout.num_layers}.weight")}
     ours.update({f"lm_heads.{i}.weight": state[f"{i}.{layout.num_layers}.weight"]

@@ -41,8 +41,10 @@ def reference_heads(d: int, vocab: int, heads: int, layers: int, projection: boo
 
 def write_medusa(folder, module: nn.ModuleList, layers: int, fmt: str, base: str = "tiny/llama") -> None:
     folder.mkdir(parents=True, exist_ok=True)
+    shared = not isinstance(module[0][-1], nn.Linear)  # train_legacy.py marks the shared-LM-head layout version 2
     (folder / "config.json").write_text(json.dumps({"medusa_num_heads": len(module), "medusa_num_layers": layers,
-                                                    "base_model_name_or_path": base}))
+                                                    "base_model_name_or_path": base,
+                                                    **({"version": "2"} if shared else {})}))
     state = module.state_dict()
     if fmt == "pt":
         torch.save(state, folder / "medusa_lm_head.pt")
