@@ -161,9 +161,10 @@ class DraftHeadsModel:
     @classmethod
     def from_pretrained(cls, heads_path: str | Path | None = None, base=None, tokenizer=None,
                         base_name_or_path: str | None = None, dtype: torch.dtype | str | None = "auto", tree=None,
-                        packed_attention: bool = True, packed_linears: bool = True) -> "DraftHeadsModel":
-        """Load heads from a local checkpoint directory (or a Hub id already in the local HF
-        cache) and the base they were made for (default: the embedded SmolLM2), in ``dtype``:
+                        packed_attention: bool = True, packed_linears: bool = True, **hub_kwargs) -> "DraftHeadsModel":
+        """Load heads from a local checkpoint directory or a Hub id (``hub_kwargs``: ``revision``,
+        ``cache_dir``, ``token``, ``local_files_only``; ``HF_HUB_OFFLINE=1`` reads the cache only)
+        and the base they were made for (default: the embedded SmolLM2), in ``dtype``:
         ``"auto"`` (default) is the base's native dtype where the hardware computes it natively
         (bf16 on CPUs with AVX512-BF16/AMX and on GPUs), else float32; an explicit dtype wins.
         The heads are cast to the base's dtype."""
@@ -175,7 +176,8 @@ class DraftHeadsModel:
             use_packed_linears(base)
         heads = None
         if heads_path is not None:
-            heads = load_heads(_local_checkpoint(heads_path), expected_fingerprint=fingerprint(base).to_dict())
+            heads = load_heads(heads_path, expected_fingerprint=fingerprint(base).to_dict(),
+                               base_name=getattr(base, "name_or_path", None) or None, **hub_kwargs)
         if heads is not None and packed_linears:
             heads.use_packed_readout()  # the calibration drafts as the loop will
         return cls(base, heads, tokenizer, resolve_tree(tree, base, heads), packed_attention=packed_attention,
@@ -400,21 +402,6 @@ def tree_for_budget(heads: DraftHeads | None, budget: int) -> Tree:
         tree = chain_tree(min(budget, heads.num_heads))
     heads.check_tree(tree.spec)
     return tree
-
-
-def _local_checkpoint(path: str | Path) -> Path:
-    local = Path(path)
-    if local.is_dir():
-        return local
-    if "/" in str(path) and not local.exists():
-        from huggingface_hub import snapshot_download
-
-        try:
-            return Path(snapshot_download(str(path), local_files_only=True))
-        except Exception as err:  # noqa: BLE001 - any hub failure means "not available offline"
-            raise FileNotFoundError(f"Head checkpoint {path!r} is neither a local directory nor in the local "
-                                    f"Hugging Face cache ({type(err).__name__}); download it first.") from None
-    raise FileNotFoundError(f"Head checkpoint directory {path!r} does not exist.")
 
 
 def _check_inputs(input_ids, attention_mask, base, pad: int | None, eos: list[int], pad_given: bool = True):

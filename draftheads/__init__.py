@@ -9,9 +9,8 @@ _root = _Path(__file__).resolve().parent.parent
 if (_root / "pyproject.toml").is_file() and (_root / "decoding" / "__init__.py").is_file():
     __path__.append(str(_root))  # type: ignore[name-defined]
 
-__version__ = "0.1.0"
-
 from .decoding import DraftHeadsModel, load_base  # noqa: E402
 from .heads import HeadConfig, MedusaHeads, load_heads  # noqa: E402
+from .heads.protocol import DRAFTHEADS_VERSION as __version__  # noqa: E402
 
 __all__ = ["DraftHeadsModel", "HeadConfig", "MedusaHeads", "load_base", "load_heads", "__version__"]

@@ -218,6 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("recipe", help="recipes/<name>.yaml")
     train.add_argument("overrides", nargs=argparse.REMAINDER, help="--key value recipe overrides, e.g. --train.lr 5e-4")
     train.set_defaults(func=cmd_train)
+    from .checkpoint_cli import add_commands  # export, import-medusa, card, push
+
+    add_commands(sub)
     return parser
 
 

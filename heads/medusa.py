@@ -32,19 +32,33 @@ def resblock_stacks(hidden_size: int, num_layers: int, count: int) -> nn.ModuleL
 
 @register
 class MedusaHeads(DraftHeads):
+    """With ``config.owns_lm_head`` every head ends in its own ``Linear(d, V_draft)`` (Medusa-1's
+    published layout, see :mod:`.medusa_import`) instead of the shared frozen LM head."""
+
     family = "medusa"
     display_name = "Medusa"
+    supports_owned_lm_head = True
 
     def __init__(self, config: HeadConfig):
         super().__init__(config)
         self.heads = resblock_stacks(config.hidden_size, config.num_layers, config.num_heads)
+        if config.owns_lm_head:
+            vocab = config.draft_vocab_size or config.vocab_size
+            self.lm_heads = nn.ModuleList(nn.Linear(config.hidden_size, vocab, bias=False)
+                                          for _ in range(config.num_heads))
 
     def head_states(self, hidden: torch.Tensor) -> torch.Tensor:
         """(..., d) → (..., K, d): each head's transformed hidden state."""
         return torch.stack([head(hidden) for head in self.heads], dim=-2)
 
     def forward(self, hidden: torch.Tensor, **_: object) -> torch.Tensor:
-        return self.readout(self.head_states(hidden))
+        states = self.head_states(hidden)
+        return self.owned_readout(states) if self.config.owns_lm_head else self.readout(states)
+
+    def owned_readout(self, states: torch.Tensor) -> torch.Tensor:
+        """(..., K, d) → (..., K, V_draft) through each head's own projection, in its own dtype
+        (``draft_dtype`` is not applied: it would copy K vocabulary matrices per call)."""
+        return torch.stack([lm(states[..., k, :].to(lm.weight.dtype)) for k, lm in enumerate(self.lm_heads)], dim=-2)
 
     @torch.no_grad()
     def topk(self, hidden: torch.Tensor, k: int) -> torch.Tensor:

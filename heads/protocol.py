@@ -11,6 +11,9 @@ This module is the ground floor of the package: it imports nothing from ``decodi
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar
@@ -23,7 +26,12 @@ from .linear import use_packed_linears as wrap_linears
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
-FORMAT_VERSION = 1
+CARD_NAME = "README.md"
+#: 1: the first layout (no version recorded); 2: adds ``draftheads_version``, ``base_revision``
+#: and ``owns_lm_head``. A reader loads every format up to its own and names both versions otherwise.
+FORMAT_VERSION = 2
+#: the package version, recorded in every ``config.json`` (``draftheads.__version__`` reads it)
+DRAFTHEADS_VERSION = "0.1.0"
 
 
 class CheckpointError(ValueError):
@@ -49,6 +57,13 @@ class HeadConfig:
     base_name: str | None = None
     trees: dict[str, list[list[int]]] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+    #: Hub revision (commit/tag) of the base, where known
+    base_revision: str | None = None
+    #: True: every head has its own ``Linear(d, V_draft)`` instead of reading out through the
+    #: base's frozen LM head (imported Medusa-1 checkpoints); families that cannot refuse it.
+    owns_lm_head: bool = False
+    #: the draftheads version that wrote the checkpoint (None: written before versions were recorded)
+    draftheads_version: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_heads", "num_layers", "hidden_size", "vocab_size"):
@@ -60,14 +75,21 @@ class HeadConfig:
                              f"(0 = full vocabulary), got {self.draft_vocab_size!r}.")
 
     def to_dict(self) -> dict:
-        return {"format_version": FORMAT_VERSION, **asdict(self)}
+        return {"format_version": FORMAT_VERSION, **asdict(self), "draftheads_version": DRAFTHEADS_VERSION}
 
     @classmethod
     def from_dict(cls, data: dict) -> "HeadConfig":
+        """Read any format up to :data:`FORMAT_VERSION` (older ones lack keys, which keep their
+        defaults); a newer checkpoint fails naming the version that wrote it and this one."""
+        version = data.get("format_version", 1)
         known = {f.name for f in fields(cls)}
         unknown = set(data) - known - {"format_version"}
-        if unknown:
-            raise CheckpointError(f"config.json has unknown keys {sorted(unknown)}; was it written by a newer draftheads?")
+        if not isinstance(version, int) or version > FORMAT_VERSION or unknown:
+            what = f"format {version}" + (f" with unknown keys {sorted(unknown)}" if unknown else "")
+            raise CheckpointError(
+                f"config.json is {what}, written by draftheads {data.get('draftheads_version') or 'unknown'}; this is "
+                f"draftheads {DRAFTHEADS_VERSION}, which reads formats 1-{FORMAT_VERSION}. Upgrade draftheads "
+                f"(pip install -U draftheads) to load it.")
         return cls(**{k: v for k, v in data.items() if k in known})
 
 
@@ -113,9 +135,14 @@ class DraftHeads(nn.Module):
     #: layer): the decoder then passes each step's verified hidden states through
     #: ``contextualize(hidden, positions, mask, cache)`` with a cache it keeps like the base's.
     contextual: ClassVar[bool] = False
+    #: True when the family can give each head its own vocabulary projection (``owns_lm_head``)
+    supports_owned_lm_head: ClassVar[bool] = False
 
     def __init__(self, config: HeadConfig):
         super().__init__()
+        if config.owns_lm_head and not self.supports_owned_lm_head:
+            raise CheckpointError(f"The {self.family!r} family reads out through the base's shared LM head only; "
+                                  "owns_lm_head=True is supported by the 'medusa' family.")
         self.config = config
         self.register_buffer("vocab_ids", torch.arange(config.draft_vocab_size or config.vocab_size), persistent=True)
         self._shared: SharedBase | None = None
@@ -217,17 +244,82 @@ class DraftHeads(nn.Module):
                              f"draft from {self.max_rank} tokens.")
 
     # -- checkpoints -------------------------------------------------------------------------
-    def save_pretrained(self, directory: str | Path, dtype: torch.dtype | None = torch.bfloat16) -> Path:
-        """Write ``config.json`` + ``model.safetensors`` (heads only; float tensors in ``dtype``)."""
+    def save_pretrained(self, directory: str | Path, dtype: torch.dtype | None = torch.bfloat16,
+                        card: str | None = None, files: dict[str, str] | None = None) -> Path:
+        """Write ``config.json`` + ``model.safetensors`` (heads only; float tensors in ``dtype``),
+        the model card ``README.md`` (``card``; default: a short one from the config) and any
+        further text ``files`` ({name: content}).
+
+        Atomic: everything goes to a temporary sibling folder (config last) that is renamed into
+        place, so an interrupted save never leaves a folder that loads as a valid checkpoint.
+        Files of an existing checkpoint folder that this save does not write (a training report)
+        are kept."""
         from safetensors.torch import save_file
 
         directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
         state = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().contiguous().cpu()
                  for k, v in self.state_dict().items()}
-        save_file(state, str(directory / WEIGHTS_NAME), metadata={"family": self.family})
-        (directory / CONFIG_NAME).write_text(json.dumps(self.config.to_dict(), indent=2) + "\n")
+        if card is None:
+            from .card import basic_card
+
+            card = basic_card(self.config)
+        with atomic_directory(directory) as tmp:
+            save_file(state, str(tmp / WEIGHTS_NAME), metadata={"family": self.family})
+            for name, text in {CARD_NAME: card, **(files or {})}.items():
+                (tmp / name).write_text(text)
+            (tmp / CONFIG_NAME).write_text(json.dumps(self.config.to_dict(), indent=2) + "\n")
         return directory
+
+    def push_to_hub(self, repo_id: str, dtype: torch.dtype | None = torch.bfloat16, card: str | None = None,
+                    files: dict[str, str] | None = None, **hub_kwargs) -> str:
+        """Upload exactly the folder :meth:`save_pretrained` writes to the Hub repo ``repo_id``
+        (created if missing); ``hub_kwargs`` go to :func:`.hub.upload_checkpoint`. Returns the commit URL."""
+        from .hub import upload_checkpoint
+
+        with tempfile.TemporaryDirectory(prefix="draftheads-push-") as tmp:
+            folder = self.save_pretrained(Path(tmp) / "checkpoint", dtype=dtype, card=card, files=files)
+            return upload_checkpoint(folder, repo_id, **hub_kwargs)
+
+
+def current_umask() -> int:
+    """The process umask (read by setting it and putting it back)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
+class atomic_directory:
+    """``with atomic_directory(target) as tmp:`` write into ``tmp``; on success it replaces
+    ``target`` (files only the old folder had are carried over), on error it is deleted."""
+
+    def __init__(self, target: Path):
+        self.target = Path(target)
+
+    def __enter__(self) -> Path:
+        self.target.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.target.name}.tmp-", dir=self.target.parent))
+        return self.tmp
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            return
+        os.chmod(self.tmp, 0o777 & ~current_umask())  # mkdtemp makes it private; a checkpoint is not
+        for item in self.tmp.iterdir():
+            os.chmod(item, 0o666 & ~current_umask())
+        if self.target.is_file():
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            raise CheckpointError(f"{self.target} is a file; a checkpoint is a directory: choose another path.")
+        if not self.target.exists():
+            os.rename(self.tmp, self.target)
+            return
+        old = Path(tempfile.mkdtemp(prefix=f".{self.target.name}.old-", dir=self.target.parent))
+        os.rename(self.target, old / "checkpoint")
+        for item in (old / "checkpoint").iterdir():
+            if not (self.tmp / item.name).exists():
+                os.rename(item, self.tmp / item.name)
+        os.rename(self.tmp, self.target)
+        shutil.rmtree(old, ignore_errors=True)
 
 
 REGISTRY: dict[str, type[DraftHeads]] = {}
@@ -272,23 +364,35 @@ def read_config(directory: str | Path) -> HeadConfig:
     return HeadConfig.from_dict(data)
 
 
+def check_base(config: HeadConfig, expected_fingerprint: dict, base_name: str | None = None,
+               where: str | Path = "the checkpoint") -> None:
+    """Refuse heads made for another base; the message names both bases and both fingerprints."""
+    saved = config.base_fingerprint
+    if saved is None:
+        raise CheckpointError(f"{where} records no base fingerprint, so it cannot be checked against this base.")
+    diffs = [f"{k}: checkpoint {saved.get(k)!r} vs base {v!r}" for k, v in expected_fingerprint.items() if saved.get(k) != v]
+    if diffs:
+        raise CheckpointError(
+            f"The heads in {where} were trained for another base model: checkpoint base "
+            f"{config.base_name or 'unknown'} (fingerprint {saved}), loaded base {base_name or 'unknown'} "
+            f"(fingerprint {expected_fingerprint}); differing: " + "; ".join(diffs)
+            + ". Load the base they were made for, or train heads for this base.")
+
+
 def load_heads(directory: str | Path, expected_fingerprint: dict | None = None,
-               dtype: torch.dtype = torch.float32) -> DraftHeads:
-    """Load a head checkpoint; with ``expected_fingerprint`` refuse one made for another base."""
+               dtype: torch.dtype = torch.float32, base_name: str | None = None, **hub_kwargs) -> DraftHeads:
+    """Load a head checkpoint from a local folder or a Hub id (``hub_kwargs``: ``revision``,
+    ``cache_dir``, ``token``, ``local_files_only``; see :func:`.hub.resolve_checkpoint`); with
+    ``expected_fingerprint`` refuse one made for another base (``base_name`` names it in the message)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    directory = Path(directory)
+    from .hub import resolve_checkpoint
+
+    directory = resolve_checkpoint(directory, **hub_kwargs)
     config = read_config(directory)
     if expected_fingerprint is not None:
-        saved = config.base_fingerprint
-        if saved is None:
-            raise CheckpointError(f"{directory} records no base fingerprint, so it cannot be checked against this base.")
-        diffs = [f"{k}: checkpoint {saved.get(k)!r} vs base {v!r}" for k, v in expected_fingerprint.items() if saved.get(k) != v]
-        if diffs:
-            raise CheckpointError(
-                f"The heads in {directory} were trained for another base model ({config.base_name or 'unknown'}): "
-                + "; ".join(diffs) + ". Load the base they were made for, or train heads for this base.")
+        check_base(config, expected_fingerprint, base_name, directory)
     heads = build_heads(config)
     weights = directory / WEIGHTS_NAME
     if not weights.is_file():
@@ -297,6 +401,7 @@ def load_heads(directory: str | Path, expected_fingerprint: dict | None = None,
         state = load_file(str(weights))
     except (SafetensorError, OSError, ValueError) as err:
         raise CheckpointError(f"{weights} is corrupt or truncated ({err}); re-download or re-train it.") from None
+    heads.to(dtype)  # before loading: a float64 checkpoint must not pass through float32 params
     missing, unexpected = heads.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise CheckpointError(f"{weights} does not match its config.json (missing {missing}, unexpected {unexpected}).")

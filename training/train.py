@@ -37,6 +37,7 @@ import torch
 from ..decoding.base import fingerprint, load_base
 from ..decoding.tree import tree_from_ranks
 from ..heads import REGISTRY, DraftHeads, HeadConfig, build_heads
+from ..heads.card import model_card
 from .adversarial import Adversary, expected_embedding, koala_info
 from .data import DataError, example_features, load_examples, resolve_data_path, shifted_rows
 from .features import Example, Features, extract_features, load_shards
@@ -90,11 +91,13 @@ class FrozenParts:
     lm_head: torch.Tensor
     embed: torch.Tensor
     fingerprint: dict
+    revision: str | None = None  # the Hub commit of a base loaded from the Hub (recorded in the checkpoint)
 
 
 def frozen_parts(base, dtype: torch.dtype) -> FrozenParts:
     return FrozenParts(base.get_output_embeddings().weight.detach().to(dtype),
-                       base.get_input_embeddings().weight.detach().to(dtype), fingerprint(base).to_dict())
+                       base.get_input_embeddings().weight.detach().to(dtype), fingerprint(base).to_dict(),
+                       getattr(base.config, "_commit_hash", None))
 
 
 # -- data -----------------------------------------------------------------------------------------------
@@ -621,11 +624,11 @@ def finish(heads: DraftHeads, eval_table: Features, recipe: Recipe, parts: Froze
     config.trees = {b: t["paths"] for b, t in trees.items()}
     config.base_fingerprint = parts.fingerprint
     config.base_name = "embedded:smollm2-135m-instruct" if recipe.base == "embedded" else recipe.base
+    config.base_revision = parts.revision
     config.extra = {**config.extra, "recipe": recipe.to_dict(), "held_out_accuracy": accuracy,
                     "default_budget": recipe.run.default_budget,
                     "expected_tau": {b: t["expected_tau"] for b, t in trees.items()}}
     out = Path(recipe.run.final_dir or Path(recipe.run.output_dir) / "final")
-    heads.save_pretrained(out, dtype=DTYPES[recipe.run.save_dtype])
     seconds = progress.train_seconds
     report = {"recipe": recipe.to_dict(), "steps": progress.step, "planned_steps": total,
               "final_loss": progress.last_loss, "train_positions_seen": progress.positions,
@@ -635,71 +638,9 @@ def finish(heads: DraftHeads, eval_table: Features, recipe: Recipe, parts: Froze
               "mixed_precision": recipe.train.mixed_precision, "held_out_positions": int(ranks.shape[0]),
               "accuracy": accuracy, "trees": trees, "base_fingerprint": parts.fingerprint,
               "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:])}
-    (out / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "README.md").write_text(model_card(config, report))
+    heads.save_pretrained(out, dtype=DTYPES[recipe.run.save_dtype], card=model_card(config, report, name=str(out)),
+                          files={"training_report.json": json.dumps(report, indent=2) + "\n"})
     return report
-
-
-def model_card(config: HeadConfig, report: dict) -> str:
-    """A short model card: what the heads are, how they were trained, how good they are."""
-    recipe, acc = report["recipe"], report["accuracy"]
-    rows = "\n".join(f"| {h + 1} | {acc['top1'][h]:.3f} | {acc['top5'][h]:.3f} |" for h in range(len(acc["top1"])))
-    taus = "\n".join(f"| {b} | {t['expected_tau']:.2f} |" for b, t in report["trees"].items())
-    loss = recipe["loss"]
-    objective = " + ".join(part for part in (
-        f"{loss['ce_weight']}·CE on the {loss['labels']} tokens" if loss["ce_weight"] else "",
-        f"{loss['kl_weight']}·KL to the base's next-token distribution" if loss["kl_weight"] else "") if part)
-    reads = {"medusa": "its last hidden state",
-             "hydra": "its last hidden state and the input embeddings of the tokens drafted before each head",
-             "hydra++": "a trained decoder layer over its hidden states (kept incrementally while decoding) and "
-                        "the input embeddings of the tokens drafted before each head",
-             "amphista": "its last hidden state and the input embedding of the token it just produced, through "
-                         "staged adaptation layers; the heads attend to each other bidirectionally"}.get(config.family,
-                                                                                       "its last hidden state")
-    koala = config.extra.get("koala")
-    title = koala["label"] if koala else config.family
-    adversarial = "" if not koala else (
-        f"\n- KOALA (arXiv 2408.08146): K = {koala['layers']}-layer heads, plus adversarial learning: a discriminator "
-        f"(MLP of width {koala['disc_hidden']}, Adam lr {koala['disc_lr']}, {koala['disc_steps']} update(s) per batch, "
-        f"label smoothing {koala['label_smoothing']}, R1 γ={koala['grad_penalty']}) tells the base's next-token "
-        f"distribution from the heads', and the heads add λ·(−log D) with λ={koala['adversarial_weight']} "
-        f"({koala['schedule']}" + (f", ramp {koala['ramp_steps']} steps" if koala["schedule"] == "linear" else "")
-        + f", after {koala['warmup_steps']} supervised-only steps); the discriminator is not part of this checkpoint")
-    data = recipe["data"]
-    selection = "".join(f"; sources {data['sources']}" for _ in [0] if data.get("sources")) + "".join(
-        f"; at most {n} records per source prefix {p!r}" for p, n in (data.get("source_caps") or {}).items())
-    return f"""---
-library_name: draftheads
-base_model: {config.base_name}
-tags: [speculative-decoding, {config.family}, draft-heads{", koala" if koala else ""}]
----
-# {title} heads ({recipe['name']})
-
-{config.num_heads} {config.family} heads ({config.num_layers} layer(s) each) for `{config.base_name}`, reading
-{reads}, and drafting through its frozen LM head over {config.draft_vocab_size or config.vocab_size}
-tokens. Load with `DraftHeadsModel.from_pretrained("<this directory>")`; any other base is refused
-(fingerprint `{config.base_fingerprint}`).
-
-## Training
-- Command: `{report['command']}` (recipe `{recipe['name']}`)
-- Data: `{data['path']}` ({data['kind']}{selection}), held-out: last {data['eval_examples']} examples
-- Objective: {objective}; head k weighted {loss['head_decay']}^k; input noise α={loss['noise_alpha']}{adversarial}
-- AdamW lr {recipe['train']['lr']}, warmup {recipe['train']['warmup_ratio']}, cosine; batch
-  {recipe['train']['batch_size']} × {report['processes']} process(es) × {recipe['train']['grad_accum']} accumulation;
-  {report['steps']} steps; mixed precision {report['mixed_precision']}
-- {report['train_positions_seen']} training positions in {report['train_wall_seconds']} s
-  ({report['train_tokens_per_second']} tokens/s), final train loss {report['final_loss']:.4f}
-
-## Held-out accuracy (teacher-forced)
-| head | top-1 | top-5 |
-|---|---|---|
-{rows}
-
-## Stored trees (node budget → expected τ on held-out positions)
-| nodes | expected τ |
-|---|---|
-{taus}
-"""
 
 
 def main(argv: list[str] | None = None) -> int:

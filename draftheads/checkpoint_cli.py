@@ -1,0 +1,187 @@
+"""``draftheads`` commands for checkpoints that travel: ``export`` (to vLLM), ``import-medusa``
+(FasterDecoding Medusa checkpoints), ``card`` (regenerate a model card from recorded figures)
+and ``push`` (upload to the Hub). Registered on the main parser by :func:`add_commands`."""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "keep": None}
+
+
+def clean_errors(command):
+    """A checkpoint problem ends the command with its message (which names the fix), not a traceback."""
+    def run(args) -> int:
+        from .heads import CheckpointError
+
+        try:
+            return command(args)
+        except (CheckpointError, FileNotFoundError) as err:
+            raise SystemExit(f"error: {err}") from None
+    run.__doc__ = command.__doc__
+    return run
+
+
+def load_base_model(name: str | None):
+    """The frozen base alone (no tokenizer: these commands only need its LM head and fingerprint)."""
+    from transformers import AutoModelForCausalLM
+
+    from .decoding.base import resolve_base
+
+    path, _ = resolve_base(name)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().requires_grad_(False)
+
+
+def base_label(name: str | None) -> str:
+    from .decoding.base import EMBEDDED_NAME
+
+    return name or EMBEDDED_NAME
+
+
+def cmd_export(args) -> int:
+    from .decoding.base import fingerprint
+    from .heads import load_heads
+    from .heads.protocol import check_base
+    from .heads.vllm_export import check_exportable, export_heads
+
+    heads = load_heads(args.checkpoint)
+    check_exportable(heads, args.to, args.share_lm_head)  # refuse before loading a base
+    lm_head = None
+    if not heads.config.owns_lm_head:
+        base = load_base_model(args.base)
+        check_base(heads.config, fingerprint(base).to_dict(), base_label(args.base), args.checkpoint)
+        lm_head = base.get_output_embeddings().weight
+    out = export_heads(heads, args.to, args.out, lm_head, args.share_lm_head, DTYPES[args.dtype])
+    print(f"wrote {out} ({args.to}); serve with vLLM as a Medusa speculator of {heads.config.base_name}", file=sys.stderr)
+    return 0
+
+
+def cmd_import_medusa(args) -> int:
+    from .decoding.base import fingerprint
+    from .heads.hub import resolve_checkpoint
+    from .heads.medusa_import import import_medusa
+
+    source = resolve_checkpoint(args.source, revision=args.revision)
+    if args.trees_from:
+        from .decoding.base import load_base
+
+        base, tokenizer = load_base(args.base)
+    else:
+        base = load_base_model(args.base)
+    heads = import_medusa(source, fingerprint(base).to_dict(), base_label(args.base),
+                          base_revision=getattr(base.config, "_commit_hash", None))
+    if args.trees_from:
+        fit_imported_trees(heads, base, tokenizer, args)
+    heads.save_pretrained(args.out, dtype=DTYPES[args.save_dtype])
+    print(f"wrote {args.out}: {heads.num_heads} Medusa heads ({heads.config.num_layers} layer(s), "
+          f"{'own' if heads.config.owns_lm_head else 'shared'} LM head)", file=sys.stderr)
+    return 0
+
+
+def fit_imported_trees(heads, base, tokenizer, args) -> None:
+    """Trees + expected τ from the heads' ranks on the base's greedy answers to ``--trees-from``."""
+    from .evaluation import answer_features, base_answers
+    from .tree_fit import fit_trees, prompt_records
+
+    records = base_answers(base, tokenizer, prompt_records(args.trees_from, args.limit), args.max_new_tokens)
+    taus = fit_trees(heads, base, answer_features(base, tokenizer, records),
+                     source=f"{args.trees_from} (first {args.limit} prompts, {args.max_new_tokens} tokens)")
+    print(f"fitted trees, expected τ per node budget: {taus}", file=sys.stderr)
+
+
+def record_measured(checkpoint: Path, results: str, command: str, date: str | None) -> None:
+    """Point the checkpoint's training report at the benchmark results its card cites."""
+    path = checkpoint / "training_report.json"
+    if not path.is_file():
+        raise SystemExit(f"error: {path} not found: --results needs a trained checkpoint's training report.")
+    report = json.loads(path.read_text())
+    report["measured"] = {"results": results, "command": command, "date": date or datetime.date.today().isoformat()}
+    write_text_atomic(path, json.dumps(report, indent=2) + "\n")
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Replace a file in one rename, so a reader never sees half of it."""
+    from .heads.protocol import current_umask
+
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text)
+    os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp makes it private
+    os.replace(tmp, path)
+
+
+def cmd_card(args) -> int:
+    from .heads.card import card_for_checkpoint
+    from .heads.protocol import CARD_NAME
+
+    checkpoint = Path(args.checkpoint)
+    if args.results:
+        if not args.command_line:
+            raise SystemExit("error: --results needs --command, the exact command that wrote the results.")
+        record_measured(checkpoint, args.results, args.command_line, args.date)
+    card = card_for_checkpoint(checkpoint, name=args.name, root=args.root)
+    target = checkpoint / CARD_NAME
+    if args.check:
+        same = target.is_file() and target.read_text() == card
+        print(f"{target}: {'up to date' if same else 'differs from the generated card'}", file=sys.stderr)
+        return 0 if same else 1
+    write_text_atomic(target, card)
+    print(f"wrote {target}", file=sys.stderr)
+    return 0
+
+
+def cmd_push(args) -> int:
+    from .heads.hub import upload_checkpoint
+
+    url = upload_checkpoint(args.checkpoint, args.repo_id, private=args.private or None, revision=args.revision)
+    print(url)
+    return 0
+
+
+def add_commands(sub) -> None:
+    """Add ``export``, ``import-medusa``, ``card`` and ``push`` to the ``draftheads`` parser."""
+    from .heads.vllm_export import TARGETS
+
+    export = sub.add_parser("export", help="write a head checkpoint in a serving engine's format (vLLM)")
+    export.add_argument("--to", required=True, choices=TARGETS, help="target format")
+    export.add_argument("checkpoint", help="draftheads head checkpoint folder or Hub id")
+    export.add_argument("out", help="folder to write")
+    export.add_argument("--base", default=None, help="the base the heads were made for (default: embedded SmolLM2); "
+                                                      "its LM head is written into the export")
+    export.add_argument("--share-lm-head", action="store_true",
+                        help="write the LM head once with vLLM's original_lm_head option instead of once per head")
+    export.add_argument("--dtype", choices=[k for k in DTYPES if k != "keep"], default="bfloat16")
+    export.set_defaults(func=clean_errors(cmd_export))
+    imp = sub.add_parser("import-medusa", help="convert a FasterDecoding Medusa checkpoint into draftheads heads")
+    imp.add_argument("source", help="folder or Hub id with config.json + medusa_lm_head.{safetensors,pt}")
+    imp.add_argument("out", help="draftheads checkpoint folder to write")
+    imp.add_argument("--base", default=None, help="the base the Medusa heads were trained for")
+    imp.add_argument("--revision", default=None, help="Hub revision of the source")
+    imp.add_argument("--save-dtype", choices=list(DTYPES), default="keep")
+    imp.add_argument("--trees-from", default=None, help="prompt file (JSON lines, like bench's): fit stored trees and "
+                                                        "expected τ on the base's answers, for tree=<budget>/adaptive")
+    imp.add_argument("--limit", type=int, default=20, help="prompts of --trees-from to use")
+    imp.add_argument("--max-new-tokens", type=int, default=128, help="answer length for --trees-from")
+    imp.set_defaults(func=clean_errors(cmd_import_medusa))
+    card = sub.add_parser("card", help="regenerate a checkpoint's README.md model card from its recorded figures")
+    card.add_argument("checkpoint")
+    card.add_argument("--name", default=None, help="how the usage snippet names the checkpoint (Hub id or path)")
+    card.add_argument("--root", default=".", help="folder the recorded results paths are relative to")
+    card.add_argument("--results", default=None, help="record this benchmark results JSON as the measured figures")
+    card.add_argument("--command", dest="command_line", default=None, help="the exact command that wrote --results")
+    card.add_argument("--date", default=None, help="when --results was measured (default: today)")
+    card.add_argument("--check", action="store_true", help="only compare; exit 1 if README.md is out of date")
+    card.set_defaults(func=clean_errors(cmd_card))
+    push = sub.add_parser("push", help="upload a checkpoint folder to the Hugging Face Hub")
+    push.add_argument("checkpoint")
+    push.add_argument("repo_id")
+    push.add_argument("--private", action="store_true")
+    push.add_argument("--revision", default=None, help="branch to commit to")
+    push.set_defaults(func=clean_errors(cmd_push))
+

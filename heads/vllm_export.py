@@ -1,0 +1,122 @@
+"""Export head checkpoints to the formats vLLM's speculators load.
+
+``vllm-medusa`` — vLLM's ``Medusa`` draft model (``vllm/model_executor/models/medusa.py``,
+config ``vllm/transformers_utils/configs/medusa.py``):
+
+* ``config.json``: ``model_type: medusa``, ``architectures: [MedusaModel]``, ``hidden_size``,
+  ``vocab_size``, ``num_heads``, ``num_hidden_layers``, ``medusa_fc_bias`` (our ResBlocks have a
+  bias; vLLM's default is none), ``truncated_vocab_size`` and ``original_lm_head``.
+* ``model.safetensors``: ``blocks.{i}.layers.{j}.weight`` (d, d) / ``.bias`` (d,), and
+  ``lm_heads.{i}.weight`` (V', d) per head — or, with ``original_lm_head: true`` (one LM head
+  shared by every head, vLLM's option for heads that read out through the base's), only
+  ``lm_heads.0.weight``, which vLLM loads as its single ``lm_head``. vLLM reads the draft's LM
+  head from the draft checkpoint either way, so the base's rows are written once into it.
+* A draft vocabulary (``draft_vocab_size`` > 0) becomes vLLM's ``token_map`` (V',) int64 plus
+  ``truncated_vocab_size`` = V': logits over V' rows scattered into the full vocabulary, −inf elsewhere.
+
+``vllm-mlp-speculator`` — refused for every draftheads family, with the reason
+(:data:`MLP_SPECULATOR_REASON`): no family here computes what an MLPSpeculator stage computes.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from .protocol import DRAFTHEADS_VERSION, CheckpointError, DraftHeads, atomic_directory
+
+TARGETS = ("vllm-medusa", "vllm-mlp-speculator")
+
+MLP_SPECULATOR_REASON = (
+    "vLLM's MLPSpeculator stage k computes s_k = GELU(RMSNorm_k(P_k s_(k-1) + c·E_k[x_k])) and logits H_k s_k: "
+    "it sees only its previous stage's normalised state and the one token drafted last, through its own "
+    "embedding table. A Hydra head k computes ResBlocks(h_t + W[h_t; e(x_(t+1)); ...; e(x_(t+k+1))]) read out "
+    "through the base's LM head: it keeps h_t on a residual path and reads every earlier path token linearly, "
+    "with SiLU residual blocks and no normalisation. An RMS norm and a GELU cannot be undone, so h_t and the "
+    "earlier tokens do not survive into later stages and no choice of MLPSpeculator weights reproduces Hydra's "
+    "logits (Hydra++ adds a prefix attention layer and Amphista cross-head attention, neither of which an MLP "
+    "stage has; Medusa heads read no token and have no norm). Export Medusa heads with --to vllm-medusa, or "
+    "serve Hydra-family heads with draftheads.")
+
+
+class ExportError(CheckpointError):
+    """The target format cannot represent these heads."""
+
+
+def medusa_tensors(heads: DraftHeads, lm_head_weight: torch.Tensor | None, share_lm_head: bool,
+                   dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """vLLM Medusa weight names → tensors (each its own storage, as safetensors requires).
+    ``lm_head_weight`` (V, d): the base's LM head, needed unless the heads own their projections."""
+    cfg = heads.config
+
+    def out(t: torch.Tensor) -> torch.Tensor:
+        t = t.detach().cpu()
+        return (t.to(dtype) if dtype is not None and t.is_floating_point() else t).clone().contiguous()
+
+    tensors = {}
+    for i, head in enumerate(heads.heads):
+        for j, block in enumerate(head):
+            tensors[f"blocks.{i}.layers.{j}.weight"] = out(block.linear.weight)
+            tensors[f"blocks.{i}.layers.{j}.bias"] = out(block.linear.bias)
+    if cfg.owns_lm_head:
+        tensors.update({f"lm_heads.{i}.weight": out(lm.weight) for i, lm in enumerate(heads.lm_heads)})
+    else:
+        if lm_head_weight is None:
+            raise ExportError("These heads read out through the base's LM head, which vLLM needs inside the draft "
+                              "checkpoint: pass the base (lm_head_weight=base.get_output_embeddings().weight).")
+        rows = lm_head_weight.detach().cpu()
+        rows = rows[heads.vocab_ids.cpu()] if cfg.draft_vocab_size else rows
+        count = 1 if share_lm_head else cfg.num_heads
+        tensors.update({f"lm_heads.{i}.weight": out(rows) for i in range(count)})
+    if cfg.draft_vocab_size:
+        tensors["token_map"] = heads.vocab_ids.detach().cpu().long().clone()
+    return tensors
+
+
+def medusa_config(heads: DraftHeads, share_lm_head: bool) -> dict:
+    cfg = heads.config
+    return {"model_type": "medusa", "architectures": ["MedusaModel"], "hidden_size": cfg.hidden_size,
+            "vocab_size": cfg.vocab_size, "num_heads": cfg.num_heads, "num_hidden_layers": cfg.num_layers,
+            "medusa_fc_bias": True, "truncated_vocab_size": cfg.draft_vocab_size or cfg.vocab_size,
+            "original_lm_head": share_lm_head, "logit_scale": 1.0,
+            "draftheads": {"version": DRAFTHEADS_VERSION, "base_name": cfg.base_name,
+                           "base_fingerprint": cfg.base_fingerprint}}
+
+
+def check_exportable(heads: DraftHeads, to: str, share_lm_head: bool = False) -> None:
+    """Refuse, saying why, what the target format cannot represent."""
+    if to not in TARGETS:
+        raise ExportError(f"Unknown export target {to!r}; known: {list(TARGETS)}.")
+    if to == "vllm-mlp-speculator":
+        raise ExportError(f"Cannot export {heads.family!r} heads to vLLM's MLPSpeculator: {MLP_SPECULATOR_REASON}")
+    if heads.family != "medusa":
+        hint = " (for Hydra-family heads, MLPSpeculator cannot represent them either; see --to vllm-mlp-speculator)" \
+            if heads.family.startswith("hydra") else ""
+        raise ExportError(f"vLLM's Medusa format holds independent ResBlock heads on the last hidden state; "
+                          f"{heads.family!r} heads also read drafted tokens or attend across heads, which it "
+                          f"cannot express{hint}.")
+    if heads.config.owns_lm_head and share_lm_head:
+        raise ExportError("These heads each own their vocabulary projection: they cannot share one LM head "
+                          "(drop --share-lm-head).")
+
+
+def export_vllm_medusa(heads: DraftHeads, out: str | Path, lm_head_weight: torch.Tensor | None = None,
+                       share_lm_head: bool = False, dtype: torch.dtype | None = None) -> Path:
+    """Write ``out`` (atomically) as a vLLM Medusa draft model folder; returns it."""
+    from safetensors.torch import save_file
+
+    check_exportable(heads, "vllm-medusa", share_lm_head)
+    tensors = medusa_tensors(heads, lm_head_weight, share_lm_head, dtype)
+    out = Path(out)
+    with atomic_directory(out) as tmp:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(medusa_config(heads, share_lm_head), indent=2) + "\n")
+    return out
+
+
+def export_heads(heads: DraftHeads, to: str, out: str | Path, lm_head_weight: torch.Tensor | None = None,
+                 share_lm_head: bool = False, dtype: torch.dtype | None = None) -> Path:
+    """``draftheads export --to TARGET``: dispatch on the target, refusing what it cannot hold."""
+    check_exportable(heads, to, share_lm_head)
+    return export_vllm_medusa(heads, out, lm_head_weight, share_lm_head, dtype)

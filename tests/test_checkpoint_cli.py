@@ -1,0 +1,89 @@
+"""``draftheads card / import-medusa / export``: the shipped cards are what the generator makes
+from the recorded figures, and the commands run end to end on a tiny base saved to disk."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import tiny_llama
+from draftheads.cli import main
+from draftheads.decoding import fingerprint
+from draftheads.heads import HeadConfig, HydraHeads, load_heads
+from draftheads.heads.card import card_for_checkpoint
+from draftheads.heads.medusa_import import import_medusa
+from draftheads.heads.protocol import current_umask
+from test_export import draftheads_full_logits, vllm_medusa_reference
+from test_medusa_import import reference_heads, write_medusa
+
+REPO = Path(__file__).resolve().parents[1]
+SHIPPED = sorted(p for p in (REPO / "checkpoints").iterdir() if (p / "config.json").is_file())
+
+
+@pytest.mark.parametrize("checkpoint", SHIPPED, ids=lambda p: p.name)
+def test_shipped_cards_are_generated_from_recorded_figures(checkpoint):
+    card = (checkpoint / "README.md").read_text()
+    assert card == card_for_checkpoint(checkpoint, name=f"checkpoints/{checkpoint.name}", root=REPO)
+    assert main(["card", str(checkpoint), "--check", "--root", str(REPO), "--name", f"checkpoints/{checkpoint.name}"]) == 0
+    front = card.split("---\n")[1]
+    for key in ("base_model: HuggingFaceTB/SmolLM2-135M-Instruct", "library_name: draftheads", "license: apache-2.0",
+                "tags:", "datasets:"):
+        assert key in front
+    # the figures cited are those in the results JSON the cited command wrote
+    report = json.loads((checkpoint / "training_report.json").read_text())
+    measured = report["measured"]
+    assert f"`{measured['command']}`" in card and measured["command"].endswith(
+        "--out " + str(Path(measured["results"]).parent))
+    entry = json.loads((REPO / measured["results"]).read_text())["checkpoints"][checkpoint.name]
+    mt = entry["speed"]["groups"]["mt_bench"]
+    assert f"τ {mt['tau']:.2f}, {mt['speedup']:.2f}× HF `generate`" in card
+    assert f"{report['train_wall_seconds']} s wall time" in card
+    assert "| 1 | {:.3f} | {:.3f} |".format(report["accuracy"]["top1"][0], report["accuracy"]["top5"][0]) in card
+
+
+def test_card_check_fails_on_a_stale_card(tmp_path):
+    heads = HydraHeads(HeadConfig(family="hydra", num_heads=2, hidden_size=8, vocab_size=10))
+    heads.save_pretrained(tmp_path, card="hand-edited")
+    assert main(["card", str(tmp_path), "--check"]) == 1
+    assert main(["card", str(tmp_path)]) == 0 and main(["card", str(tmp_path), "--check"]) == 0
+    assert (tmp_path / "README.md").read_text().startswith("---\nlibrary_name: draftheads\n")
+    assert (tmp_path / "README.md").stat().st_mode & 0o777 == 0o666 & ~current_umask()  # not mkstemp's 0600
+
+
+def test_import_then_export_from_the_command_line(tmp_path):
+    model = tiny_llama(0)
+    model.save_pretrained(tmp_path / "base")
+    module = reference_heads(32, 96, heads=2, layers=1, projection=False)
+    write_medusa(tmp_path / "medusa", module, 1, "safetensors")
+    assert main(["import-medusa", str(tmp_path / "medusa"), str(tmp_path / "ours"), "--base", str(tmp_path / "base")]) == 0
+    ours = load_heads(tmp_path / "ours", expected_fingerprint=fingerprint(model).to_dict(), dtype=torch.float64)
+    direct = import_medusa(tmp_path / "medusa", fingerprint(model).to_dict())
+    hidden = torch.randn(4, 32, dtype=torch.float64)
+    assert torch.equal(ours.bind(model.lm_head.weight)(hidden), direct.bind(model.lm_head.weight)(hidden))
+    assert "Imported with `draftheads import-medusa`" in (tmp_path / "ours" / "README.md").read_text()
+
+    assert main(["export", "--to", "vllm-medusa", str(tmp_path / "ours"), str(tmp_path / "vllm"), "--base",
+                 str(tmp_path / "base"), "--dtype", "float32", "--share-lm-head"]) == 0
+    assert json.loads((tmp_path / "vllm" / "config.json").read_text())["original_lm_head"] is True
+    assert set(load_file(str(tmp_path / "vllm" / "model.safetensors"))) == {
+        "blocks.0.layers.0.weight", "blocks.0.layers.0.bias", "blocks.1.layers.0.weight", "blocks.1.layers.0.bias",
+        "lm_heads.0.weight"}
+    hidden32 = hidden.float()
+    ref = vllm_medusa_reference(tmp_path / "vllm", hidden32)
+    assert torch.allclose(ref.double(), draftheads_full_logits(ours, hidden32.double()), atol=1e-5)
+
+
+def test_command_line_errors_are_messages(tmp_path):
+    model = tiny_llama(0)
+    model.save_pretrained(tmp_path / "base")
+    HydraHeads(HeadConfig(family="hydra", num_heads=2, hidden_size=32, vocab_size=96,
+                          base_fingerprint=fingerprint(model).to_dict())).save_pretrained(tmp_path / "hydra")
+    with pytest.raises(SystemExit, match="error: Cannot export 'hydra' heads to vLLM's MLPSpeculator"):
+        main(["export", "--to", "vllm-mlp-speculator", str(tmp_path / "hydra"), str(tmp_path / "out")])
+    write_medusa(tmp_path / "medusa", reference_heads(32, 128, 2, 1, True), 1, "pt")
+    with pytest.raises(SystemExit, match="error: Vocabulary-size mismatch"):
+        main(["import-medusa", str(tmp_path / "medusa"), str(tmp_path / "x"), "--base", str(tmp_path / "base")])
+    assert not (tmp_path / "out").exists() and not (tmp_path / "x").exists()

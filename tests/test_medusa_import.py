@@ -1,0 +1,136 @@
+"""Import of FasterDecoding Medusa checkpoints: both layouts built in the test from Medusa's
+documented modules (``medusa/model/medusa_model.py`` and ``medusa_model_legacy.py``), logits
+compared with the source layout's own forward, then lossless batched decoding."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import left_pad, tiny_llama
+from draftheads.decoding import DraftHeadsModel, fingerprint, tree_from_paths
+from draftheads.heads import CheckpointError, load_heads
+from draftheads.heads.medusa_import import import_medusa
+
+
+class RefResBlock(nn.Module):
+    """Medusa's ResBlock: x + SiLU(Linear(x))."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.linear = nn.Linear(d, d)
+        self.act = nn.SiLU()
+
+    def forward(self, x):
+        return x + self.act(self.linear(x))
+
+
+def reference_heads(d: int, vocab: int, heads: int, layers: int, projection: bool, seed: int = 0) -> nn.ModuleList:
+    """Medusa-1 (projection=True): Sequential(*([ResBlock(d)] * L), Linear(d, V, bias=False)) per head
+    — one ResBlock object repeated, as Medusa builds it; the shared-LM-head layout drops the Linear."""
+    torch.manual_seed(seed)
+    module = nn.ModuleList(
+        nn.Sequential(*([RefResBlock(d)] * layers), *([nn.Linear(d, vocab, bias=False)] if projection else []))
+        for _ in range(heads)).double()
+    for p in module.parameters():
+        nn.init.normal_(p, std=0.3)
+    return module
+
+
+def write_medusa(folder, module: nn.ModuleList, layers: int, fmt: str, base: str = "tiny/llama") -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    shared = not isinstance(module[0][-1], nn.Linear)  # train_legacy.py marks the shared-LM-head layout version 2
+    (folder / "config.json").write_text(json.dumps({"medusa_num_heads": len(module), "medusa_num_layers": layers,
+                                                    "base_model_name_or_path": base,
+                                                    **({"version": "2"} if shared else {})}))
+    state = module.state_dict()
+    if fmt == "pt":
+        torch.save(state, folder / "medusa_lm_head.pt")
+    else:
+        from safetensors.torch import save_file
+
+        save_file({k: v.clone().contiguous() for k, v in state.items()}, str(folder / "medusa_lm_head.safetensors"))
+
+
+def reference_logits(module: nn.ModuleList, hidden: torch.Tensor, lm_head: torch.Tensor, projection: bool):
+    """(B, d) → (B, K, V) by the source layout's forward."""
+    outs = [head(hidden) if projection else head(hidden) @ lm_head.t() for head in module]
+    return torch.stack(outs, dim=1)
+
+
+@pytest.mark.parametrize("projection,layers,fmt", [(True, 1, "safetensors"), (True, 2, "pt"),
+                                                    (False, 1, "safetensors"), (False, 2, "pt")])
+def test_import_gives_the_source_logits_and_lossless_decoding(tmp_path, projection, layers, fmt):
+    model = tiny_llama(0)
+    d, vocab = model.config.hidden_size, model.config.vocab_size
+    module = reference_heads(d, vocab, heads=3, layers=layers, projection=projection)
+    write_medusa(tmp_path / "medusa", module, layers, fmt)
+    heads = import_medusa(tmp_path / "medusa", fingerprint(model).to_dict())
+    assert heads.config.owns_lm_head is projection and heads.config.num_layers == layers
+    hidden = torch.randn(5, d, dtype=torch.float64)
+    heads.bind(model.lm_head.weight)
+    assert torch.equal(heads(hidden), reference_logits(module, hidden, model.lm_head.weight, projection))
+    # saved as a draftheads checkpoint, reloaded, it decodes batched exactly like the base
+    heads.save_pretrained(tmp_path / "ours", dtype=None)
+    loaded = load_heads(tmp_path / "ours", expected_fingerprint=fingerprint(model).to_dict(), dtype=torch.float64)
+    assert torch.equal(loaded.bind(model.lm_head.weight)(hidden), heads(hidden))
+    ids, mask = left_pad([[3, 4, 5, 6], [7, 8], [9, 10, 11]])
+    ours = DraftHeadsModel(model, loaded, tree=tree_from_paths([[0], [1], [0, 0], [0, 0, 0]]))
+    out = ours.generate(ids, attention_mask=mask, max_new_tokens=20)
+    assert out.tolist() == model.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False).tolist()
+
+
+def test_vocab_size_mismatch_is_named(tmp_path):
+    model = tiny_llama(0)
+    write_medusa(tmp_path, reference_heads(32, 128, 2, 1, True), 1, "safetensors")
+    with pytest.raises(CheckpointError, match="Vocabulary-size mismatch.*project to 128 tokens but the base has 96"
+                                              ".*tiny/llama"):
+        import_medusa(tmp_path, fingerprint(model).to_dict())
+
+
+def test_hidden_size_mismatch_and_bad_files_are_named(tmp_path):
+    model = tiny_llama(0)
+    write_medusa(tmp_path / "a", reference_heads(16, 96, 2, 1, False), 1, "safetensors")
+    with pytest.raises(CheckpointError, match="hidden states of size 16 but the base has hidden_size 32"):
+        import_medusa(tmp_path / "a", fingerprint(model).to_dict())
+    write_medusa(tmp_path / "b", reference_heads(32, 96, 2, 2, False), 1, "pt")  # config says 1 layer, file has 2
+    with pytest.raises(CheckpointError, match="medusa_num_layers=1 but medusa_lm_head.pt holds 2"):
+        import_medusa(tmp_path / "b", fingerprint(model).to_dict())
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "config.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="not a Medusa head checkpoint"):
+        import_medusa(tmp_path / "c", fingerprint(model).to_dict())
+    (tmp_path / "c" / "medusa_lm_head.pt").write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match="cannot be read"):
+        import_medusa(tmp_path / "c", fingerprint(model).to_dict())
+
+
+def test_imported_heads_get_trees_and_decode_with_the_adaptive_policy(tmp_path, monkeypatch):
+    """Imported checkpoints carry no trees: fit_trees runs training's tree search on the heads'
+    ranks over the base's outputs, after which tree=<budget> and the calibrated adaptive policy work."""
+    from draftheads.decoding.generate import resolve_tree
+    from draftheads.decoding.policy import AdaptivePolicy, CalibrationConfig
+    from draftheads.training.features import Example, extract_features, load_shards
+    from draftheads.tree_fit import fit_trees
+
+    monkeypatch.setenv("DRAFTHEADS_CACHE", str(tmp_path / "cache"))
+    model = tiny_llama(0, max_pos=64)
+    write_medusa(tmp_path / "medusa", reference_heads(32, 96, heads=2, layers=1, projection=True), 1, "safetensors")
+    heads = import_medusa(tmp_path / "medusa", fingerprint(model).to_dict())
+    generator = torch.Generator().manual_seed(0)
+    examples = [Example(torch.randint(3, 96, (20,), generator=generator).tolist(), 4) for _ in range(6)]
+    fp = fingerprint(model).to_dict()
+    features = load_shards(extract_features(model, examples, tmp_path / "features", fp), fp)
+    taus = fit_trees(heads, model, features, budgets=(1, 3))
+    assert list(heads.config.trees) == ["1", "3"] and 1.0 <= taus["1"] <= taus["3"] <= 3.0
+    heads.save_pretrained(tmp_path / "ours", dtype=None)
+    loaded = load_heads(tmp_path / "ours", expected_fingerprint=fp, dtype=torch.float64)
+    grid = CalibrationConfig(batch_sizes=(1, 2), nodes=(1, 2, 4), contexts=(8, 16), max_tokens=4, reps=1)
+    loaded.bind(model.get_output_embeddings().weight, model.get_input_embeddings().weight)
+    policy = resolve_tree("adaptive", model, loaded, grid)
+    assert isinstance(policy, AdaptivePolicy) and [c.budget for c in policy.candidates] == [0, 1, 3]
+    ids, mask = left_pad([[5, 6, 7, 8], [9, 10]])
+    out = DraftHeadsModel(model, loaded, tree=policy).generate(ids, attention_mask=mask, max_new_tokens=12)
+    assert out.tolist() == model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False).tolist()
