@@ -192,3 +192,19 @@ def test_generate_tells_the_streamer_which_tokens_were_drafts():
     assert out.tolist() == reference.tolist()
     assert streamer.tokens == reference[0, 3:].tolist()
     assert streamer.drafted_tokens == sum(drafter.last_stats.accepted) > 0
+
+
+# -- calibration caches are per dtype and per machine ------------------------------------------------
+def test_calibration_cache_is_never_shared_across_dtypes_or_cpus(monkeypatch):
+    from draftheads.decoding import policy
+    from draftheads.decoding.policy import CalibrationConfig, calibration_key, calibration_path
+
+    config = CalibrationConfig()
+    fp64, fp32 = tiny_llama(4), tiny_llama(4, dtype=torch.float32)
+    key64, key32 = calibration_key(fp64), calibration_key(fp32)
+    assert key64["dtype"] != key32["dtype"]
+    assert calibration_path(key64, config) != calibration_path(key32, config)
+    monkeypatch.setattr(policy, "cpu_model", lambda: "Some Other CPU")
+    other = calibration_key(fp32)
+    assert "Some Other CPU" in other["device"]
+    assert calibration_path(other, config) != calibration_path(key32, config)
