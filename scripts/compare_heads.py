@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,9 +34,8 @@ import torch
 
 from draftheads.bench import hf_greedy, summarize, timed, timed_draftheads, timed_hf
 from draftheads.prompts import chat_input, read_prompts
-from draftheads.decoding import DraftHeadsModel, HeadContext, Tree, fingerprint, greedy_accept, load_base
-from draftheads.decoding.base import prefill, verify
-from draftheads.decoding.cache import KVState
+from draftheads.decoding import DraftHeadsModel, Tree, fingerprint, load_base
+from draftheads.decoding.step import PhaseTimer
 from draftheads.evaluation import answer_features, answers_cache_path, base_answers, score_heads
 from draftheads.heads import HeadConfig, display_name, load_heads, read_config
 from draftheads.training.adversarial import koala_label
@@ -137,50 +135,22 @@ def accuracy_section(base, tokenizer, candidates: list[Candidate], prompts: list
 
 
 # -- drafting latency ----------------------------------------------------------------------------------
-def draft(model: DraftHeadsModel, context: HeadContext, roots: torch.Tensor, tree: Tree) -> torch.Tensor:
-    if tree.num_nodes == 1:
-        return roots[:, None]
-    return model.heads.propose(context.hidden, roots, tree.spec)
-
-
-def verify_tree(base, tokens: torch.Tensor, kv: KVState, tree: Tree) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """The verification forward as the decoder runs it: base over the tree + LM head."""
-    mask, positions, past = kv.tree_inputs(tree.ancestor, tree.depth)
-    states = verify(base, tokens, positions, mask, kv.cache)
-    return states, base.lm_head(states), past
-
-
 @torch.no_grad()
 def step_latency(model: DraftHeadsModel, ids: torch.Tensor, steps: int, warmup: int = 2) -> dict:
-    """Per-step timings along a real greedy decode of ``ids`` (so the heads read real hidden
-    states and contextual families a real, growing context): drafting = ``propose`` + the
-    HeadContext step; verify = base forward over the tree + LM head. Medians of ``steps``."""
-    base, tree = model.base, current_tree(model)
-    mask = torch.ones_like(ids)
-    cache, hidden = prefill(base, ids, mask)
-    kv = KVState.after_prefill(cache, mask)
-    roots = base.lm_head(hidden).argmax(-1)
-    context = HeadContext(model.heads, hidden)
-    propose_ms, context_ms, verify_ms, accepted = [], [], [], []
-    for step in range(warmup + steps):
-        tokens, t_propose = timed(lambda: draft(model, context, roots, tree))
-        (states, logits, past), t_verify = timed(lambda: verify_tree(base, tokens, kv, tree))
-        result = greedy_accept(tokens, tree.parent, tree.depth, tree.path_slots, logits.argmax(-1))
-        kv.commit(result.path + past, result.accepted + 1)
-        _, t_context = timed(lambda: context.step(states, tree, result))
-        roots = result.bonus
-        if step >= warmup:
-            propose_ms.append(t_propose * 1e3)
-            context_ms.append(t_context * 1e3)
-            verify_ms.append(t_verify * 1e3)
-            accepted.append(int(result.accepted[0]))
-    drafting = [p + c for p, c in zip(propose_ms, context_ms)]
-    return {"steps": steps, "tree_nodes": tree.num_nodes, "drafting_ms": round(statistics.median(drafting), 3),
-            "propose_ms": round(statistics.median(propose_ms), 3),
-            "context_step_ms": round(statistics.median(context_ms), 3),
-            "verify_ms_mean": round(statistics.fmean(verify_ms), 3),
-            "verify_ms_median": round(statistics.median(verify_ms), 3),
-            "tau_in_run": round(1 + statistics.fmean(accepted), 3)}
+    """Per-step timings along a real greedy decode of ``ids`` (the heads read real hidden states
+    and contextual families a real, growing context), from the loop's own ``decode_step`` phases
+    (the step the cost model and the decoder run): drafting = propose + the heads' context step;
+    verify = base forward over the tree + LM head. Means over ``steps`` steps after ``warmup``."""
+    model.generate(ids, max_new_tokens=max(2, warmup))
+    timer = PhaseTimer()
+    model.generate(ids, max_new_tokens=steps, timer=timer)
+    phases = timer.per_step()
+    stats = model.last_stats
+    return {"steps": timer.steps, "tree_nodes": current_tree(model).num_nodes,
+            "drafting_ms": round(phases["propose"] + phases["context"], 3), "propose_ms": round(phases["propose"], 3),
+            "context_step_ms": round(phases["context"], 3),
+            "verify_ms_mean": round(phases["forward"] + phases["lm_head"], 3),
+            "phases_ms": {k: round(v, 3) for k, v in phases.items()}, "tau_in_run": round(stats.tau, 3)}
 
 
 def latency_section(candidates: list[Candidate], ids: torch.Tensor, steps: int, log: Log) -> dict:
