@@ -77,7 +77,10 @@ class TrainSection:
 class RunSection:
     output_dir: str = "runs/medusa-smollm2"  # checkpoints/, log.jsonl, wandb/
     final_dir: str | None = None  # save_pretrained target; default <output_dir>/final
-    resume: str = "auto"  # auto (latest checkpoint in output_dir) | never | a checkpoint directory
+    # auto (latest checkpoint in output_dir) | a checkpoint directory | never (starts over and DELETES
+    # <output_dir>/checkpoints; refused if that folder holds anything but draftheads' step-* dirs).
+    # Resuming loads data only (safetensors, JSON, weights_only torch files): see training/run_state.py
+    resume: str = "auto"
     checkpoint_every: int = 200  # optimizer steps between accelerate save_state checkpoints
     keep_checkpoints: int = 2
     eval_every: int = 200

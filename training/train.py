@@ -43,6 +43,7 @@ from .features import Example, Features, extract_features, load_shards
 from .losses import (draft_vocab, generator_objective, head_cross_entropy, head_targets, head_weights, input_noise,
                      label_counts, label_ranks, mask_labels, teacher_kl, teacher_logits, topk_accuracy)
 from .recipe import Recipe, RecipeError, load_recipe
+from .run_state import check_checkpoint_files, foreign_entries, load_run_state, save_run_state
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CHECKPOINTS = "checkpoints"
@@ -378,6 +379,11 @@ def resume_point(recipe: Recipe, output_dir: Path) -> Path | None:
     """The checkpoint to resume from (None = fresh start), after checking it fits the recipe."""
     mode = recipe.run.resume
     if mode == "never":
+        foreign = foreign_entries(output_dir / CHECKPOINTS)
+        if foreign:
+            raise RecipeError(f"run.resume=never deletes {output_dir / CHECKPOINTS}, but it holds entries draftheads "
+                              f"did not write ({', '.join(foreign[:5])}): move them away or use another "
+                              "run.output_dir.")
         shutil.rmtree(output_dir / CHECKPOINTS, ignore_errors=True)
         return None
     if mode == "auto":
@@ -396,9 +402,10 @@ def resume_point(recipe: Recipe, output_dir: Path) -> Path | None:
     return chosen
 
 
-def save_checkpoint(accelerator, output_dir: Path, step: int, recipe: Recipe, keep: int) -> None:
-    """save_state into step-N.partial, renamed when every process has written its part: a
-    checkpoint directory without the suffix is always complete."""
+def save_checkpoint(accelerator, output_dir: Path, step: int, recipe: Recipe, keep: int,
+                    own_state: dict | None = None) -> None:
+    """save_state into step-N.partial (plus draftheads' own state, never pickled), renamed when
+    every process has written its part: a checkpoint directory without the suffix is always complete."""
     final = output_dir / CHECKPOINTS / f"step-{step:07d}"
     tmp = final.with_name(final.name + ".partial")
     accelerator.wait_for_everyone()
@@ -406,6 +413,7 @@ def save_checkpoint(accelerator, output_dir: Path, step: int, recipe: Recipe, ke
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         (tmp / RECIPE_FILE).write_text(json.dumps(recipe.identity(), indent=1) + "\n")
+        save_run_state(tmp, own_state or {})
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         for old in checkpoint_dirs(output_dir)[:-keep]:
@@ -527,11 +535,14 @@ def train(recipe: Recipe) -> dict:
     progress = Progress()
     # the scheduler is stepped by hand once per optimizer step (accelerate's wrapper would step it
     # once per process), so it is checkpointed as a plain object
-    accelerator.register_for_checkpointing(scheduler, progress)
+    # (saved by draftheads itself as safetensors + JSON: accelerate would pickle them, see run_state.py)
+    own_state = {"scheduler": scheduler, "progress": progress}
     if adversary is not None:
-        accelerator.register_for_checkpointing(adversary.discriminator, adversary.optimizer)
+        own_state.update(discriminator=adversary.discriminator, discriminator_optimizer=adversary.optimizer)
     if resume is not None:
+        check_checkpoint_files(resume)  # every file is data, before accelerate opens any of them
         accelerator.load_state(str(resume))
+        load_run_state(resume, own_state)
         accelerator.print(f"[draftheads] resumed from {resume} at step {progress.step}")
     accelerator.init_trackers(recipe.run.wandb_project, config=recipe.to_dict(),
                               init_kwargs={"wandb": {"name": recipe.name, "dir": str(output_dir)}})
@@ -586,7 +597,8 @@ def train(recipe: Recipe) -> dict:
             accelerator.wait_for_everyone()
             started = time.perf_counter()
         if progress.step % recipe.run.checkpoint_every == 0 and progress.step < total:
-            save_checkpoint(accelerator, output_dir, progress.step, recipe, recipe.run.keep_checkpoints)
+            save_checkpoint(accelerator, output_dir, progress.step, recipe, recipe.run.keep_checkpoints,
+                            own_state)
             started = time.perf_counter()
     bar.close()
     report = {}
