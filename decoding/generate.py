@@ -21,6 +21,7 @@ from .attention import use_packed_sdpa
 from .base import fingerprint, load_base, prefill, verify
 from .cache import KVState
 from .context import HeadContext
+from .limits import check_base_path, check_input_tensors, parse_dtype, parse_tree_option
 from .sampling import Acceptor, Typical, check_sampling_config, resolve_acceptance
 from .policy import AdaptivePolicy, CalibrationConfig, calibrate
 from .tree import Tree, chain_tree, tree_from_paths
@@ -159,13 +160,15 @@ class DraftHeadsModel:
                         packed_attention: bool = True) -> "DraftHeadsModel":
         """Load heads from a local checkpoint directory (or a Hub id already in the local HF
         cache) and the base they were made for (default: the embedded SmolLM2)."""
+        tree = parse_tree_option(tree)  # every argument is checked before anything loads
         if base is None:
-            base, tokenizer = load_base(base_name_or_path, dtype=dtype)
+            check_base_path(base_name_or_path)
+            base, tokenizer = load_base(base_name_or_path, dtype=parse_dtype(dtype))
         if packed_attention:  # before an adaptive tree's calibration, which measures the loop's forward
             use_packed_sdpa(base)
         heads = None
         if heads_path is not None:
-            heads = load_heads(_local_checkpoint(heads_path), expected_fingerprint=fingerprint(base).to_dict())
+            heads = load_heads(_local_checkpoint(heads_path), expected_fingerprint=fingerprint(base).with_sketch(base))
         return cls(base, heads, tokenizer, resolve_tree(tree, base, heads), packed_attention=packed_attention)
 
     @property
@@ -411,8 +414,7 @@ def _local_checkpoint(path: str | Path) -> Path:
 
 
 def _check_inputs(input_ids, attention_mask, base, pad: int | None, eos: list[int], pad_given: bool = True):
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-        raise ValueError("generate(): input_ids must be a 2-D tensor of token ids (batch, length).")
+    input_ids, attention_mask = check_input_tensors(input_ids, attention_mask, base)
     if input_ids.shape[1] == 0:
         raise ValueError("generate(): the prompt is empty; pass at least one token.")
     batched = input_ids.shape[0] > 1
