@@ -90,12 +90,14 @@ class FrozenParts:
 
     lm_head: torch.Tensor
     embed: torch.Tensor
-    fingerprint: dict
+    fingerprint: dict  # keys the feature cache (unchanged across versions)
+    checkpoint_fingerprint: dict | None = None  # + the dtype-independent sketch, recorded in the heads
 
 
 def frozen_parts(base, dtype: torch.dtype) -> FrozenParts:
+    fp = fingerprint(base)
     return FrozenParts(base.get_output_embeddings().weight.detach().to(dtype),
-                       base.get_input_embeddings().weight.detach().to(dtype), fingerprint(base).to_dict())
+                       base.get_input_embeddings().weight.detach().to(dtype), fp.to_dict(), fp.with_sketch(base))
 
 
 # -- data -----------------------------------------------------------------------------------------------
@@ -631,7 +633,7 @@ def finish(heads: DraftHeads, eval_table: Features, recipe: Recipe, parts: Froze
         trees[str(budget)] = {"paths": [list(p) for p in paths], "expected_tau": round(tau, 4)}
     config = heads.config
     config.trees = {b: t["paths"] for b, t in trees.items()}
-    config.base_fingerprint = parts.fingerprint
+    config.base_fingerprint = parts.checkpoint_fingerprint or parts.fingerprint
     config.base_name = "embedded:smollm2-135m-instruct" if recipe.base == "embedded" else recipe.base
     config.extra = {**config.extra, "recipe": recipe.to_dict(), "held_out_accuracy": accuracy,
                     "default_budget": recipe.run.default_budget,
