@@ -37,29 +37,74 @@ def chat_input(tokenizer, prompt: str) -> torch.Tensor:
 
 
 def read_prompts(path: str, limit: int | None) -> list[dict]:
-    """MT-Bench / Spec-Bench (``turns``: first turn) or ``{"prompt": ...}`` JSON lines."""
+    """MT-Bench / Spec-Bench (``turns``: first turn) or ``{"prompt": ...}`` JSON lines; every
+    problem is one line naming the file and the line."""
+    if limit is not None:
+        count_option("--limit", limit)
     prompts = []
-    with open(path, encoding="utf-8") as handle:
+    try:
+        handle = open(path, encoding="utf-8")
+    except OSError as err:
+        raise SystemExit(f"error: cannot read the prompt file {path}: {err.strerror}.") from None
+    with handle:
         for line_no, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            record = json.loads(line)
-            if "turns" in record:
-                text = record["turns"][0]
-            elif "prompt" in record:
-                text = record["prompt"]
-            else:
-                raise SystemExit(f"error: {path}:{line_no} has neither 'turns' nor 'prompt'.")
-            prompts.append({"id": record.get("question_id", record.get("id", line_no)),
-                            "category": record.get("category", record.get("source", "")), "prompt": text})
+            if line.strip():
+                prompts.append(prompt_record(line, f"{path}:{line_no}", line_no))
+    if not prompts:
+        raise SystemExit(f"error: {path} holds no prompts; write one JSON object per line with 'turns' or 'prompt'.")
     return prompts[:limit] if limit else prompts
+
+
+def prompt_record(line: str, where: str, line_no: int) -> dict:
+    """One prompt-file line → {id, category, prompt}, or a one-line error naming ``where``."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise SystemExit(f"error: {where} is not valid JSON ({err.msg} at column {err.colno}).") from None
+    if not isinstance(record, dict):
+        raise SystemExit(f"error: {where} is a JSON {type(record).__name__}, expected an object with 'turns' or 'prompt'.")
+    if "turns" in record:
+        turns = record["turns"]
+        if not isinstance(turns, list) or not turns:
+            raise SystemExit(f"error: {where} has 'turns' {turns!r}; it must be a non-empty list of strings.")
+        text = turns[0]
+    elif "prompt" in record:
+        text = record["prompt"]
+    else:
+        raise SystemExit(f"error: {where} has neither 'turns' nor 'prompt'.")
+    if not isinstance(text, str) or not text.strip():
+        raise SystemExit(f"error: {where}: the prompt {text!r} must be a non-empty string.")
+    return {"id": record.get("question_id", record.get("id", line_no)),
+            "category": record.get("category", record.get("source", "")), "prompt": text}
+
+
+def count_option(name: str, value, minimum: int = 1) -> int:
+    """A numeric option, checked exactly as the Python API checks it (decoding/limits.py)."""
+    from .decoding.limits import InputError, check_count
+
+    try:
+        return check_count(name, value, minimum)
+    except InputError as err:
+        raise SystemExit(f"error: {err}") from None
+
+
+def count_argument(minimum: int = 1):
+    """argparse ``type=`` for an integer option ≥ ``minimum``."""
+    def parse(value: str) -> int:
+        try:
+            number = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer ≥ {minimum}, got {value!r}") from None
+        if number < minimum:
+            raise argparse.ArgumentTypeError(f"must be ≥ {minimum}, got {number}")
+        return number
+    return parse
 
 
 def load_model(args):
     from .decoding import DraftHeadsModel
 
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    return DraftHeadsModel.from_pretrained(find_heads(args.heads), base_name_or_path=args.base, dtype=dtype,
+    return DraftHeadsModel.from_pretrained(find_heads(args.heads), base_name_or_path=args.base, dtype=args.dtype,
                                            tree=args.tree)
 
 
@@ -87,26 +132,27 @@ def cmd_generate(args) -> int:
 
 
 def tree_argument(value: str) -> str | int:
-    """``--tree``: ``adaptive`` or a node budget."""
-    if value.strip().lower() == "adaptive":
-        return "adaptive"
+    """``--tree``: ``adaptive`` or a node budget, parsed as ``from_pretrained(tree=...)`` parses it."""
+    from .decoding.limits import InputError, parse_tree_option
+
     try:
-        budget = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected 'adaptive' or a node budget (an integer), got {value!r}") from None
-    if budget < 0:
-        raise argparse.ArgumentTypeError(f"a node budget must be >= 0, got {budget}")
-    return budget
+        return parse_tree_option(value)
+    except InputError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
-def int_list(value: str) -> list[int]:
+def int_list(value: str, minimum: int = 0) -> list[int]:
     try:
         items = [int(v) for v in value.split(",") if v.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {value!r}") from None
-    if not items or min(items) < 0:
-        raise argparse.ArgumentTypeError(f"expected non-negative integers, got {value!r}")
+    if not items or min(items) < minimum:
+        raise argparse.ArgumentTypeError(f"expected integers ≥ {minimum}, got {value!r}")
     return items
+
+
+def positive_list(value: str) -> list[int]:
+    return int_list(value, 1)
 
 
 def batches_per_size(batch_sizes: list[int], max_batches: list[int]) -> dict[int, int]:
@@ -122,6 +168,7 @@ def batches_per_size(batch_sizes: list[int], max_batches: list[int]) -> dict[int
 def cmd_bench(args) -> int:
     from .bench import run_batch_bench, run_bench
 
+    read_prompts(args.prompts, args.limit)  # a bad prompt file fails before the model loads
     model = load_model(args)
     if args.batch_sizes:
         if min(args.batch_sizes) < 1:
@@ -163,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="'adaptive' (choose per live batch size from this machine's calibrated cost model; "
                              "first use calibrates for ~1-2 min, then cached) or a tree node budget "
                              "(default: the checkpoint's)")
-    common.add_argument("--max-new-tokens", type=int, default=None,
+    common.add_argument("--max-new-tokens", type=count_argument(1), default=None,
                         help="default 128 (32 for the batched bench, which runs ~9 strategies x 6 batch sizes)")
     gen = sub.add_parser("generate", parents=[common], help="answer one prompt, streaming")
     gen.add_argument("--prompt", required=True)
@@ -171,16 +218,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
     bench = sub.add_parser("bench", parents=[common], help="HF generate vs draftheads on a prompt file")
     bench.add_argument("--prompts", required=True)
-    bench.add_argument("--limit", type=int, default=None,
+    bench.add_argument("--limit", type=count_argument(1), default=None,
                        help="use the first N prompts (batched default: max batch size x --max-batches)")
-    bench.add_argument("--batch-sizes", type=int_list, default=None,
+    bench.add_argument("--batch-sizes", type=positive_list, default=None,
                        help="e.g. 1,2,4,8,16,32: batched HF generate vs each fixed tree vs adaptive, JSON + PNGs")
     bench.add_argument("--budgets", type=int_list, default=None,
                        help="fixed tree budgets to compare (default: 0 and the stored ones among 1,2,4,8,16)")
-    bench.add_argument("--max-batches", type=int_list, default=[2],
+    bench.add_argument("--max-batches", type=positive_list, default=[2],
                        help="batches per batch size (batched bench): one number for every size, or one per "
                             "--batch-sizes entry (e.g. 6,4,4,3,2,1: more batches where they are cheap)")
-    bench.add_argument("--repeats", type=int, default=1,
+    bench.add_argument("--repeats", type=count_argument(1), default=1,
                        help="batched bench: run each batch this many times per strategy and count the fastest "
                             "(greedy output is identical each time; filters a shared machine's slow spells)")
     bench.add_argument("--no-mask-compare", action="store_true",
