@@ -36,7 +36,7 @@ import torch
 
 from ..decoding.base import fingerprint, load_base
 from ..decoding.tree import tree_from_ranks
-from ..heads import REGISTRY, DraftHeads, HeadConfig, build_heads
+from ..heads import REGISTRY, CheckpointError, DraftHeads, HeadConfig, build_heads
 from .adversarial import Adversary, expected_embedding, koala_info
 from .data import DataError, example_features, load_examples, resolve_data_path, shifted_rows
 from .features import Example, Features, extract_features, load_shards
@@ -477,6 +477,19 @@ def configure_deepspeed(accelerator, recipe: Recipe) -> None:
         plugin.deepspeed_config.pop("train_batch_size", None)
 
 
+def preflight(recipe: Recipe) -> None:
+    """What can be checked without loading anything, checked before any work: the data paths
+    and a base given as a local path exist (the recipe's keys were validated when it loaded)."""
+    from ..decoding.limits import check_base_path
+
+    for path in [recipe.data.path] if isinstance(recipe.data.path, str) else recipe.data.path:
+        if not resolve_data_path(path).exists():
+            raise DataError(f"Recipe key data.path: {path} does not exist (tried from the working directory and the "
+                            "source checkout); fix the path or pass --data.path.")
+    if recipe.base not in ("embedded", ""):
+        check_base_path(recipe.base)
+
+
 # -- the loop ---------------------------------------------------------------------------------------------------
 def train(recipe: Recipe) -> dict:
     """Train the recipe's heads; returns the training report (also written next to the
@@ -484,6 +497,7 @@ def train(recipe: Recipe) -> dict:
     from accelerate.utils import set_seed
     from tqdm.auto import tqdm
 
+    preflight(recipe)
     output_dir = Path(recipe.run.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     accelerator = make_accelerator(recipe, output_dir)
@@ -727,7 +741,11 @@ def main(argv: list[str] | None = None) -> int:
     except RecipeError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    report = train(recipe)
+    try:
+        report = train(recipe)
+    except (RecipeError, DataError, CheckpointError, FileNotFoundError) as err:  # one clear line, no traceback
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     if report:
         print(json.dumps({k: report[k] for k in ("steps", "final_loss", "train_tokens_per_second",
                                                   "train_wall_seconds", "accuracy")}, indent=1))
