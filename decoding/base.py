@@ -6,8 +6,10 @@ Everything goes through transformers' public API (``from_pretrained``, 4D attent
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
+import inspect
 import json
 import os
 import shutil
@@ -181,13 +183,21 @@ def load_base(name_or_path: str | None = None, gguf_file: str | None = None,
 def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
     """Run the prompt; returns (cache, last hidden state per row (B, d)). Positions follow
     transformers' ``generate`` (cumulative sum of the mask), so left padding matches it."""
+    cache, hidden = forward_all(model, input_ids, attention_mask)
+    return cache, hidden[:, -1]
+
+
+@torch.no_grad()
+def forward_all(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+    """The base over whole sequences into a fresh cache: (cache, hidden states (B, T, d)),
+    positions as transformers' ``generate`` numbers them (cumulative sum of the mask)."""
     from transformers import DynamicCache
 
     position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
     cache = DynamicCache(config=model.config)
     out = model.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                      past_key_values=cache, use_cache=True, **_pack_kwargs(model))
-    return cache, out.last_hidden_state[:, -1]
+                      use_cache=True, **cache_kwargs(model, cache), **_pack_kwargs(model))
+    return cache, out.last_hidden_state
 
 
 def tree_attention_mask(kv_valid: torch.Tensor, ancestor: torch.Tensor) -> torch.Tensor:
@@ -204,8 +214,20 @@ def verify(model, tokens: torch.Tensor, position_ids: torch.Tensor, mask: torch.
     """One base forward over every tree slot of every row; returns hidden states (B, N, d).
     The cache grows by N slots per row (the caller keeps the accepted ones)."""
     out = model.model(input_ids=tokens, attention_mask=mask, position_ids=position_ids,
-                      past_key_values=cache, use_cache=True, **_pack_kwargs(model))
+                      use_cache=True, **cache_kwargs(model, cache), **_pack_kwargs(model))
     return out.last_hidden_state
+
+
+def cache_kwargs(model, cache) -> dict:
+    """The cache under the keyword the installed transformers wants: ``LlamaModel.forward``
+    renamed ``past_key_values`` to ``cache`` (the old name warns, and goes in 5.40)."""
+    return {_cache_keyword(type(model.model)): cache}
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_keyword(model_class: type) -> str:
+    parameters = inspect.signature(model_class.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
 
 
 def _pack_kwargs(model) -> dict:

@@ -18,10 +18,10 @@ import torch
 
 from ..heads import DraftHeads, load_heads
 from .attention import use_packed_sdpa
-from .base import fingerprint, load_base, prefill, verify
+from .base import fingerprint, forward_all, load_base, prefill, verify
 from .cache import KVState
 from .context import HeadContext
-from .limits import check_base_path, check_input_tensors, parse_dtype, parse_tree_option
+from .limits import check_base_path, check_input_tensors, parse_dtype, parse_tree_option, warn_context_cut
 from .sampling import Acceptor, Typical, check_sampling_config, resolve_acceptance
 from .policy import AdaptivePolicy, CalibrationConfig, calibrate
 from .tree import Tree, chain_tree, tree_from_paths
@@ -187,7 +187,14 @@ class DraftHeadsModel:
         """transformers' ``generate`` arguments; with ``do_sample=True`` also ``generator`` (seeded
         randomness; default: seeded from the global torch RNG) and ``acceptance``: "lossless"
         (default, exactly the base's sampling distribution) or "typical" / ``Typical(ε, δ)``
-        (Medusa-2's rule, lossy). See ``draftheads.decoding.sampling``."""
+        (Medusa-2's rule, lossy). See ``draftheads.decoding.sampling``.
+
+        Returns what transformers returns, with these documented edges: ``scores``/``logits``
+        are float32 as there; with ``return_dict_in_generate`` a batch's ``past_key_values`` and
+        the scores of rows that finished early come from one extra forward over the output
+        (equal up to float rounding); an answer that would pass ``max_position_embeddings``
+        stops there with a ``UserWarning`` (transformers continues). Bad inputs raise
+        :class:`~draftheads.decoding.limits.InputError` before any work."""
         from transformers.generation.utils import GenerateDecoderOnlyOutput
 
         config = resolve_generation_config(self.base.generation_config, generation_config, **kwargs)
@@ -206,6 +213,7 @@ class DraftHeadsModel:
                      _largest_tree_nodes(self.policy, batch, prompt_len))
         context = self.base.config.max_position_embeddings
         limits = [min(wanted, context - int(n)) for n in attention_mask.sum(1)]
+        warn_context_cut(wanted, limits, context)
         want_scores = bool(config.return_dict_in_generate and (config.output_scores or config.output_logits))
         device = input_ids.device
 
@@ -278,11 +286,19 @@ class DraftHeadsModel:
         if not config.return_dict_in_generate:
             return sequences
         steps = sequences.shape[1] - prompt_len
-        score_tuple = _stack_scores(scores, steps, logits.shape[-1], logits.dtype) if want_scores else None
+        early = want_scores and any(len(row) < steps for row in scores)
         cache_out = None
-        if config.use_cache and batch == 1:  # a batch's cache has per-row holes; only bs 1 is a plain cache
+        if early or (config.use_cache and batch > 1):
+            # a batch's own cache has per-row holes and rows that finished early have no scores after
+            # their end: one forward over the output, fed as transformers feeds it, gives both
+            cache_out, hidden_all = forward_all(self.base, sequences[:, :-1], _grown_mask(attention_mask, steps))
+            if early:
+                _fill_finished_scores(scores, self.base, hidden_all, sequences, prompt_len, acceptor)
+            cache_out = cache_out if config.use_cache else None
+        elif config.use_cache:
             kv.crop_to(prompt_len + steps - 1)
             cache_out = kv.cache
+        score_tuple = _stack_scores(scores, steps, logits.shape[-1]) if want_scores else None
         return GenerateDecoderOnlyOutput(sequences=sequences, scores=score_tuple if config.output_scores else None,
                                          logits=score_tuple if config.output_logits else None,
                                          past_key_values=cache_out)
@@ -525,11 +541,31 @@ def generated_counts(sequences: torch.Tensor, width: int, eos: set[int]) -> list
     return counts
 
 
-def _stack_scores(scores: list[list[torch.Tensor]], steps: int, vocab: int, dtype) -> tuple[torch.Tensor, ...]:
-    """Per-token logits as transformers returns them: one (B, V) tensor per generated position
-    (zeros for rows that had already finished)."""
-    zero = torch.zeros(vocab, dtype=dtype)
-    return tuple(torch.stack([row[i] if i < len(row) else zero for row in scores]) for i in range(steps))
+def _grown_mask(attention_mask: torch.Tensor, steps: int) -> torch.Tensor:
+    """The mask transformers' ``generate`` has after ``steps`` tokens, over all but the last
+    (every row, finished or not, gets a 1 per step)."""
+    return torch.cat([attention_mask, attention_mask.new_ones(attention_mask.shape[0], steps - 1)], dim=1)
+
+
+def _fill_finished_scores(scores: list[list[torch.Tensor]], base, hidden: torch.Tensor, sequences: torch.Tensor,
+                          prompt_len: int, acceptor: Acceptor) -> None:
+    """Scores of rows after they finished, as transformers records them: it keeps feeding such a
+    row the pad token and reports the base's (processed) logits at every step."""
+    steps = sequences.shape[1] - prompt_len
+    for row, row_scores in enumerate(scores):
+        for step in range(len(row_scores), steps):
+            logits = base.lm_head(hidden[row, prompt_len - 1 + step])
+            if acceptor.report_processed:
+                ids = sequences[row: row + 1, : prompt_len + step]
+                logits = acceptor.processors(ids, logits.float()[None])[0].to(logits.dtype)
+            row_scores.append(logits)
+
+
+def _stack_scores(scores: list[list[torch.Tensor]], steps: int, vocab: int) -> tuple[torch.Tensor, ...]:
+    """Per-token logits as transformers returns them: one (B, V) float32 tensor per generated
+    position, whatever the model's dtype (every row has one by now: see :func:`_fill_finished_scores`)."""
+    zero = torch.zeros(vocab, dtype=torch.float32)
+    return tuple(torch.stack([(row[i] if i < len(row) else zero).float() for row in scores]) for i in range(steps))
 
 
 def _assemble(input_ids: torch.Tensor, generated: list[list[int]], pad: int) -> torch.Tensor:

@@ -7,6 +7,7 @@ Each check raises :class:`InputError` (a ``ValueError``) or :class:`InputTypeErr
 from __future__ import annotations
 
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -136,3 +137,16 @@ def check_input_tensors(input_ids: Any, attention_mask: Any, base) -> tuple[torc
                          f"{sorted(v for v in values if v not in (0, 1))[:5]}; pass the tokenizer's mask "
                          "(other values would silently shift positions).")
     return input_ids, attention_mask.long()
+
+
+def warn_context_cut(wanted: int, limits: list[int], context: int) -> None:
+    """Say so when a row gets fewer new tokens than asked because its prompt plus them would
+    pass the model's context limit. transformers' ``generate`` (with ``max_new_tokens``) goes on
+    past ``max_position_embeddings``, into positions the model was never trained on; draftheads
+    stops there instead, and warns rather than return a shorter answer without a word."""
+    short = min(limits)
+    if short < wanted:
+        warnings.warn(f"generate(): max_new_tokens={wanted} was cut to {short} new tokens: the prompt plus them "
+                      f"would pass the model's context limit (max_position_embeddings={context}), and draftheads "
+                      "stops there (transformers would go on past it). Shorten the prompt to get all of them.",
+                      UserWarning, stacklevel=4)  # → generate → torch.no_grad's wrapper → the caller
