@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from ..decoding.base import fingerprint, load_base
+from ..decoding.limits import DTYPES  # the one dtype table (recipe names are checked against CHOICES)
 from ..decoding.tree import tree_from_ranks
 from ..heads import REGISTRY, CheckpointError, DraftHeads, HeadConfig, build_heads
 from .adversarial import Adversary, expected_embedding, koala_info
@@ -45,7 +46,6 @@ from .losses import (draft_vocab, generator_objective, head_cross_entropy, head_
 from .recipe import Recipe, RecipeError, load_recipe
 from .run_state import check_checkpoint_files, foreign_entries, load_run_state, save_run_state
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CHECKPOINTS = "checkpoints"
 RECIPE_FILE = "recipe.json"
 EVAL_RANK_CAP = 16  # ranks beyond this only matter as "missed" for trees and top-k
@@ -59,7 +59,10 @@ def load_frozen_base(name: str, dtype: str):
         return load_base(None if name in ("embedded", "") else name, dtype=DTYPES[dtype])
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(name, dtype=DTYPES[dtype]).eval().requires_grad_(False)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=DTYPES[dtype]).eval().requires_grad_(False)
+    except OSError as err:  # not a model dir / not in the local Hub cache: one line for main()
+        raise FileNotFoundError(f"Recipe key base={name!r} could not be loaded: {str(err).splitlines()[0]}") from None
     try:
         tokenizer = AutoTokenizer.from_pretrained(name)
     except (OSError, ValueError):
