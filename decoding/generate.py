@@ -18,9 +18,10 @@ import torch
 
 from ..heads import DraftHeads, load_heads
 from .attention import use_packed_sdpa
-from .base import cpu_has_bf16, dtype_name, fingerprint, lm_logits, load_base, prefill, use_packed_linears
+from .base import cpu_has_bf16, dtype_name, fingerprint, forward_all, lm_logits, load_base, prefill, use_packed_linears
 from .cache import KVState
 from .context import HeadContext
+from .limits import check_base_path, check_input_tensors, parse_dtype, parse_tree_option, warn_context_cut
 from .sampling import Acceptor, Typical, check_sampling_config, resolve_acceptance
 from .policy import AdaptivePolicy, CalibrationConfig, calibrate
 from .step import PhaseTimer, decode_step
@@ -168,7 +169,10 @@ class DraftHeadsModel:
         ``"auto"`` (default) is the base's native dtype where the hardware computes it natively
         (bf16 on CPUs with AVX512-BF16/AMX and on GPUs), else float32; an explicit dtype wins.
         The heads are cast to the base's dtype."""
+        tree = parse_tree_option(tree)  # every argument is checked before anything loads
         if base is None:
+            check_base_path(base_name_or_path)
+            parse_dtype(dtype)
             base, tokenizer = load_base(base_name_or_path, dtype=dtype)
         if packed_attention:  # before an adaptive tree's calibration, which measures the loop's forward
             use_packed_sdpa(base)
@@ -176,7 +180,7 @@ class DraftHeadsModel:
             use_packed_linears(base)
         heads = None
         if heads_path is not None:
-            heads = load_heads(heads_path, expected_fingerprint=fingerprint(base).to_dict(),
+            heads = load_heads(heads_path, expected_fingerprint=fingerprint(base).with_sketch(base),
                                base_name=getattr(base, "name_or_path", None) or None, **hub_kwargs)
         if heads is not None and packed_linears:
             heads.use_packed_readout()  # the calibration drafts as the loop will
@@ -200,7 +204,14 @@ class DraftHeadsModel:
         randomness; default: seeded from the global torch RNG) and ``acceptance``: "lossless"
         (default, exactly the base's sampling distribution) or "typical" / ``Typical(ε, δ)``
         (Medusa-2's rule, lossy). See ``draftheads.decoding.sampling``. ``timer``: a
-        :class:`~draftheads.decoding.step.PhaseTimer` that sums each step phase's time (profiling)."""
+        :class:`~draftheads.decoding.step.PhaseTimer` that sums each step phase's time (profiling).
+
+        Returns what transformers returns, with these documented edges: ``scores``/``logits``
+        are float32 as there; with ``return_dict_in_generate`` a batch's ``past_key_values`` and
+        the scores of rows that finished early come from one extra forward over the output
+        (equal up to float rounding); an answer that would pass ``max_position_embeddings``
+        stops there with a ``UserWarning`` (transformers continues). Bad inputs raise
+        :class:`~draftheads.decoding.limits.InputError` before any work."""
         from transformers.generation.utils import GenerateDecoderOnlyOutput
 
         config = resolve_generation_config(self.base.generation_config, generation_config, **kwargs)
@@ -219,6 +230,7 @@ class DraftHeadsModel:
                      _largest_tree_nodes(self.policy, batch, prompt_len))
         context = self.base.config.max_position_embeddings
         limits = [min(wanted, context - int(n)) for n in attention_mask.sum(1)]
+        warn_context_cut(wanted, limits, context)
         want_scores = bool(config.return_dict_in_generate and (config.output_scores or config.output_logits))
         device = input_ids.device
 
@@ -282,11 +294,19 @@ class DraftHeadsModel:
         if not config.return_dict_in_generate:
             return sequences
         steps = sequences.shape[1] - prompt_len
-        score_tuple = _stack_scores(scores, steps, logits.shape[-1], logits.dtype) if want_scores else None
+        early = want_scores and any(len(row) < steps for row in scores)
         cache_out = None
-        if config.use_cache and batch == 1:  # a batch's cache has per-row holes; only bs 1 is a plain cache
+        if early or (config.use_cache and batch > 1):
+            # a batch's own cache has per-row holes and rows that finished early have no scores after
+            # their end: one forward over the output, fed as transformers feeds it, gives both
+            cache_out, hidden_all = forward_all(self.base, sequences[:, :-1], _grown_mask(attention_mask, steps))
+            if early:
+                _fill_finished_scores(scores, self.base, hidden_all, sequences, prompt_len, acceptor)
+            cache_out = cache_out if config.use_cache else None
+        elif config.use_cache:
             kv.crop_to(prompt_len + steps - 1)
             cache_out = kv.cache
+        score_tuple = _stack_scores(scores, steps, logits.shape[-1]) if want_scores else None
         return GenerateDecoderOnlyOutput(sequences=sequences, scores=score_tuple if config.output_scores else None,
                                          logits=score_tuple if config.output_logits else None,
                                          past_key_values=cache_out)
@@ -405,8 +425,7 @@ def tree_for_budget(heads: DraftHeads | None, budget: int) -> Tree:
 
 
 def _check_inputs(input_ids, attention_mask, base, pad: int | None, eos: list[int], pad_given: bool = True):
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-        raise ValueError("generate(): input_ids must be a 2-D tensor of token ids (batch, length).")
+    input_ids, attention_mask = check_input_tensors(input_ids, attention_mask, base)
     if input_ids.shape[1] == 0:
         raise ValueError("generate(): the prompt is empty; pass at least one token.")
     batched = input_ids.shape[0] > 1
@@ -517,11 +536,31 @@ def generated_counts(sequences: torch.Tensor, width: int, eos: set[int]) -> list
     return counts
 
 
-def _stack_scores(scores: list[list[torch.Tensor]], steps: int, vocab: int, dtype) -> tuple[torch.Tensor, ...]:
-    """Per-token logits as transformers returns them: one (B, V) tensor per generated position
-    (zeros for rows that had already finished)."""
-    zero = torch.zeros(vocab, dtype=dtype)
-    return tuple(torch.stack([row[i] if i < len(row) else zero for row in scores]) for i in range(steps))
+def _grown_mask(attention_mask: torch.Tensor, steps: int) -> torch.Tensor:
+    """The mask transformers' ``generate`` has after ``steps`` tokens, over all but the last
+    (every row, finished or not, gets a 1 per step)."""
+    return torch.cat([attention_mask, attention_mask.new_ones(attention_mask.shape[0], steps - 1)], dim=1)
+
+
+def _fill_finished_scores(scores: list[list[torch.Tensor]], base, hidden: torch.Tensor, sequences: torch.Tensor,
+                          prompt_len: int, acceptor: Acceptor) -> None:
+    """Scores of rows after they finished, as transformers records them: it keeps feeding such a
+    row the pad token and reports the base's (processed) logits at every step."""
+    steps = sequences.shape[1] - prompt_len
+    for row, row_scores in enumerate(scores):
+        for step in range(len(row_scores), steps):
+            logits = base.lm_head(hidden[row, prompt_len - 1 + step])
+            if acceptor.report_processed:
+                ids = sequences[row: row + 1, : prompt_len + step]
+                logits = acceptor.processors(ids, logits.float()[None])[0].to(logits.dtype)
+            row_scores.append(logits)
+
+
+def _stack_scores(scores: list[list[torch.Tensor]], steps: int, vocab: int) -> tuple[torch.Tensor, ...]:
+    """Per-token logits as transformers returns them: one (B, V) float32 tensor per generated
+    position, whatever the model's dtype (every row has one by now: see :func:`_fill_finished_scores`)."""
+    zero = torch.zeros(vocab, dtype=torch.float32)
+    return tuple(torch.stack([(row[i] if i < len(row) else zero).float() for row in scores]) for i in range(steps))
 
 
 def _assemble(input_ids: torch.Tensor, generated: list[list[int]], pad: int) -> torch.Tensor:

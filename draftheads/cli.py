@@ -11,8 +11,10 @@ from pathlib import Path
 
 import torch
 
-from .decoding.base import DTYPE_CHOICES, DtypeError
-from .prompts import PromptFileError, chat_input, read_prompts, split_cap
+from .decoding.base import DTYPE_CHOICES
+from .decoding.limits import InputError
+from .prompts import PromptError, PromptFileError, chat_input, split_cap
+from .prompts import read_prompts as _read_prompts
 
 DEFAULT_HEADS = "checkpoints/smollm2-135m-hydra"
 
@@ -29,6 +31,40 @@ def find_heads(path: str | None) -> str | None:
     if (source_root / path).is_dir():
         return str(source_root / path)
     return path  # maybe a Hub id in the local cache; DraftHeadsModel explains if not
+
+
+def read_prompts(paths, limit: int | None) -> list[dict]:
+    """:func:`draftheads.prompts.read_prompts` for the command line: ``--limit`` checked as the
+    API checks it, and every prompt-file problem one ``error:`` line naming file and line."""
+    if limit is not None:
+        count_option("--limit", limit)
+    try:
+        return _read_prompts(paths, limit)
+    except PromptFileError as err:
+        raise SystemExit(f"error: {err}") from None
+
+
+def count_option(name: str, value, minimum: int = 1) -> int:
+    """A numeric option, checked exactly as the Python API checks it (decoding/limits.py)."""
+    from .decoding.limits import InputError, check_count
+
+    try:
+        return check_count(name, value, minimum)
+    except InputError as err:
+        raise SystemExit(f"error: {err}") from None
+
+
+def count_argument(minimum: int = 1):
+    """argparse ``type=`` for an integer option ≥ ``minimum``."""
+    def parse(value: str) -> int:
+        try:
+            number = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer ≥ {minimum}, got {value!r}") from None
+        if number < minimum:
+            raise argparse.ArgumentTypeError(f"must be ≥ {minimum}, got {number}")
+        return number
+    return parse
 
 
 def load_model(args):
@@ -80,26 +116,27 @@ def cmd_generate(args) -> int:
 
 
 def tree_argument(value: str) -> str | int:
-    """``--tree``: ``adaptive`` or a node budget."""
-    if value.strip().lower() == "adaptive":
-        return "adaptive"
+    """``--tree``: ``adaptive`` or a node budget, parsed as ``from_pretrained(tree=...)`` parses it."""
+    from .decoding.limits import InputError, parse_tree_option
+
     try:
-        budget = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected 'adaptive' or a node budget (an integer), got {value!r}") from None
-    if budget < 0:
-        raise argparse.ArgumentTypeError(f"a node budget must be >= 0, got {budget}")
-    return budget
+        return parse_tree_option(value)
+    except InputError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
-def int_list(value: str) -> list[int]:
+def int_list(value: str, minimum: int = 0) -> list[int]:
     try:
         items = [int(v) for v in value.split(",") if v.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {value!r}") from None
-    if not items or min(items) < 0:
-        raise argparse.ArgumentTypeError(f"expected non-negative integers, got {value!r}")
+    if not items or min(items) < minimum:
+        raise argparse.ArgumentTypeError(f"expected integers ≥ {minimum}, got {value!r}")
     return items
+
+
+def positive_list(value: str) -> list[int]:
+    return int_list(value, 1)
 
 
 def batches_per_size(batch_sizes: list[int], max_batches: list[int]) -> dict[int, int]:
@@ -115,6 +152,7 @@ def batches_per_size(batch_sizes: list[int], max_batches: list[int]) -> dict[int
 def cmd_bench(args) -> int:
     from .bench import run_batch_bench, run_bench
 
+    read_prompts(args.prompts, args.limit)  # a bad prompt file fails before the model loads
     model = load_model(args)
     if args.batch_sizes:
         if min(args.batch_sizes) < 1:
@@ -181,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="'adaptive' (choose per live batch size from this machine's calibrated cost model; "
                              "first use calibrates for ~1-2 min, then cached) or a tree node budget "
                              "(default: the checkpoint's)")
-    common.add_argument("--max-new-tokens", type=int, default=None,
+    common.add_argument("--max-new-tokens", type=count_argument(1), default=None,
                         help="default 128 (32 for the batched bench, which runs ~9 strategies x 6 batch sizes)")
     gen = sub.add_parser("generate", parents=[common], help="answer one prompt, streaming")
     gen.add_argument("--prompt", required=True)
@@ -192,16 +230,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="JSON-lines prompt file(s); FILE@N takes the first N prompts of each category, and a "
                             "prompt already read from an earlier file is skipped (e.g. mt_bench.jsonl "
                             "spec_bench_dev.jsonl@8)")
-    bench.add_argument("--limit", type=int, default=None,
+    bench.add_argument("--limit", type=count_argument(1), default=None,
                        help="use the first N prompts (batched default: max batch size x --max-batches)")
-    bench.add_argument("--batch-sizes", type=int_list, default=None,
+    bench.add_argument("--batch-sizes", type=positive_list, default=None,
                        help="e.g. 1,2,4,8,16,32: batched HF generate vs each fixed tree vs adaptive, JSON + PNGs")
     bench.add_argument("--budgets", type=int_list, default=None,
                        help="fixed tree budgets to compare (default: 0 and the stored ones among 1,2,4,8,16)")
-    bench.add_argument("--max-batches", type=int_list, default=[2],
+    bench.add_argument("--max-batches", type=positive_list, default=[2],
                        help="batches per batch size (batched bench): one number for every size, or one per "
                             "--batch-sizes entry (e.g. 6,4,4,3,2,1: more batches where they are cheap)")
-    bench.add_argument("--repeats", type=int, default=1,
+    bench.add_argument("--repeats", type=count_argument(1), default=1,
                        help="batched bench: run each batch this many times per strategy and count the fastest "
                             "(greedy output is identical each time; filters a shared machine's slow spells)")
     bench.add_argument("--no-mask-compare", action="store_true",
@@ -239,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("error: --max-new-tokens must be positive.")
     try:
         return args.func(args)
-    except (PromptFileError, DtypeError) as err:
+    except (PromptError, InputError) as err:
         raise SystemExit(f"error: {err}") from None
 
 

@@ -21,7 +21,11 @@ from .training.features import chat_prompt_ids
 MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 
 
-class PromptFileError(ValueError):
+class PromptError(ValueError):
+    """A prompt that cannot be used (empty), or a prompt file that cannot be read."""
+
+
+class PromptFileError(PromptError):
     """A prompt file that cannot be read: names the file (and line) and what is wrong."""
 
 
@@ -33,7 +37,7 @@ def group_of(category: str) -> str:
 def chat_input(tokenizer, prompt: str) -> torch.Tensor:
     """(1, L) input ids of one chat-formatted prompt."""
     if not prompt.strip():
-        raise ValueError("The prompt is empty; pass some text (--prompt \"...\").")
+        raise PromptError("the prompt is empty; pass some text (--prompt \"...\").")
     return torch.tensor([chat_prompt_ids(tokenizer, prompt)])
 
 
@@ -48,29 +52,41 @@ def split_cap(spec: str) -> tuple[str, int | None]:
 
 
 def read_prompt_file(path: str) -> list[dict]:
-    """All records of one file as {"id", "category", "prompt"}, in file order."""
-    prompts = []
-    with open(path, encoding="utf-8") as handle:
-        for line_no, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise PromptFileError(f"{path}:{line_no} is not valid JSON ({err.msg}).") from None
-            if not isinstance(record, dict):
-                raise PromptFileError(f"{path}:{line_no} is not a JSON object.")
-            if "turns" in record:
-                if not record["turns"] or not isinstance(record["turns"][0], str):
-                    raise PromptFileError(f"{path}:{line_no} has no first turn ('turns' is empty or not text).")
-                text = record["turns"][0]
-            elif "prompt" in record:
-                text = record["prompt"]
-            else:
-                raise PromptFileError(f"{path}:{line_no} has neither 'turns' nor 'prompt'.")
-            prompts.append({"id": record.get("question_id", record.get("id", line_no)),
-                            "category": record.get("category", record.get("source", "")), "prompt": text})
+    """All records of one file as {"id", "category", "prompt"}, in file order; every problem is
+    one :class:`PromptFileError` naming the file and the line."""
+    try:
+        handle = open(path, encoding="utf-8")
+    except OSError as err:
+        raise PromptFileError(f"cannot read the prompt file {path}: {err.strerror}.") from None
+    with handle:
+        prompts = [prompt_record(line, f"{path}:{line_no}", line_no)
+                   for line_no, line in enumerate(handle, 1) if line.strip()]
+    if not prompts:
+        raise PromptFileError(f"{path} holds no prompts; write one JSON object per line with 'turns' or 'prompt'.")
     return prompts
+
+
+def prompt_record(line: str, where: str, line_no: int) -> dict:
+    """One prompt-file line → {id, category, prompt}, or a one-line error naming ``where``."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise PromptFileError(f"{where} is not valid JSON ({err.msg} at column {err.colno}).") from None
+    if not isinstance(record, dict):
+        raise PromptFileError(f"{where} is a JSON {type(record).__name__}, expected an object with 'turns' or 'prompt'.")
+    if "turns" in record:
+        turns = record["turns"]
+        if not isinstance(turns, list) or not turns:
+            raise PromptFileError(f"{where} has 'turns' {turns!r}; it must be a non-empty list of strings.")
+        text = turns[0]
+    elif "prompt" in record:
+        text = record["prompt"]
+    else:
+        raise PromptFileError(f"{where} has neither 'turns' nor 'prompt'.")
+    if not isinstance(text, str) or not text.strip():
+        raise PromptFileError(f"{where}: the prompt {text!r} must be a non-empty string.")
+    return {"id": record.get("question_id", record.get("id", line_no)),
+            "category": record.get("category", record.get("source", "")), "prompt": text}
 
 
 def first_per_category(records: list[dict], per_category: int) -> list[dict]:
@@ -88,13 +104,11 @@ def read_prompts(paths: str | Sequence[str], limit: int | None = None) -> list[d
     """Prompts from one or more files (see the module docstring for ``@N`` and de-duplication),
     then the first ``limit`` of them (None: all)."""
     if limit is not None and limit < 1:
-        raise PromptFileError(f"limit must be at least 1 (or None for all prompts), got {limit}.")
+        raise PromptFileError(f"--limit must be ≥ 1, got {limit}.")
     seen: set[str] = set()
     prompts: list[dict] = []
     for spec in [paths] if isinstance(paths, str) else list(paths):
         path, cap = split_cap(spec)
-        if not Path(path).is_file():
-            raise PromptFileError(f"Prompt file {path} does not exist.")
         records = read_prompt_file(path)
         if cap is not None:
             records = first_per_category([r for r in records if r["prompt"] not in seen], cap)

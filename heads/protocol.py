@@ -361,7 +361,58 @@ def read_config(directory: str | Path) -> HeadConfig:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise CheckpointError(f"{path} is not valid JSON ({err}); the checkpoint is corrupt.") from None
-    return HeadConfig.from_dict(data)
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} holds a {type(data).__name__}, not a config object; the checkpoint is corrupt.")
+    try:
+        return HeadConfig.from_dict(data)
+    except CheckpointError as err:
+        raise CheckpointError(f"{path}: {err}") from None
+    except (TypeError, ValueError) as err:  # a field of the wrong type or out of range
+        raise CheckpointError(f"{path}: {err} Fix the field or re-download the checkpoint.") from None
+
+
+# dtype rounding moves a sketch entry by ≲1e-5 on SmolLM2 (≲2e-4 on a 96×32 test model); another model by ≳0.1
+SKETCH_TOLERANCE = 2e-3
+
+
+def fingerprint_diffs(saved: dict, expected: dict) -> list[str]:
+    """How a checkpoint's recorded base differs from this base. The LM head matches when its
+    hash matches, or, for the same base loaded in another dtype (whose rounding changes the
+    hash), when both record an ``lm_head_sketch`` and the sketches agree within tolerance."""
+    diffs = [f"{k}: checkpoint {saved.get(k)!r} vs base {v!r}" for k, v in expected.items()
+             if k not in ("lm_head_sha256", "lm_head_sketch") and saved.get(k) != v]
+    sha, sketch = expected.get("lm_head_sha256"), expected.get("lm_head_sketch")
+    if sha is not None and saved.get("lm_head_sha256") != sha and not _sketches_agree(saved.get("lm_head_sketch"), sketch):
+        note = "" if saved.get("lm_head_sketch") else " (the checkpoint records no dtype-independent lm_head_sketch)"
+        diffs.append(f"lm_head_sha256: checkpoint {saved.get('lm_head_sha256')!r} vs base {sha!r}{note}")
+    return diffs
+
+
+def _sketches_agree(a: list | None, b: list | None) -> bool:
+    return bool(a) and bool(b) and len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b)) <= SKETCH_TOLERANCE
+
+
+def check_state(weights: Path, config: HeadConfig, state: dict[str, torch.Tensor],
+                expected: dict[str, torch.Tensor]) -> None:
+    """Refuse, at load, weights that would only fail (or silently mislead) at the first
+    ``generate``: a tensor whose shape disagrees with config.json, non-finite values, and draft
+    vocabulary ids outside the base vocabulary."""
+    for name, tensor in state.items():
+        want = expected.get(name)
+        if want is not None and tuple(tensor.shape) != tuple(want.shape):
+            raise CheckpointError(
+                f"{weights}: tensor {name!r} has shape {tuple(tensor.shape)} but config.json (hidden_size="
+                f"{config.hidden_size}, vocab_size={config.vocab_size}, draft_vocab_size={config.draft_vocab_size}, "
+                f"num_heads={config.num_heads}) needs {tuple(want.shape)}; the config and the weights disagree: "
+                "re-download or re-train the checkpoint.")
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise CheckpointError(f"{weights}: tensor {name!r} holds NaN or infinite values; the file is damaged: "
+                                  "re-download or re-train the checkpoint.")
+    ids = state.get("vocab_ids")
+    if ids is not None and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= config.vocab_size):
+        raise CheckpointError(f"{weights}: vocab_ids holds token id {int(ids.max()) if int(ids.min()) >= 0 else int(ids.min())}"
+                              f" outside the vocabulary [0, {config.vocab_size}); the file is damaged: re-download or "
+                              "re-train the checkpoint.")
 
 
 def check_base(config: HeadConfig, expected_fingerprint: dict, base_name: str | None = None,
@@ -370,12 +421,15 @@ def check_base(config: HeadConfig, expected_fingerprint: dict, base_name: str | 
     saved = config.base_fingerprint
     if saved is None:
         raise CheckpointError(f"{where} records no base fingerprint, so it cannot be checked against this base.")
-    diffs = [f"{k}: checkpoint {saved.get(k)!r} vs base {v!r}" for k, v in expected_fingerprint.items() if saved.get(k) != v]
+    diffs = fingerprint_diffs(saved, expected_fingerprint)
     if diffs:
+        def shown(fp: dict) -> dict:
+            return {k: v for k, v in fp.items() if k != "lm_head_sketch"}
+
         raise CheckpointError(
             f"The heads in {where} were trained for another base model: checkpoint base "
-            f"{config.base_name or 'unknown'} (fingerprint {saved}), loaded base {base_name or 'unknown'} "
-            f"(fingerprint {expected_fingerprint}); differing: " + "; ".join(diffs)
+            f"{config.base_name or 'unknown'} (fingerprint {shown(saved)}), loaded base {base_name or 'unknown'} "
+            f"(fingerprint {shown(expected_fingerprint)}); differing: " + "; ".join(diffs)
             + ". Load the base they were made for, or train heads for this base.")
 
 
@@ -401,6 +455,7 @@ def load_heads(directory: str | Path, expected_fingerprint: dict | None = None,
         state = load_file(str(weights))
     except (SafetensorError, OSError, ValueError) as err:
         raise CheckpointError(f"{weights} is corrupt or truncated ({err}); re-download or re-train it.") from None
+    check_state(weights, config, state, heads.state_dict())
     heads.to(dtype)  # before loading: a float64 checkpoint must not pass through float32 params
     missing, unexpected = heads.load_state_dict(state, strict=False)
     if missing or unexpected:

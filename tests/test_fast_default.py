@@ -18,6 +18,7 @@ from draftheads.decoding.base import (DtypeError, choose_dtype, lm_logits, nativ
                                      use_packed_linears)
 from draftheads.heads.linear import PackedLinear, packed_linears, packing_available
 from draftheads.decoding.generate import default_budget
+from draftheads.decoding.limits import InputTypeError
 from draftheads.decoding.step import PHASES, PhaseTimer
 from draftheads.streamer import DRAFT_COLOUR, RESET, DraftColourStreamer
 
@@ -30,10 +31,14 @@ def test_parse_dtype_accepts_names_and_dtypes(text, dtype):
     assert parse_dtype(text) is dtype
 
 
-@pytest.mark.parametrize("bad", ["bogus", "int8", torch.int64, 3, ["bf16"]])
-def test_parse_dtype_refuses_what_is_not_a_float_dtype(bad):
-    with pytest.raises(DtypeError, match="not a floating-point dtype.*auto, bfloat16, float16, float32"):
+@pytest.mark.parametrize("bad,error,message", [
+    ("bogus", DtypeError, "dtype='bogus' is not a dtype draftheads knows; use one of auto, bfloat16, float16, float32"),
+    ("int8", DtypeError, "not a dtype draftheads knows"), (torch.int64, DtypeError, "needs a floating dtype"),
+    (3, InputTypeError, "must be a torch.dtype or its name"), (["bf16"], InputTypeError, "got list")])
+def test_parse_dtype_refuses_what_is_not_a_float_dtype(bad, error, message):
+    with pytest.raises(error, match=message):
         parse_dtype(bad)
+    assert parse_dtype("auto") is None and parse_dtype(None) is None
 
 
 def test_auto_takes_the_native_dtype_only_where_the_hardware_computes_it(monkeypatch):
@@ -65,7 +70,7 @@ def test_native_dtype_reads_the_config_and_calls_gguf_bfloat16(tmp_path):
 
 
 def test_load_base_refuses_a_bad_dtype_before_loading():
-    with pytest.raises(DtypeError, match="dtype='bogus'"):
+    with pytest.raises(DtypeError, match="dtype='bogus' is not a dtype"):
         base_module.load_base("/nonexistent/model", dtype="bogus")
 
 

@@ -253,7 +253,10 @@ def test_sigkill_then_resume_with_adversarial_matches_uninterrupted_run(tiny_set
     run_dir = tiny_setup / "koala-killed"
 
     def discriminator_saved(checkpoint: Path) -> None:
-        assert (checkpoint / "custom_checkpoint_2.pkl").is_file() and (checkpoint / "custom_checkpoint_3.pkl").is_file()
+        # in draftheads' own (never pickled) state files since issue 22, no longer custom_checkpoint_<i>.pkl
+        state = json.loads((checkpoint / "draftheads_state.json").read_text())
+        assert {"discriminator", "discriminator_optimizer"} <= set(state)
+        assert (checkpoint / "draftheads_state.safetensors").is_file()
 
     report = kill_then_resume(tiny_setup, recipe, run_dir, kill_at, discriminator_saved)
     assert report["steps"] == reference["steps"]

@@ -77,7 +77,10 @@ class TrainSection:
 class RunSection:
     output_dir: str = "runs/medusa-smollm2"  # checkpoints/, log.jsonl, wandb/
     final_dir: str | None = None  # save_pretrained target; default <output_dir>/final
-    resume: str = "auto"  # auto (latest checkpoint in output_dir) | never | a checkpoint directory
+    # auto (latest checkpoint in output_dir) | a checkpoint directory | never (starts over and DELETES
+    # <output_dir>/checkpoints; refused if that folder holds anything but draftheads' step-* dirs).
+    # Resuming loads data only (safetensors, JSON, weights_only torch files): see training/run_state.py
+    resume: str = "auto"
     checkpoint_every: int = 200  # optimizer steps between accelerate save_state checkpoints
     keep_checkpoints: int = 2
     eval_every: int = 200
@@ -296,6 +299,36 @@ def check_values(recipe: Recipe) -> None:
         raise RecipeError(f"Recipe key heads.num_heads={recipe.heads.num_heads}: feature shards store {MAX_TARGETS} "
                           f"tokens ahead, enough for at most {MAX_TARGETS - 1} heads.")
     check_adversarial(recipe.adversarial)
+    check_ranges(recipe)
+
+
+def check_ranges(recipe: Recipe) -> None:
+    """The rest of the recipe, so that a typo fails now and not after an hour of feature
+    extraction: the head family, and every number that has a valid range."""
+    from ..heads import REGISTRY
+
+    if recipe.heads.family not in REGISTRY:
+        raise RecipeError(f"Recipe key heads.family={recipe.heads.family!r} is not a known head family; use one of "
+                          f"{sorted(REGISTRY)}.")
+    at_least = {("heads.draft_vocab_size", 0): recipe.heads.draft_vocab_size, ("data.limit", 0): recipe.data.limit,
+                ("data.eval_examples", 1): recipe.data.eval_examples, ("train.max_steps", 0): recipe.train.max_steps,
+                ("train.weight_decay", 0): recipe.train.weight_decay, ("train.max_grad_norm", 0): recipe.train.max_grad_norm,
+                ("run.keep_checkpoints", 1): recipe.run.keep_checkpoints, ("run.eval_positions", 0): recipe.run.eval_positions,
+                ("run.default_budget", 0): recipe.run.default_budget, ("loss.ce_weight", 0): recipe.loss.ce_weight,
+                ("loss.kl_weight", 0): recipe.loss.kl_weight, ("loss.noise_alpha", 0): recipe.loss.noise_alpha}
+    for (key, low), value in at_least.items():
+        if value < low:
+            raise RecipeError(f"Recipe key {key} must be ≥ {low}, got {value}.")
+    for key, value in {"train.warmup_ratio": recipe.train.warmup_ratio,
+                       "train.min_lr_ratio": recipe.train.min_lr_ratio}.items():
+        if not 0 <= value <= 1:
+            raise RecipeError(f"Recipe key {key} must be in [0, 1], got {value}.")
+    for key, value in {"loss.temperature": recipe.loss.temperature, "loss.head_decay": recipe.loss.head_decay}.items():
+        if value <= 0:
+            raise RecipeError(f"Recipe key {key} must be > 0, got {value}.")
+    if not recipe.run.tree_budgets or min(recipe.run.tree_budgets) < 1:
+        raise RecipeError(f"Recipe key run.tree_budgets must be a non-empty list of node budgets ≥ 1, got "
+                          f"{recipe.run.tree_budgets}.")
 
 
 def check_adversarial(adv: AdversarialSection) -> None:

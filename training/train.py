@@ -35,8 +35,9 @@ from pathlib import Path
 import torch
 
 from ..decoding.base import fingerprint, load_base
+from ..decoding.limits import DTYPES  # the one dtype table (recipe names are checked against CHOICES)
 from ..decoding.tree import tree_from_ranks
-from ..heads import REGISTRY, DraftHeads, HeadConfig, build_heads
+from ..heads import REGISTRY, CheckpointError, DraftHeads, HeadConfig, build_heads
 from ..heads.card import model_card
 from .adversarial import Adversary, expected_embedding, koala_info
 from .data import DataError, example_features, load_examples, resolve_data_path, shifted_rows
@@ -44,8 +45,8 @@ from .features import Example, Features, extract_features, load_shards
 from .losses import (draft_vocab, generator_objective, head_cross_entropy, head_targets, head_weights, input_noise,
                      label_counts, label_ranks, mask_labels, teacher_kl, teacher_logits, topk_accuracy)
 from .recipe import Recipe, RecipeError, load_recipe
+from .run_state import check_checkpoint_files, foreign_entries, load_run_state, save_run_state
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CHECKPOINTS = "checkpoints"
 RECIPE_FILE = "recipe.json"
 EVAL_RANK_CAP = 16  # ranks beyond this only matter as "missed" for trees and top-k
@@ -59,7 +60,10 @@ def load_frozen_base(name: str, dtype: str):
         return load_base(None if name in ("embedded", "") else name, dtype=DTYPES[dtype])
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(name, dtype=DTYPES[dtype]).eval().requires_grad_(False)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=DTYPES[dtype]).eval().requires_grad_(False)
+    except OSError as err:  # not a model dir / not in the local Hub cache: one line for main()
+        raise FileNotFoundError(f"Recipe key base={name!r} could not be loaded: {str(err).splitlines()[0]}") from None
     try:
         tokenizer = AutoTokenizer.from_pretrained(name)
     except (OSError, ValueError):
@@ -90,13 +94,15 @@ class FrozenParts:
 
     lm_head: torch.Tensor
     embed: torch.Tensor
-    fingerprint: dict
+    fingerprint: dict  # keys the feature cache (unchanged across versions)
+    checkpoint_fingerprint: dict | None = None  # + the dtype-independent sketch, recorded in the heads
     revision: str | None = None  # the Hub commit of a base loaded from the Hub (recorded in the checkpoint)
 
 
 def frozen_parts(base, dtype: torch.dtype) -> FrozenParts:
+    fp = fingerprint(base)
     return FrozenParts(base.get_output_embeddings().weight.detach().to(dtype),
-                       base.get_input_embeddings().weight.detach().to(dtype), fingerprint(base).to_dict(),
+                       base.get_input_embeddings().weight.detach().to(dtype), fp.to_dict(), fp.with_sketch(base),
                        getattr(base.config, "_commit_hash", None))
 
 
@@ -381,6 +387,11 @@ def resume_point(recipe: Recipe, output_dir: Path) -> Path | None:
     """The checkpoint to resume from (None = fresh start), after checking it fits the recipe."""
     mode = recipe.run.resume
     if mode == "never":
+        foreign = foreign_entries(output_dir / CHECKPOINTS)
+        if foreign:
+            raise RecipeError(f"run.resume=never deletes {output_dir / CHECKPOINTS}, but it holds entries draftheads "
+                              f"did not write ({', '.join(foreign[:5])}): move them away or use another "
+                              "run.output_dir.")
         shutil.rmtree(output_dir / CHECKPOINTS, ignore_errors=True)
         return None
     if mode == "auto":
@@ -399,9 +410,10 @@ def resume_point(recipe: Recipe, output_dir: Path) -> Path | None:
     return chosen
 
 
-def save_checkpoint(accelerator, output_dir: Path, step: int, recipe: Recipe, keep: int) -> None:
-    """save_state into step-N.partial, renamed when every process has written its part: a
-    checkpoint directory without the suffix is always complete."""
+def save_checkpoint(accelerator, output_dir: Path, step: int, recipe: Recipe, keep: int,
+                    own_state: dict | None = None) -> None:
+    """save_state into step-N.partial (plus draftheads' own state, never pickled), renamed when
+    every process has written its part: a checkpoint directory without the suffix is always complete."""
     final = output_dir / CHECKPOINTS / f"step-{step:07d}"
     tmp = final.with_name(final.name + ".partial")
     accelerator.wait_for_everyone()
@@ -409,6 +421,7 @@ def save_checkpoint(accelerator, output_dir: Path, step: int, recipe: Recipe, ke
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         (tmp / RECIPE_FILE).write_text(json.dumps(recipe.identity(), indent=1) + "\n")
+        save_run_state(tmp, own_state or {})
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         for old in checkpoint_dirs(output_dir)[:-keep]:
@@ -470,6 +483,19 @@ def configure_deepspeed(accelerator, recipe: Recipe) -> None:
         plugin.deepspeed_config.pop("train_batch_size", None)
 
 
+def preflight(recipe: Recipe) -> None:
+    """What can be checked without loading anything, checked before any work: the data paths
+    and a base given as a local path exist (the recipe's keys were validated when it loaded)."""
+    from ..decoding.limits import check_base_path
+
+    for path in [recipe.data.path] if isinstance(recipe.data.path, str) else recipe.data.path:
+        if not resolve_data_path(path).exists():
+            raise DataError(f"Recipe key data.path: {path} does not exist (tried from the working directory and the "
+                            "source checkout); fix the path or pass --data.path.")
+    if recipe.base not in ("embedded", ""):
+        check_base_path(recipe.base)
+
+
 # -- the loop ---------------------------------------------------------------------------------------------------
 def train(recipe: Recipe) -> dict:
     """Train the recipe's heads; returns the training report (also written next to the
@@ -477,6 +503,7 @@ def train(recipe: Recipe) -> dict:
     from accelerate.utils import set_seed
     from tqdm.auto import tqdm
 
+    preflight(recipe)
     output_dir = Path(recipe.run.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     accelerator = make_accelerator(recipe, output_dir)
@@ -530,11 +557,14 @@ def train(recipe: Recipe) -> dict:
     progress = Progress()
     # the scheduler is stepped by hand once per optimizer step (accelerate's wrapper would step it
     # once per process), so it is checkpointed as a plain object
-    accelerator.register_for_checkpointing(scheduler, progress)
+    # (saved by draftheads itself as safetensors + JSON: accelerate would pickle them, see run_state.py)
+    own_state = {"scheduler": scheduler, "progress": progress}
     if adversary is not None:
-        accelerator.register_for_checkpointing(adversary.discriminator, adversary.optimizer)
+        own_state.update(discriminator=adversary.discriminator, discriminator_optimizer=adversary.optimizer)
     if resume is not None:
+        check_checkpoint_files(resume)  # every file is data, before accelerate opens any of them
         accelerator.load_state(str(resume))
+        load_run_state(resume, own_state)
         accelerator.print(f"[draftheads] resumed from {resume} at step {progress.step}")
     accelerator.init_trackers(recipe.run.wandb_project, config=recipe.to_dict(),
                               init_kwargs={"wandb": {"name": recipe.name, "dir": str(output_dir)}})
@@ -589,7 +619,8 @@ def train(recipe: Recipe) -> dict:
             accelerator.wait_for_everyone()
             started = time.perf_counter()
         if progress.step % recipe.run.checkpoint_every == 0 and progress.step < total:
-            save_checkpoint(accelerator, output_dir, progress.step, recipe, recipe.run.keep_checkpoints)
+            save_checkpoint(accelerator, output_dir, progress.step, recipe, recipe.run.keep_checkpoints,
+                            own_state)
             started = time.perf_counter()
     bar.close()
     report = {}
@@ -622,7 +653,7 @@ def finish(heads: DraftHeads, eval_table: Features, recipe: Recipe, parts: Froze
         trees[str(budget)] = {"paths": [list(p) for p in paths], "expected_tau": round(tau, 4)}
     config = heads.config
     config.trees = {b: t["paths"] for b, t in trees.items()}
-    config.base_fingerprint = parts.fingerprint
+    config.base_fingerprint = parts.checkpoint_fingerprint or parts.fingerprint
     config.base_name = "embedded:smollm2-135m-instruct" if recipe.base == "embedded" else recipe.base
     config.base_revision = parts.revision
     config.extra = {**config.extra, "recipe": recipe.to_dict(), "held_out_accuracy": accuracy,
@@ -654,7 +685,11 @@ def main(argv: list[str] | None = None) -> int:
     except RecipeError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    report = train(recipe)
+    try:
+        report = train(recipe)
+    except (RecipeError, DataError, CheckpointError, FileNotFoundError) as err:  # one clear line, no traceback
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     if report:
         print(json.dumps({k: report[k] for k in ("steps", "final_loss", "train_tokens_per_second",
                                                   "train_wall_seconds", "accuracy")}, indent=1))

@@ -1,0 +1,163 @@
+"""Every argument and input check of the public API in one place, so the Python API and the
+CLI refuse the same things with the same words, before any work (no model load, no forward).
+
+Each check raises :class:`InputError` (a ``ValueError``) or :class:`InputTypeError` (also a
+``TypeError``) whose message names the argument, what was given, and what to pass instead.
+"""
+from __future__ import annotations
+
+import re
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .tree import Tree
+
+
+class InputError(ValueError):
+    """An argument or input the decoder cannot use; the message says what to pass instead."""
+
+
+class InputTypeError(InputError, TypeError):
+    """An argument of the wrong type (also a ``TypeError``)."""
+
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "float64": torch.float64, "fp64": torch.float64, "double": torch.float64,
+}
+
+
+DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32", "float64")
+
+
+class DtypeError(InputError):
+    """A dtype that is not one, or one this hardware cannot compute."""
+
+
+def parse_dtype(value: Any, name: str = "dtype") -> torch.dtype | None:
+    """The package's one dtype parser: a floating torch dtype or its name ("bfloat16", "bf16",
+    "torch.float16"...) → the torch dtype; ``None`` or ``"auto"`` → ``None`` (the loader then
+    picks the base's native dtype where the hardware computes it: ``decoding.base.choose_dtype``)."""
+    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+        return None
+    if isinstance(value, torch.dtype):
+        if not value.is_floating_point:
+            raise DtypeError(f"{name}={value}: the base needs a floating dtype; use one of "
+                             f"{', '.join(DTYPE_CHOICES)}.")
+        return value
+    if isinstance(value, str):
+        key = value.strip().lower().removeprefix("torch.")
+        if key in DTYPES:
+            return DTYPES[key]
+        raise DtypeError(f"{name}={value!r} is not a dtype draftheads knows; use one of "
+                         f"{', '.join(DTYPE_CHOICES)} (or a torch.dtype).")
+    raise InputTypeError(f"{name} must be a torch.dtype or its name (e.g. 'bfloat16'), got {type(value).__name__}.")
+
+
+def check_count(name: str, value: Any, minimum: int = 1) -> int:
+    """An integer option (``max_new_tokens``, ``--limit``, a tree budget...) that must be at
+    least ``minimum``; bools and floats are refused rather than truncated."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InputTypeError(f"{name} must be an integer ≥ {minimum}, got {value!r} ({type(value).__name__}).")
+    if value < minimum:
+        raise InputError(f"{name} must be ≥ {minimum}, got {value}.")
+    return value
+
+
+def parse_tree_option(tree: Any) -> Any:
+    """``tree=`` of ``from_pretrained`` and ``--tree`` of the CLI: None, ``"adaptive"``, a node
+    budget ≥ 0 (int or its string), a Tree or any object with ``choose(batch, context)``."""
+    if tree is None or isinstance(tree, Tree) or hasattr(tree, "choose"):
+        return tree
+    if isinstance(tree, str):
+        text = tree.strip().lower()
+        if text == "adaptive":
+            return "adaptive"
+        if not re.fullmatch(r"[+-]?\d+", text):
+            raise InputError(f"tree={tree!r}: expected 'adaptive' or a node budget (an integer ≥ 0).")
+        tree = int(text)
+    if isinstance(tree, bool) or not isinstance(tree, int):
+        raise InputTypeError(f"tree={tree!r} ({type(tree).__name__}): pass None (the checkpoint's default), "
+                             "'adaptive', a node budget (an integer ≥ 0), a Tree or a policy with choose().")
+    return check_count("tree (a node budget)", tree, 0)
+
+
+def check_base_path(name_or_path: str | None) -> None:
+    """A base that names a local path must exist: refuse it here rather than letting the Hub
+    client try to download a folder name."""
+    if name_or_path is None:
+        return
+    if not isinstance(name_or_path, (str, Path)):
+        raise InputTypeError(f"base_name_or_path must be a path or a Hub id (str), got {type(name_or_path).__name__}.")
+    text = str(name_or_path)
+    looks_local = (text.startswith(("/", "./", "../", "~", ".\\")) or text.endswith(".gguf") or text.count("/") > 1
+                   or isinstance(name_or_path, Path))
+    if looks_local and not Path(text).expanduser().exists():
+        raise FileNotFoundError(f"base model {text!r} does not exist: pass an existing model directory, a .gguf "
+                                "file, a Hub id already in the local cache, or None for the embedded SmolLM2.")
+
+
+def base_device(base) -> torch.device:
+    return next(base.parameters()).device
+
+
+def check_input_tensors(input_ids: Any, attention_mask: Any, base) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``generate()``'s tensors: integer ids in [0, vocab) on the base's device, a non-empty
+    batch, and a 0/1 mask of the same kind (returned as long). Shapes and padding are checked
+    after this by the decoder itself."""
+    if not isinstance(input_ids, torch.Tensor):
+        raise InputTypeError(f"generate(): input_ids must be a torch.Tensor of token ids (batch, length), got "
+                             f"{type(input_ids).__name__}; use tokenizer(..., return_tensors='pt').")
+    if input_ids.dim() != 2:
+        raise InputError(f"generate(): input_ids must be a 2-D tensor of token ids (batch, length), got shape "
+                         f"{tuple(input_ids.shape)}; add a batch dimension with input_ids[None].")
+    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+        raise InputTypeError(f"generate(): input_ids must hold integer token ids, got dtype {input_ids.dtype}; "
+                             "use input_ids.long().")
+    if input_ids.shape[0] == 0:
+        raise InputError(f"generate(): the batch is empty (input_ids shape {tuple(input_ids.shape)}); pass at least "
+                         "one prompt.")
+    device = base_device(base)
+    if input_ids.device != device:
+        raise InputError(f"generate(): input_ids is on {input_ids.device} but the base model is on {device}; "
+                         f"move it with input_ids.to('{device}').")
+    vocab = base.get_input_embeddings().num_embeddings
+    if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
+        bad = int(input_ids.min()) if int(input_ids.min()) < 0 else int(input_ids.max())
+        raise InputError(f"generate(): token id {bad} is outside the vocabulary [0, {vocab}); the ids come from "
+                         "another tokenizer or were padded with a negative value (use the tokenizer's pad id).")
+    if attention_mask is None:
+        return input_ids, None
+    if not isinstance(attention_mask, torch.Tensor):
+        raise InputTypeError(f"generate(): attention_mask must be a torch.Tensor like input_ids, got "
+                             f"{type(attention_mask).__name__}; use torch.tensor(mask) or the tokenizer's output.")
+    if attention_mask.device != device:
+        raise InputError(f"generate(): attention_mask is on {attention_mask.device} but the base model is on "
+                         f"{device}; move it with attention_mask.to('{device}').")
+    if attention_mask.shape != input_ids.shape:
+        raise InputError(f"generate(): attention_mask shape {tuple(attention_mask.shape)} != input_ids shape "
+                         f"{tuple(input_ids.shape)}.")
+    values = torch.unique(attention_mask).tolist() if attention_mask.numel() else []
+    if any(v not in (0, 1) for v in values):
+        raise InputError(f"generate(): attention_mask must hold only 0 (padding) and 1 (token), got values "
+                         f"{sorted(v for v in values if v not in (0, 1))[:5]}; pass the tokenizer's mask "
+                         "(other values would silently shift positions).")
+    return input_ids, attention_mask.long()
+
+
+def warn_context_cut(wanted: int, limits: list[int], context: int) -> None:
+    """Say so when a row gets fewer new tokens than asked because its prompt plus them would
+    pass the model's context limit. transformers' ``generate`` (with ``max_new_tokens``) goes on
+    past ``max_position_embeddings``, into positions the model was never trained on; draftheads
+    stops there instead, and warns rather than return a shorter answer without a word."""
+    short = min(limits)
+    if short < wanted:
+        warnings.warn(f"generate(): max_new_tokens={wanted} was cut to {short} new tokens: the prompt plus them "
+                      f"would pass the model's context limit (max_position_embeddings={context}), and draftheads "
+                      "stops there (transformers would go on past it). Shorten the prompt to get all of them.",
+                      UserWarning, stacklevel=4)  # → generate → torch.no_grad's wrapper → the caller
