@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import copy
-import functools
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -18,22 +17,31 @@ import torch
 
 from ..heads import DraftHeads, load_heads
 from .attention import use_packed_sdpa
-from .base import cpu_has_bf16, dtype_name, fingerprint, forward_all, lm_logits, load_base, prefill, use_packed_linears
+from .base import cpu_has_bf16, dtype_name, fingerprint, lm_logits, load_base, prefill, use_packed_linears
 from .cache import KVState
 from .context import HeadContext
 from .limits import check_base_path, check_input_tensors, parse_dtype, parse_tree_option, warn_context_cut
-from .sampling import Acceptor, Typical, check_sampling_config, resolve_acceptance
+from .accept import Acceptor, Typical, resolve_acceptance
+from .processors import check_sampling_config
 from .policy import AdaptivePolicy, CalibrationConfig, calibrate
+from .output import Emitter, generated_counts
 from .step import PhaseTimer, decode_step
 from .tree import Tree, chain_tree, tree_from_paths
 
 
 class TreePolicy(Protocol):
-    """Chooses the step's tree; the batch-adaptive policy and a pinned tree share this. A
-    policy may also define ``observe(tree, accepted)``: the loop then reports, after every
-    verification, the tree it ran and each live row's number of accepted drafts."""
+    """Chooses each step's tree; the batch-adaptive policy and a pinned tree share this whole
+    contract: ``choose`` the tree for the live batch, ``observe`` what the step accepted (the
+    tree it ran and each live row's accepted drafts), and ``max_nodes`` the largest tree it may
+    ask for (what the memory check prices)."""
 
     def choose(self, batch_size: int, context_length: int) -> Tree: ...
+
+    def observe(self, tree: Tree, accepted: torch.Tensor) -> None: ...
+
+    def max_nodes(self, batch_size: int, context_length: int) -> int: ...
+
+    def prefers_plain(self, batch_size: int, context_length: int) -> bool: ...
 
 
 @dataclass
@@ -44,6 +52,27 @@ class FixedTree:
 
     def choose(self, batch_size: int, context_length: int) -> Tree:
         return self.tree
+
+    def observe(self, tree: Tree, accepted: torch.Tensor) -> None:
+        """A pinned tree learns nothing."""
+
+    def max_nodes(self, batch_size: int, context_length: int) -> int:
+        return self.tree.num_nodes
+
+    def prefers_plain(self, batch_size: int, context_length: int) -> bool:
+        return self.tree.num_nodes == 1
+
+
+def as_policy(tree: Tree | TreePolicy) -> TreePolicy:
+    """A Tree → :class:`FixedTree`; a policy must implement the whole :class:`TreePolicy`."""
+    if isinstance(tree, Tree):
+        return FixedTree(tree)
+    missing = [name for name in ("choose", "observe", "max_nodes", "prefers_plain")
+               if not callable(getattr(tree, name, None))]
+    if missing:
+        raise TypeError(f"tree={tree!r} is neither a Tree nor a TreePolicy: it lacks {', '.join(missing)} "
+                        "(see draftheads.decoding.generate.TreePolicy).")
+    return tree
 
 
 @dataclass
@@ -63,6 +92,13 @@ class DecodingStats:
     def tau(self) -> float:
         return (sum(self.accepted) + len(self.accepted)) / max(1, len(self.accepted))
 
+    def record(self, tree: Tree, accepted: torch.Tensor, rows: int) -> None:
+        """One verification step: its tree, the live rows' accepted drafts (R,), rows verified."""
+        self.steps += 1
+        self.accepted.extend(accepted.tolist())
+        self.tree_nodes.append(tree.num_nodes)
+        self.batch_sizes.append(rows)
+
     @property
     def tokens_per_second(self) -> float:
         return self.new_tokens / self.seconds if self.seconds else 0.0
@@ -80,6 +116,28 @@ class DecodingStats:
             table.setdefault(rows, {}).setdefault(nodes, 0)
             table[rows][nodes] += 1
         return table
+
+
+@dataclass
+class Request:
+    """One ``generate`` call's arguments after merging and checking (see ``DraftHeadsModel._request``)."""
+
+    config: object  # the merged transformers GenerationConfig
+    mode: object  # "greedy" | "lossless" | Typical
+    eos: list[int]
+    pad: int
+    input_ids: torch.Tensor  # (B, L)
+    attention_mask: torch.Tensor  # (B, L)
+    limits: list[int]  # each row's max new tokens after the context cut
+    want_scores: bool
+
+    @property
+    def batch(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def prompt_len(self) -> int:
+        return int(self.input_ids.shape[1])
 
 
 # Generation options whose non-default value changes the output and that the greedy tree
@@ -155,7 +213,7 @@ class DraftHeadsModel:
                 heads.use_packed_readout()
         if tree is None:
             tree = default_tree(heads, base.dtype)
-        self.policy: TreePolicy = FixedTree(tree) if isinstance(tree, Tree) else tree
+        self.policy: TreePolicy = as_policy(tree)
         self.last_stats = DecodingStats()
 
     # -- loading ---------------------------------------------------------------------------
@@ -203,7 +261,7 @@ class DraftHeadsModel:
         """transformers' ``generate`` arguments; with ``do_sample=True`` also ``generator`` (seeded
         randomness; default: seeded from the global torch RNG) and ``acceptance``: "lossless"
         (default, exactly the base's sampling distribution) or "typical" / ``Typical(ε, δ)``
-        (Medusa-2's rule, lossy). See ``draftheads.decoding.sampling``. ``timer``: a
+        (Medusa-2's rule, lossy). See ``draftheads.decoding.accept``. ``timer``: a
         :class:`~draftheads.decoding.step.PhaseTimer` that sums each step phase's time (profiling).
 
         Returns what transformers returns, with these documented edges: ``scores``/``logits``
@@ -212,8 +270,51 @@ class DraftHeadsModel:
         (equal up to float rounding); an answer that would pass ``max_position_embeddings``
         stops there with a ``UserWarning`` (transformers continues). Bad inputs raise
         :class:`~draftheads.decoding.limits.InputError` before any work."""
-        from transformers.generation.utils import GenerateDecoderOnlyOutput
+        request = self._request(input_ids, attention_mask, generation_config, streamer, acceptance, kwargs)
+        started = time.perf_counter()
+        if self._delegates(request.batch, request.prompt_len, generator):
+            return self._plain_generate(request, streamer, stopping_criteria, started)
+        out = Emitter(request.input_ids, request.limits, request.eos, stopping_criteria, streamer, request.want_scores)
+        cache, hidden = prefill(self.base, request.input_ids, request.attention_mask)
+        kv = KVState.after_prefill(cache, request.attention_mask)
+        logits = lm_logits(self.base, hidden)  # (B, V)
+        acceptor = Acceptor(request.config, request.mode, logits.shape[-1], request.input_ids, request.attention_mask,
+                            out.generated, generator)
+        roots = acceptor.first(logits)
+        out.emit_first(roots, acceptor.reported(logits) if request.want_scores else None)
+        stats = self._decode(out, acceptor, kv, HeadContext(self.heads, hidden), roots, timer)
+        stats.new_tokens, stats.seconds = out.new_tokens, time.perf_counter() - started
+        self.last_stats = stats
+        sequences = out.sequences(request.pad)
+        if not request.config.return_dict_in_generate:
+            return sequences
+        return out.dict_output(self.base, sequences, request.attention_mask, request.config, kv, acceptor,
+                               logits.shape[-1])
 
+    def _decode(self, out: Emitter, acceptor: Acceptor, kv: KVState, context: HeadContext, roots: torch.Tensor,
+                timer: PhaseTimer | None) -> DecodingStats:
+        """The loop: choose a tree for the live rows, run one :func:`decode_step`, emit what each
+        row accepted; finished rows leave the batch (``finished_rows="shrink"``). roots (B,)."""
+        stats, live, device = DecodingStats(), torch.arange(roots.shape[0]), roots.device
+        while bool((running := out.running(live)).any()):
+            if not bool(running.all()) and self.finished_rows == "shrink":
+                keep = running.nonzero().squeeze(1)  # finished rows leave: no compute for their trees
+                live, roots = live[keep], roots[keep]
+                kv.select_rows(keep.to(device))
+                context.select_rows(keep.to(device))
+            active = out.running(live).to(device)  # all True when shrinking; finished rows masked otherwise
+            tree = self.policy.choose(live.numel(), kv.length).fitting(out.room(live[active.cpu()]) - 1)
+            step = decode_step(self.base, self.heads, acceptor, kv, context, roots, tree, live, timer)
+            result = step.acceptance
+            self.policy.observe(step.tree, result.accepted[active])
+            stats.record(step.tree, result.accepted[active], live.numel())
+            out.emit_step(live, step.tokens, result.path, result.accepted, result.bonus,
+                          acceptor.reported(step.logits) if out.want_scores else None)
+            roots = result.bonus
+        return stats
+
+    def _request(self, input_ids, attention_mask, generation_config, streamer, acceptance, kwargs) -> "Request":
+        """Every argument merged and checked, before any work."""
         config = resolve_generation_config(self.base.generation_config, generation_config, **kwargs)
         mode = resolve_acceptance(config, acceptance)
         eos = eos_token_ids(config)
@@ -221,143 +322,37 @@ class DraftHeadsModel:
         pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else None)
         input_ids, attention_mask = _check_inputs(input_ids, attention_mask, self.base, pad, eos,
                                                   pad_given=config.pad_token_id is not None)
-        pad = 0 if pad is None else pad  # no pad and no EOS: no row ends early, the value never shows
         batch, prompt_len = input_ids.shape
         if streamer is not None and batch > 1:
             raise ValueError("generate(): a streamer needs batch size 1 (as in transformers).")
         wanted = _wanted_new_tokens(config, prompt_len)
         check_memory(self.base, batch, prompt_len, min(wanted, self.base.config.max_position_embeddings),
-                     _largest_tree_nodes(self.policy, batch, prompt_len))
+                     self.policy.max_nodes(batch, prompt_len))
         context = self.base.config.max_position_embeddings
         limits = [min(wanted, context - int(n)) for n in attention_mask.sum(1)]
         warn_context_cut(wanted, limits, context)
         want_scores = bool(config.return_dict_in_generate and (config.output_scores or config.output_logits))
-        device = input_ids.device
-
-        started = time.perf_counter()
-        if self._delegates(batch, prompt_len, generator):
-            return self._plain_generate(input_ids, attention_mask, config, streamer, stopping_criteria, eos, started)
-        stats = DecodingStats()
-        if streamer is not None:
-            streamer.put(input_ids.cpu())
-        cache, hidden = prefill(self.base, input_ids, attention_mask)
-        kv = KVState.after_prefill(cache, attention_mask)
-        logits = lm_logits(self.base, hidden)  # (B, V)
-        generated: list[list[int]] = [[] for _ in range(batch)]
-        acceptor = Acceptor(config, mode, logits.shape[-1], input_ids, attention_mask, generated, generator)
-        roots = acceptor.first(logits)
-        scores: list[list[torch.Tensor]] = [[] for _ in range(batch)]
-        done = torch.zeros(batch, dtype=torch.bool)
-        emit = functools.partial(self._emit, generated=generated, scores=scores, done=done, eos=set(eos),
-                                 stopping_criteria=stopping_criteria, input_ids=input_ids, streamer=streamer)
-        for b in range(batch):
-            emit(b, [int(roots[b])], [acceptor.reported(logits)[b]] if want_scores else None, limits[b])
-        context = HeadContext(self.heads, hidden)  # what the heads read (Hydra++: their own layer's state)
-        live = torch.arange(batch)  # original row of each row still decoding
-        observe = getattr(self.policy, "observe", None)
-
-        while True:
-            running = ~done[live]
-            if not bool(running.any()):
-                break
-            if not bool(running.all()) and self.finished_rows == "shrink":
-                keep = running.nonzero().squeeze(1)  # finished rows leave: no compute for their trees
-                live, roots = live[keep], roots[keep]
-                kv.select_rows(keep.to(device))
-                context.select_rows(keep.to(device))
-            active = ~done[live]  # all True when shrinking; finished rows are masked otherwise
-            remaining = min(limits[b] - len(generated[b]) for b in live[active].tolist())
-            tree = self.policy.choose(live.numel(), kv.length)
-            if tree.max_depth > remaining - 1:
-                tree = tree.truncated(remaining - 1)
-            step = decode_step(self.base, self.heads, acceptor, kv, context, roots, tree, live, timer)
-            tree, tokens, result = step.tree, step.tokens, step.acceptance
-            if observe is not None:
-                observe(tree, result.accepted[active.to(device)])
-            stats.steps += 1
-            stats.accepted.extend(result.accepted[active.to(device)].tolist())
-            stats.tree_nodes.append(tree.num_nodes)
-            stats.batch_sizes.append(live.numel())
-            roots = result.bonus
-            reported = acceptor.reported(step.logits) if want_scores else None
-            for i, b in enumerate(live.tolist()):
-                a = int(result.accepted[i])
-                new = tokens[i, result.path[i, 1: a + 1]].tolist() + [int(result.bonus[i])]
-                step_scores = [reported[i, s] for s in result.path[i, : a + 1].tolist()] if want_scores else None
-                emit(b, new, step_scores, limits[b], drafted=a)
-        if streamer is not None:
-            streamer.end()
-        stats.new_tokens = sum(len(g) for g in generated)
-        stats.seconds = time.perf_counter() - started
-        self.last_stats = stats
-        sequences = _assemble(input_ids, generated, pad)
-        if not config.return_dict_in_generate:
-            return sequences
-        steps = sequences.shape[1] - prompt_len
-        early = want_scores and any(len(row) < steps for row in scores)
-        cache_out = None
-        if early or (config.use_cache and batch > 1):
-            # a batch's own cache has per-row holes and rows that finished early have no scores after
-            # their end: one forward over the output, fed as transformers feeds it, gives both
-            cache_out, hidden_all = forward_all(self.base, sequences[:, :-1], _grown_mask(attention_mask, steps))
-            if early:
-                _fill_finished_scores(scores, self.base, hidden_all, sequences, prompt_len, acceptor)
-            cache_out = cache_out if config.use_cache else None
-        elif config.use_cache:
-            kv.crop_to(prompt_len + steps - 1)
-            cache_out = kv.cache
-        score_tuple = _stack_scores(scores, steps, logits.shape[-1]) if want_scores else None
-        return GenerateDecoderOnlyOutput(sequences=sequences, scores=score_tuple if config.output_scores else None,
-                                         logits=score_tuple if config.output_logits else None,
-                                         past_key_values=cache_out)
+        # no pad and no EOS: no row ends early, the pad value never shows
+        return Request(config, mode, eos, 0 if pad is None else pad, input_ids, attention_mask, limits, want_scores)
 
     def _delegates(self, batch: int, prompt_len: int, generator) -> bool:
         """Plain decoding by the base itself: the policy prefers it for this batch, and nothing
         asked for what only the loop provides (a ``torch.Generator`` for seeded sampling)."""
-        prefers = getattr(self.policy, "prefers_plain", None)
-        return bool(self.delegate_plain and generator is None and prefers is not None and prefers(batch, prompt_len))
+        return bool(self.delegate_plain and generator is None and self.policy.prefers_plain(batch, prompt_len))
 
-    def _plain_generate(self, input_ids, attention_mask, config, streamer, stopping_criteria, eos: list[int],
-                        started: float):
+    def _plain_generate(self, request: "Request", streamer, stopping_criteria, started: float):
         """The base's own ``generate`` with the same (already checked) arguments; its output is
         the reference itself, so greedy identity and sampling's distribution hold trivially."""
-        output = self.base.generate(input_ids, attention_mask=attention_mask, generation_config=config,
-                                    streamer=streamer, stopping_criteria=stopping_criteria)
+        output = self.base.generate(request.input_ids, attention_mask=request.attention_mask,
+                                    generation_config=request.config, streamer=streamer,
+                                    stopping_criteria=stopping_criteria)
         sequences = output if isinstance(output, torch.Tensor) else output.sequences
-        counts = generated_counts(sequences, input_ids.shape[1], set(eos))
+        counts = generated_counts(sequences, request.prompt_len, set(request.eos))
         steps = max(counts, default=0)
         self.last_stats = DecodingStats(new_tokens=sum(counts), steps=steps, accepted=[0] * sum(counts),
                                         seconds=time.perf_counter() - started, tree_nodes=[1] * steps,
-                                        batch_sizes=[input_ids.shape[0]] * steps, delegated=True)
+                                        batch_sizes=[request.batch] * steps, delegated=True)
         return output
-
-    @staticmethod
-    def _emit(row: int, new: list[int], new_scores, max_new: int, *, generated, scores, done, eos: set[int],
-              stopping_criteria, input_ids, streamer, drafted: int = 0) -> None:
-        """Append tokens one by one, stopping exactly where transformers would: after an EOS,
-        at ``max_new`` tokens, or when a user stopping criterion fires. The first ``drafted``
-        of ``new`` are accepted drafts: a streamer with ``put_step`` is told so (colouring)."""
-        if bool(done[row]):
-            return
-        emitted = []
-        for i, token in enumerate(new):
-            generated[row].append(token)
-            emitted.append(token)
-            if new_scores is not None:
-                scores[row].append(new_scores[i])
-            stop = token in eos or len(generated[row]) >= max_new
-            if not stop and stopping_criteria is not None:
-                so_far = torch.cat([input_ids[row], torch.tensor(generated[row], dtype=input_ids.dtype)])[None]
-                last = new_scores[i][None] if new_scores is not None else None
-                stop = bool(stopping_criteria(so_far, last).any())
-            if stop:
-                done[row] = True
-                break
-        if streamer is not None and emitted:
-            if hasattr(streamer, "put_step"):
-                streamer.put_step(torch.tensor(emitted), min(drafted, len(emitted)))
-            else:
-                streamer.put(torch.tensor(emitted))
 
 
 def drafting_dtype(base) -> torch.dtype | None:
@@ -457,13 +452,6 @@ def _check_inputs(input_ids, attention_mask, base, pad: int | None, eos: list[in
     return input_ids, attention_mask
 
 
-def _largest_tree_nodes(policy, batch: int, width: int) -> int:
-    candidates = getattr(policy, "candidates", None)
-    if candidates:
-        return max(c.tree.num_nodes for c in candidates)
-    return policy.choose(batch, width).num_nodes
-
-
 def _available_memory_bytes(device: torch.device) -> int | None:
     """Free memory where the cache will live (None when it cannot be told)."""
     if device.type == "cuda":
@@ -526,46 +514,3 @@ def _wanted_new_tokens(config, prompt_len: int) -> int:
     return wanted
 
 
-def generated_counts(sequences: torch.Tensor, width: int, eos: set[int]) -> list[int]:
-    """New tokens per row (after the ``width`` prompt columns) up to and including its first
-    EOS: the padding after it is not work."""
-    counts = []
-    for row in sequences[:, width:].tolist():
-        stop = next((i for i, t in enumerate(row) if t in eos), None)
-        counts.append(len(row) if stop is None else stop + 1)
-    return counts
-
-
-def _grown_mask(attention_mask: torch.Tensor, steps: int) -> torch.Tensor:
-    """The mask transformers' ``generate`` has after ``steps`` tokens, over all but the last
-    (every row, finished or not, gets a 1 per step)."""
-    return torch.cat([attention_mask, attention_mask.new_ones(attention_mask.shape[0], steps - 1)], dim=1)
-
-
-def _fill_finished_scores(scores: list[list[torch.Tensor]], base, hidden: torch.Tensor, sequences: torch.Tensor,
-                          prompt_len: int, acceptor: Acceptor) -> None:
-    """Scores of rows after they finished, as transformers records them: it keeps feeding such a
-    row the pad token and reports the base's (processed) logits at every step."""
-    steps = sequences.shape[1] - prompt_len
-    for row, row_scores in enumerate(scores):
-        for step in range(len(row_scores), steps):
-            logits = base.lm_head(hidden[row, prompt_len - 1 + step])
-            if acceptor.report_processed:
-                ids = sequences[row: row + 1, : prompt_len + step]
-                logits = acceptor.processors(ids, logits.float()[None])[0].to(logits.dtype)
-            row_scores.append(logits)
-
-
-def _stack_scores(scores: list[list[torch.Tensor]], steps: int, vocab: int) -> tuple[torch.Tensor, ...]:
-    """Per-token logits as transformers returns them: one (B, V) float32 tensor per generated
-    position, whatever the model's dtype (every row has one by now: see :func:`_fill_finished_scores`)."""
-    zero = torch.zeros(vocab, dtype=torch.float32)
-    return tuple(torch.stack([(row[i] if i < len(row) else zero).float() for row in scores]) for i in range(steps))
-
-
-def _assemble(input_ids: torch.Tensor, generated: list[list[int]], pad: int) -> torch.Tensor:
-    width = max(len(g) for g in generated)
-    out = torch.full((input_ids.shape[0], width), pad, dtype=input_ids.dtype)
-    for row, tokens in enumerate(generated):
-        out[row, : len(tokens)] = torch.tensor(tokens, dtype=input_ids.dtype)
-    return torch.cat([input_ids, out.to(input_ids.device)], dim=1)

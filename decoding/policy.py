@@ -467,6 +467,10 @@ class AdaptivePolicy:
         plain steps itself, drops finished rows, and may return to trees as the batch shrinks."""
         return self.rank(batch_size, context_length)[0].budget == 0
 
+    def max_nodes(self, batch_size: int, context_length: int) -> int:
+        """The largest tree this policy may choose (what the memory check prices)."""
+        return max(c.tree.num_nodes for c in self.candidates)
+
     def choose(self, batch_size: int, context_length: int) -> Tree:
         best = self.rank(batch_size, context_length)[0]
         self._last = next(c for c in self.candidates if c.budget == best.budget)

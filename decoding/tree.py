@@ -42,6 +42,11 @@ class Tree:
     def spec(self) -> TreeSpec:
         return TreeSpec(self.parent, self.depth, self.rank)
 
+    def fitting(self, max_depth: int) -> "Tree":
+        """This tree, or its truncation when it is deeper than ``max_depth`` (a row near its
+        token limit or the context limit)."""
+        return self if self.max_depth <= max_depth else self.truncated(max_depth)
+
     def truncated(self, max_depth: int) -> "Tree":
         """The same tree without nodes deeper than ``max_depth`` (near the context limit)."""
         return tree_from_paths([p for p in self.paths if len(p) <= max_depth])

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .decoding.generate import generated_counts
+from .decoding.output import generated_counts
 from .decoding.guarantee import first_divergence as divergence
 
 #: transformers' prompt lookup: the control for identity and the one-line peer for speed

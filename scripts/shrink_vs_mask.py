@@ -4,7 +4,8 @@ so they finish at different steps; fixed 4-node tree; modes alternated, 2 rounds
 import json, time, torch
 from draftheads.decoding import DraftHeadsModel
 from draftheads.prompts import chat_input, read_prompts
-from draftheads.bench import left_pad, generated_counts
+from draftheads.bench import left_pad
+from draftheads.decoding.output import generated_counts
 m = DraftHeadsModel.from_pretrained("checkpoints/smollm2-135m-medusa", tree=4)
 tok = m.tokenizer
 dot = tok.convert_tokens_to_ids(".")

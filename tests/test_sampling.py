@@ -17,7 +17,8 @@ from transformers import GenerationConfig, set_seed
 from conftest import OracleHeads, left_pad, tiny_llama
 from draftheads.decoding import DraftHeadsModel, tree_from_paths
 from draftheads.decoding.accept import lossless_accept, sample_from, typical_accept, children_table
-from draftheads.decoding.sampling import logits_processors, processed_scores, Typical
+from draftheads.decoding.accept import Typical
+from draftheads.decoding.processors import logits_processors, processed_scores
 from draftheads.heads import HeadConfig, HydraHeads, MedusaHeads
 
 VOCAB = 12

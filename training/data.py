@@ -30,7 +30,8 @@ from typing import Iterable
 import torch
 from tqdm.auto import tqdm
 
-from ..decoding.generate import eos_token_ids, generated_counts
+from ..decoding.generate import eos_token_ids
+from ..decoding.output import generated_counts
 from .features import Example, Features, chat_prompt_ids, hidden_states, selfdistill_examples, shift_targets, \
     shift_teacher
 

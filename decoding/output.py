@@ -1,0 +1,167 @@
+"""What a ``generate`` call hands back, built in one place: emitting tokens row by row,
+stopping exactly where transformers stops, streaming, the per-token scores, and the assembled
+sequences / ``GenerateDecoderOnlyOutput``.
+
+The loop only says "row b emitted these tokens (the first ``drafted`` were accepted drafts)";
+:class:`Emitter` decides where each row stops and keeps what the return value needs.
+"""
+from __future__ import annotations
+
+import torch
+
+from .base import forward_all
+
+
+class Emitter:
+    """Per-row output of one ``generate`` call.
+
+    input_ids (B, L) the prompts (left-padded); ``limits`` each row's ``max_new_tokens`` after
+    the context cut; ``eos`` the EOS ids; ``want_scores``: keep one score row per token."""
+
+    def __init__(self, input_ids: torch.Tensor, limits: list[int], eos: list[int], stopping_criteria=None,
+                 streamer=None, want_scores: bool = False):
+        batch = input_ids.shape[0]
+        self.input_ids = input_ids
+        self.limits = limits
+        self.eos = set(eos)
+        self.stopping_criteria = stopping_criteria
+        self.streamer = streamer
+        self.want_scores = want_scores
+        self.generated: list[list[int]] = [[] for _ in range(batch)]  # the acceptor reads these (history)
+        self.scores: list[list[torch.Tensor]] = [[] for _ in range(batch)]
+        self.done = torch.zeros(batch, dtype=torch.bool)
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
+
+    # -- during decoding -------------------------------------------------------------------------
+    def running(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows (R,) original row indices → (R,) bool: which still decode."""
+        return ~self.done[rows]
+
+    def room(self, rows: torch.Tensor) -> int:
+        """Tokens the closest-to-its-limit of ``rows`` may still emit (bounds the tree depth)."""
+        return min(self.limits[b] - len(self.generated[b]) for b in rows.tolist())
+
+    def emit(self, row: int, new: list[int], new_scores=None, drafted: int = 0) -> None:
+        """Append tokens one by one, stopping exactly where transformers would: after an EOS,
+        at the row's limit, or when a user stopping criterion fires. The first ``drafted`` of
+        ``new`` are accepted drafts: a streamer with ``put_step`` is told so (colouring)."""
+        if bool(self.done[row]):
+            return
+        generated, emitted = self.generated[row], []
+        for i, token in enumerate(new):
+            generated.append(token)
+            emitted.append(token)
+            if new_scores is not None:
+                self.scores[row].append(new_scores[i])
+            if self._stops(row, token, new_scores[i] if new_scores is not None else None):
+                self.done[row] = True
+                break
+        self._stream(emitted, drafted)
+
+    def _stops(self, row: int, token: int, score: torch.Tensor | None) -> bool:
+        if token in self.eos or len(self.generated[row]) >= self.limits[row]:
+            return True
+        if self.stopping_criteria is None:
+            return False
+        so_far = torch.cat([self.input_ids[row], torch.tensor(self.generated[row], dtype=self.input_ids.dtype)])[None]
+        return bool(self.stopping_criteria(so_far, score[None] if score is not None else None).any())
+
+    def _stream(self, emitted: list[int], drafted: int) -> None:
+        if self.streamer is None or not emitted:
+            return
+        if hasattr(self.streamer, "put_step"):
+            self.streamer.put_step(torch.tensor(emitted), min(drafted, len(emitted)))
+        else:
+            self.streamer.put(torch.tensor(emitted))
+
+    def emit_first(self, roots: torch.Tensor, reported: torch.Tensor | None) -> None:
+        """roots (B,) the token after each prompt; reported (B, V) its scores (or None)."""
+        for b in range(roots.shape[0]):
+            self.emit(b, [int(roots[b])], [reported[b]] if reported is not None else None)
+
+    def emit_step(self, rows: torch.Tensor, tokens: torch.Tensor, path: torch.Tensor, accepted: torch.Tensor,
+                  bonus: torch.Tensor, reported: torch.Tensor | None) -> None:
+        """One verification step: rows (R,) original indices; tokens (R, N) the tree; path (R, D+1)
+        accepted slots root first; accepted (R,) drafts kept; bonus (R,); reported (R, N, V) or None."""
+        for i, b in enumerate(rows.tolist()):
+            a = int(accepted[i])
+            new = tokens[i, path[i, 1: a + 1]].tolist() + [int(bonus[i])]
+            scores = [reported[i, s] for s in path[i, : a + 1].tolist()] if reported is not None else None
+            self.emit(b, new, scores, drafted=a)
+
+    # -- after decoding --------------------------------------------------------------------------
+    @property
+    def new_tokens(self) -> int:
+        return sum(len(g) for g in self.generated)
+
+    def sequences(self, pad: int) -> torch.Tensor:
+        """(B, L + T) prompts then each row's tokens, right-filled with ``pad`` (transformers' shape)."""
+        if self.streamer is not None:
+            self.streamer.end()
+        width = max(len(g) for g in self.generated)
+        out = torch.full((self.input_ids.shape[0], width), pad, dtype=self.input_ids.dtype)
+        for row, tokens in enumerate(self.generated):
+            out[row, : len(tokens)] = torch.tensor(tokens, dtype=self.input_ids.dtype)
+        return torch.cat([self.input_ids, out.to(self.input_ids.device)], dim=1)
+
+    def dict_output(self, base, sequences: torch.Tensor, attention_mask: torch.Tensor, config, kv, acceptor, vocab: int):
+        """``GenerateDecoderOnlyOutput`` as transformers returns it: scores/logits float32, one
+        (B, V) per generated position; the cache. A batch's own cache has per-row holes and rows
+        that finished early have no scores after their end: one forward over the output, fed as
+        transformers feeds it, gives both (equal up to float rounding)."""
+        from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+        prompt_len = self.input_ids.shape[1]
+        steps = sequences.shape[1] - prompt_len
+        early = self.want_scores and any(len(row) < steps for row in self.scores)
+        cache_out = None
+        if early or (config.use_cache and sequences.shape[0] > 1):
+            cache_out, hidden_all = forward_all(base, sequences[:, :-1], grown_mask(attention_mask, steps))
+            if early:
+                fill_finished_scores(self.scores, base, hidden_all, sequences, prompt_len, acceptor)
+            cache_out = cache_out if config.use_cache else None
+        elif config.use_cache:
+            kv.crop_to(prompt_len + steps - 1)
+            cache_out = kv.cache
+        score_tuple = stack_scores(self.scores, steps, vocab) if self.want_scores else None
+        return GenerateDecoderOnlyOutput(sequences=sequences, scores=score_tuple if config.output_scores else None,
+                                         logits=score_tuple if config.output_logits else None,
+                                         past_key_values=cache_out)
+
+
+def generated_counts(sequences: torch.Tensor, width: int, eos: set[int]) -> list[int]:
+    """New tokens per row (after the ``width`` prompt columns) up to and including its first
+    EOS: the padding after it is not work."""
+    counts = []
+    for row in sequences[:, width:].tolist():
+        stop = next((i for i, t in enumerate(row) if t in eos), None)
+        counts.append(len(row) if stop is None else stop + 1)
+    return counts
+
+
+def grown_mask(attention_mask: torch.Tensor, steps: int) -> torch.Tensor:
+    """The mask transformers' ``generate`` has after ``steps`` tokens, over all but the last
+    (every row, finished or not, gets a 1 per step)."""
+    return torch.cat([attention_mask, attention_mask.new_ones(attention_mask.shape[0], steps - 1)], dim=1)
+
+
+def fill_finished_scores(scores: list[list[torch.Tensor]], base, hidden: torch.Tensor, sequences: torch.Tensor,
+                         prompt_len: int, acceptor) -> None:
+    """Scores of rows after they finished, as transformers records them: it keeps feeding such a
+    row the pad token and reports the base's (processed) logits at every step."""
+    steps = sequences.shape[1] - prompt_len
+    for row, row_scores in enumerate(scores):
+        for step in range(len(row_scores), steps):
+            logits = base.lm_head(hidden[row, prompt_len - 1 + step])
+            if acceptor.report_processed:
+                ids = sequences[row: row + 1, : prompt_len + step]
+                logits = acceptor.processors(ids, logits.float()[None])[0].to(logits.dtype)
+            row_scores.append(logits)
+
+
+def stack_scores(scores: list[list[torch.Tensor]], steps: int, vocab: int) -> tuple[torch.Tensor, ...]:
+    """Per-token logits as transformers returns them: one (B, V) float32 tensor per generated
+    position, whatever the model's dtype (every row has one by now: see :func:`fill_finished_scores`)."""
+    zero = torch.zeros(vocab, dtype=torch.float32)
+    return tuple(torch.stack([(row[i] if i < len(row) else zero).float() for row in scores]) for i in range(steps))
