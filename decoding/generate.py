@@ -389,12 +389,12 @@ def resolve_tree(tree, base, heads: DraftHeads | None, calibration: CalibrationC
 
 def default_budget(heads: DraftHeads, dtype: torch.dtype | None = None) -> int:
     """The checkpoint's default node budget for a base in ``dtype``: the one the cost model chose
-    for that dtype (``extra.default_budget_by_dtype``, written by ``scripts/default_trees.py``
-    from a calibration × the heads' expected τ), else its dtype-independent ``default_budget``."""
-    by_dtype = heads.config.extra.get("default_budget_by_dtype") or {}
+    for that dtype (``default_budget_by_dtype``, written by ``scripts/default_trees.py`` from a
+    calibration × the heads' expected τ), else its dtype-independent ``default_budget``."""
+    by_dtype = heads.config.default_budget_by_dtype
     if dtype is not None and dtype_name(dtype) in by_dtype:
         return int(by_dtype[dtype_name(dtype)]["budget"])
-    return int(heads.config.extra.get("default_budget", 4))
+    return int(heads.config.default_budget)
 
 
 def default_tree(heads: DraftHeads | None, dtype: torch.dtype | None = None) -> Tree:

@@ -389,11 +389,11 @@ def candidates_from_heads(heads, budgets: Iterable[int] | None = None) -> list[C
     plain = Candidate(0, chain_tree(0), 1.0)
     if heads is None:
         return [plain]
-    taus = {int(k): float(v) for k, v in (heads.config.extra.get("expected_tau") or {}).items()}
+    taus = {int(k): float(v) for k, v in heads.config.expected_tau.items()}
     trees = {int(k): v for k, v in heads.config.trees.items()}
     if not taus or not trees:
         raise ValueError("The adaptive policy needs the checkpoint's stored trees and their expected τ "
-                         "(config.trees and config.extra['expected_tau'], written by training's tree search); "
+                         "(config.trees and config.expected_tau, written by training's tree search); "
                          "this checkpoint lacks them: pin a tree instead (tree=<node budget>).")
     wanted = sorted(set(trees) & set(taus) if budgets is None else set(budgets) - {0})
     missing = [b for b in wanted if b not in trees or b not in taus]

@@ -1,7 +1,7 @@
 """Stored trees and expected τ for heads that arrive without them (imported Medusa checkpoints).
 
 The batch-adaptive policy and ``tree=<budget>`` read ``config.trees`` and
-``config.extra['expected_tau']``, which training writes from its held-out ranks. An imported
+``config.expected_tau``, which training writes from its held-out ranks. An imported
 checkpoint has neither, so this runs the same tree search (:func:`tree_from_ranks`) on the
 heads' ranks over the base's own greedy answers (:mod:`.evaluation`'s features).
 """
@@ -28,7 +28,8 @@ def fit_trees(heads: DraftHeads, base, features: Features, budgets: tuple[int, .
         paths, tau = tree_from_ranks(ranks, budget)
         trees[str(budget)], taus[str(budget)] = [list(p) for p in paths], round(tau, 4)
     heads.config.trees = trees
-    heads.config.extra = {**heads.config.extra, "expected_tau": taus, "default_budget": default_budget,
+    heads.config.expected_tau, heads.config.default_budget = taus, default_budget
+    heads.config.extra = {**heads.config.extra,
                           "trees_fitted_on": {"positions": int(ranks.shape[0]), "source": source}}
     return taus
 

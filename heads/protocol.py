@@ -29,7 +29,9 @@ WEIGHTS_NAME = "model.safetensors"
 CARD_NAME = "README.md"
 #: 1: the first layout (no version recorded); 2: adds ``draftheads_version``, ``base_revision``
 #: and ``owns_lm_head``. A reader loads every format up to its own and names both versions otherwise.
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+#: keys formats 1-2 kept in ``extra`` that format 3 made typed fields (moved on load)
+PROMOTED_FROM_EXTRA = ("default_budget", "expected_tau", "default_budget_by_dtype")
 #: the package version, recorded in every ``config.json`` (``draftheads.__version__`` reads it)
 DRAFTHEADS_VERSION = "0.1.0"
 
@@ -64,6 +66,14 @@ class HeadConfig:
     owns_lm_head: bool = False
     #: the draftheads version that wrote the checkpoint (None: written before versions were recorded)
     draftheads_version: str | None = None
+    #: the node budget of the default tree (when no per-dtype choice applies)
+    default_budget: int = 4
+    #: expected tokens per verification step of each stored tree, {budget: τ}, measured by
+    #: training's tree search on held-out text (the adaptive policy's prior)
+    expected_tau: dict[str, float] = field(default_factory=dict)
+    #: the cost model's default budget per dtype name, {"bfloat16": {"budget": 6, ...}}
+    #: (``scripts/default_trees.py``: a calibration of the step × ``expected_tau``)
+    default_budget_by_dtype: dict[str, dict] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("num_heads", "num_layers", "hidden_size", "vocab_size"):
@@ -90,6 +100,12 @@ class HeadConfig:
                 f"config.json is {what}, written by draftheads {data.get('draftheads_version') or 'unknown'}; this is "
                 f"draftheads {DRAFTHEADS_VERSION}, which reads formats 1-{FORMAT_VERSION}. Upgrade draftheads "
                 f"(pip install -U draftheads) to load it.")
+        data = dict(data)
+        extra = dict(data.get("extra") or {})
+        for key in PROMOTED_FROM_EXTRA:  # formats 1-2 kept these untyped in ``extra``
+            if key in extra:
+                data.setdefault(key, extra.pop(key))
+        data["extra"] = extra
         return cls(**{k: v for k, v in data.items() if k in known})
 
 

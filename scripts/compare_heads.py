@@ -96,7 +96,7 @@ def load_candidates(base, tokenizer, paths: list[Path], tree: int | None) -> lis
     candidates, names = [], set()
     for path in paths:
         config = read_config(path)
-        wanted = tree if tree is not None else int(config.extra.get("default_budget", 4))
+        wanted = tree if tree is not None else int(config.default_budget)
         model = DraftHeadsModel.from_pretrained(path, base=base, tokenizer=tokenizer, tree=wanted)
         name = path.name if path.name not in names else str(path)
         names.add(name)

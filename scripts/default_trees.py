@@ -1,5 +1,5 @@
 """Choose each checkpoint's default tree per dtype with the cost model, and record it in the
-checkpoint (``extra.default_budget_by_dtype``): for every dtype, a short batch-size-1
+checkpoint (``default_budget_by_dtype`` in its config): for every dtype, a short batch-size-1
 calibration of this machine's step cost (the base forward over each stored tree size, the
 loop's overhead and the heads' drafting) times the heads' expected τ per budget, with the
 drafted part of τ scaled by ``--tau-scale``, then the budget with the highest expected
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     for checkpoint in args.checkpoints:
         config_path = Path(checkpoint) / "config.json"
         config = json.loads(config_path.read_text())
-        chosen = dict(config["extra"].get("default_budget_by_dtype") or {})
+        chosen = dict(config.get("default_budget_by_dtype") or config.get("extra", {}).get("default_budget_by_dtype") or {})
         for name in args.dtypes.split(","):
             dtype = parse_dtype(name)
             result = choose(checkpoint, dtype, args.context, args.tau_scale, args.refresh)
@@ -57,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{checkpoint} {dtype_name(dtype)}: budget {result['budget']}  " + "  ".join(
                 f"{c['budget']}:{c['tokens_per_second']:.1f}" for c in result["ranked"]), flush=True)
         if not args.dry_run:
-            config["extra"]["default_budget_by_dtype"] = chosen
+            config.get("extra", {}).pop("default_budget_by_dtype", None)
+            config["default_budget_by_dtype"] = chosen
             config_path.write_text(json.dumps(config, indent=2) + "\n")
     return 0
 

@@ -110,8 +110,11 @@ def test_format_1_checkpoints_still_load(tmp_path):
 
 @pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "checkpoints").iterdir()))
 def test_shipped_checkpoints_read_with_their_extras(name):
+    """Shipped checkpoints keep default_budget / expected_tau in ``extra`` (formats 1-2): they
+    load into the typed fields of format 3, and ``extra`` no longer holds them."""
     config = read_config(REPO / "checkpoints" / name)
-    assert config.extra["default_budget"] == 4 and config.extra["expected_tau"]
+    assert config.default_budget == 4 and config.expected_tau
+    assert "default_budget" not in config.extra and "expected_tau" not in config.extra
     assert config.base_fingerprint["lm_head_sha256"]
 
 

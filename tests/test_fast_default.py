@@ -155,8 +155,8 @@ def test_phase_timer_sees_every_phase_of_every_step():
 # -- the default tree per dtype ------------------------------------------------------------------
 def test_default_budget_is_chosen_per_dtype():
     heads = OracleHeads([[1]], vocab=96)
-    heads.config.extra = {"default_budget": 4, "default_budget_by_dtype": {"bfloat16": {"budget": 8},
-                                                                            "float32": {"budget": 2}}}
+    heads.config.default_budget = 4
+    heads.config.default_budget_by_dtype = {"bfloat16": {"budget": 8}, "float32": {"budget": 2}}
     assert default_budget(heads, torch.bfloat16) == 8
     assert default_budget(heads, torch.float32) == 2
     assert default_budget(heads, torch.float64) == 4  # no choice recorded for float64: the general default

@@ -122,7 +122,7 @@ def test_online_tau_scale_moves_to_smaller_trees_when_drafts_are_rejected():
 
 def test_candidates_from_a_checkpoint_config():
     config = HeadConfig(num_heads=2, hidden_size=32, vocab_size=96, trees={"1": [[0]], "3": [[0], [1], [0, 0]]},
-                        extra={"expected_tau": {"1": 1.4, "3": 1.7}})
+                        expected_tau={"1": 1.4, "3": 1.7})
     heads = MedusaHeads(config)
     cands = candidates_from_heads(heads)
     assert [(c.budget, c.tree.num_nodes, c.tau) for c in cands] == [(0, 1, 1.0), (1, 2, 1.4), (3, 4, 1.7)]
@@ -145,7 +145,7 @@ TINY_GRID = CalibrationConfig(batch_sizes=(1, 2), nodes=(1, 2, 4), contexts=(8, 
 
 def tiny_heads() -> MedusaHeads:
     config = HeadConfig(num_heads=2, hidden_size=32, vocab_size=96, trees={"1": [[0]], "3": [[0], [1], [0, 0]]},
-                        extra={"expected_tau": {"1": 1.4, "3": 1.7}})
+                        expected_tau={"1": 1.4, "3": 1.7})
     heads = MedusaHeads(config).to(torch.float64)
     return heads
 

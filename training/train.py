@@ -656,9 +656,9 @@ def finish(heads: DraftHeads, eval_table: Features, recipe: Recipe, parts: Froze
     config.base_fingerprint = parts.checkpoint_fingerprint or parts.fingerprint
     config.base_name = "embedded:smollm2-135m-instruct" if recipe.base == "embedded" else recipe.base
     config.base_revision = parts.revision
-    config.extra = {**config.extra, "recipe": recipe.to_dict(), "held_out_accuracy": accuracy,
-                    "default_budget": recipe.run.default_budget,
-                    "expected_tau": {b: t["expected_tau"] for b, t in trees.items()}}
+    config.extra = {**config.extra, "recipe": recipe.to_dict(), "held_out_accuracy": accuracy}
+    config.default_budget = recipe.run.default_budget
+    config.expected_tau = {b: t["expected_tau"] for b, t in trees.items()}
     out = Path(recipe.run.final_dir or Path(recipe.run.output_dir) / "final")
     seconds = progress.train_seconds
     report = {"recipe": recipe.to_dict(), "steps": progress.step, "planned_steps": total,
