@@ -61,7 +61,7 @@ def summary(config: HeadConfig) -> str:
     return (f"{config.num_heads} {config.family} heads ({config.num_layers} layer(s) each) for `{config.base_name}`, "
             f"reading {READS.get(config.family, 'its last hidden state')}, and drafting through {projection} over "
             f"{config.draft_vocab_size or config.vocab_size} tokens. Any other base is refused (fingerprint "
-            f"`{config.base_fingerprint}`).\n" + (f"\n{BASE_NOTES[config.base_name]}\n" if config.base_name in BASE_NOTES else ""))
+            f"`{ {k: v for k, v in (config.base_fingerprint or {}).items() if k != 'lm_head_sketch'} }`).\n" + (f"\n{BASE_NOTES[config.base_name]}\n" if config.base_name in BASE_NOTES else ""))
 
 
 def usage(config: HeadConfig, name: str) -> str:
