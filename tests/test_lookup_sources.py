@@ -162,7 +162,7 @@ def test_store_round_trip_and_matches(tmp_path):
     store = ModelStore.open(tmp_path / "s.safetensors", expect=ident)
     h = store.header
     assert (h.vocab_size, h.vocab_sha256, h.records, h.tokens, h.n) == (10, ident.vocab_sha256, 4, 20, 64 // 4)
-    assert isinstance(store.keys, np.memmap)
+    assert not store.keys.flags.owndata and not store.keys.flags.writeable  # mapped, not read into memory
     assert store.tokens.tolist() == [t for r in RECORDS for t in r + [-1]]
     for history in ([7, 8], [0, 6, 7, 8], [9], [3, 3, 3], [4]):
         m, lo, hi = store.match(history)
@@ -267,3 +267,30 @@ def test_committed_store_opens_with_its_header():
     assert store.header.vocab_size == 49152 and store.header.n == 4 and store.header.tokens == 650104
     m, lo, hi = store.match([28, 284])
     assert m >= 1 and hi > lo
+
+
+def test_context_budgets_zero_and_one_and_empty_prompt():
+    row = ContextSource([3, 4, 5, 3, 4, 6, 3, 4], ContextConfig(max_ngram=2))
+    assert len(row.propose(0)) == 0
+    best = row.propose(1)
+    assert len(best) == 1 and best.depth.tolist() == [1] and best.token[0] in (5, 6)
+    assert best.paths() == ContextSource([3, 4, 5, 3, 4, 6, 3, 4], ContextConfig(max_ngram=2)).propose(1).paths()
+    assert len(ContextSource([]).propose(8)) == 0 and len(ContextSource([1]).propose(8)) == 0
+    with pytest.raises(ValueError, match="max_ngram"):
+        NgramIndex(0)
+    with pytest.raises(ValueError, match="structure"):
+        ContextSource([1], ContextConfig(structure="trie"))
+
+
+def test_automaton_context_proposes_the_chain_after_the_longest_match():
+    prompt = [1, 2, 3, 9, 1, 2, 3, 4, 7, 0, 2, 3, 4]
+    trie = ContextSource(prompt, ContextConfig(structure="automaton", max_depth=3)).propose(8)
+    assert trie.paths() == {(7,): 0, (7, 0): 1, (7, 0, 2): 2}  # match "2 3 4" (length 3), not "2 3"
+    assert trie.bucket.tolist() == [3, 3, 3]
+
+
+def test_candidates_reject_children_before_parents():
+    with pytest.raises(ValueError, match="parents must come first"):
+        Candidates.from_lists([1, -1], [5, 6], [0.5, 0.5], [1, 1], [1, 1], [1.0, 1.0])
+    with pytest.raises(ValueError, match="one entry per node"):
+        Candidates.from_lists([-1], [5, 6], [0.5], [1], [1], [1.0])

@@ -175,19 +175,27 @@ def select(trie: Candidates, budget: int) -> Candidates:
 def count_trie(continuations: Sequence[Sequence[int]], source: int, bucket: int, q: float) -> Candidates:
     """A trie of empirical continuations. A node's share = count(node) / count(parent); its
     score = Π over its path of (q × share), ``q`` ≈ P(a top-share token is accepted | its parent
-    was) for this source and match length (see :mod:`.hitrate`)."""
-    counts: dict[tuple[int, ...], int] = {}
+    was) for this source and match length (see :mod:`.hitrate`). One dict probe per token:
+    O(Σ lengths), nodes in first-seen order (deterministic for a given input order)."""
+    index: dict[tuple[int, int], int] = {}
+    parent: list[int] = []
+    token: list[int] = []
+    count: list[int] = []
     for seq in continuations:
-        for k in range(1, len(seq) + 1):
-            key = tuple(seq[:k])
-            counts[key] = counts.get(key, 0) + 1
+        node = -1
+        for t in seq:
+            child = index.get((node, t))
+            if child is None:
+                child = index[(node, t)] = len(token)
+                parent.append(node)
+                token.append(t)
+                count.append(0)
+            count[child] += 1
+            node = child
     total = len(continuations)
-    builder = TrieBuilder()
-    node_of: dict[tuple[int, ...], int] = {}
-    score_of: dict[tuple[int, ...], float] = {(): 1.0}
-    # parents first (shorter keys first); ties by count desc then tokens, for determinism
-    for key in sorted(counts, key=lambda k: (len(k), -counts[k], k)):
-        share = counts[key] / (total if len(key) == 1 else counts[key[:-1]])
-        score_of[key] = score_of[key[:-1]] * q * share
-        node_of[key] = builder.add(node_of.get(key[:-1], -1), key[-1], score_of[key], source, bucket, share)
-    return builder.build()
+    share = [c / (total if p < 0 else count[p]) for p, c in zip(parent, count)]
+    score: list[float] = []
+    for p, s in zip(parent, share):
+        score.append((1.0 if p < 0 else score[p]) * q * s)
+    n = len(token)
+    return Candidates.from_lists(parent, token, score, [source] * n, [bucket] * n, share)

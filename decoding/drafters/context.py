@@ -30,6 +30,7 @@ class ContextConfig:
     max_depth: int = 16  # tokens per proposed chain
     max_occurrences: int = 8  # most recent occurrences turned into branches
     eos_token_id: int | None = None  # drafts are cut after EOS
+    structure: str = "ngram"  # "ngram" (branches, match ≤ max_ngram) or "automaton" (one chain, exact match)
 
 
 class NgramIndex:
@@ -139,8 +140,10 @@ class ContextSource:
     :meth:`propose` each step."""
 
     def __init__(self, prompt: Sequence[int], config: ContextConfig = ContextConfig()):
+        if config.structure not in ("ngram", "automaton"):
+            raise ValueError(f"ContextConfig.structure must be 'ngram' or 'automaton', got {config.structure!r}.")
         self.config = config
-        self.index = NgramIndex(config.max_ngram, prompt)
+        self.index = NgramIndex(config.max_ngram, prompt) if config.structure == "ngram" else SuffixAutomaton(prompt)
 
     def extend(self, tokens: Sequence[int]) -> None:
         self.index.extend(tokens)
@@ -152,5 +155,7 @@ class ContextSource:
         if n == 0 or budget <= 0:
             return Candidates.empty()
         cfg = self.config
-        seqs = continuations(self.index.tokens, starts[:cfg.max_occurrences], cfg.max_depth, cfg.eos_token_id)
+        # a chain deeper than the budget could never be kept whole: do not build it
+        seqs = continuations(self.index.tokens, starts[:cfg.max_occurrences], min(cfg.max_depth, budget),
+                             cfg.eos_token_id)
         return select(count_trie(seqs, Source.CONTEXT, n, default_q(Source.CONTEXT, n) if q is None else q), budget)

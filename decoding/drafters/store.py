@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 import struct
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
@@ -145,6 +146,9 @@ def save_store(path: str | Path, arrays: dict[str, np.ndarray], header: StoreHea
     if header.tokens == 0:
         raise StoreError(f"refusing to write an empty store to {path}: the data held no answer tokens.")
     meta: dict = {"__metadata__": header.to_metadata()}
+    # widest dtypes first: with the header padded to 8 bytes every array starts aligned, so the
+    # mapped arrays need no copy (an unaligned uint64 key array made searchsorted copy it whole)
+    arrays = dict(sorted(arrays.items(), key=lambda kv: -kv[1].dtype.itemsize))
     offset = 0
     for name, arr in arrays.items():
         arr = np.ascontiguousarray(arr)
@@ -211,8 +215,8 @@ def _read_layout(path: Path) -> tuple[dict, int]:
 @dataclass(frozen=True)
 class StoreConfig:
     min_match: int = 1  # shortest suffix worth a store lookup (1 ≈ a bigram with branches)
-    max_depth: int = 12  # tokens per continuation
-    max_occurrences: int = 16  # occurrences sampled from a match's range (evenly, deterministic)
+    max_depth: int = 12  # tokens per continuation (and never more than the budget)
+    max_occurrences: int = 8  # occurrences sampled from a match's range (evenly, deterministic)
     eos_token_id: int | None = None
 
 
@@ -247,9 +251,13 @@ class ModelStore:
         if need > limit:
             raise StoreError(f"{path} needs {need / 2**20:.1f} MiB but only {limit / 2**20:.1f} MiB of memory is "
                              f"available: free memory, or rebuild a smaller store (`--max-records`).")
-        arrays = {name: np.memmap(path, dtype=_DTYPES[spec["dtype"]], mode="r", offset=data_start + spec["data_offsets"][0],
-                                  shape=tuple(spec["shape"]))
-                  for name, spec in layout.items() if name != "__metadata__" and spec["shape"][0] > 0}
+        with open(path, "rb") as handle:  # the mapping outlives the descriptor
+            mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+        # plain ndarrays over the mapping: pages are read on first touch, and slicing them is
+        # cheaper than slicing np.memmap (no subclass bookkeeping on every lookup)
+        arrays = {name: np.frombuffer(mapped, dtype=_DTYPES[spec["dtype"]], offset=data_start + spec["data_offsets"][0],
+                                      count=int(np.prod(spec["shape"], dtype=np.int64)))
+                  for name, spec in layout.items() if name != "__metadata__"}
         return cls(path, header, arrays)
 
     def match(self, history: Sequence[int], min_match: int = 1) -> tuple[int, int, int]:
@@ -299,6 +307,7 @@ class StoreSource:
         m, lo, hi = self.store.match(self.tail, self.config.min_match)
         if m == 0:
             return Candidates.empty()
-        seqs = self.store.continuations(lo, hi, self.config)
+        cfg = self.config
+        seqs = self.store.continuations(lo, hi, replace(cfg, max_depth=min(cfg.max_depth, budget)))
         trie = count_trie(seqs, Source.STORE, m, default_q(Source.STORE, m) if q is None else q)
         return select(trie, budget)

@@ -1,0 +1,236 @@
+"""Per-step drafting cost and offline hit rate of the lookup sources on real SmolLM2 tokens.
+
+    taskset -c 1 python scripts/bench_sources.py \\
+        --store /tmp/store_holdout.safetensors --holdout-last 300 --out results/lookup_sources/bench.json
+
+Cost: long streams of the base's own answers (``response_ids`` of consecutive records
+concatenated to ``--context`` tokens) are fed one token per step — the worst case, one accepted
+token per step — and each source's ``extend`` + ``propose`` is timed (no model is loaded).
+Both context structures (n-gram index, suffix automaton) are timed on the same streams.
+
+Hit rate: the held-out records (the last ``--holdout-last`` of the data, which the store must
+not contain) are replayed under a greedy verifier: at each step a source proposes up to
+``--budget`` nodes, the longest trie path equal to the true continuation is accepted plus the
+bonus token, and the source is extended with those tokens. Reported per data source: how
+often the best first token equals the true next token, and the mean accepted draft length.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from draftheads.decoding.drafters import (BigramTable, Candidates, ContextConfig, ContextSource, HitRate, ModelStore,
+                                          NgramIndex, StatsSource, StoreSource, SuffixAutomaton, merge,
+                                          tokenizer_identity)
+
+EOS = 2  # SmolLM2's <|im_end|>
+AUTOMATON = ContextConfig(eos_token_id=EOS, structure="automaton")
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    with open(path, encoding="utf-8") as handle:  # not splitlines(): answers hold U+2028
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+def streams(records: list[dict], length: int, count: int) -> list[list[int]]:
+    """``count`` token streams of ``length + steps`` tokens from consecutive answers."""
+    out, cur = [], []
+    for r in records:
+        cur += r["response_ids"]
+        if len(cur) >= length:
+            out.append(cur)
+            cur = []
+            if len(out) == count:
+                break
+    return out
+
+
+def time_per_step(make, stream: list[int], start: int, steps: int, budget: int) -> list[float]:
+    """µs of one extend(1 token) + propose(budget) per step, after seeding with stream[:start]."""
+    source = make(stream[:start])
+    out = []
+    for i in range(start, start + steps):
+        t0 = time.perf_counter()
+        source.extend(stream[i:i + 1])
+        source.propose(budget)
+        out.append((time.perf_counter() - t0) * 1e6)
+    return out
+
+
+class MatchOnly:
+    """Times a bare structure's append + longest match (no trie built)."""
+
+    def __init__(self, structure):
+        self.s = structure
+
+    def extend(self, tokens):
+        self.s.extend(tokens)
+
+    def propose(self, budget):
+        return self.s.match()
+
+
+def summary(samples: list[float]) -> dict:
+    arr = np.asarray(samples)
+    return {"median_us": round(float(np.median(arr)), 2), "mean_us": round(float(arr.mean()), 2),
+            "p90_us": round(float(np.percentile(arr, 90)), 2), "steps": int(arr.size)}
+
+
+def category(source: str) -> str:
+    return source.split(":")[0] if source.startswith("t0:") else source.rsplit("-", 1)[0] if source.startswith("self-instruct") else source
+
+
+def accepted_length(trie: Candidates, truth: list[int]) -> int:
+    """Longest trie path equal to a prefix of ``truth`` (what a greedy verifier accepts)."""
+    best, node_of = 0, {}
+    for i in range(len(trie)):
+        p, d = int(trie.parent[i]), int(trie.depth[i])
+        if (p < 0 or node_of.get(p)) and d <= len(truth) and int(trie.token[i]) == truth[d - 1]:
+            node_of[i] = True
+            best = max(best, d)
+    return best
+
+
+def replay(make, prompt: list[int], answer: list[int], budget: int, hitrate: HitRate | None = None) -> dict:
+    source = make(prompt)
+    steps = first_hits = accepted = proposed_steps = 0
+    i = 0
+    while i < len(answer):
+        trie = source.propose(budget)
+        truth = answer[i:]
+        a = accepted_length(trie, truth)
+        if len(trie):
+            proposed_steps += 1
+            first_hits += int(trie.token[0]) == truth[0]  # node 0 = the best root child (selection order)
+        if hitrate is not None:
+            hitrate.observe(0, trie, truth[:a])
+        steps += 1
+        accepted += a
+        source.extend(answer[i:i + a + 1])
+        i += a + 1
+    return {"steps": steps, "first_hits": first_hits, "accepted": accepted, "proposed_steps": proposed_steps,
+            "tokens": len(answer)}
+
+
+class Merged:
+    """The three lookup sources rescored by one :class:`HitRate` and merged under the budget."""
+
+    def __init__(self, prompt, store, table, hitrate: HitRate):
+        self.parts = [ContextSource(prompt, ContextConfig(eos_token_id=EOS)), StoreSource(store, prompt),
+                      StatsSource(table, prompt)]
+        self.hitrate = hitrate
+
+    def extend(self, tokens):
+        for part in self.parts:
+            part.extend(tokens)
+
+    def propose(self, budget):
+        return merge([self.hitrate.rescore(p.propose(budget)) for p in self.parts], budget)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    root = Path(__file__).resolve().parents[1]
+    parser.add_argument("--data", default=str(root.parent / "shared" / "data" / "selfdistill_smollm2.jsonl"))
+    parser.add_argument("--store", required=True, help="built with --holdout-last equal to ours")
+    parser.add_argument("--holdout-last", type=int, default=300)
+    parser.add_argument("--per-category", type=int, default=40)
+    parser.add_argument("--context", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=256)
+    parser.add_argument("--streams", type=int, default=4)
+    parser.add_argument("--budget", type=int, default=16)
+    parser.add_argument("--out", default=str(root / "results" / "lookup_sources" / "bench.json"))
+    args = parser.parse_args(argv)
+
+    records = read_jsonl(Path(args.data))
+    kept, held = records[:-args.holdout_last], records[-args.holdout_last:]
+    store = ModelStore.open(args.store)
+    if store.header.records != len(kept):
+        raise SystemExit(f"{args.store} holds {store.header.records} records, not the first {len(kept)}: "
+                         f"rebuild it with --holdout-last {args.holdout_last} so the held-out answers stay unseen.")
+    table = BigramTable.from_store(store)
+
+    # ---- per-step cost on 2k-token contexts
+    makers = {
+        "context_ngram_index_match": lambda p: MatchOnly(NgramIndex(4, p)),
+        "context_suffix_automaton_match": lambda p: MatchOnly(SuffixAutomaton(p)),
+        "context_source_propose": lambda p: ContextSource(p, ContextConfig(eos_token_id=EOS)),
+        "context_source_propose_automaton": lambda p: ContextSource(p, AUTOMATON),
+        "store_source_propose": lambda p: StoreSource(store, p),
+        "stats_source_propose": lambda p: StatsSource(table, p),
+        "merged_three_rescored": lambda p: Merged(p, store, table, HitRate()),
+    }
+    cost = {}
+    long_streams = streams(held + kept, args.context + args.steps, args.streams)
+    for name, make in makers.items():
+        samples = []
+        for s in long_streams:
+            samples += time_per_step(make, s, args.context, args.steps, args.budget)
+        cost[name] = summary(samples)
+        print(name, cost[name], flush=True)
+    build = {}
+    for name, cls in (("ngram_index", lambda p: NgramIndex(4, p)), ("suffix_automaton", SuffixAutomaton)):
+        t0 = time.perf_counter()
+        for s in long_streams:
+            cls(s[:args.context])
+        build[name] = round((time.perf_counter() - t0) / len(long_streams) * 1e3, 2)
+    print("seed ms per 2k prompt", build, flush=True)
+
+    # ---- offline hit rate on held-out answers
+    from build_store import load_tokenizer  # noqa: E402  (scripts/ is on sys.path when run as a script)
+    from draftheads.training.features import chat_prompt_ids
+
+    tokenizer = load_tokenizer(None)
+    if (store.header.vocab_size, store.header.vocab_sha256) != tuple(vars(tokenizer_identity(tokenizer)).values()):
+        raise SystemExit(f"{args.store} was built for another tokenizer.")
+    by_cat: dict[str, list[dict]] = {}
+    for r in held:
+        by_cat.setdefault(category(r["source"]), []).append(r)
+    shared_hitrate = HitRate()
+    replayers = {
+        "context": lambda p: ContextSource(p, ContextConfig(eos_token_id=EOS)),
+        "context_automaton": lambda p: ContextSource(p, AUTOMATON),
+        "store": lambda p: StoreSource(store, p),
+        "stats": lambda p: StatsSource(table, p),
+        "merged": lambda p: Merged(p, store, table, shared_hitrate),
+    }
+    hit = {}
+    for cat, recs in sorted(by_cat.items()):
+        recs = recs[:args.per_category]
+        hit[cat] = {"records": len(recs)}
+        for name, make in replayers.items():
+            tot = {"steps": 0, "first_hits": 0, "accepted": 0, "proposed_steps": 0, "tokens": 0}
+            for r in recs:
+                res = replay(make, chat_prompt_ids(tokenizer, r["prompt"]), r["response_ids"], args.budget)
+                tot = {k: tot[k] + res[k] for k in tot}
+            hit[cat][name] = {"first_token_hit": round(tot["first_hits"] / tot["steps"], 4),
+                              "proposed_rate": round(tot["proposed_steps"] / tot["steps"], 4),
+                              "mean_accepted": round(tot["accepted"] / tot["steps"], 4),
+                              "tau": round(tot["tokens"] / tot["steps"], 4), "steps": tot["steps"]}
+        print(cat, json.dumps(hit[cat]), flush=True)
+    q = {f"{s}:{b}": round(shared_hitrate.q(s, b), 3) for s in range(1, 4) for b in range(0, 5)
+         if shared_hitrate.proposed[s, b] > 0}
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
+        "meta": {"command": " ".join(sys.argv), "store": str(args.store), "store_header": vars(store.header),
+                 "budget": args.budget, "context_tokens": args.context, "steps_per_stream": args.steps,
+                 "streams": len(long_streams), "python": platform.python_version(), "cpu": platform.processor(),
+                 "note": "per-step = extend(1 token) + propose(budget), µs, one core; hit rate: greedy replay of "
+                         "held-out self-distilled answers (selfdistill records by source, not Spec-Bench: the data "
+                         "holds no base answers to Spec-Bench prompts)"},
+        "cost_per_step": cost, "seed_ms_per_2k_context": build, "hit_rate": hit, "learned_q": q}, indent=2))
+    print("wrote", out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
