@@ -27,8 +27,8 @@ from pathlib import Path
 import numpy as np
 
 from draftheads.decoding.drafters import (BigramTable, Candidates, ContextConfig, ContextSource, HitRate, ModelStore,
-                                          NgramIndex, StatsSource, StoreSource, SuffixAutomaton, merge,
-                                          tokenizer_identity)
+                                          NgramIndex, Source, StatsSource, StoreSource, SuffixAutomaton, default_q,
+                                          merge, tokenizer_identity)
 
 EOS = 2  # SmolLM2's <|im_end|>
 AUTOMATON = ContextConfig(eos_token_id=EOS, structure="automaton")
@@ -208,15 +208,17 @@ def main(argv: list[str] | None = None) -> int:
         for name, make in replayers.items():
             tot = {"steps": 0, "first_hits": 0, "accepted": 0, "proposed_steps": 0, "tokens": 0}
             for r in recs:
-                res = replay(make, chat_prompt_ids(tokenizer, r["prompt"]), r["response_ids"], args.budget)
+                res = replay(make, chat_prompt_ids(tokenizer, r["prompt"]), r["response_ids"], args.budget,
+                             shared_hitrate if name == "merged" else None)
                 tot = {k: tot[k] + res[k] for k in tot}
             hit[cat][name] = {"first_token_hit": round(tot["first_hits"] / tot["steps"], 4),
                               "proposed_rate": round(tot["proposed_steps"] / tot["steps"], 4),
                               "mean_accepted": round(tot["accepted"] / tot["steps"], 4),
                               "tau": round(tot["tokens"] / tot["steps"], 4), "steps": tot["steps"]}
         print(cat, json.dumps(hit[cat]), flush=True)
-    q = {f"{s}:{b}": round(shared_hitrate.q(s, b), 3) for s in range(1, 4) for b in range(0, 5)
-         if shared_hitrate.proposed[s, b] > 0}
+    q = {f"{Source(s).name}:{b}": {"q": round(shared_hitrate.q(s, b), 3), "prior": round(default_q(Source(s), b), 3),
+                                   "share_observed": round(float(shared_hitrate.proposed[s, b]), 1)}
+         for s in range(1, 4) for b in range(0, 9) if shared_hitrate.proposed[s, b] > 0}
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -227,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
                  "note": "per-step = extend(1 token) + propose(budget), µs, one core; hit rate: greedy replay of "
                          "held-out self-distilled answers (selfdistill records by source, not Spec-Bench: the data "
                          "holds no base answers to Spec-Bench prompts)"},
-        "cost_per_step": cost, "seed_ms_per_2k_context": build, "hit_rate": hit, "learned_q": q}, indent=2))
+        "cost_per_step": cost, "seed_ms_per_2k_context": build, "hit_rate": hit,
+        "learned_q_merged_replay": q}, indent=2))
     print("wrote", out)
     return 0
 
