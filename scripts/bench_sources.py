@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -29,14 +28,10 @@ import numpy as np
 from draftheads.decoding.drafters import (BigramTable, Candidates, ContextConfig, ContextSource, HitRate, ModelStore,
                                           NgramIndex, Source, StatsSource, StoreSource, SuffixAutomaton, default_q,
                                           merge, tokenizer_identity)
+from draftheads.training.features import read_jsonl
 
 EOS = 2  # SmolLM2's <|im_end|>
 AUTOMATON = ContextConfig(eos_token_id=EOS, structure="automaton")
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    with open(path, encoding="utf-8") as handle:  # not splitlines(): answers hold U+2028
-        return [json.loads(line) for line in handle if line.strip()]
 
 
 def streams(records: list[dict], length: int, count: int) -> list[list[int]]:
@@ -149,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(root / "results" / "lookup_sources" / "bench.json"))
     args = parser.parse_args(argv)
 
-    records = read_jsonl(Path(args.data))
+    records = list(read_jsonl(args.data))
     kept, held = records[:-args.holdout_last], records[-args.holdout_last:]
     store = ModelStore.open(args.store)
     if store.header.records != len(kept):

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from draftheads.decoding.drafters.store import (StoreHeader, FORMAT_VERSION, build_arrays, key_bits, save_store,
                                                 tokenizer_identity)
+from draftheads.training.features import read_jsonl
 
 
 def load_tokenizer(name: str | None):
@@ -35,8 +36,7 @@ def load_tokenizer(name: str | None):
 
 def read_records(path: Path, holdout_last: int, max_records: int | None) -> tuple[list[dict], list[dict]]:
     """(store records, held-out records), in file order."""
-    with open(path, encoding="utf-8") as handle:  # not splitlines(): answers hold U+2028
-        records = [json.loads(line) for line in handle if line.strip()]
+    records = list(read_jsonl(path))
     cut = len(records) - holdout_last if holdout_last else len(records)
     kept = records[:cut][:max_records] if max_records else records[:cut]
     return kept, records[cut:]
