@@ -25,13 +25,14 @@ from pathlib import Path
 
 import numpy as np
 
-from draftheads.decoding.drafters import (BigramTable, Candidates, ContextConfig, ContextSource, HitRate, ModelStore,
-                                          NgramIndex, Source, StatsSource, StoreSource, SuffixAutomaton, default_q,
-                                          merge, tokenizer_identity)
+from draftheads.decoding.drafters import (BigramTable, Candidates, ContextConfig, ContextSource, HitRate, LookupConfig,
+                                          LookupDrafter, ModelStore, NgramIndex, Source, StatsConfig, StatsSource,
+                                          StoreConfig, StoreSource, SuffixAutomaton, default_q, tokenizer_identity)
 from draftheads.training.features import read_jsonl
 
 EOS = 2  # SmolLM2's <|im_end|>
 AUTOMATON = ContextConfig(eos_token_id=EOS, structure="automaton")
+LOOKUP = LookupConfig(ContextConfig(eos_token_id=EOS), StoreConfig(eos_token_id=EOS), StatsConfig(eos_token_id=EOS))
 
 
 def streams(records: list[dict], length: int, count: int) -> list[list[int]]:
@@ -70,6 +71,20 @@ class MatchOnly:
 
     def propose(self, budget):
         return self.s.match()
+
+
+class RowView:
+    """One row of a :class:`LookupDrafter` with a single source's extend/propose calls."""
+
+    def __init__(self, drafter: LookupDrafter, prompt):
+        self.drafter = drafter
+        drafter.start(0, prompt)
+
+    def extend(self, tokens):
+        self.drafter.extend(0, tokens)
+
+    def propose(self, budget):
+        return self.drafter.propose(0, budget)
 
 
 def summary(samples: list[float]) -> dict:
@@ -114,22 +129,6 @@ def replay(make, prompt: list[int], answer: list[int], budget: int, hitrate: Hit
             "tokens": len(answer)}
 
 
-class Merged:
-    """The three lookup sources rescored by one :class:`HitRate` and merged under the budget."""
-
-    def __init__(self, prompt, store, table, hitrate: HitRate):
-        self.parts = [ContextSource(prompt, ContextConfig(eos_token_id=EOS)), StoreSource(store, prompt),
-                      StatsSource(table, prompt)]
-        self.hitrate = hitrate
-
-    def extend(self, tokens):
-        for part in self.parts:
-            part.extend(tokens)
-
-    def propose(self, budget):
-        return merge([self.hitrate.rescore(p.propose(budget)) for p in self.parts], budget)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     root = Path(__file__).resolve().parents[1]
@@ -158,9 +157,9 @@ def main(argv: list[str] | None = None) -> int:
         "context_suffix_automaton_match": lambda p: MatchOnly(SuffixAutomaton(p)),
         "context_source_propose": lambda p: ContextSource(p, ContextConfig(eos_token_id=EOS)),
         "context_source_propose_automaton": lambda p: ContextSource(p, AUTOMATON),
-        "store_source_propose": lambda p: StoreSource(store, p),
-        "stats_source_propose": lambda p: StatsSource(table, p),
-        "merged_three_rescored": lambda p: Merged(p, store, table, HitRate()),
+        "store_source_propose": lambda p: StoreSource(store, p, LOOKUP.store),
+        "stats_source_propose": lambda p: StatsSource(table, p, LOOKUP.stats),
+        "merged_three_rescored": lambda p: RowView(LookupDrafter(store, LOOKUP), p),
     }
     cost = {}
     long_streams = streams(held + kept, args.context + args.steps, args.streams)
@@ -192,9 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     replayers = {
         "context": lambda p: ContextSource(p, ContextConfig(eos_token_id=EOS)),
         "context_automaton": lambda p: ContextSource(p, AUTOMATON),
-        "store": lambda p: StoreSource(store, p),
-        "stats": lambda p: StatsSource(table, p),
-        "merged": lambda p: Merged(p, store, table, shared_hitrate),
+        "store": lambda p: StoreSource(store, p, LOOKUP.store),
+        "stats": lambda p: StatsSource(table, p, LOOKUP.stats),
+        "merged": lambda p: RowView(LookupDrafter(store, LOOKUP, shared_hitrate), p),
     }
     hit = {}
     for cat, recs in sorted(by_cat.items()):

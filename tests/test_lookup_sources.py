@@ -294,3 +294,36 @@ def test_candidates_reject_children_before_parents():
         Candidates.from_lists([1, -1], [5, 6], [0.5, 0.5], [1, 1], [1, 1], [1.0, 1.0])
     with pytest.raises(ValueError, match="one entry per node"):
         Candidates.from_lists([-1], [5, 6], [0.5], [1], [1], [1.0])
+
+
+def test_lookup_drafter_merges_rows_sources_and_learns(tmp_path):
+    from draftheads.decoding.drafters import LookupDrafter
+
+    write_store(tmp_path / "s.safetensors")
+    drafter = LookupDrafter(ModelStore.open(tmp_path / "s.safetensors"))
+    drafter.start(7, [6, 7, 8, 1, 6, 7])
+    trie = drafter.propose(7, 6)
+    check_trie(trie)
+    assert len(trie) == 6 and Source.CONTEXT in set(trie.source.tolist()) and len(set(trie.source.tolist())) >= 2
+    assert trie.path(0) == (8,)  # context and store agree on the first token
+    before = drafter.hitrate.accepted.sum()
+    assert drafter.observe(7, trie, [8, 1]) >= 1 and drafter.hitrate.accepted.sum() > before
+    drafter.extend(7, [8, 1, 2])
+    assert drafter.rows[7][0].index.tokens[-3:] == [8, 1, 2] and drafter.rows[7][1].tail[-1] == 2
+    drafter.drop(7)
+    assert 7 not in drafter.rows
+    only_context = LookupDrafter()
+    only_context.start(0, [1, 2, 1])
+    assert set(only_context.propose(0, 4).source.tolist()) == {Source.CONTEXT}
+
+
+def test_head_candidates_share_the_scale():
+    heads = Candidates.from_heads([-1, 0, -1], [5, 6, 7], [0.6, 0.5, 0.2])
+    assert heads.depth.tolist() == [1, 2, 1] and heads.bucket.tolist() == [1, 2, 1]
+    assert heads.score.tolist() == pytest.approx([0.6, 0.3, 0.2])
+    est = HitRate()
+    assert est.rescore(heads).score.tolist() == pytest.approx([0.6, 0.3, 0.2])  # prior: face value
+    lookup = count_trie([[5, 9]], Source.CONTEXT, 4, 0.9)
+    merged = merge([heads, lookup], 3)
+    assert merged.paths().keys() == {(5,), (5, 9), (5, 6)}  # 0.81 and the head's 0.3 beat its 0.2
+    assert merged.source[merged.paths()[(5,)]] == Source.CONTEXT

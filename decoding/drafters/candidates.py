@@ -68,6 +68,19 @@ class Candidates:
                    np.asarray(score, dtype=np.float64).reshape(n), np.asarray(source, dtype=np.int8).reshape(n),
                    np.asarray(bucket, dtype=np.int16).reshape(n), np.asarray(share, dtype=np.float64).reshape(n))
 
+    @classmethod
+    def from_heads(cls, parent: Sequence[int], token: Sequence[int], prob: Sequence[float]) -> "Candidates":
+        """Head drafts in the same format: ``prob`` (N,) = the head's softmax probability of the
+        node's token; bucket = depth, so :class:`HitRate` learns one calibration per head depth
+        and head nodes compete with lookup nodes on the P(accepted) scale. Scores start as the
+        product of probabilities along the path (rescore with a HitRate to calibrate)."""
+        score: list[float] = []
+        for p, q in zip(parent, prob):
+            score.append((1.0 if p < 0 else score[p]) * float(q))
+        trie = cls.from_lists(parent, token, score, [Source.HEADS] * len(token), [0] * len(token), prob)
+        return Candidates(trie.parent, trie.token, trie.depth, trie.score, trie.source, trie.depth.astype(np.int16),
+                          trie.share)
+
     def path(self, node: int) -> tuple[int, ...]:
         """Tokens root→node."""
         tokens = []
