@@ -327,3 +327,22 @@ def test_head_candidates_share_the_scale():
     merged = merge([heads, lookup], 3)
     assert merged.paths().keys() == {(5,), (5, 9), (5, 6)}  # 0.81 and the head's 0.3 beat its 0.2
     assert merged.source[merged.paths()[(5,)]] == Source.CONTEXT
+
+
+def test_build_store_script_holds_out_the_last_records(tmp_path, monkeypatch, capsys):
+    import importlib.util
+    import json as _json
+
+    spec = importlib.util.spec_from_file_location("build_store", REPO / "scripts" / "build_store.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setattr(script, "load_tokenizer", lambda name: FakeTokenizer(10))
+    data = tmp_path / "answers.jsonl"
+    data.write_text("".join(_json.dumps({"response_ids": r}) + "\n" for r in RECORDS))
+    out = tmp_path / "store.safetensors"
+    assert script.main(["--data", str(data), "--out", str(out), "--holdout-last", "1"]) == 0
+    report = _json.loads(capsys.readouterr().out)
+    store = ModelStore.open(out, expect=tokenizer_identity(FakeTokenizer(10)))
+    assert report["records"] == store.header.records == 3 and store.header.tokens == 15
+    assert store.tokens.tolist() == [t for r in RECORDS[:3] for t in r + [-1]]  # the last record is held out
+    assert "held out: last 1" in store.header.source and report["bytes"] == out.stat().st_size
