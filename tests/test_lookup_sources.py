@@ -215,6 +215,14 @@ def test_empty_store_is_refused(tmp_path):
     with pytest.raises(StoreError, match="empty store"):
         write_store(tmp_path / "e.safetensors", records=[[], []])
     assert not (tmp_path / "e.safetensors").exists()
+    # a file that claims tokens but holds no keys (written by something else) is refused on open
+    ident = tokenizer_identity(FakeTokenizer(10))
+    arrays = {"tokens": np.array([-1], np.int32), "keys": np.zeros(0, np.uint64), "positions": np.zeros(0, np.int32),
+              "bigram_next": np.full(10, -1, np.int32), "bigram_prob": np.zeros(10, np.float32)}
+    save_store(tmp_path / "e.safetensors", arrays,
+               StoreHeader(FORMAT_VERSION, 10, ident.vocab_sha256, 16, 4, "2026-11-24", "test", 1, 1))
+    with pytest.raises(StoreError, match=r"e\.safetensors is an empty store.*build_store\.py"):
+        ModelStore.open(tmp_path / "e.safetensors")
 
 
 def test_store_too_large_for_memory_is_refused_before_loading(tmp_path):
