@@ -1,0 +1,95 @@
+"""Online hit-rate estimator: turns a source's raw proposal into P(accepted) on one scale.
+
+Every node carries ``(source, bucket, share)``: who proposed it, the feature its reliability
+depends on (match length for lookups; for heads, the head depth) and its empirical
+conditional frequency (count(node)/count(parent) for lookups; the head's softmax probability
+for heads). The conditional acceptance of a node whose parent was accepted is modelled as
+``c = min(1, q[source, bucket] × share)``: ``q`` is a calibration factor learned online as
+Σ accepted / Σ share over the nodes that were *eligible* (parent accepted), with a Beta-like
+prior of ``strength`` pseudo-observations at a per-source default. A node's score is the
+product of ``c`` along its path. Because heads and lookups are calibrated against the same
+event (the base accepts the token), their scores are directly comparable in :func:`merge`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from .candidates import Candidates, Source
+
+
+def default_q(source: Source, bucket: int) -> float:
+    """Prior calibration before any observation. Context matches are trusted more the longer
+    they are; static-store matches less than context ones (SAM-Decoding penalises them by 5
+    tokens); the bigram table least; heads start at face value."""
+    if source == Source.HEADS:
+        return 1.0
+    if source == Source.CONTEXT:
+        return min(0.9, 0.35 + 0.1 * bucket)
+    if source == Source.STORE:
+        return min(0.8, 0.2 + 0.08 * bucket)
+    return 0.4
+
+
+@dataclass(frozen=True)
+class HitRateConfig:
+    strength: float = 8.0  # prior pseudo-observations (in units of share)
+    max_bucket: int = 32  # larger buckets are clipped
+
+
+class HitRate:
+    """Per (source, bucket) accepted / Σ share counts, shared by all rows of a decoder."""
+
+    def __init__(self, config: HitRateConfig = HitRateConfig()):
+        self.config = config
+        shape = (len(Source), config.max_bucket + 1)
+        self.accepted = np.zeros(shape)
+        self.proposed = np.zeros(shape)  # Σ share of eligible nodes
+        self.prior = np.array([[default_q(s, b) for b in range(shape[1])] for s in Source])
+        self.row_steps: dict[int, int] = {}
+        self.row_accepted: dict[int, int] = {}
+
+    def q(self, source: int, bucket: int) -> float:
+        b = min(int(bucket), self.config.max_bucket)
+        k = self.config.strength
+        return float((self.accepted[source, b] + k * self.prior[source, b]) / (self.proposed[source, b] + k))
+
+    def conditional(self, trie: Candidates) -> np.ndarray:
+        """(N,) c per node = min(1, q × share)."""
+        b = np.minimum(trie.bucket.astype(np.int64), self.config.max_bucket)
+        s = trie.source.astype(np.int64)
+        k = self.config.strength
+        q = (self.accepted[s, b] + k * self.prior[s, b]) / (self.proposed[s, b] + k)
+        return np.minimum(1.0, q * trie.share)
+
+    def rescore(self, trie: Candidates) -> Candidates:
+        """The same trie with score = Π c along each path (parents come first)."""
+        c = self.conditional(trie)
+        score = np.empty(len(trie))
+        for i in range(len(trie)):
+            p = int(trie.parent[i])
+            score[i] = c[i] * (1.0 if p < 0 else score[p])
+        return trie.with_scores(score)
+
+    def observe(self, row: int, proposed: Candidates, accepted_tokens: Sequence[int]) -> int:
+        """Update from one verification: ``accepted_tokens`` are the draft tokens the base
+        accepted this step, root-side first (the bonus token excluded). Returns how many of
+        the proposed nodes lie on the accepted path."""
+        accepted = np.zeros(len(proposed), dtype=bool)
+        hits = 0
+        for i in range(len(proposed)):
+            p = int(proposed.parent[i])
+            if p >= 0 and not accepted[p]:
+                continue  # not eligible: its parent was rejected
+            d = int(proposed.depth[i])
+            s, b = int(proposed.source[i]), min(int(proposed.bucket[i]), self.config.max_bucket)
+            self.proposed[s, b] += float(proposed.share[i])
+            if d <= len(accepted_tokens) and int(proposed.token[i]) == int(accepted_tokens[d - 1]):
+                accepted[i] = True
+                self.accepted[s, b] += 1.0
+                hits += 1
+        self.row_steps[row] = self.row_steps.get(row, 0) + 1
+        self.row_accepted[row] = self.row_accepted.get(row, 0) + hits
+        return hits

@@ -1,0 +1,313 @@
+"""Model-generated store: n-gram continuations from the base's own answers (HD's
+"model-dependent" database, SuffixDecoding's global tree), as compact numpy arrays in one
+safetensors file that is memory-mapped, never read whole.
+
+Layout. ``tokens`` (T,) int32 is every answer concatenated, each followed by -1. For each
+position j whose token is a real continuation, ``keys`` holds the n tokens *before* j packed
+most-recent-first into one uint64 (``bits`` per token, the all-ones digit marking "before the
+answer's start"); ``keys`` is sorted and ``positions`` holds the matching j. The suffix of
+length m ≤ n of a history then owns one contiguous key range (its m digits on top), found by
+two binary searches: longest match first costs ≤ 2n ``searchsorted`` calls on a mapped
+array. ``bigram_next``/``bigram_prob`` (V,) is the statistics table (:mod:`.stats`) built from
+the same tokens. The header (safetensors ``__metadata__``) records the format version, the
+tokenizer identity (vocab size + SHA-256 of its vocab), n, the build date and the source.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import struct
+import tempfile
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from .candidates import Candidates, Source, count_trie, select
+from .hitrate import default_q
+
+FORMAT = "draftheads-lookup-store"
+FORMAT_VERSION = 1
+SEPARATOR = -1
+_DTYPES = {"I32": np.int32, "U64": np.uint64, "F32": np.float32}
+_NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
+FIX = "rebuild it with `python scripts/build_store.py --data <answers.jsonl> --out <store.safetensors>`"
+
+
+class StoreError(ValueError):
+    """A store file that cannot be used: wrong tokenizer, corrupt, empty, or too large."""
+
+
+@dataclass(frozen=True)
+class TokenizerIdentity:
+    vocab_size: int
+    vocab_sha256: str
+
+
+def tokenizer_identity(tokenizer) -> TokenizerIdentity:
+    """Vocab size + a hash of the token → id map (any object with ``get_vocab()``), so a store
+    is only used with the tokenizer whose ids it holds."""
+    vocab = tokenizer.get_vocab()
+    blob = json.dumps(sorted(vocab.items(), key=lambda kv: kv[1]), ensure_ascii=False).encode()
+    return TokenizerIdentity(len(vocab), hashlib.sha256(blob).hexdigest())
+
+
+@dataclass(frozen=True)
+class StoreHeader:
+    format_version: int
+    vocab_size: int
+    vocab_sha256: str
+    n: int
+    bits: int
+    build_date: str
+    source: str
+    records: int
+    tokens: int
+
+    def to_metadata(self) -> dict[str, str]:
+        return {"format": FORMAT} | {k: str(v) for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_metadata(cls, meta: dict[str, str], path: Path) -> "StoreHeader":
+        if meta.get("format") != FORMAT:
+            raise StoreError(f"{path} is not a draftheads lookup store (format={meta.get('format')!r}); {FIX}.")
+        try:
+            return cls(int(meta["format_version"]), int(meta["vocab_size"]), meta["vocab_sha256"], int(meta["n"]),
+                       int(meta["bits"]), meta["build_date"], meta["source"], int(meta["records"]), int(meta["tokens"]))
+        except (KeyError, ValueError) as err:
+            raise StoreError(f"{path} has a damaged header ({err!r}); {FIX}.") from None
+
+
+def key_bits(vocab_size: int) -> int:
+    """Bits per packed token: enough for every id plus the all-ones "no token" digit."""
+    return max(1, int(vocab_size).bit_length())
+
+
+def pack_suffix(history: Sequence[int], m: int, bits: int) -> int:
+    """The last m tokens, most recent in the top digit."""
+    key = 0
+    for k in range(1, m + 1):
+        key = (key << bits) | int(history[-k])
+    return key
+
+
+def build_arrays(records: Sequence[Sequence[int]], vocab_size: int) -> dict[str, np.ndarray]:
+    """All arrays of a store from token sequences (vectorised; ~1 s for 650k tokens)."""
+    bits = key_bits(vocab_size)
+    n = 64 // bits
+    lengths = np.array([len(r) for r in records], dtype=np.int64)
+    if lengths.sum() == 0:
+        raise StoreError("refusing to build an empty store: the data held no answer tokens (check `response_ids`).")
+    tokens = np.full(int(lengths.sum()) + len(records), SEPARATOR, dtype=np.int64)
+    ends = np.cumsum(lengths + 1) - 1  # separator slots
+    starts = ends - lengths
+    for s, r in zip(starts, records):
+        tokens[s:s + len(r)] = r
+    if tokens.size and (tokens.max() >= vocab_size or (tokens[tokens != SEPARATOR] < 0).any()):
+        raise StoreError(f"token ids must lie in [0, {vocab_size}): the data was tokenized with another tokenizer.")
+    none = (1 << bits) - 1
+    digits = np.where(tokens == SEPARATOR, none, tokens).astype(np.uint64)
+    j = np.flatnonzero(tokens != SEPARATOR)
+    keys = np.zeros(j.size, dtype=np.uint64)
+    for k in range(1, n + 1):
+        prev = j - k
+        d = np.where(prev >= 0, digits[np.maximum(prev, 0)], np.uint64(none))
+        keys |= d.astype(np.uint64) << np.uint64(bits * (n - k))
+    order = np.argsort(keys, kind="stable")
+    nxt, prob = bigram_arrays(tokens, vocab_size)
+    return {"tokens": tokens.astype(np.int32), "keys": keys[order], "positions": j[order].astype(np.int32),
+            "bigram_next": nxt, "bigram_prob": prob}
+
+
+def bigram_arrays(tokens: np.ndarray, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(V,) most frequent next token per token (-1 if never followed) and its frequency."""
+    a, b = tokens[:-1], tokens[1:]
+    ok = (a != SEPARATOR) & (b != SEPARATOR)
+    pairs, counts = np.unique(a[ok] * vocab_size + b[ok], return_counts=True)
+    first, second = pairs // vocab_size, pairs % vocab_size
+    # per first token: the pair with the highest count, ties to the smaller next id (pairs are sorted)
+    order = np.lexsort((second, -counts, first))
+    first, second, counts = first[order], second[order], counts[order]
+    lead = np.r_[True, first[1:] != first[:-1]]
+    totals = np.bincount(first, weights=counts, minlength=vocab_size)
+    nxt = np.full(vocab_size, -1, dtype=np.int32)
+    prob = np.zeros(vocab_size, dtype=np.float32)
+    nxt[first[lead]] = second[lead]
+    prob[first[lead]] = counts[lead] / totals[first[lead]]
+    return nxt, prob
+
+
+def save_store(path: str | Path, arrays: dict[str, np.ndarray], header: StoreHeader) -> Path:
+    """Write a safetensors file atomically (temp file + rename)."""
+    path = Path(path)
+    if header.tokens == 0:
+        raise StoreError(f"refusing to write an empty store to {path}: the data held no answer tokens.")
+    meta: dict = {"__metadata__": header.to_metadata()}
+    # widest dtypes first: with the header padded to 8 bytes every array starts aligned, so the
+    # mapped arrays need no copy (an unaligned uint64 key array made searchsorted copy it whole)
+    arrays = dict(sorted(arrays.items(), key=lambda kv: -kv[1].dtype.itemsize))
+    offset = 0
+    for name, arr in arrays.items():
+        arr = np.ascontiguousarray(arr)
+        meta[name] = {"dtype": _NAMES[arr.dtype], "shape": list(arr.shape), "data_offsets": [offset, offset + arr.nbytes]}
+        offset += arr.nbytes
+    blob = json.dumps(meta).encode()
+    blob += b" " * (-len(blob) % 8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".tmp-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(struct.pack("<Q", len(blob)) + blob)
+            for arr in arrays.values():
+                out.write(np.ascontiguousarray(arr).tobytes())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def available_memory() -> int:
+    """Bytes the OS can give us now (MemAvailable), or total RAM where /proc is missing."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _read_layout(path: Path) -> tuple[dict, int]:
+    """Header dict and data start offset; every inconsistency is a StoreError."""
+    if not path.is_file():
+        raise StoreError(f"store file {path} does not exist; {FIX}.")
+    size = path.stat().st_size
+    with open(path, "rb") as handle:
+        head = handle.read(8)
+        if len(head) < 8:
+            raise StoreError(f"{path} is truncated ({size} bytes, no header); {FIX}.")
+        (length,) = struct.unpack("<Q", head)
+        if length > size - 8 or length > 100_000_000:
+            raise StoreError(f"{path} is truncated or corrupt (header of {length} bytes in a {size}-byte file); {FIX}.")
+        try:
+            layout = json.loads(handle.read(length))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise StoreError(f"{path} is corrupt (unreadable header); {FIX}.") from None
+    data_start = 8 + length
+    for name in ("tokens", "keys", "positions", "bigram_next", "bigram_prob"):
+        spec = layout.get(name)
+        if not isinstance(spec, dict) or spec.get("dtype") not in _DTYPES:
+            raise StoreError(f"{path} is corrupt (array {name!r} missing or of unknown type); {FIX}.")
+        begin, end = spec["data_offsets"]
+        if data_start + end > size:
+            raise StoreError(f"{path} is truncated ({size} bytes, array {name!r} needs {data_start + end}); {FIX}.")
+        width = np.dtype(_DTYPES[spec["dtype"]]).itemsize
+        if end - begin != width * int(np.prod(spec["shape"], dtype=np.int64)):
+            raise StoreError(f"{path} is corrupt (array {name!r} has the wrong byte length); {FIX}.")
+    return layout, data_start
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    min_match: int = 1  # shortest suffix worth a store lookup (1 ≈ a bigram with branches)
+    max_depth: int = 12  # tokens per continuation (and never more than the budget)
+    max_occurrences: int = 8  # occurrences sampled from a match's range (evenly, deterministic)
+    eos_token_id: int | None = None
+
+
+class ModelStore:
+    """A memory-mapped store; :meth:`open` checks everything before touching the arrays."""
+
+    def __init__(self, path: Path, header: StoreHeader, arrays: dict[str, np.ndarray]):
+        self.path, self.header = path, header
+        self.tokens = arrays["tokens"]
+        self.keys = arrays["keys"]
+        self.positions = arrays["positions"]
+        self.bigram_next = arrays["bigram_next"]
+        self.bigram_prob = arrays["bigram_prob"]
+
+    @classmethod
+    def open(cls, path: str | Path, expect: TokenizerIdentity | None = None,
+             memory_limit: int | None = None) -> "ModelStore":
+        path = Path(path)
+        layout, data_start = _read_layout(path)
+        header = StoreHeader.from_metadata(layout.get("__metadata__") or {}, path)
+        if header.format_version != FORMAT_VERSION:
+            raise StoreError(f"{path} is store format {header.format_version}; this draftheads reads {FORMAT_VERSION}; {FIX}.")
+        if expect is not None and (header.vocab_size, header.vocab_sha256) != (expect.vocab_size, expect.vocab_sha256):
+            raise StoreError(f"{path} was built for another tokenizer (vocab {header.vocab_size}, sha256 "
+                             f"{header.vocab_sha256[:12]}…; this base's is vocab {expect.vocab_size}, "
+                             f"{expect.vocab_sha256[:12]}…): its token ids mean other words here; rebuild it from "
+                             f"this base's answers with `python scripts/build_store.py --data <answers.jsonl> --out {path}`.")
+        if header.tokens == 0 or layout["keys"]["shape"][0] == 0:
+            raise StoreError(f"{path} is an empty store (no answer tokens); {FIX} from data with answers.")
+        need = path.stat().st_size
+        limit = available_memory() if memory_limit is None else memory_limit
+        if need > limit:
+            raise StoreError(f"{path} needs {need / 2**20:.1f} MiB but only {limit / 2**20:.1f} MiB of memory is "
+                             f"available: free memory, or rebuild a smaller store (`--max-records`).")
+        with open(path, "rb") as handle:  # the mapping outlives the descriptor
+            mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+        # plain ndarrays over the mapping: pages are read on first touch, and slicing them is
+        # cheaper than slicing np.memmap (no subclass bookkeeping on every lookup)
+        arrays = {name: np.frombuffer(mapped, dtype=_DTYPES[spec["dtype"]], offset=data_start + spec["data_offsets"][0],
+                                      count=int(np.prod(spec["shape"], dtype=np.int64)))
+                  for name, spec in layout.items() if name != "__metadata__"}
+        return cls(path, header, arrays)
+
+    def match(self, history: Sequence[int], min_match: int = 1) -> tuple[int, int, int]:
+        """(m, lo, hi): the longest suffix of ``history`` (m ≤ n) present in the store and its
+        key range; (0, 0, 0) if none or the history is shorter than ``min_match``."""
+        bits, n = self.header.bits, self.header.n
+        for m in range(min(n, len(history)), max(min_match, 1) - 1, -1):
+            shift = bits * (n - m)
+            prefix = pack_suffix(history, m, bits)
+            lo = int(np.searchsorted(self.keys, np.uint64(prefix << shift), side="left"))
+            hi = int(np.searchsorted(self.keys, np.uint64(((prefix + 1) << shift) - 1), side="right"))
+            if hi > lo:
+                return m, lo, hi
+        return 0, 0, 0
+
+    def continuations(self, lo: int, hi: int, config: StoreConfig) -> list[list[int]]:
+        """Up to ``max_occurrences`` continuations, sampled evenly over the range so shares
+        estimate the whole range's frequencies."""
+        k = min(config.max_occurrences, hi - lo)
+        picks = np.unique(np.linspace(lo, hi - 1, k).round().astype(np.int64))
+        out = []
+        for start in self.positions[picks].tolist():
+            seq = self.tokens[start:start + config.max_depth].tolist()
+            if SEPARATOR in seq:
+                seq = seq[:seq.index(SEPARATOR)]
+            if config.eos_token_id is not None and config.eos_token_id in seq:
+                seq = seq[:seq.index(config.eos_token_id) + 1]
+            if seq:
+                out.append(seq)
+        return out
+
+
+class StoreSource:
+    """One row's view of a :class:`ModelStore`: only the last n tokens matter, so an append is
+    O(1) and nothing is rescanned."""
+
+    def __init__(self, store: ModelStore, prompt: Sequence[int], config: StoreConfig = StoreConfig()):
+        self.store, self.config = store, config
+        self.tail: list[int] = list(prompt)[-store.header.n:]
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        self.tail = (self.tail + [int(t) for t in tokens])[-self.store.header.n:]
+
+    def propose(self, budget: int, q: float | None = None) -> Candidates:
+        if budget <= 0:
+            return Candidates.empty()
+        m, lo, hi = self.store.match(self.tail, self.config.min_match)
+        if m == 0:
+            return Candidates.empty()
+        cfg = self.config
+        seqs = self.store.continuations(lo, hi, replace(cfg, max_depth=min(cfg.max_depth, budget)))
+        trie = count_trie(seqs, Source.STORE, m, default_q(Source.STORE, m) if q is None else q)
+        return select(trie, budget)
