@@ -76,6 +76,14 @@ class HeadConfig:
     default_budget_by_dtype: dict[str, dict] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        defaults = {f.name: (f.default_factory() if callable(f.default_factory) else f.default) for f in fields(self)}
+        if any(key in self.extra for key in PROMOTED_FROM_EXTRA):
+            self.extra = dict(self.extra)
+            for key in PROMOTED_FROM_EXTRA:  # formats 1-2 kept these untyped in ``extra``
+                if key in self.extra:
+                    value = self.extra.pop(key)
+                    if getattr(self, key) == defaults[key]:
+                        setattr(self, key, value)
         for name in ("num_heads", "num_layers", "hidden_size", "vocab_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -100,12 +108,6 @@ class HeadConfig:
                 f"config.json is {what}, written by draftheads {data.get('draftheads_version') or 'unknown'}; this is "
                 f"draftheads {DRAFTHEADS_VERSION}, which reads formats 1-{FORMAT_VERSION}. Upgrade draftheads "
                 f"(pip install -U draftheads) to load it.")
-        data = dict(data)
-        extra = dict(data.get("extra") or {})
-        for key in PROMOTED_FROM_EXTRA:  # formats 1-2 kept these untyped in ``extra``
-            if key in extra:
-                data.setdefault(key, extra.pop(key))
-        data["extra"] = extra
         return cls(**{k: v for k, v in data.items() if k in known})
 
 

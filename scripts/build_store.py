@@ -1,7 +1,7 @@
 """Build the model-generated lookup store from the base's own answers.
 
     python scripts/build_store.py --data ../shared/data/selfdistill_smollm2.jsonl \\
-        --out checkpoints/smollm2-135m-lookup/store.safetensors [--holdout-last 300]
+        --out checkpoints/smollm2-135m-hydra/lookup_store.safetensors [--holdout-last 300]
 
 Reads ``response_ids`` of every record (the last ``--holdout-last`` records are left out, so
 they can measure hit rates on answers the store never saw), packs the n-gram keys, positions

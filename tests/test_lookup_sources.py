@@ -270,7 +270,7 @@ def test_hit_rate_learns_and_rescores():
 
 
 def test_committed_store_opens_with_its_header():
-    path = REPO / "checkpoints" / "smollm2-135m-lookup" / "store.safetensors"
+    path = REPO / "checkpoints" / "smollm2-135m-hydra" / "lookup_store.safetensors"
     store = ModelStore.open(path)
     assert store.header.vocab_size == 49152 and store.header.n == 4 and store.header.tokens == 650104
     m, lo, hi = store.match([28, 284])
