@@ -509,6 +509,8 @@ def train(recipe: Recipe) -> dict:
     accelerator = make_accelerator(recipe, output_dir)
     configure_deepspeed(accelerator, recipe)
     resume = resume_point(recipe, output_dir)
+    if resume is not None:
+        check_checkpoint_files(resume)  # every file is data, checked before any work (and before accelerate opens it)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         (output_dir / RECIPE_FILE).write_text(json.dumps(recipe.identity(), indent=1) + "\n")
@@ -562,7 +564,6 @@ def train(recipe: Recipe) -> dict:
     if adversary is not None:
         own_state.update(discriminator=adversary.discriminator, discriminator_optimizer=adversary.optimizer)
     if resume is not None:
-        check_checkpoint_files(resume)  # every file is data, before accelerate opens any of them
         accelerator.load_state(str(resume))
         load_run_state(resume, own_state)
         accelerator.print(f"[draftheads] resumed from {resume} at step {progress.step}")
@@ -674,6 +675,19 @@ def finish(heads: DraftHeads, eval_table: Features, recipe: Recipe, parts: Froze
     return report
 
 
+def quiet_library_bars() -> None:
+    """Without a terminal on stderr (logs, CI, ``accelerate launch`` workers) the libraries'
+    own bars (transformers' weight loading, datasets' split generation) are switched off: a log
+    should hold the run's own progress and, on failure, one ``error:`` line."""
+    if sys.stderr.isatty():
+        return
+    import datasets
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    datasets.disable_progress_bars()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -685,6 +699,7 @@ def main(argv: list[str] | None = None) -> int:
     except RecipeError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    quiet_library_bars()
     try:
         report = train(recipe)
     except (RecipeError, DataError, CheckpointError, FileNotFoundError) as err:  # one clear line, no traceback
