@@ -24,12 +24,14 @@ from draftheads.decoding import DraftHeadsModel
 from draftheads.decoding.base import dtype_name, parse_dtype
 from draftheads.decoding.policy import CalibrationConfig, best_budget, calibrate
 
-QUICK = CalibrationConfig(batch_sizes=(1,), contexts=(128, 512), reps=6)
+#: batch size 1 at the context the default is chosen for, best of 30 runs per point (a bs-1
+#: forward is ~40 ms here: one slow spell of a shared machine must not decide the default)
+BATCH_ONE = CalibrationConfig(batch_sizes=(1,), contexts=(256,), reps=30)
 
 
 def choose(checkpoint: str, dtype: torch.dtype, context: int, tau_scale: float, refresh: bool) -> dict:
     model = DraftHeadsModel.from_pretrained(checkpoint, dtype=dtype, tree=0)
-    cost = calibrate(model.base, model.heads, QUICK, refresh=refresh)
+    cost = calibrate(model.base, model.heads, BATCH_ONE, refresh=refresh)
     ranked = best_budget(model.heads, cost, 1, context, tau_scale)
     return {"budget": ranked[0].budget, "context": context, "tau_scale": tau_scale,
             "ranked": [{"budget": c.budget, "nodes": c.nodes, "tau": round(c.tau, 3), "step_ms": round(c.step_ms, 2),
