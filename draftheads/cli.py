@@ -11,8 +11,7 @@ from pathlib import Path
 
 import torch
 
-from .decoding.base import DTYPE_CHOICES
-from .decoding.limits import InputError
+from .decoding.limits import DTYPE_CHOICES, InputError
 from .prompts import PromptError, PromptFileError, chat_input, split_cap
 from .prompts import read_prompts as _read_prompts
 

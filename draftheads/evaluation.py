@@ -22,7 +22,7 @@ from .heads import DraftHeads
 from .training.features import (Features, chat_prompt_ids, extract_features, load_shards, read_jsonl,
                                 selfdistill_examples)
 from .training.losses import topk_accuracy
-from .training.train import rank_table
+from .training.evaluation import rank_table
 
 
 def answers_cache_path(prompts_path: str | Path, limit: int | None, max_new_tokens: int, dtype: str,

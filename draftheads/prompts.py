@@ -10,7 +10,6 @@ is MT-Bench's 80 prompts plus 8 of each other Spec-Bench category.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Sequence
 
 import torch

@@ -12,7 +12,7 @@ import torch
 from .decoding.tree import tree_from_ranks
 from .heads import DraftHeads
 from .training.features import Features, read_jsonl
-from .training.train import rank_table
+from .training.evaluation import rank_table
 
 DEFAULT_BUDGETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 

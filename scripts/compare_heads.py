@@ -32,7 +32,7 @@ from typing import Callable
 
 import torch
 
-from draftheads.bench import hf_greedy, summarize, timed, timed_draftheads, timed_hf
+from draftheads.bench import hf_greedy, summarize, timed_draftheads, timed_hf
 from draftheads.prompts import chat_input, read_prompts
 from draftheads.decoding import DraftHeadsModel, Tree, fingerprint, load_base
 from draftheads.decoding.step import PhaseTimer

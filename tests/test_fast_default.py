@@ -8,17 +8,15 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from conftest import OracleHeads, tiny_llama
 from draftheads.decoding import DraftHeadsModel, tree_from_paths
 from draftheads.decoding import base as base_module
 from draftheads.decoding.accept import greedy_tokens
-from draftheads.decoding.base import (DtypeError, choose_dtype, lm_logits, native_dtype, parse_dtype, prefill,
-                                     use_packed_linears)
+from draftheads.decoding.base import choose_dtype, lm_logits, native_dtype, prefill, use_packed_linears
 from draftheads.heads.linear import PackedLinear, packed_linears, packing_available
 from draftheads.decoding.generate import default_budget
-from draftheads.decoding.limits import InputTypeError
+from draftheads.decoding.limits import DtypeError, InputTypeError, parse_dtype
 from draftheads.decoding.step import PHASES, PhaseTimer
 from draftheads.streamer import DRAFT_COLOUR, RESET, DraftColourStreamer
 

@@ -23,7 +23,8 @@ from draftheads.training.features import Example
 from draftheads.training.losses import (IGNORE, discriminator_bce, generator_adversarial, generator_objective,
                                         head_weights, r1_penalty, teacher_logits)
 from draftheads.training.recipe import AdversarialSection, RecipeError, load_recipe
-from draftheads.training.train import head_labels, head_logits
+from draftheads.training.objective import head_labels
+from draftheads.training.sources import head_logits
 
 ROOT = Path(__file__).resolve().parents[1]
 LOG2 = math.log(2.0)

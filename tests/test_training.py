@@ -10,7 +10,7 @@ from draftheads.training.features import (MAX_TARGETS, Example, Features, extrac
                                           shard_path, shift_targets, shift_teacher)
 from draftheads.heads import HeadConfig, build_heads
 from draftheads.training.losses import IGNORE, draft_vocab, head_targets
-from draftheads.training.train import head_labels
+from draftheads.training.objective import head_labels
 
 
 def test_shift_targets_line_up_with_heads():

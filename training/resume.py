@@ -1,0 +1,103 @@
+"""Where a run stands and how it continues: progress, its checkpoints on disk, the checkpoint
+to resume from (same recipe only), and writing a checkpoint (draftheads' own state through
+:mod:`.run_state`, never pickled).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from .recipe import Recipe, RecipeError
+from .run_state import foreign_entries, save_run_state
+
+
+CHECKPOINTS = "checkpoints"
+RECIPE_FILE = "recipe.json"
+
+
+class Progress:
+    """Where the run is; saved in every checkpoint next to model/optimizer/scheduler/RNG."""
+
+    def __init__(self):
+        self.step = 0  # optimizer steps done
+        self.positions = 0  # training positions seen (all processes)
+        self.train_seconds = 0.0
+        self.last_loss = float("nan")
+
+    def state_dict(self) -> dict:
+        return dict(vars(self))
+
+    def load_state_dict(self, state: dict) -> None:
+        vars(self).update(state)
+
+
+def checkpoint_dirs(output_dir: Path) -> list[Path]:
+    return sorted(p for p in (output_dir / CHECKPOINTS).glob("step-*") if p.is_dir() and not p.name.endswith(".partial"))
+
+
+def check_same_recipe(directory: Path, recipe: Recipe) -> None:
+    """Refuse to resume a run made with another recipe, naming the keys that differ."""
+    path = directory / RECIPE_FILE
+    if not path.is_file():
+        raise RecipeError(f"{directory} has no {RECIPE_FILE}: it is not a draftheads training run/checkpoint.")
+    saved = json.loads(path.read_text())
+
+    def flat(d: dict, prefix: str = "") -> dict:
+        out = {}
+        for k, v in d.items():
+            out.update(flat(v, prefix + k + ".") if isinstance(v, dict) and k != "extra" else {prefix + k: v})
+        return out
+
+    old, new = flat(saved), flat(recipe.identity())
+    diffs = [f"{k}: {old.get(k)!r} → {new.get(k)!r}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+    if diffs:
+        raise RecipeError(f"Cannot resume {directory}: it was made with a different recipe ({'; '.join(diffs)}). "
+                          "Use another run.output_dir, or run.resume=never to start over there.")
+
+
+def resume_point(recipe: Recipe, output_dir: Path) -> Path | None:
+    """The checkpoint to resume from (None = fresh start), after checking it fits the recipe."""
+    mode = recipe.run.resume
+    if mode == "never":
+        foreign = foreign_entries(output_dir / CHECKPOINTS)
+        if foreign:
+            raise RecipeError(f"run.resume=never deletes {output_dir / CHECKPOINTS}, but it holds entries draftheads "
+                              f"did not write ({', '.join(foreign[:5])}): move them away or use another "
+                              "run.output_dir.")
+        shutil.rmtree(output_dir / CHECKPOINTS, ignore_errors=True)
+        return None
+    if mode == "auto":
+        found = checkpoint_dirs(output_dir)
+        if (output_dir / RECIPE_FILE).is_file():
+            check_same_recipe(output_dir, recipe)
+        if not found:
+            return None
+        chosen = found[-1]
+    else:
+        chosen = Path(mode)
+        if not chosen.is_dir():
+            raise RecipeError(f"run.resume={mode!r}: no such checkpoint directory (use auto, never or a "
+                              f"{output_dir / CHECKPOINTS}/step-* directory).")
+    check_same_recipe(chosen, recipe)
+    return chosen
+
+
+def save_checkpoint(accelerator, output_dir: Path, step: int, recipe: Recipe, keep: int,
+                    own_state: dict | None = None) -> None:
+    """save_state into step-N.partial (plus draftheads' own state, never pickled), renamed when
+    every process has written its part: a checkpoint directory without the suffix is always complete."""
+    final = output_dir / CHECKPOINTS / f"step-{step:07d}"
+    tmp = final.with_name(final.name + ".partial")
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        (tmp / RECIPE_FILE).write_text(json.dumps(recipe.identity(), indent=1) + "\n")
+        save_run_state(tmp, own_state or {})
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        for old in checkpoint_dirs(output_dir)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
