@@ -9,7 +9,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import tiny_llama
+from helpers import tiny_llama
 from draftheads.decoding import DraftHeadsModel, fingerprint, tree_from_paths
 from draftheads.heads import REGISTRY, AmphistaHeads, HeadConfig, build_heads, load_heads
 
@@ -40,7 +40,7 @@ def inputs(model, rows: int = 5, width: int = 4, seed: int = 0) -> tuple[torch.T
 
 
 def test_amphista_is_registered_for_the_family_tests():
-    from test_families import FAMILIES
+    from helpers import FAMILIES
 
     assert REGISTRY["amphista"] is AmphistaHeads and "amphista" in FAMILIES
     assert not AmphistaHeads.sequential and not AmphistaHeads.contextual

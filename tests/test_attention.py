@@ -7,7 +7,7 @@ import copy
 
 import torch
 
-from conftest import left_pad, tiny_llama
+from helpers import left_pad, tiny_llama
 from draftheads.decoding.attention import PACKED_SDPA, use_packed_sdpa
 from draftheads.decoding.base import prefill, tree_attention_mask, verify
 from draftheads.decoding.generate import DraftHeadsModel

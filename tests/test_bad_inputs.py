@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import tiny_llama
+from helpers import tiny_llama
 from draftheads.decoding import DraftHeadsModel, fingerprint, tree_from_paths
 from draftheads.decoding.limits import InputError, InputTypeError, check_count, parse_dtype, parse_tree_option
 from draftheads.heads import CheckpointError, HeadConfig, MedusaHeads, load_heads

@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from conftest import tiny_llama
+from helpers import tiny_llama
 from draftheads.decoding import DraftHeadsModel, tree_from_paths
 from draftheads.decoding.generate import decode_memory_bytes
 from draftheads.heads import HeadConfig, MedusaHeads

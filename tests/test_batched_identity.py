@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from conftest import OracleHeads, left_pad, tiny_llama
+from helpers import OracleHeads, left_pad, tiny_llama
 from draftheads.decoding import DraftHeadsModel, tree_from_paths
-from test_greedy_identity import trees
+from helpers import trees
 
 MODELS = {seed: tiny_llama(seed) for seed in range(2)}
 PAD = 0

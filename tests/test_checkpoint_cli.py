@@ -9,15 +9,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import tiny_llama
+from helpers import tiny_llama
 from draftheads.cli import main
 from draftheads.decoding import fingerprint
 from draftheads.heads import HeadConfig, HydraHeads, load_heads
 from draftheads.heads.card import card_for_checkpoint
 from draftheads.heads.medusa_import import import_medusa
 from draftheads.heads.protocol import current_umask
-from test_export import draftheads_full_logits, vllm_medusa_reference
-from test_medusa_import import reference_heads, write_medusa
+from helpers import draftheads_full_logits, vllm_medusa_reference
+from helpers import reference_heads, write_medusa
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = sorted(p for p in (REPO / "checkpoints").iterdir() if (p / "config.json").is_file())

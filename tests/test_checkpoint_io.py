@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import tiny_llama
+from helpers import tiny_llama
 from draftheads import __version__
 from draftheads.decoding import DraftHeadsModel, fingerprint
 from draftheads.heads import CheckpointError, HeadConfig, HydraHeads, MedusaHeads, load_heads, read_config

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from conftest import tiny_llama
+from helpers import tiny_llama
 from draftheads.decoding import DraftHeadsModel, fingerprint, tree_from_paths
 from draftheads.heads import CheckpointError, HeadConfig, MedusaHeads, load_heads
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import tiny_llama
+from helpers import tiny_llama
 from draftheads.decoding import fingerprint
 from draftheads.heads import HeadConfig, build_heads
 

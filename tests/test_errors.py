@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import tiny_llama
+from helpers import tiny_llama
 from draftheads.decoding import DraftHeadsModel, chain_tree, tree_from_paths
 from draftheads.heads import HeadConfig, MedusaHeads
 

@@ -5,48 +5,15 @@ SiLU layers with bias when ``medusa_fc_bias``, ``lm_heads.{i}`` or the single sh
 into the full vocabulary with −inf elsewhere), compared with draftheads' own logits."""
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import tiny_llama
+from helpers import draftheads_full_logits, tiny_llama, vllm_medusa_reference
 from draftheads.decoding import fingerprint
 from draftheads.heads import HeadConfig, HydraHeads, MedusaHeads
 from draftheads.heads.vllm_export import ExportError, export_heads
-
-
-def vllm_medusa_reference(folder, hidden: torch.Tensor) -> torch.Tensor:
-    """hidden (B, d) → (B, K, V) as vLLM's Medusa computes it from the folder's files."""
-    config = json.loads((folder / "config.json").read_text())
-    weights = load_file(str(folder / "model.safetensors"))
-    assert config["model_type"] == "medusa" and config["architectures"] == ["MedusaModel"]
-    out = []
-    for i in range(config["num_heads"]):
-        x = hidden
-        for j in range(config["num_hidden_layers"]):
-            bias = weights[f"blocks.{i}.layers.{j}.bias"] if config.get("medusa_fc_bias", False) else None
-            x = x + torch.nn.functional.silu(torch.nn.functional.linear(x, weights[f"blocks.{i}.layers.{j}.weight"], bias))
-        lm_head = weights["lm_heads.0.weight"] if config.get("original_lm_head") else weights[f"lm_heads.{i}.weight"]
-        logits = x @ lm_head.t()
-        if config["truncated_vocab_size"] < config["vocab_size"]:
-            full = torch.full((*logits.shape[:-1], config["vocab_size"]), -torch.inf, dtype=logits.dtype)
-            full[..., weights["token_map"]] = logits
-            logits = full
-        out.append(logits)
-    return torch.stack(out, dim=1)
-
-
-@torch.no_grad()
-def draftheads_full_logits(heads, hidden: torch.Tensor) -> torch.Tensor:
-    """Our draft logits over the full vocabulary (−inf outside the draft vocabulary)."""
-    logits = heads(hidden)
-    if not heads.config.draft_vocab_size:
-        return logits
-    full = torch.full((*logits.shape[:-1], heads.config.vocab_size), -torch.inf, dtype=logits.dtype)
-    full[..., heads.vocab_ids] = logits
-    return full
 
 
 def random_medusa(model, draft_vocab: int = 0, owns: bool = False, seed: int = 0) -> MedusaHeads:

@@ -4,11 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import tiny_llama
+from helpers import FAMILIES, tiny_llama
 from draftheads.decoding import DraftHeadsModel, fingerprint, tree_from_paths
-from draftheads.heads import REGISTRY, HeadConfig, build_heads, load_heads
+from draftheads.heads import HeadConfig, build_heads, load_heads
 
-FAMILIES = sorted(f for f in REGISTRY if not f.endswith("-test"))
 TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 1, 0], [1, 0, 0]]
 
 

@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 
-from conftest import OracleHeads, tiny_llama
+from helpers import OracleHeads, tiny_llama
 from draftheads.decoding import DraftHeadsModel, tree_from_paths
 from draftheads.decoding import base as base_module
 from draftheads.decoding.accept import greedy_tokens

@@ -5,31 +5,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from conftest import OracleHeads, tiny_llama
+from helpers import OracleHeads, tiny_llama, trees
 from draftheads.decoding import DraftHeadsModel, tree_from_paths
 
 MODELS = {seed: tiny_llama(seed) for seed in range(3)}
-
-
-@st.composite
-def trees(draw, max_depth: int = 5, max_rank: int = 3, max_nodes: int = 24):
-    paths: list[tuple[int, ...]] = []
-    frontier = [()]
-    target = draw(st.integers(0, max_nodes))
-    while len(paths) < target and frontier:
-        parent = frontier[draw(st.integers(0, len(frontier) - 1))]
-        if len(parent) >= max_depth:
-            frontier.remove(parent)
-            continue
-        taken = {p[-1] for p in paths if p[:-1] == parent and len(p) == len(parent) + 1}
-        free = [r for r in range(max_rank) if r not in taken]
-        if not free:
-            frontier.remove(parent)
-            continue
-        child = parent + (draw(st.sampled_from(free)),)
-        paths.append(child)
-        frontier.append(child)
-    return paths
 
 
 def hf_greedy(model, prompt: torch.Tensor, max_new: int, eos) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 from huggingface_hub import constants, scan_cache_dir, try_to_load_from_cache
 from huggingface_hub.file_download import repo_folder_name
 
-from conftest import tiny_llama
+from helpers import tiny_llama
 from draftheads.decoding import DraftHeadsModel, fingerprint
 from draftheads.heads import CheckpointError, HeadConfig, MedusaHeads, load_heads
 from draftheads.heads.hub import upload_checkpoint

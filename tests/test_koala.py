@@ -12,9 +12,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import tiny_llama
-from test_train_framework import (final_weights, kill_then_resume, launch_two_processes, run_inprocess,  # noqa: F401
-                                  tiny_recipe, tiny_setup)
+from helpers import final_weights, kill_then_resume, launch_two_processes, run_inprocess, tiny_llama, tiny_recipe
 from draftheads.heads import HeadConfig, build_heads
 from draftheads.training.adversarial import (Adversary, Discriminator, adversarial_weight, expected_embedding,
                                              koala_label)

@@ -3,55 +3,15 @@ documented modules (``medusa/model/medusa_model.py`` and ``medusa_model_legacy.p
 compared with the source layout's own forward, then lossless batched decoding."""
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
 from torch import nn
 
-from conftest import left_pad, tiny_llama
+from helpers import left_pad, reference_heads, tiny_llama, write_medusa
 from draftheads.decoding import DraftHeadsModel, fingerprint, tree_from_paths
 from draftheads.heads import CheckpointError, load_heads
 from draftheads.heads.medusa_import import import_medusa
-
-
-class RefResBlock(nn.Module):
-    """Medusa's ResBlock: x + SiLU(Linear(x))."""
-
-    def __init__(self, d: int):
-        super().__init__()
-        self.linear = nn.Linear(d, d)
-        self.act = nn.SiLU()
-
-    def forward(self, x):
-        return x + self.act(self.linear(x))
-
-
-def reference_heads(d: int, vocab: int, heads: int, layers: int, projection: bool, seed: int = 0) -> nn.ModuleList:
-    """Medusa-1 (projection=True): Sequential(*([ResBlock(d)] * L), Linear(d, V, bias=False)) per head
-    — one ResBlock object repeated, as Medusa builds it; the shared-LM-head layout drops the Linear."""
-    torch.manual_seed(seed)
-    module = nn.ModuleList(
-        nn.Sequential(*([RefResBlock(d)] * layers), *([nn.Linear(d, vocab, bias=False)] if projection else []))
-        for _ in range(heads)).double()
-    for p in module.parameters():
-        nn.init.normal_(p, std=0.3)
-    return module
-
-
-def write_medusa(folder, module: nn.ModuleList, layers: int, fmt: str, base: str = "tiny/llama") -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    shared = not isinstance(module[0][-1], nn.Linear)  # train_legacy.py marks the shared-LM-head layout version 2
-    (folder / "config.json").write_text(json.dumps({"medusa_num_heads": len(module), "medusa_num_layers": layers,
-                                                    "base_model_name_or_path": base,
-                                                    **({"version": "2"} if shared else {})}))
-    state = module.state_dict()
-    if fmt == "pt":
-        torch.save(state, folder / "medusa_lm_head.pt")
-    else:
-        from safetensors.torch import save_file
-
-        save_file({k: v.clone().contiguous() for k, v in state.items()}, str(folder / "medusa_lm_head.safetensors"))
 
 
 def reference_logits(module: nn.ModuleList, hidden: torch.Tensor, lm_head: torch.Tensor, projection: bool):

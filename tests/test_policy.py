@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from conftest import DATA, OracleHeads, left_pad, tiny_llama
+from helpers import DATA, OracleHeads, left_pad, tiny_llama
 from draftheads.decoding import DraftHeadsModel, chain_tree, tree_from_paths
 from draftheads.decoding.generate import FixedTree, resolve_tree
 from draftheads.decoding.policy import (AdaptivePolicy, CalibrationConfig, Candidate, CostModel, LatencyTable,

@@ -9,7 +9,7 @@ import pathlib
 import pytest
 import torch
 
-from test_train_framework import run_inprocess, tiny_recipe, tiny_setup  # noqa: F401 - fixture
+from helpers import run_inprocess, tiny_recipe
 from draftheads.heads import CheckpointError
 from draftheads.training.recipe import RecipeError
 from draftheads.training.run_state import join_state, split_state

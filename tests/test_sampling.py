@@ -14,10 +14,9 @@ import pytest
 import torch
 from transformers import GenerationConfig, set_seed
 
-from conftest import OracleHeads, left_pad, tiny_llama
+from helpers import OracleHeads, left_pad, tiny_llama
 from draftheads.decoding import DraftHeadsModel, tree_from_paths
 from draftheads.decoding.accept import lossless_accept, sample_from, typical_accept, children_table
-from draftheads.decoding.accept import Typical
 from draftheads.decoding.processors import logits_processors, processed_scores
 from draftheads.heads import HeadConfig, HydraHeads, MedusaHeads
 

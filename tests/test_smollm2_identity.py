@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from conftest import DATA, REPO
+from helpers import DATA, REPO
 from draftheads.bench import hf_greedy, padded_pair
 from draftheads.decoding import DraftHeadsModel
 from draftheads.decoding.guarantee import BAND_ULPS, NEAR_TIE, first_divergence, ulp, within_band
@@ -88,7 +88,7 @@ def test_ulp_and_band_follow_each_dtype():
 
 
 def test_first_divergence_measures_the_gap_in_the_base_dtype():
-    from conftest import tiny_llama
+    from helpers import tiny_llama
 
     base = tiny_llama(3, dtype=torch.bfloat16)
     prompt = torch.tensor([[1, 5, 9, 13]])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import DATA, tiny_llama
+from helpers import DATA, tiny_llama
 from draftheads.training import data
 
 

@@ -4,23 +4,16 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
-from conftest import tiny_llama
+from helpers import (RECIPES, ROOT, final_weights, kill_then_resume, launch_two_processes, run_inprocess,
+                     tiny_llama, tiny_recipe)
 from draftheads.training.data import DataError, load_examples, shifted_rows
 from draftheads.training.losses import (IGNORE, head_cross_entropy, head_targets, head_weights, input_noise,
                                         label_ranks, mask_labels, teacher_kl, topk_accuracy)
 from draftheads.training.recipe import RecipeError, load_recipe
-
-ROOT = Path(__file__).resolve().parents[1]
-RECIPES = ROOT / "recipes"
 
 
 # -- losses -----------------------------------------------------------------------------------------
@@ -102,93 +95,6 @@ def test_recipe_errors_name_the_key(tmp_path):
 
 
 # -- the trainer on a tiny model -----------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def tiny_setup(tmp_path_factory):
-    """A float64 tiny Llama saved as a model dir, and its own greedy continuations as token data
-    (self-distilled, so heads have something learnable)."""
-    root = tmp_path_factory.mktemp("tiny")
-    model = tiny_llama(0, dtype=torch.float64)
-    model.save_pretrained(root / "base")
-    generator = torch.Generator().manual_seed(0)
-    prompts = torch.randint(3, 96, (48, 4), generator=generator)
-    out = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=20, do_sample=False,
-                         min_new_tokens=20)
-    with open(root / "tokens.jsonl", "w") as handle:
-        for row in out.tolist():
-            handle.write(json.dumps({"input_ids": row, "response_start": 4}) + "\n")
-    return root
-
-
-def tiny_recipe(root: Path, run: str, **over) -> Path:
-    recipe = {
-        "name": "tiny", "base": str(root / "base"), "base_dtype": "float64",
-        "heads": {"family": "medusa", "num_heads": 3, "num_layers": 1, "draft_vocab_size": 0},
-        "data": {"kind": "tokens", "path": str(root / "tokens.jsonl"), "features_dir": str(root / "features"),
-                 "eval_examples": 8, "max_length": 64},
-        "loss": {"labels": "teacher", "ce_weight": 1.0, "kl_weight": 0.5, "head_decay": 0.8, "noise_alpha": 0.0},
-        "train": {"epochs": 2, "batch_size": 64, "lr": 0.01, "mixed_precision": "no", "dtype": "float64"},
-        "run": {"output_dir": str(root / run), "checkpoint_every": 4, "eval_every": 6, "log_every": 1,
-                "wandb": False, "save_dtype": "float64", "tree_budgets": [1, 3]},
-    }
-    for key, value in over.items():
-        section, name = key.split("__")
-        recipe[section][name] = value
-    path = root / f"{run}.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    return path
-
-
-def run_inprocess(path: Path, *overrides: str) -> dict:
-    from accelerate.state import AcceleratorState
-
-    from draftheads.training.train import train
-
-    AcceleratorState._reset_state(True)
-    return train(load_recipe(path, list(overrides)))
-
-
-def final_weights(run_dir: Path) -> dict:
-    from safetensors.torch import load_file
-
-    return load_file(str(run_dir / "final" / "model.safetensors"))
-
-
-def subprocess_env() -> dict:
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "tests"), TQDM_DISABLE="1", OMP_NUM_THREADS="1")
-    env.pop("WANDB_API_KEY", None)
-    return env
-
-
-KILL_AT = """
-import os, signal, sys
-import draftheads.training.train as t
-write = t.JsonlLog.write
-def write_then_die(self, record):
-    write(self, record)
-    if record.get("step") == int(os.environ["KILL_AT_STEP"]) and "loss" in record:
-        os.kill(os.getpid(), signal.SIGKILL)
-t.JsonlLog.write = write_then_die
-sys.exit(t.main(sys.argv[1:]))
-"""
-
-
-def kill_then_resume(cwd: Path, recipe: Path, run_dir: Path, kill_at: int, after_kill=None) -> dict:
-    """SIGKILL a training run right after it logs step ``kill_at`` (checkpoints every 4 steps),
-    call ``after_kill(checkpoint_dir)``, relaunch the same command, and return the finished
-    run's training report."""
-    killed = subprocess.run([sys.executable, "-c", KILL_AT, str(recipe)], cwd=cwd, capture_output=True,
-                            text=True, env=subprocess_env() | {"KILL_AT_STEP": str(kill_at)}, timeout=300)
-    assert killed.returncode == -9, killed.stderr[-3000:]
-    assert not (run_dir / "final").exists()
-    checkpoint = run_dir / "checkpoints" / f"step-{kill_at // 4 * 4:07d}"
-    assert checkpoint.is_dir()
-    if after_kill is not None:
-        after_kill(checkpoint)
-    resumed = subprocess.run([sys.executable, "-m", "draftheads.training.train", str(recipe)], cwd=cwd,
-                             capture_output=True, text=True, env=subprocess_env(), timeout=300)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed from" in resumed.stdout + resumed.stderr
-    return json.loads((run_dir / "final" / "training_report.json").read_text())
 
 
 def test_sigkill_mid_epoch_then_resume_matches_uninterrupted_run(tiny_setup):
@@ -225,17 +131,6 @@ def test_resume_refuses_another_recipe_and_data_errors_are_clear(tiny_setup, tmp
         load_examples("conversations", no_column)
     with pytest.raises(DataError, match="no column 'response_ids'"):
         load_examples("selfdistill", no_column)
-
-
-def launch_two_processes(cwd: Path, recipe: Path, run_dir: Path, port: int) -> dict:
-    """``accelerate launch`` the recipe on 2 CPU processes (gloo); the finished run's report."""
-    launched = subprocess.run(
-        [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-         str(RECIPES / "accelerate" / "multi_cpu.yaml"), "--main_process_port", str(port), "-m",
-         "draftheads.training.train", str(recipe)],
-        cwd=cwd, capture_output=True, text=True, env=subprocess_env(), timeout=300)
-    assert launched.returncode == 0, launched.stderr[-3000:]
-    return json.loads((run_dir / "final" / "training_report.json").read_text())
 
 
 def test_two_gloo_processes_equal_one_process_with_double_batch(tiny_setup):

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from test_train_framework import tiny_recipe, tiny_setup  # noqa: F401 - fixture
+from helpers import tiny_recipe
 from draftheads.training.recipe import RecipeError, load_recipe
 from draftheads.training.train import main
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import tiny_llama
+from helpers import tiny_llama
 from draftheads.decoding import fingerprint
 from draftheads.training.features import (MAX_TARGETS, Example, Features, extract_features, load_shards,
                                           shard_path, shift_targets, shift_teacher)

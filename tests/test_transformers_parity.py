@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from conftest import OracleHeads, left_pad, tiny_llama
+from helpers import OracleHeads, left_pad, tiny_llama
 from draftheads.decoding import DraftHeadsModel, tree_from_paths
 
 MODEL = tiny_llama(0, max_pos=128)

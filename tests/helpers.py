@@ -1,0 +1,265 @@
+"""Helpers the tests share (tiny models, padding, an oracle drafter, tree strategies, the tiny
+training set-up, reference implementations of other projects' formats). Fixtures live in
+conftest.py; test modules import helpers from here, never from each other."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import yaml
+from safetensors.torch import load_file
+from hypothesis import strategies as st
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from draftheads.heads import REGISTRY, DraftHeads, HeadConfig, TreeSpec
+from draftheads.training.recipe import load_recipe
+
+
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+if not SHARED.exists():
+    SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+DATA = SHARED / "data"
+REPO = Path(__file__).resolve().parents[1]
+
+
+def tiny_llama(seed: int = 0, vocab: int = 96, dtype=torch.float64, max_pos: int = 256) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos,
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                         attn_implementation="sdpa")
+    model = LlamaForCausalLM(config).to(dtype).eval().requires_grad_(False)
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def left_pad(prompts: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A left-padded batch and its attention mask, as a tokenizer with padding_side='left' gives."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):] = torch.tensor(p)
+        mask[row, width - len(p):] = 1
+    return ids, mask
+
+
+class OracleHeads(DraftHeads):
+    """Knows each row's true greedy continuation; proposes it on rank-0 paths, with errors."""
+
+    family = "oracle-test"
+
+    def __init__(self, continuations: list[list[int]], vocab: int, num_heads: int = 6, error: float = 0.2, seed: int = 0):
+        super().__init__(HeadConfig(family="medusa", num_heads=num_heads, hidden_size=32, vocab_size=vocab))
+        self.continuations = continuations
+        self.vocab = vocab
+        self.error = error
+        self.generator = torch.Generator().manual_seed(seed)
+        self.pointer = [0] * len(continuations)
+
+    def _locate(self, row: int, root: int) -> int:
+        seq = self.continuations[row]
+        for p in range(self.pointer[row], min(len(seq), self.pointer[row] + 16)):
+            if seq[p] == root:
+                self.pointer[row] = p
+                return p
+        return self.pointer[row]
+
+    def propose(self, hidden: torch.Tensor, roots: torch.Tensor, tree: TreeSpec) -> torch.Tensor:
+        batch, nodes = roots.shape[0], tree.num_nodes
+        tokens = torch.randint(0, self.vocab, (batch, nodes), generator=self.generator)
+        parent = tree.parent.tolist()
+        for b in range(batch):
+            p = self._locate(b, int(roots[b]))
+            seq = self.continuations[b]
+            on_path = [True] * nodes
+            for n in range(1, nodes):
+                on_path[n] = on_path[parent[n]] and int(tree.rank[n]) == 0
+                d = int(tree.depth[n])
+                if on_path[n] and p + d < len(seq) and float(torch.rand(1, generator=self.generator)) > self.error:
+                    tokens[b, n] = seq[p + d]
+        tokens[:, 0] = roots
+        return tokens
+
+
+# -- from test_greedy_identity -------------------------------------------------------------------
+@st.composite
+def trees(draw, max_depth: int = 5, max_rank: int = 3, max_nodes: int = 24):
+    paths: list[tuple[int, ...]] = []
+    frontier = [()]
+    target = draw(st.integers(0, max_nodes))
+    while len(paths) < target and frontier:
+        parent = frontier[draw(st.integers(0, len(frontier) - 1))]
+        if len(parent) >= max_depth:
+            frontier.remove(parent)
+            continue
+        taken = {p[-1] for p in paths if p[:-1] == parent and len(p) == len(parent) + 1}
+        free = [r for r in range(max_rank) if r not in taken]
+        if not free:
+            frontier.remove(parent)
+            continue
+        child = parent + (draw(st.sampled_from(free)),)
+        paths.append(child)
+        frontier.append(child)
+    return paths
+
+
+# -- from test_families --------------------------------------------------------------------------
+FAMILIES = sorted(f for f in REGISTRY if not f.endswith("-test"))
+
+
+# -- from test_train_framework -------------------------------------------------------------------
+ROOT = Path(__file__).resolve().parents[1]
+
+RECIPES = ROOT / "recipes"
+
+def tiny_recipe(root: Path, run: str, **over) -> Path:
+    recipe = {
+        "name": "tiny", "base": str(root / "base"), "base_dtype": "float64",
+        "heads": {"family": "medusa", "num_heads": 3, "num_layers": 1, "draft_vocab_size": 0},
+        "data": {"kind": "tokens", "path": str(root / "tokens.jsonl"), "features_dir": str(root / "features"),
+                 "eval_examples": 8, "max_length": 64},
+        "loss": {"labels": "teacher", "ce_weight": 1.0, "kl_weight": 0.5, "head_decay": 0.8, "noise_alpha": 0.0},
+        "train": {"epochs": 2, "batch_size": 64, "lr": 0.01, "mixed_precision": "no", "dtype": "float64"},
+        "run": {"output_dir": str(root / run), "checkpoint_every": 4, "eval_every": 6, "log_every": 1,
+                "wandb": False, "save_dtype": "float64", "tree_budgets": [1, 3]},
+    }
+    for key, value in over.items():
+        section, name = key.split("__")
+        recipe[section][name] = value
+    path = root / f"{run}.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+def run_inprocess(path: Path, *overrides: str) -> dict:
+    from accelerate.state import AcceleratorState
+
+    from draftheads.training.train import train
+
+    AcceleratorState._reset_state(True)
+    return train(load_recipe(path, list(overrides)))
+
+def final_weights(run_dir: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(run_dir / "final" / "model.safetensors"))
+
+def subprocess_env() -> dict:
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "tests"), TQDM_DISABLE="1", OMP_NUM_THREADS="1")
+    env.pop("WANDB_API_KEY", None)
+    return env
+
+KILL_AT = """
+import os, signal, sys
+import draftheads.training.train as t
+write = t.JsonlLog.write
+def write_then_die(self, record):
+    write(self, record)
+    if record.get("step") == int(os.environ["KILL_AT_STEP"]) and "loss" in record:
+        os.kill(os.getpid(), signal.SIGKILL)
+t.JsonlLog.write = write_then_die
+sys.exit(t.main(sys.argv[1:]))
+"""
+
+def kill_then_resume(cwd: Path, recipe: Path, run_dir: Path, kill_at: int, after_kill=None) -> dict:
+    """SIGKILL a training run right after it logs step ``kill_at`` (checkpoints every 4 steps),
+    call ``after_kill(checkpoint_dir)``, relaunch the same command, and return the finished
+    run's training report."""
+    killed = subprocess.run([sys.executable, "-c", KILL_AT, str(recipe)], cwd=cwd, capture_output=True,
+                            text=True, env=subprocess_env() | {"KILL_AT_STEP": str(kill_at)}, timeout=300)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    assert not (run_dir / "final").exists()
+    checkpoint = run_dir / "checkpoints" / f"step-{kill_at // 4 * 4:07d}"
+    assert checkpoint.is_dir()
+    if after_kill is not None:
+        after_kill(checkpoint)
+    resumed = subprocess.run([sys.executable, "-m", "draftheads.training.train", str(recipe)], cwd=cwd,
+                             capture_output=True, text=True, env=subprocess_env(), timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout + resumed.stderr
+    return json.loads((run_dir / "final" / "training_report.json").read_text())
+
+def launch_two_processes(cwd: Path, recipe: Path, run_dir: Path, port: int) -> dict:
+    """``accelerate launch`` the recipe on 2 CPU processes (gloo); the finished run's report."""
+    launched = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+         str(RECIPES / "accelerate" / "multi_cpu.yaml"), "--main_process_port", str(port), "-m",
+         "draftheads.training.train", str(recipe)],
+        cwd=cwd, capture_output=True, text=True, env=subprocess_env(), timeout=300)
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    return json.loads((run_dir / "final" / "training_report.json").read_text())
+
+
+# -- from test_export ----------------------------------------------------------------------------
+def vllm_medusa_reference(folder, hidden: torch.Tensor) -> torch.Tensor:
+    """hidden (B, d) → (B, K, V) as vLLM's Medusa computes it from the folder's files."""
+    config = json.loads((folder / "config.json").read_text())
+    weights = load_file(str(folder / "model.safetensors"))
+    assert config["model_type"] == "medusa" and config["architectures"] == ["MedusaModel"]
+    out = []
+    for i in range(config["num_heads"]):
+        x = hidden
+        for j in range(config["num_hidden_layers"]):
+            bias = weights[f"blocks.{i}.layers.{j}.bias"] if config.get("medusa_fc_bias", False) else None
+            x = x + torch.nn.functional.silu(torch.nn.functional.linear(x, weights[f"blocks.{i}.layers.{j}.weight"], bias))
+        lm_head = weights["lm_heads.0.weight"] if config.get("original_lm_head") else weights[f"lm_heads.{i}.weight"]
+        logits = x @ lm_head.t()
+        if config["truncated_vocab_size"] < config["vocab_size"]:
+            full = torch.full((*logits.shape[:-1], config["vocab_size"]), -torch.inf, dtype=logits.dtype)
+            full[..., weights["token_map"]] = logits
+            logits = full
+        out.append(logits)
+    return torch.stack(out, dim=1)
+
+@torch.no_grad()
+def draftheads_full_logits(heads, hidden: torch.Tensor) -> torch.Tensor:
+    """Our draft logits over the full vocabulary (−inf outside the draft vocabulary)."""
+    logits = heads(hidden)
+    if not heads.config.draft_vocab_size:
+        return logits
+    full = torch.full((*logits.shape[:-1], heads.config.vocab_size), -torch.inf, dtype=logits.dtype)
+    full[..., heads.vocab_ids] = logits
+    return full
+
+
+# -- from test_medusa_import ---------------------------------------------------------------------
+class RefResBlock(nn.Module):
+    """Medusa's ResBlock: x + SiLU(Linear(x))."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.linear = nn.Linear(d, d)
+        self.act = nn.SiLU()
+
+    def forward(self, x):
+        return x + self.act(self.linear(x))
+
+def reference_heads(d: int, vocab: int, heads: int, layers: int, projection: bool, seed: int = 0) -> nn.ModuleList:
+    """Medusa-1 (projection=True): Sequential(*([ResBlock(d)] * L), Linear(d, V, bias=False)) per head
+    — one ResBlock object repeated, as Medusa builds it; the shared-LM-head layout drops the Linear."""
+    torch.manual_seed(seed)
+    module = nn.ModuleList(
+        nn.Sequential(*([RefResBlock(d)] * layers), *([nn.Linear(d, vocab, bias=False)] if projection else []))
+        for _ in range(heads)).double()
+    for p in module.parameters():
+        nn.init.normal_(p, std=0.3)
+    return module
+
+def write_medusa(folder, module: nn.ModuleList, layers: int, fmt: str, base: str = "tiny/llama") -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    shared = not isinstance(module[0][-1], nn.Linear)  # train_legacy.py marks the shared-LM-head layout version 2
+    (folder / "config.json").write_text(json.dumps({"medusa_num_heads": len(module), "medusa_num_layers": layers,
+                                                    "base_model_name_or_path": base,
+                                                    **({"version": "2"} if shared else {})}))
+    state = module.state_dict()
+    if fmt == "pt":
+        torch.save(state, folder / "medusa_lm_head.pt")
+    else:
+        from safetensors.torch import save_file
+
+        save_file({k: v.clone().contiguous() for k, v in state.items()}, str(folder / "medusa_lm_head.safetensors"))
