@@ -11,21 +11,12 @@ from pathlib import Path
 
 import torch
 
-from .decoding.base import from_checkout
 from .decoding.limits import DTYPE_CHOICES, InputError
+from .options import find_heads, tree_argument
 from .prompts import PromptError, PromptFileError, chat_input, split_cap
 from .prompts import read_prompts as _read_prompts
 
 DEFAULT_HEADS = "checkpoints/smollm2-135m-hydra"
-
-
-def find_heads(path: str | None) -> str | None:
-    """``none`` → plain decoding; a relative path is tried from the working directory, then
-    from the source checkout the package was installed from."""
-    if path is None or path.lower() == "none":
-        return None
-    local = from_checkout(path)
-    return str(local) if local.is_dir() else path  # else maybe a Hub id; DraftHeadsModel explains if not
 
 
 def read_prompts(paths, limit: int | None) -> list[dict]:
@@ -108,16 +99,6 @@ def cmd_generate(args) -> int:
               f"{base_new / base_seconds:.1f} tok/s; speedup {(new / seconds) / (base_new / base_seconds):.2f}x; "
               f"{status}", file=sys.stderr)
     return 0
-
-
-def tree_argument(value: str) -> str | int:
-    """``--tree``: ``adaptive`` or a node budget, parsed as ``from_pretrained(tree=...)`` parses it."""
-    from .decoding.limits import InputError, parse_tree_option
-
-    try:
-        return parse_tree_option(value)
-    except InputError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def int_list(value: str, minimum: int = 0) -> list[int]:

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from draftheads.bench import hf_greedy, timed
-from draftheads.cli import find_heads, tree_argument
+from draftheads.options import find_heads, tree_argument
 from draftheads.prompts import chat_input, read_prompts
 from draftheads.decoding import DraftHeadsModel
 from draftheads.decoding.step import PHASES, PhaseTimer

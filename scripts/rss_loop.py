@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from draftheads.bench import left_pad
-from draftheads.cli import read_prompts
+from draftheads.prompts import read_prompts
 from draftheads.decoding import DraftHeadsModel
 
 

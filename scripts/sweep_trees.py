@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from draftheads.bench import timed
-from draftheads.cli import find_heads
+from draftheads.options import find_heads
 from draftheads.prompts import chat_input, read_prompts
 from draftheads.decoding import DraftHeadsModel, tree_for_budget
 

@@ -1,0 +1,26 @@
+"""Command-line option values shared by the CLI and the scripts (nothing imports the CLI):
+where a ``--heads`` argument points, and ``--tree``."""
+from __future__ import annotations
+
+import argparse
+
+from .decoding.base import from_checkout
+
+
+def find_heads(path: str | None) -> str | None:
+    """``none`` → plain decoding; a relative path is tried from the working directory, then
+    from the source checkout the package was installed from."""
+    if path is None or path.lower() == "none":
+        return None
+    local = from_checkout(path)
+    return str(local) if local.is_dir() else path  # else maybe a Hub id; DraftHeadsModel explains if not
+
+
+def tree_argument(value: str) -> str | int:
+    """``--tree``: ``adaptive`` or a node budget, parsed as ``from_pretrained(tree=...)`` parses it."""
+    from .decoding.limits import InputError, parse_tree_option
+
+    try:
+        return parse_tree_option(value)
+    except InputError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
