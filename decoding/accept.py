@@ -54,11 +54,11 @@ draws and the stream never depends on acceptance outcomes.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 
+from .drafts import Drafts, _children
 from .processors import history_ids, logits_processors, processed_scores, uses_history
 
 
@@ -77,44 +77,36 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(-1).indices
 
 
+def _per_row(batch: int, nodes: int, parent: torch.Tensor, depth: torch.Tensor, path_slots: torch.Tensor):
+    """A shared tree's (N,) / (N, D+1) buffers as (B, N) / (B, N, D+1) views; per-row ones pass."""
+    return (parent.expand(batch, nodes), depth.expand(batch, nodes),
+            path_slots.expand(batch, *path_slots.shape[-2:]))
+
+
 def greedy_accept(tokens: torch.Tensor, parent: torch.Tensor, depth: torch.Tensor, path_slots: torch.Tensor,
                   predicted: torch.Tensor, valid: torch.Tensor | None = None) -> Acceptance:
     """tokens, predicted (B, N): drafted tokens and the base's argmax per slot; parent, depth
-    (N,) or (B, N); path_slots (N, D+1) or (B, N, D+1); valid (B, N) masks padded slots of
-    ragged per-row trees."""
+    (N,) or (B, N); path_slots (N, D+1) or (B, N, D+1); valid (B, N) masks the padding slots of
+    per-row trees (:class:`~.drafts.Drafts`)."""
     batch, nodes = tokens.shape
-    parent = parent.expand(batch, nodes)
-    depth = depth.expand(batch, nodes)
+    parent, depth, path_slots = _per_row(batch, nodes, parent, depth, path_slots)
     parent_safe = parent.clamp(min=0)
-    match = tokens == predicted.gather(1, parent_safe)
+    match = (tokens == predicted.gather(1, parent_safe)) & (parent >= 0)
     if valid is not None:
         match &= valid
-    accepted = depth == 0
+    accepted = torch.zeros_like(match)
+    accepted[:, 0] = True  # the root
     for level in range(1, int(depth.max()) + 1):
         at_level = depth == level
         accepted = accepted | (at_level & match & accepted.gather(1, parent_safe))
     score = torch.where(accepted, depth, torch.full_like(depth, -1))
     best = score.argmax(1)
     rows = torch.arange(batch, device=tokens.device)
-    if path_slots.dim() == 2:
-        path = path_slots[best]
-    else:
-        path = path_slots[rows, best]
-    return Acceptance(best, depth[rows, best], path, predicted[rows, best])
+    return Acceptance(best, depth[rows, best], path_slots[rows, best], predicted[rows, best])
 
 
 # -- sampling: lossless rejection walk and the lossy typical rule -----------------------------
 # The derivation and the proof are in this module's docstring.
-
-@functools.lru_cache(maxsize=256)
-def _children(parent: tuple[int, ...]) -> torch.Tensor:
-    kids: list[list[int]] = [[] for _ in parent]
-    for slot, up in enumerate(parent):
-        if up >= 0:
-            kids[up].append(slot)
-    width = max((len(k) for k in kids), default=0)
-    return torch.tensor([k + [-1] * (width - len(k)) for k in kids], dtype=torch.long).reshape(len(parent), width)
-
 
 def children_table(parent: torch.Tensor) -> torch.Tensor:
     """(N,) parent slots → (N, W) each slot's children in slot order, padded with -1. Slots
@@ -136,13 +128,17 @@ def sample_from(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
 
 
 def lossless_accept(tokens: torch.Tensor, probs: torch.Tensor, parent: torch.Tensor, depth: torch.Tensor,
-                    path_slots: torch.Tensor, uniforms: torch.Tensor, bonus_uniform: torch.Tensor) -> Acceptance:
+                    path_slots: torch.Tensor, uniforms: torch.Tensor, bonus_uniform: torch.Tensor,
+                    children: torch.Tensor | None = None) -> Acceptance:
     """Recursive rejection sampling over a tree of deterministic (point-mass) drafts.
 
     tokens (B, N) tree tokens (column 0 = the root, already emitted); probs (B, N, V) the
-    base's *processed* next-token distribution at every slot; parent, depth (N,);
-    path_slots (N, D+1); uniforms (B, D, W) in [0, 1), one per (level, child trial), drawn
-    before the walk so the random stream does not depend on the outcome; bonus_uniform (B,).
+    base's *processed* next-token distribution at every slot; parent, depth (N,) or (B, N);
+    path_slots (N, D+1) or (B, N, D+1); children (B, N, W) per-row children tables (default:
+    from a shared ``parent``; per-row trees pass :meth:`~.drafts.Drafts.children`, where
+    padding slots are nobody's children); uniforms (B, D, W) in [0, 1), one per (level, child
+    trial), drawn before the walk so the random stream does not depend on the outcome;
+    bonus_uniform (B,).
 
     Per row, from the root: walk the current node's children in order and accept child x
     with probability r(x) / Σr, r the current residual (initially p at the node); on
@@ -152,7 +148,10 @@ def lossless_accept(tokens: torch.Tensor, probs: torch.Tensor, parent: torch.Ten
     """
     batch, nodes = tokens.shape
     device = tokens.device
-    children = children_table(parent.to(device))
+    if children is None:
+        children = children_table(parent.reshape(-1, nodes)[0].to(device)).expand(batch, -1, -1)
+    parent, depth, path_slots = _per_row(batch, nodes, parent.to(device), depth.to(device), path_slots.to(device))
+    rows = torch.arange(batch, device=device)
     levels = path_slots.shape[-1] - 1
     node = torch.zeros(batch, dtype=torch.long, device=device)
     residual = probs[:, 0].clone()
@@ -161,7 +160,7 @@ def lossless_accept(tokens: torch.Tensor, probs: torch.Tensor, parent: torch.Ten
     walking = torch.ones(batch, dtype=torch.bool, device=device)
     tiny = torch.finfo(residual.dtype).tiny
     for level in range(levels):
-        kids = children[node]  # (B, W)
+        kids = children[rows, node]  # (B, W)
         taken = torch.full((batch,), -1, dtype=torch.long, device=device)
         for j in range(kids.shape[1]):
             kid = kids[:, j]
@@ -185,13 +184,12 @@ def lossless_accept(tokens: torch.Tensor, probs: torch.Tensor, parent: torch.Ten
         residual = torch.where(walking[:, None], at_node, residual)
         mass = torch.where(walking, at_node.sum(-1), mass)
     final = torch.where(walking[:, None], residual, final)  # reached the deepest level: full p at the leaf
-    accepted = depth.to(device)[node]
-    return Acceptance(node, accepted, path_slots.to(device)[node], sample_from(final, bonus_uniform))
+    return Acceptance(node, depth[rows, node], path_slots[rows, node], sample_from(final, bonus_uniform))
 
 
 def typical_accept(tokens: torch.Tensor, probs: torch.Tensor, parent: torch.Tensor, depth: torch.Tensor,
                    path_slots: torch.Tensor, bonus_uniform: torch.Tensor, epsilon: float = 0.09,
-                   delta: float = 0.3) -> Acceptance:
+                   delta: float = 0.3, valid: torch.Tensor | None = None) -> Acceptance:
     """Medusa-2's typical acceptance (LOSSY): a child x of node u is accepted when
     p_u(x) > min(ε, δ·exp(−H(p_u))) and u is accepted (H with log(p + 1e-5), as Medusa).
     Each row keeps its deepest accepted node, ties broken by the highest Σ log p along the
@@ -202,23 +200,27 @@ def typical_accept(tokens: torch.Tensor, probs: torch.Tensor, parent: torch.Tens
     tokens are accepted with certainty. It trades fidelity for acceptance length."""
     batch, nodes = tokens.shape
     device = tokens.device
-    parent_safe = parent.to(device).clamp(min=0)
-    depth = depth.to(device)
+    parent, depth, path_slots = _per_row(batch, nodes, parent.to(device), depth.to(device), path_slots.to(device))
+    parent_safe = parent.clamp(min=0)
     entropy = -(probs * torch.log(probs + 1e-5)).sum(-1)  # (B, N)
     threshold = torch.clamp(delta * torch.exp(-entropy), max=epsilon)
-    candidate = probs[:, parent_safe].gather(-1, tokens[:, :, None]).squeeze(-1)  # p at parent of own token
-    ok = candidate > threshold[:, parent_safe]
-    accepted = (depth == 0).expand(batch, nodes).clone()
+    at_parent = probs.gather(1, parent_safe[:, :, None].expand(-1, -1, probs.shape[-1]))  # (B, N, V)
+    candidate = at_parent.gather(-1, tokens[:, :, None]).squeeze(-1)  # p at the parent of each slot's token
+    ok = (candidate > threshold.gather(1, parent_safe)) & (parent >= 0)
+    if valid is not None:
+        ok &= valid
+    accepted = torch.zeros_like(ok)
+    accepted[:, 0] = True
     loglik = torch.zeros(batch, nodes, dtype=probs.dtype, device=device)
     for level in range(1, int(depth.max()) + 1):
-        at = (depth == level)[None, :]
-        accepted = accepted | (at & ok & accepted[:, parent_safe])
-        loglik = torch.where(at, loglik[:, parent_safe] + torch.log(candidate.clamp_min(1e-30)), loglik)
-    deepest = torch.where(accepted, depth[None, :], torch.full_like(accepted, -1, dtype=torch.long)).amax(-1)
-    score = torch.where(accepted & (depth[None, :] == deepest[:, None]), loglik, torch.full_like(loglik, -torch.inf))
+        at = depth == level
+        accepted = accepted | (at & ok & accepted.gather(1, parent_safe))
+        loglik = torch.where(at, loglik.gather(1, parent_safe) + torch.log(candidate.clamp_min(1e-30)), loglik)
+    deepest = torch.where(accepted, depth, torch.full_like(depth, -1)).amax(-1)
+    score = torch.where(accepted & (depth == deepest[:, None]), loglik, torch.full_like(loglik, -torch.inf))
     best = score.argmax(-1)
     rows = torch.arange(batch, device=device)
-    return Acceptance(best, depth[best], path_slots.to(device)[best], sample_from(probs[rows, best], bonus_uniform))
+    return Acceptance(best, depth[rows, best], path_slots[rows, best], sample_from(probs[rows, best], bonus_uniform))
 
 
 ACCEPTANCE_MODES = ("lossless", "typical")
@@ -305,21 +307,21 @@ class Acceptor:
             return greedy_tokens(scores)
         return sample_from(scores.softmax(-1), self._uniform(logits.shape[0])).to(logits.device)
 
-    def accept(self, tokens: torch.Tensor, tree, logits: torch.Tensor, rows: torch.Tensor) -> Acceptance:
-        """tokens (B, N), logits (B, N, V) of the verified tree; rows (B,) the original batch
-        rows still decoding (for their tokens so far)."""
-        device = tokens.device
-        parent, depth, path_slots = tree.parent.to(device), tree.depth.to(device), tree.path_slots.to(device)
+    def accept(self, drafts: Drafts, logits: torch.Tensor, rows: torch.Tensor) -> Acceptance:
+        """The verified drafts (one tree per row), logits (B, N, V) at their slots; rows (B,)
+        the original batch rows still decoding (for their tokens so far)."""
+        tokens, parent, depth, path_slots, valid = (drafts.tokens, drafts.parent, drafts.depth, drafts.path_slots,
+                                                    drafts.valid)
         if self.mode == "greedy" and len(self.processors) == 0:
-            return greedy_accept(tokens, parent, depth, path_slots, greedy_tokens(logits))
+            return greedy_accept(tokens, parent, depth, path_slots, greedy_tokens(logits), valid)
         scores = self._scores(logits, rows, tokens, path_slots)
         if self.mode == "greedy":  # greedy with a repetition penalty: argmax of the penalized scores
-            return greedy_accept(tokens, parent, depth, path_slots, greedy_tokens(scores))
+            return greedy_accept(tokens, parent, depth, path_slots, greedy_tokens(scores), valid)
         probs = scores.softmax(-1)
         batch = tokens.shape[0]
         if isinstance(self.mode, Typical):
             return typical_accept(tokens, probs, parent, depth, path_slots, self._uniform(batch),
-                                  self.mode.epsilon, self.mode.delta)
-        width = children_table(tree.parent).shape[1]
-        uniforms = self._uniform(batch, tree.path_slots.shape[1] - 1, width)
-        return lossless_accept(tokens, probs, parent, depth, path_slots, uniforms, self._uniform(batch))
+                                  self.mode.epsilon, self.mode.delta, valid)
+        children = drafts.children()
+        uniforms = self._uniform(batch, drafts.max_depth, children.shape[-1])
+        return lossless_accept(tokens, probs, parent, depth, path_slots, uniforms, self._uniform(batch), children)

@@ -69,7 +69,7 @@ class KVState:
         :meth:`commit` adds to the accepted slots)."""
         device = self.valid.device
         mask = tree_attention_mask(self.valid, ancestor.to(device))
-        positions = self.next_pos[:, None] + depth.to(device)[None, :]
+        positions = self.next_pos[:, None] + depth.to(device)  # depth (N,) or (B, N)
         return mask, positions, self.length_with_tree()
 
     def length_with_tree(self) -> int:

@@ -13,7 +13,7 @@ import torch
 from ..heads import DraftHeads
 from .accept import Acceptance
 from .cache import KVState
-from .tree import Tree
+from .drafts import Drafts
 
 
 class HeadContext:
@@ -35,13 +35,13 @@ class HeadContext:
             self.kv = KVState.after_prefill(cache, first)
             self.hidden = out[:, 0]
 
-    def step(self, states: torch.Tensor, tree: Tree, result: Acceptance) -> None:
+    def step(self, states: torch.Tensor, drafts: Drafts, result: Acceptance) -> None:
         """After a verification: ``states`` (B, N, d) of every tree slot; keep the accepted ones."""
         rows = torch.arange(states.shape[0], device=states.device)
         if self.kv is None:
             self.hidden = states[rows, result.best]
             return
-        mask, positions, past = self.kv.tree_inputs(tree.ancestor, tree.depth)
+        mask, positions, past = self.kv.tree_inputs(drafts.ancestor, drafts.depth)
         out = self.heads.contextualize(states, positions, mask, self.kv.cache)
         self.kv.commit(result.path + past, result.accepted + 1)
         self.hidden = out[rows, result.best]

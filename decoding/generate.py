@@ -11,7 +11,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, Sequence
 
 import torch
 
@@ -25,19 +25,21 @@ from .accept import Acceptor, Typical, resolve_acceptance
 from .processors import check_sampling_config
 from .policy import AdaptivePolicy, CalibrationConfig, calibrate
 from .output import Emitter, generated_counts
+from .drafter import STORE_NAME, Drafter, DraftState, HeadsDrafter, TableCost, build_drafter, parse_drafts
 from .step import PhaseTimer, decode_step
 from .tree import Tree, chain_tree, tree_from_paths
 
 
 class TreePolicy(Protocol):
     """Chooses each step's tree; the batch-adaptive policy and a pinned tree share this whole
-    contract: ``choose`` the tree for the live batch, ``observe`` what the step accepted (the
-    tree it ran and each live row's accepted drafts), and ``max_nodes`` the largest tree it may
+    contract: ``choose`` the tree for the live batch (its size is the step's node budget; the
+    drafter fills it), ``observe`` what the step accepted (the shape every row ran, None when
+    rows ran different trees, and each live row's accepted drafts), and ``max_nodes`` the largest tree it may
     ask for (what the memory check prices)."""
 
     def choose(self, batch_size: int, context_length: int) -> Tree: ...
 
-    def observe(self, tree: Tree, accepted: torch.Tensor) -> None: ...
+    def observe(self, tree: Tree | None, accepted: torch.Tensor) -> None: ...
 
     def max_nodes(self, batch_size: int, context_length: int) -> int: ...
 
@@ -53,7 +55,7 @@ class FixedTree:
     def choose(self, batch_size: int, context_length: int) -> Tree:
         return self.tree
 
-    def observe(self, tree: Tree, accepted: torch.Tensor) -> None:
+    def observe(self, tree: Tree | None, accepted: torch.Tensor) -> None:
         """A pinned tree learns nothing."""
 
     def max_nodes(self, batch_size: int, context_length: int) -> int:
@@ -92,11 +94,11 @@ class DecodingStats:
     def tau(self) -> float:
         return (sum(self.accepted) + len(self.accepted)) / max(1, len(self.accepted))
 
-    def record(self, tree: Tree, accepted: torch.Tensor, rows: int) -> None:
-        """One verification step: its tree, the live rows' accepted drafts (R,), rows verified."""
+    def record(self, nodes: int, accepted: torch.Tensor, rows: int) -> None:
+        """One verification step: its slots per row, the live rows' accepted drafts (R,), rows verified."""
         self.steps += 1
         self.accepted.extend(accepted.tolist())
-        self.tree_nodes.append(tree.num_nodes)
+        self.tree_nodes.append(nodes)
         self.batch_sizes.append(rows)
 
     @property
@@ -138,6 +140,10 @@ class Request:
     @property
     def prompt_len(self) -> int:
         return int(self.input_ids.shape[1])
+
+    def prompts(self) -> list[list[int]]:
+        """Each row's prompt tokens without its padding."""
+        return [ids[mask].tolist() for ids, mask in zip(self.input_ids.cpu(), self.attention_mask.cpu().bool())]
 
 
 # Generation options whose non-default value changes the output and that the greedy tree
@@ -214,20 +220,28 @@ class DraftHeadsModel:
         if tree is None:
             tree = default_tree(heads, base.dtype)
         self.policy: TreePolicy = as_policy(tree)
+        #: who fills the trees; None: the heads alone (:class:`~.drafter.HeadsDrafter` over ``self.heads``)
+        self.drafter: Drafter | None = None
         self.last_stats = DecodingStats()
 
     # -- loading ---------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, heads_path: str | Path | None = None, base=None, tokenizer=None,
                         base_name_or_path: str | None = None, dtype: torch.dtype | str | None = "auto", tree=None,
-                        packed_attention: bool = True, packed_linears: bool = True, **hub_kwargs) -> "DraftHeadsModel":
+                        packed_attention: bool = True, packed_linears: bool = True,
+                        drafts: str | Sequence[str] = "heads", lookup_store: str | Path | None = None,
+                        **hub_kwargs) -> "DraftHeadsModel":
         """Load heads from a local checkpoint directory or a Hub id (``hub_kwargs``: ``revision``,
         ``cache_dir``, ``token``, ``local_files_only``; ``HF_HUB_OFFLINE=1`` reads the cache only)
         and the base they were made for (default: the embedded SmolLM2), in ``dtype``:
         ``"auto"`` (default) is the base's native dtype where the hardware computes it natively
         (bf16 on CPUs with AVX512-BF16/AMX and on GPUs), else float32; an explicit dtype wins.
-        The heads are cast to the base's dtype."""
+        The heads are cast to the base's dtype. ``drafts``: who fills the trees — "heads"
+        (default), or any comma-separated mix of heads, context, store, stats (see
+        :meth:`use_drafts`); ``lookup_store``: the model store for "store"/"stats" (default: the
+        one shipped beside the heads)."""
         tree = parse_tree_option(tree)  # every argument is checked before anything loads
+        sources = parse_drafts(drafts)
         if base is None:
             check_base_path(base_name_or_path)
             parse_dtype(dtype)
@@ -242,8 +256,35 @@ class DraftHeadsModel:
                                base_name=getattr(base, "name_or_path", None) or None, **hub_kwargs)
         if heads is not None and packed_linears:
             heads.use_packed_readout()  # the calibration drafts as the loop will
-        return cls(base, heads, tokenizer, resolve_tree(tree, base, heads), packed_attention=packed_attention,
-                   packed_linears=packed_linears)
+        model = cls(base, heads, tokenizer, resolve_tree(tree, base, heads), packed_attention=packed_attention,
+                    packed_linears=packed_linears)
+        if sources != ("heads",):
+            model.use_drafts(sources, lookup_store)
+        return model
+
+    def use_drafts(self, drafts: str | Sequence[str], lookup_store: str | Path | None = None) -> None:
+        """Choose who fills the trees: "heads" (the checkpoint's heads alone), or a mix of heads
+        and lookup sources — "context" (suffix matches in the prompt and the answer so far),
+        "store" (matches in the base's own answers, a file shipped beside the heads), "stats"
+        (bigram chains from the store) — merged into one tree per row under the cost model
+        (:class:`~.drafter.MergedDrafter`). ``lookup_store``: the store file (default:
+        ``lookup_store.safetensors`` beside the heads)."""
+        sources = parse_drafts(drafts)
+        store = None
+        if "store" in sources or "stats" in sources:
+            store = open_store(lookup_store, self.heads, self.tokenizer)
+        eos = eos_token_ids(self.base.generation_config)
+        self.drafter = build_drafter(sources, self.heads, store, self.step_cost(), eos[0] if eos else None)
+
+    def step_cost(self):
+        """The step-time model the merged drafter sizes trees with: the adaptive policy's
+        calibration, else the checkpoint's stored bs-1 table for this dtype, else a linear guess."""
+        cost = getattr(self.policy, "cost", None)
+        if cost is not None:
+            return cost
+        by_dtype = self.heads.config.default_budget_by_dtype if self.heads is not None else {}
+        ranked = by_dtype.get(dtype_name(self.base.dtype), {}).get("ranked")
+        return TableCost.from_ranked(ranked) if ranked else None
 
     @property
     def config(self):
@@ -282,7 +323,9 @@ class DraftHeadsModel:
                             out.generated, generator)
         roots = acceptor.first(logits)
         out.emit_first(roots, acceptor.reported(logits) if request.want_scores else None)
-        stats = self._decode(out, acceptor, kv, HeadContext(self.heads, hidden), roots, timer)
+        drafter = self.drafter if self.drafter is not None else HeadsDrafter(self.heads)
+        drafter.start(request.prompts())
+        stats = self._decode(out, acceptor, drafter, kv, HeadContext(self.heads, hidden), roots, timer)
         stats.new_tokens, stats.seconds = out.new_tokens, time.perf_counter() - started
         self.last_stats = stats
         sequences = out.sequences(request.pad)
@@ -291,8 +334,8 @@ class DraftHeadsModel:
         return out.dict_output(self.base, sequences, request.attention_mask, request.config, kv, acceptor,
                                logits.shape[-1])
 
-    def _decode(self, out: Emitter, acceptor: Acceptor, kv: KVState, context: HeadContext, roots: torch.Tensor,
-                timer: PhaseTimer | None) -> DecodingStats:
+    def _decode(self, out: Emitter, acceptor: Acceptor, drafter: Drafter, kv: KVState, context: HeadContext,
+                roots: torch.Tensor, timer: PhaseTimer | None) -> DecodingStats:
         """The loop: choose a tree for the live rows, run one :func:`decode_step`, emit what each
         row accepted; finished rows leave the batch (``finished_rows="shrink"``). roots (B,)."""
         stats, live, device = DecodingStats(), torch.arange(roots.shape[0]), roots.device
@@ -303,11 +346,12 @@ class DraftHeadsModel:
                 kv.select_rows(keep.to(device))
                 context.select_rows(keep.to(device))
             active = out.running(live).to(device)  # all True when shrinking; finished rows masked otherwise
-            tree = self.policy.choose(live.numel(), kv.length).fitting(out.room(live[active.cpu()]) - 1)
-            step = decode_step(self.base, self.heads, acceptor, kv, context, roots, tree, live, timer)
+            tree = self.policy.choose(live.numel(), kv.length)
+            state = DraftState(roots, context.hidden, live.tolist(), _rooms(out, live), kv.length, out.generated)
+            step = decode_step(self.base, drafter, acceptor, kv, context, state, tree, timer)
             result = step.acceptance
-            self.policy.observe(step.tree, result.accepted[active])
-            stats.record(step.tree, result.accepted[active], live.numel())
+            self.policy.observe(step.drafts.shape, result.accepted[active])
+            stats.record(step.drafts.num_nodes, result.accepted[active], live.numel())
             out.emit_step(live, step.tokens, result.path, result.accepted, result.bonus,
                           acceptor.reported(step.logits) if out.want_scores else None)
             roots = result.bonus
@@ -353,6 +397,28 @@ class DraftHeadsModel:
                                         seconds=time.perf_counter() - started, tree_nodes=[1] * steps,
                                         batch_sizes=[request.batch] * steps, delegated=True)
         return output
+
+
+def open_store(path: str | Path | None, heads: DraftHeads | None, tokenizer):
+    """The model store at ``path`` (default: beside the heads), checked against the tokenizer."""
+    from .drafters import ModelStore, StoreError, tokenizer_identity
+
+    if path is None:
+        folder = getattr(heads, "source_dir", None)
+        if folder is None or not (Path(folder) / STORE_NAME).is_file():
+            raise StoreError(f"No {STORE_NAME} beside the heads ({folder}): build one with `python scripts/build_store.py "
+                             f"--data <the base's answers.jsonl> --out <heads dir>/{STORE_NAME}` or pass lookup_store=.")
+        path = Path(folder) / STORE_NAME
+    return ModelStore.open(path, expect=tokenizer_identity(tokenizer) if tokenizer is not None else None)
+
+
+def _rooms(out: Emitter, live: torch.Tensor) -> list[int]:
+    """Each live row's deepest usable draft (tokens it may still emit − 1); a finished row kept
+    in the batch (``finished_rows="mask"``) gets the live rows' smallest, so it never shrinks
+    their tree."""
+    rooms = out.rooms(live)
+    floor = min((r for r in rooms if r > 0), default=1)
+    return [max(r, floor) - 1 for r in rooms]
 
 
 def drafting_dtype(base) -> torch.dtype | None:

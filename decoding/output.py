@@ -40,7 +40,11 @@ class Emitter:
 
     def room(self, rows: torch.Tensor) -> int:
         """Tokens the closest-to-its-limit of ``rows`` may still emit (bounds the tree depth)."""
-        return min(self.limits[b] - len(self.generated[b]) for b in rows.tolist())
+        return min(self.rooms(rows))
+
+    def rooms(self, rows: torch.Tensor) -> list[int]:
+        """Tokens each of ``rows`` may still emit (0 for a finished row)."""
+        return [0 if bool(self.done[b]) else self.limits[b] - len(self.generated[b]) for b in rows.tolist()]
 
     def emit(self, row: int, new: list[int], new_scores=None, drafted: int = 0) -> None:
         """Append tokens one by one, stopping exactly where transformers would: after an EOS,

@@ -86,8 +86,8 @@ def processed_scores(processors, logits: torch.Tensor, history: torch.Tensor | N
     if history is None:
         ids = torch.full((batch * nodes, 1), vocab, dtype=torch.long, device=logits.device)
     else:
-        path_slots = path_slots.to(logits.device)
-        path = tokens.gather(1, path_slots.reshape(1, -1).expand(batch, -1)).view(batch, nodes, -1)
+        path_slots = path_slots.to(logits.device).expand(batch, nodes, -1)  # (N, D+1) or (B, N, D+1)
+        path = tokens.gather(1, path_slots.reshape(batch, -1)).view(batch, nodes, -1)
         ids = torch.cat([history.to(logits.device)[:, None, :].expand(batch, nodes, -1), path], dim=2)
         ids = ids.reshape(batch * nodes, -1)
     return processors(ids, scores).view(batch, nodes, vocab)

@@ -1,8 +1,9 @@
 """One speculative decoding step, written once: the loop runs it, and the profiler
 (``scripts/profile_step.py``) times exactly the same code phase by phase.
 
-    propose → tree inputs → verify (base forward over the tree) → LM head → accept
-            → commit (keep the accepted cache slots) → head context
+    propose (a tree per row) → tree inputs → verify (base forward over the trees) → LM head
+            → accept → commit (keep the accepted cache slots) → head context (+ the drafter hears
+            what each row accepted)
 
 A step never emits tokens or decides stopping: that is the loop's business
 (:mod:`.generate`). It returns what the loop needs to do so (:class:`StepResult`).
@@ -16,13 +17,14 @@ from typing import Iterator
 
 import torch
 
-from ..heads import DraftHeads
 from ..heads.linear import packed_linears
 from .accept import Acceptance
 from .base import lm_logits, verify
 from .cache import KVState
 from .context import HeadContext
-from .tree import Tree, chain_tree
+from .drafter import Drafter, DraftState
+from .drafts import Drafts
+from .tree import Tree
 
 #: the phases of a step, in order (the profiler's table rows)
 PHASES = ("propose", "tree_inputs", "forward", "lm_head", "accept", "commit", "context")
@@ -60,41 +62,43 @@ def _untimed(name: str, device: torch.device) -> Iterator[None]:
 
 @dataclass
 class StepResult:
-    tree: Tree  # the tree that was verified (after truncation)
-    tokens: torch.Tensor  # (B, N) tree tokens, column 0 = the roots
+    drafts: Drafts  # the trees that were verified, one per live row
     logits: torch.Tensor  # (B, N, V) the base's logits at every tree slot
     acceptance: Acceptance  # per row: deepest accepted slot, accepted drafts, path, bonus token
 
+    @property
+    def tokens(self) -> torch.Tensor:
+        """(B, N) tree tokens, column 0 = the roots."""
+        return self.drafts.tokens
 
-def decode_step(base, heads: DraftHeads | None, acceptor, kv: KVState, context: HeadContext, roots: torch.Tensor,
-                tree: Tree, rows: torch.Tensor, timer: PhaseTimer | None = None) -> StepResult:
+
+def decode_step(base, drafter: Drafter, acceptor, kv: KVState, context: HeadContext, state: DraftState,
+                tree: Tree, timer: PhaseTimer | None = None) -> StepResult:
     """One verification step for the live batch.
 
-    roots (B,) the token each live row ends with (emitted, not yet in the cache); rows (B,) the
-    original batch index of each live row (the acceptor reads their tokens so far); ``tree`` the
-    shape to verify (a 1-node tree is a plain decoding step). The base cache in ``kv`` and the
-    heads' ``context`` advance by each row's accepted slots."""
-    device = roots.device
+    ``state``: each live row's root token, head input, caller row index and room (see
+    :class:`~.drafter.DraftState`); ``tree``: the policy's choice (its size is the node budget;
+    a 1-node tree is a plain decoding step). The drafter returns a tree per row; the base
+    verifies them in one forward; the cache in ``kv`` and the heads' ``context`` advance by each
+    row's accepted slots; the drafter hears what each row accepted."""
+    device = state.roots.device
     phase = timer.phase if timer is not None else _untimed
     with phase("propose", device):
-        if heads is None or tree.num_nodes == 1:
-            tree = chain_tree(0)
-            tokens = roots[:, None]
-        else:
-            with packed_linears():  # packed heads' layers (if the decoder packed them) draft faster
-                tokens = heads.propose(context.hidden, roots, tree.spec)
+        with packed_linears():  # packed heads' layers (if the decoder packed them) draft faster
+            drafts = drafter.propose(state, tree)
     with phase("tree_inputs", device):
-        mask, positions, past = kv.tree_inputs(tree.ancestor, tree.depth)
+        mask, positions, past = kv.tree_inputs(drafts.ancestor, drafts.depth)
     with phase("forward", device):
-        states = verify(base, tokens, positions, mask, kv.cache)  # (B, N, d)
+        states = verify(base, drafts.tokens, positions, mask, kv.cache)  # (B, N, d)
     with phase("lm_head", device):
         logits = lm_logits(base, states)  # (B, N, V)
     with phase("accept", device):
-        result = acceptor.accept(tokens, tree, logits, rows)
+        result = acceptor.accept(drafts, logits, torch.tensor(state.rows))
     with phase("commit", device):
         kv.commit(result.path + past, result.accepted + 1)
     with phase("context", device):
-        context.step(states, tree, result)
+        context.step(states, drafts, result)
+        drafter.observe(drafts, result, state.rows)
     if timer is not None:
         timer.steps += 1
-    return StepResult(tree, tokens, logits, result)
+    return StepResult(drafts, logits, result)

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from .medusa import resblock_stacks
-from .protocol import DraftHeads, HeadConfig, TreeSpec, cartesian_tokens, register
+from .protocol import DraftHeads, HeadConfig, TreeSpec, cartesian_probs, cartesian_tokens, register
 
 #: Seed of the head-index embedding's init: construction stays independent of the global RNG
 #: state for it (other modules are zeroed after their default init anyway).
@@ -184,6 +184,10 @@ class AmphistaHeads(DraftHeads):
         return self.to_vocab(logits.topk(k, dim=-1).indices)
 
     @torch.no_grad()
-    def propose(self, hidden: torch.Tensor, roots: torch.Tensor, tree: TreeSpec) -> torch.Tensor:
+    def propose(self, hidden: torch.Tensor, roots: torch.Tensor, tree: TreeSpec, with_probs: bool = False):
         # Cartesian, as Medusa: the heads condition on the root, not on the drafted path.
-        return cartesian_tokens(self.topk(hidden, roots, int(tree.rank.max()) + 1), roots, tree)
+        k = int(tree.rank.max()) + 1
+        if not with_probs:
+            return cartesian_tokens(self.topk(hidden, roots, k), roots, tree)
+        ids, probs = self.top_candidates(self(hidden, tokens=roots[..., None]), k)
+        return cartesian_tokens(ids, roots, tree), cartesian_probs(probs, tree)

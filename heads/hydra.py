@@ -72,23 +72,29 @@ class HydraHeads(DraftHeads):
         return self.readout(torch.stack(states, dim=-2))
 
     @torch.no_grad()
-    def propose(self, hidden: torch.Tensor, roots: torch.Tensor, tree: TreeSpec) -> torch.Tensor:
+    def propose(self, hidden: torch.Tensor, roots: torch.Tensor, tree: TreeSpec, with_probs: bool = False):
         batch, nodes = roots.shape[0], tree.num_nodes
         tokens = torch.empty(batch, nodes, dtype=torch.long, device=roots.device)
         tokens[:, 0] = roots
+        probs = torch.ones(batch, nodes, dtype=torch.float32, device=roots.device) if with_probs else None
         # paths[slot] = (B, depth+1, dim): the embeddings of the tokens root→slot, filled level by level
         paths: dict[int, torch.Tensor] = {0: self.embed(roots, hidden.dtype)[:, None, :]}
         levels = _levels(tuple(tree.parent.tolist()), tuple(tree.depth.tolist()), tuple(tree.rank.tolist()))
         for d, (parents, children, parent_index, ranks) in enumerate(levels):
             context = torch.stack([paths[int(p)] for p in parents], dim=1)  # (B, P, d+1, dim)
             state = self.heads[d](hidden[:, None, :].expand(-1, parents.numel(), -1), context)
-            top = self.readout(state).topk(int(ranks.max()) + 1, dim=-1).indices  # (B, P, k)
-            chosen = self.to_vocab(top[:, parent_index, ranks])  # (B, nodes at depth d+1)
+            logits = self.readout(state)  # (B, P, V_draft)
+            if probs is None:
+                top = self.to_vocab(logits.topk(int(ranks.max()) + 1, dim=-1).indices)  # (B, P, k)
+            else:
+                top, top_probs = self.top_candidates(logits, int(ranks.max()) + 1)
+                probs[:, children] = top_probs[:, parent_index, ranks]
+            chosen = top[:, parent_index, ranks]  # (B, nodes at depth d+1)
             tokens[:, children] = chosen
             embedded = self.embed(chosen, hidden.dtype)
             for i, slot in enumerate(children.tolist()):
                 paths[slot] = torch.cat([context[:, int(parent_index[i])], embedded[:, i, None]], dim=1)
-        return tokens
+        return (tokens, probs) if probs is not None else tokens
 
 
 def rotate(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .protocol import DraftHeads, HeadConfig, TreeSpec, cartesian_tokens, register
+from .protocol import DraftHeads, HeadConfig, TreeSpec, cartesian_probs, cartesian_tokens, register
 
 
 class ResBlock(nn.Module):
@@ -67,5 +67,9 @@ class MedusaHeads(DraftHeads):
         return self.to_vocab(logits.topk(k, dim=-1).indices)
 
     @torch.no_grad()
-    def propose(self, hidden: torch.Tensor, roots: torch.Tensor, tree: TreeSpec) -> torch.Tensor:
-        return cartesian_tokens(self.topk(hidden, int(tree.rank.max()) + 1), roots, tree)
+    def propose(self, hidden: torch.Tensor, roots: torch.Tensor, tree: TreeSpec, with_probs: bool = False):
+        k = int(tree.rank.max()) + 1
+        if not with_probs:
+            return cartesian_tokens(self.topk(hidden, k), roots, tree)
+        ids, probs = self.top_candidates(self(hidden), k)
+        return cartesian_tokens(ids, roots, tree), cartesian_probs(probs, tree)

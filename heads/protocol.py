@@ -247,10 +247,20 @@ class DraftHeads(nn.Module):
         raise NotImplementedError
 
     @torch.no_grad()
-    def propose(self, hidden: torch.Tensor, roots: torch.Tensor, tree: TreeSpec) -> torch.Tensor:  # pragma: no cover
+    def propose(self, hidden: torch.Tensor, roots: torch.Tensor, tree: TreeSpec,
+                with_probs: bool = False):  # pragma: no cover
         """hidden (B, d) of the last position in the cache, roots (B,) the token the base just
-        produced; returns tree tokens (B, N) with column 0 = roots."""
+        produced; returns tree tokens (B, N) with column 0 = roots. ``with_probs``: also each
+        node's draft probability given its parent (B, N) float32 (1 at the root), which a
+        merged tree ranks head drafts by (:mod:`draftheads.decoding.drafter`)."""
         raise NotImplementedError
+
+    def top_candidates(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft logits (..., V_draft) → the k best base token ids (..., k), best first, and their
+        softmax probabilities (..., k) float32 (one logsumexp, no full softmax)."""
+        values, index = logits.topk(k, dim=-1)
+        probs = (values.float() - logits.float().logsumexp(-1, keepdim=True)).exp()
+        return self.to_vocab(index), probs
 
     def check_tree(self, tree: TreeSpec) -> None:
         """Refuse a tree the heads cannot fill, naming the offending depth or rank."""
@@ -363,6 +373,13 @@ def cartesian_tokens(candidates: torch.Tensor, roots: torch.Tensor, tree: TreeSp
     tokens = candidates[:, depth, tree.rank.to(candidates.device)]
     tokens[:, 0] = roots
     return tokens
+
+
+def cartesian_probs(probs: torch.Tensor, tree: TreeSpec) -> torch.Tensor:
+    """The same filling for the candidates' probabilities (B, K, k) → (B, N), 1 at the root."""
+    filled = probs[:, (tree.depth.clamp(min=1) - 1).to(probs.device), tree.rank.to(probs.device)]
+    filled[:, 0] = 1.0
+    return filled
 
 
 def build_heads(config: HeadConfig) -> DraftHeads:
@@ -478,4 +495,5 @@ def load_heads(directory: str | Path, expected_fingerprint: dict | None = None,
     missing, unexpected = heads.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise CheckpointError(f"{weights} does not match its config.json (missing {missing}, unexpected {unexpected}).")
+    heads.source_dir = Path(directory)  # files shipped beside the weights (a lookup store) are found from here
     return heads.to(dtype).eval().requires_grad_(False)

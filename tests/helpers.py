@@ -70,7 +70,7 @@ class OracleHeads(DraftHeads):
                 return p
         return self.pointer[row]
 
-    def propose(self, hidden: torch.Tensor, roots: torch.Tensor, tree: TreeSpec) -> torch.Tensor:
+    def propose(self, hidden: torch.Tensor, roots: torch.Tensor, tree: TreeSpec, with_probs: bool = False):
         batch, nodes = roots.shape[0], tree.num_nodes
         tokens = torch.randint(0, self.vocab, (batch, nodes), generator=self.generator)
         parent = tree.parent.tolist()
@@ -84,6 +84,10 @@ class OracleHeads(DraftHeads):
                 if on_path[n] and p + d < len(seq) and float(torch.rand(1, generator=self.generator)) > self.error:
                     tokens[b, n] = seq[p + d]
         tokens[:, 0] = roots
+        if with_probs:  # the confidence a trained head would show: high on rank 0, low elsewhere
+            probs = torch.where(tree.rank == 0, 0.8, 0.1).to(torch.float32).expand(batch, nodes).clone()
+            probs[:, 0] = 1.0
+            return tokens, probs
         return tokens
 
 

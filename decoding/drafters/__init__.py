@@ -9,12 +9,12 @@ wrap any of them; :func:`merge` fuses their tries under one node budget and
 from .candidates import Candidates, Source, TrieBuilder, count_trie, merge, select
 from .context import ContextConfig, ContextSource, NgramIndex, SuffixAutomaton
 from .hitrate import HitRate, HitRateConfig, default_q
-from .lookup import LookupConfig, LookupDrafter
+from .lookup import LOOKUP_SOURCES, LookupConfig, LookupDrafter
 from .stats import BigramTable, StatsConfig, StatsSource
 from .store import (ModelStore, StoreConfig, StoreError, StoreHeader, StoreSource, TokenizerIdentity, build_arrays,
                     save_store, tokenizer_identity)
 
-__all__ = ["BigramTable", "Candidates", "ContextConfig", "ContextSource", "HitRate", "HitRateConfig", "LookupConfig", "LookupDrafter", "ModelStore",
+__all__ = ["LOOKUP_SOURCES", "BigramTable", "Candidates", "ContextConfig", "ContextSource", "HitRate", "HitRateConfig", "LookupConfig", "LookupDrafter", "ModelStore",
            "NgramIndex", "Source", "StatsConfig", "StatsSource", "StoreConfig", "StoreError", "StoreHeader",
            "StoreSource", "SuffixAutomaton", "TokenizerIdentity", "TrieBuilder", "build_arrays", "count_trie",
            "default_q", "merge", "save_store", "select", "tokenizer_identity"]

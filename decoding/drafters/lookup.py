@@ -24,31 +24,49 @@ class LookupConfig:
     stats: StatsConfig = field(default_factory=StatsConfig)
 
 
+#: the lookup sources, most local first (Hierarchy Drafting's order)
+LOOKUP_SOURCES = ("context", "store", "stats")
+
+
 class LookupDrafter:
-    """Context source always; store and bigram sources when a store is given."""
+    """The chosen ``sources`` (default: context, plus store and bigram statistics when a store
+    is given); "store" and "stats" need the store (the bigram table is read from it)."""
 
     def __init__(self, store: ModelStore | None = None, config: LookupConfig = LookupConfig(),
-                 hitrate: HitRate | None = None):
-        self.store, self.config = store, config
-        self.table = BigramTable.from_store(store) if store is not None else None
+                 hitrate: HitRate | None = None, sources: Sequence[str] | None = None):
+        if sources is None:
+            sources = LOOKUP_SOURCES if store is not None else ("context",)
+        unknown = [s for s in sources if s not in LOOKUP_SOURCES]
+        if unknown:
+            raise ValueError(f"Unknown lookup source(s) {unknown}; choose from {list(LOOKUP_SOURCES)}.")
+        if store is None and any(s in ("store", "stats") for s in sources):
+            raise ValueError("The 'store' and 'stats' lookup sources need a model store: build one with "
+                             "`python scripts/build_store.py --data <the base's answers.jsonl> --out <heads dir>/"
+                             "lookup_store.safetensors`, or draft with 'context' only.")
+        self.store, self.config, self.sources = store, config, tuple(sources)
+        self.table = BigramTable.from_store(store) if "stats" in self.sources else None
         self.hitrate = hitrate if hitrate is not None else HitRate()
         self.rows: dict[int, list] = {}
 
     def start(self, row: int, prompt: Sequence[int]) -> None:
-        """Seed a row with its prompt (the context index scans it once)."""
+        """Seed a row with its prompt (each source indexes it once)."""
         cfg = self.config
-        sources: list = [ContextSource(prompt, cfg.context)]
-        if self.store is not None:
-            sources += [StoreSource(self.store, prompt, cfg.store), StatsSource(self.table, prompt, cfg.stats)]
-        self.rows[row] = sources
+        make = {"context": lambda: ContextSource(prompt, cfg.context),
+                "store": lambda: StoreSource(self.store, prompt, cfg.store),
+                "stats": lambda: StatsSource(self.table, prompt, cfg.stats)}
+        self.rows[row] = [make[name]() for name in self.sources]
 
     def extend(self, row: int, tokens: Sequence[int]) -> None:
         for source in self.rows[row]:
             source.extend(tokens)
 
+    def tries(self, row: int, budget: int) -> list[Candidates]:
+        """Each source's trie (up to ``budget`` nodes) rescored on the P(accepted) scale."""
+        return [self.hitrate.rescore(s.propose(budget)) for s in self.rows[row]]
+
     def propose(self, row: int, budget: int) -> Candidates:
-        """Each source's trie rescored on the P(accepted) scale, merged to ``budget`` nodes."""
-        return merge([self.hitrate.rescore(s.propose(budget)) for s in self.rows[row]], budget)
+        """The sources' tries merged to ``budget`` nodes."""
+        return merge(self.tries(row, budget), budget)
 
     def observe(self, row: int, proposed: Candidates, accepted_tokens: Sequence[int]) -> int:
         return self.hitrate.observe(row, proposed, accepted_tokens)

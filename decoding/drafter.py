@@ -1,0 +1,246 @@
+"""Drafters: who fills each step's token trees (transformers' ``CandidateGenerator`` idea, batch-first).
+
+A :class:`Drafter` sees each live row's state and the policy's tree (its node budget, and the
+shape the heads fill) and returns one tree per row (:class:`~.drafts.Drafts`); after the
+verification it hears what each row accepted and emitted. Two implementations:
+
+* :class:`HeadsDrafter` — the heads fill the policy's tree; every row has the same shape.
+* :class:`MergedDrafter` — the heads' tree and the lookup sources (context, model store, bigram
+  statistics: :mod:`.drafters`) merge into one trie per row, ranked by calibrated P(accepted)
+  (:class:`~.drafters.HitRate`), and each step keeps the width that maximizes expected tokens
+  per millisecond under the cost model (:class:`WidthChooser`). Without heads it is a pure
+  lookup drafter (the Hierarchy Drafting order falls out of the ranking).
+
+Every draft node is a fixed token given the row's history (a point mass), whoever proposed
+it, so the acceptance rules and their proof in :mod:`.accept` hold for merged trees as they are.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+import numpy as np
+import torch
+
+from ..heads import DraftHeads
+from .accept import Acceptance
+from .drafters import Candidates, LookupDrafter, merge
+from .drafts import Drafts
+from .tree import Tree, chain_tree
+
+
+@dataclass
+class DraftState:
+    """What a drafter may read about the live rows before a step."""
+
+    roots: torch.Tensor  # (B,) the token each row ends with (emitted, not yet in the cache)
+    hidden: torch.Tensor  # (B, d) what the heads read (HeadContext.hidden)
+    rows: list[int]  # (B,) each live row's index in the caller's batch
+    room: list[int]  # (B,) the deepest draft each row may still use (tokens left - 1)
+    context_length: int  # cache columns (the cost model's ctx)
+    generated: Sequence[Sequence[int]] = ()  # per caller row: its tokens emitted so far (root last)
+
+
+class Drafter(Protocol):
+    """``start`` with the prompts, then per step ``propose`` → verify → ``observe``."""
+
+    def start(self, prompts: Sequence[Sequence[int]]) -> None: ...
+
+    def propose(self, state: DraftState, tree: Tree) -> Drafts: ...
+
+    def observe(self, drafts: Drafts, result: Acceptance, rows: Sequence[int]) -> None: ...
+
+
+def plain_drafts(roots: torch.Tensor) -> Drafts:
+    """No drafts: a 1-node tree per row (a plain decoding step)."""
+    return Drafts.uniform(chain_tree(0), roots[:, None])
+
+
+@dataclass
+class HeadsDrafter:
+    """The heads fill the policy's tree (cut to the shallowest row's room); no state."""
+
+    heads: DraftHeads | None
+
+    def start(self, prompts: Sequence[Sequence[int]]) -> None:
+        """Heads read hidden states, not token histories."""
+
+    def propose(self, state: DraftState, tree: Tree) -> Drafts:
+        tree = tree.fitting(min(state.room))
+        if self.heads is None or tree.num_nodes == 1:
+            return plain_drafts(state.roots)
+        return Drafts.uniform(tree, self.heads.propose(state.hidden, state.roots, tree.spec))
+
+    def observe(self, drafts: Drafts, result: Acceptance, rows: Sequence[int]) -> None:
+        """Nothing to learn: the policy observes acceptance itself."""
+
+
+class StepCost(Protocol):
+    def step_ms(self, bs: int, nodes: int, ctx: int, budget: int = 0) -> float: ...
+
+
+@dataclass(frozen=True)
+class TableCost:
+    """A bs-1 step-time table {nodes: ms} (``HeadConfig.default_budget_by_dtype[...]["ranked"]``)
+    used for any batch as a function of query tokens: bs × nodes rows cost what bs·nodes nodes
+    cost one row (a CPU forward is bound by its query tokens). Monotone: a larger tree never
+    counts as cheaper than a smaller one."""
+
+    nodes: tuple[int, ...]
+    ms: tuple[float, ...]
+
+    @classmethod
+    def from_ranked(cls, ranked: Sequence[dict]) -> "TableCost":
+        points = sorted((int(r["nodes"]), float(r["step_ms"])) for r in ranked)
+        nodes, ms, best = [], [], float("inf")
+        for n, t in reversed(points):  # lower every point to the cheapest larger tree
+            best = min(best, t)
+            nodes.append(n)
+            ms.append(best)
+        return cls(tuple(reversed(nodes)), tuple(reversed(ms)))
+
+    def step_ms(self, bs: int, nodes: int, ctx: int, budget: int = 0) -> float:
+        from .policy import interp1
+
+        return interp1(self.nodes, self.ms, bs * nodes) if len(self.nodes) > 1 else self.ms[0] * bs * nodes
+
+
+#: without a measured table: a step of n nodes costs 1 + 3 % per extra node, relative (this
+#: CPU's bs-1 bf16 table grows about 3 % per node between 1 and 33 nodes)
+LINEAR_COST = TableCost((1, 33), (1.0, 1.96))
+
+
+@dataclass
+class WidthChooser:
+    """The step's node count: best-first trees are prefix-closed at every width, so keeping the
+    first W−1 drafts of each row's ranked trie is always a valid tree; choose the W that
+    maximizes Σ_rows E[tokens] / step time = Σ_b (1 + Σ_{i<W−1} s_b,i) / cost(B, W)."""
+
+    cost: StepCost = LINEAR_COST
+    max_nodes: int = 33
+
+    def choose(self, scores: Sequence[np.ndarray], ctx: int) -> int:
+        batch = len(scores)
+        widest = min(self.max_nodes, 1 + max((len(s) for s in scores), default=0))
+        gain = np.zeros(widest)  # gain[w-1] = Σ_b Σ_{i<w-1} s_b,i
+        for s in scores:
+            cum = np.concatenate([[0.0], np.cumsum(s[: widest - 1])])
+            gain += np.pad(cum, (0, widest - len(cum)), mode="edge")
+        rate = [(batch + gain[w - 1]) / self.cost.step_ms(batch, w, ctx) for w in range(1, widest + 1)]
+        return 1 + int(np.argmax(rate))
+
+
+def head_trie(tree: Tree, tokens: Sequence[int], probs: Sequence[float]) -> Candidates:
+    """One row of the heads' tree (slots 1..N−1) as candidates scored by draft probability."""
+    parent = (tree.parent[1:] - 1).tolist()  # slot → index among the drafts (root = -1)
+    return Candidates.from_heads(parent, list(tokens)[1:], list(probs)[1:])
+
+
+def cap_depth(trie: Candidates, max_depth: int) -> Candidates:
+    """The trie without nodes deeper than ``max_depth`` (a row near its token limit); still
+    prefix-closed and in order, since depth grows along every path."""
+    if len(trie) == 0 or int(trie.depth.max()) <= max_depth:
+        return trie
+    keep = np.flatnonzero(trie.depth <= max_depth)
+    index = {int(old): new for new, old in enumerate(keep)}
+    parent = [-1 if trie.parent[i] < 0 else index[int(trie.parent[i])] for i in keep]
+    return Candidates.from_lists(parent, trie.token[keep].tolist(), trie.score[keep].tolist(),
+                                 trie.source[keep].tolist(), trie.bucket[keep].tolist(), trie.share[keep].tolist())
+
+
+@dataclass
+class MergedDrafter:
+    """Heads (optional) + lookup sources in one tree per row (see the module docstring).
+
+    ``lookup_nodes``: the most draft nodes a row's lookup sources propose per step (prompt
+    lookup proposes 10, SuffixDecoding up to 24-64); the merged tree then keeps the width the
+    :class:`WidthChooser` finds best, at most the policy's tree size + ``lookup_nodes``."""
+
+    heads: DraftHeads | None
+    lookup: LookupDrafter
+    width: WidthChooser = field(default_factory=WidthChooser)
+    lookup_nodes: int = 16
+    _seen: dict[int, int] = field(default_factory=dict)
+    _proposed: list[Candidates] = field(default_factory=list)
+
+    def start(self, prompts: Sequence[Sequence[int]]) -> None:
+        self.lookup.rows.clear()
+        self._seen.clear()
+        for row, prompt in enumerate(prompts):
+            self.lookup.start(row, prompt)
+            self._seen[row] = 0
+
+    def propose(self, state: DraftState, tree: Tree) -> Drafts:
+        tree = tree.fitting(min(state.room))
+        head_tokens = head_probs = None
+        if self.heads is not None and tree.num_nodes > 1:
+            tokens, probs = self.heads.propose(state.hidden, state.roots, tree.spec, with_probs=True)
+            head_tokens, head_probs = tokens.tolist(), probs.tolist()
+        budget = tree.num_nodes - 1 + self.lookup_nodes
+        tries = []
+        for b, row in enumerate(state.rows):
+            new = state.generated[row][self._seen[row]:]  # what the row emitted since it last drafted
+            if new:
+                self.lookup.extend(row, new)
+                self._seen[row] += len(new)
+            parts = self.lookup.tries(row, self.lookup_nodes)
+            if head_tokens is not None:
+                parts.append(self.lookup.hitrate.rescore(head_trie(tree, head_tokens[b], head_probs[b])))
+            tries.append(cap_depth(merge(parts, budget), state.room[b]))
+        width = self.width.choose([t.score for t in tries], state.context_length)
+        self._proposed = [_first(t, width - 1) for t in tries]
+        return Drafts.from_rows(state.roots, [t.parent.tolist() for t in self._proposed],
+                                [t.token.tolist() for t in self._proposed],
+                                [t.source.tolist() for t in self._proposed])
+
+    def observe(self, drafts: Drafts, result: Acceptance, rows: Sequence[int]) -> None:
+        """Each row's accepted drafts calibrate the hit rates of the sources that proposed them."""
+        accepted = drafts.accepted_tokens(result.path, result.accepted)
+        for b, row in enumerate(rows):
+            self.lookup.observe(row, self._proposed[b], accepted[b])
+
+
+def _first(trie: Candidates, count: int) -> Candidates:
+    """The first ``count`` nodes of a best-first trie (prefix-closed: parents come first)."""
+    if len(trie) <= count:
+        return trie
+    return Candidates.from_lists(trie.parent[:count].tolist(), trie.token[:count].tolist(),
+                                 trie.score[:count].tolist(), trie.source[:count].tolist(),
+                                 trie.bucket[:count].tolist(), trie.share[:count].tolist())
+
+
+#: every draft source ``generate`` can merge: the heads, then the lookups most local first
+DRAFT_SOURCES = ("heads", "context", "store", "stats")
+#: the store file a head checkpoint ships beside its weights (``scripts/build_store.py``)
+STORE_NAME = "lookup_store.safetensors"
+
+
+def parse_drafts(drafts: str | Sequence[str]) -> tuple[str, ...]:
+    """``"heads,context"`` / ``["heads", "context"]`` / ``"all"`` → the source names, checked."""
+    names = drafts.split(",") if isinstance(drafts, str) else list(drafts)
+    names = [n.strip().lower() for n in names if n.strip()]
+    if names == ["all"]:
+        return DRAFT_SOURCES
+    unknown = [n for n in names if n not in DRAFT_SOURCES]
+    if unknown or not names:
+        raise ValueError(f"drafts={drafts!r}: expected a comma-separated subset of {', '.join(DRAFT_SOURCES)} "
+                         "(or 'all').")
+    return tuple(n for n in DRAFT_SOURCES if n in names)
+
+
+def build_drafter(sources: Sequence[str], heads: DraftHeads | None, store=None, cost: StepCost | None = None,
+                  eos_token_id: int | None = None) -> Drafter:
+    """The drafter for ``sources`` (:func:`parse_drafts`): the heads alone → :class:`HeadsDrafter`;
+    any lookup → :class:`MergedDrafter` (with the heads when "heads" is among them)."""
+    from .drafters import ContextConfig, LookupConfig, StatsConfig, StoreConfig
+
+    if "heads" in sources and heads is None:
+        raise ValueError("drafts include 'heads' but no head checkpoint was loaded: pass heads_path, or draft "
+                         "with lookups only (drafts='context,store,stats').")
+    lookups = [s for s in sources if s != "heads"]
+    if not lookups:
+        return HeadsDrafter(heads)
+    config = LookupConfig(ContextConfig(eos_token_id=eos_token_id), StoreConfig(eos_token_id=eos_token_id),
+                          StatsConfig(eos_token_id=eos_token_id))
+    return MergedDrafter(heads if "heads" in sources else None, LookupDrafter(store, config, sources=lookups),
+                         WidthChooser(cost if cost is not None else LINEAR_COST))

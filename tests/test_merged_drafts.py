@@ -1,0 +1,147 @@
+"""Heads and lookups in one tree per row: greedy decoding with merged, per-row different trees
+is token-identical to transformers' batched greedy generate (float64), including EOS inside a
+lookup chain and ``max_new_tokens`` reached mid-chain; the padded per-row tree tensors are
+exactly the trees they stand for."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from helpers import OracleHeads, left_pad, tiny_llama, trees
+from draftheads.decoding import DraftHeadsModel, tree_from_paths
+from draftheads.decoding.drafter import (LINEAR_COST, DraftState, HeadsDrafter, MergedDrafter, TableCost,
+                                         WidthChooser, build_drafter, cap_depth, parse_drafts)
+from draftheads.decoding.drafters import Candidates, ContextConfig, LookupConfig, LookupDrafter
+from draftheads.decoding.drafts import Drafts
+
+MODELS = {seed: tiny_llama(seed) for seed in range(2)}
+PAD = 0
+
+
+def repetitive_prompts(draw_lists, gen: torch.Generator) -> list[list[int]]:
+    """Prompts that repeat a motif, so context matches (and long lookup chains) happen."""
+    out = []
+    for motif, times in draw_lists:
+        out.append((motif * times)[:40])
+    return out
+
+
+def merged(model, heads, tree, lookup_nodes: int = 12, eos: int | None = None) -> DraftHeadsModel:
+    decoder = DraftHeadsModel(model, heads, tree=tree)
+    lookup = LookupDrafter(None, LookupConfig(ContextConfig(eos_token_id=eos)), sources=("context",))
+    decoder.drafter = MergedDrafter(heads, lookup, WidthChooser(LINEAR_COST), lookup_nodes=lookup_nodes)
+    return decoder
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 1), paths=trees(max_depth=4, max_nodes=8), max_new=st.integers(1, 24),
+       eos_pick=st.integers(0, 60), error=st.sampled_from([0.0, 0.3, 1.0]), with_heads=st.booleans(),
+       motifs=st.lists(st.tuples(st.lists(st.integers(3, 95), min_size=1, max_size=5), st.integers(1, 6)),
+                       min_size=1, max_size=6))
+def test_merged_per_row_trees_greedy_matches_hf(seed, paths, max_new, eos_pick, error, with_heads, motifs):
+    model = MODELS[seed]
+    prompts = repetitive_prompts(motifs, torch.Generator().manual_seed(seed))
+    ids, mask = left_pad(prompts)
+    free = model.generate(ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False, pad_token_id=PAD)
+    continuations = free[:, ids.shape[1]:].tolist()
+    flat = [t for row in continuations for t in row]
+    eos = flat[eos_pick % len(flat)]  # often inside a repeated (looked-up) stretch: EOS mid-chain
+    reference = model.generate(ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False,
+                               pad_token_id=PAD, eos_token_id=eos)
+    heads = OracleHeads(continuations, vocab=96, error=error, seed=seed) if with_heads else None
+    decoder = merged(model, heads, tree_from_paths(paths) if with_heads else tree_from_paths([]))
+    ours = decoder.generate(ids, attention_mask=mask, max_new_tokens=max_new, pad_token_id=PAD, eos_token_id=eos)
+    assert ours.tolist() == reference.tolist()
+
+
+def test_rows_really_verify_different_trees_and_lookups_get_accepted():
+    """The case the property test relies on: in one step rows carry different shapes (padding
+    slots), lookup chains longer than the heads' tree get accepted, and τ beats the heads alone."""
+    model = MODELS[0]
+    prompts = [[5, 6, 7, 8] * 6, [9, 10] * 8 + [11], [12, 13, 14, 15, 16, 17, 18]]
+    ids, mask = left_pad(prompts)
+    free = model.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=PAD)
+    heads = OracleHeads(free[:, ids.shape[1]:].tolist(), vocab=96, error=0.5, seed=0)
+    tree = tree_from_paths([(0,), (1,), (0, 0)])
+    seen: list[Drafts] = []
+    decoder = merged(model, heads, tree)
+    propose = decoder.drafter.propose
+
+    def spy(state, tree_):
+        drafts = propose(state, tree_)
+        seen.append(drafts)
+        return drafts
+
+    decoder.drafter.propose = spy
+    ours = decoder.generate(ids, attention_mask=mask, max_new_tokens=40, pad_token_id=PAD)
+    assert ours.tolist() == free.tolist()
+    assert any(d.shape is None and len(set(d.nodes_per_row().tolist())) > 1 for d in seen)
+    assert max(d.max_depth for d in seen) > tree.max_depth  # lookups go deeper than the heads
+    merged_tau = decoder.last_stats.tau
+    heads_only = DraftHeadsModel(model, OracleHeads(free[:, ids.shape[1]:].tolist(), vocab=96, error=0.5, seed=0),
+                                 tree=tree)
+    assert heads_only.generate(ids, attention_mask=mask, max_new_tokens=40, pad_token_id=PAD).tolist() == free.tolist()
+    assert merged_tau > heads_only.last_stats.tau
+
+
+@settings(max_examples=200, deadline=None)
+@given(shapes=st.lists(trees(max_depth=4, max_nodes=10), min_size=1, max_size=5))
+def test_padded_drafts_are_the_trees_they_stand_for(shapes):
+    """Drafts.from_rows(per-row tries) has, row by row, the parents, depths, ancestor mask,
+    root→slot paths and children of the tree built from the same paths; padding slots see
+    only themselves and are nobody's child."""
+    built = [tree_from_paths(p) for p in shapes]
+    drafts = Drafts.from_rows(torch.arange(len(built)), [(t.parent[1:] - 1).tolist() for t in built],
+                              [list(range(100, 100 + t.num_nodes - 1)) for t in built])
+    children = drafts.children()
+    for b, tree in enumerate(built):
+        n = tree.num_nodes
+        assert drafts.parent[b, :n].tolist() == tree.parent.tolist()
+        assert drafts.depth[b, :n].tolist() == tree.depth.tolist()
+        assert torch.equal(drafts.ancestor[b, :n, :n], tree.ancestor)
+        assert bool(drafts.valid[b, :n].all()) and not bool(drafts.valid[b, n:].any())
+        for i in range(n):
+            chain = tree.path_slots[i, : int(tree.depth[i]) + 1].tolist()
+            assert drafts.path_slots[b, i, : len(chain)].tolist() == chain
+            kids = [k for k in children[b, i].tolist() if k >= 0]
+            assert kids == [k for k in range(n) if int(tree.parent[k]) == i]
+        for pad in range(n, drafts.num_nodes):
+            assert drafts.ancestor[b, pad].nonzero().flatten().tolist() == [pad]
+            assert pad not in children[b].flatten().tolist()
+
+
+def test_width_chooser_weighs_expected_tokens_against_step_time():
+    """Cheap extra nodes with high scores are kept; a step-time table that makes nodes dear cuts them."""
+    import numpy as np
+
+    scores = [np.array([0.9, 0.8, 0.7, 0.1, 0.05])]
+    assert WidthChooser(TableCost((1, 33), (10.0, 10.5))).choose(scores, 0) == 6  # nearly free: keep all
+    assert WidthChooser(TableCost((1, 2, 33), (10.0, 30.0, 100.0))).choose(scores, 0) == 1  # dear: plain step
+    steep = TableCost.from_ranked([{"nodes": 1, "step_ms": 10}, {"nodes": 4, "step_ms": 12}, {"nodes": 5, "step_ms": 11},
+                                   {"nodes": 8, "step_ms": 20}])
+    assert steep.step_ms(1, 4, 0) == 11  # lowered to the cheaper larger tree (monotone)
+    assert WidthChooser(steep).choose(scores, 0) == 5  # 4 drafts cost what 3 do; the 0.05 node costs 3 ms
+
+
+def test_cap_depth_keeps_a_prefix_closed_trie():
+    trie = Candidates.from_lists([-1, 0, 1, -1, 3], [5, 6, 7, 8, 9], [0.9, 0.8, 0.7, 0.6, 0.5], [1] * 5, [2] * 5,
+                                 [1.0] * 5)
+    capped = cap_depth(trie, 1)
+    assert capped.token.tolist() == [5, 8] and capped.parent.tolist() == [-1, -1]
+    assert cap_depth(trie, 3) is trie
+
+
+def test_draft_sources_are_checked_with_clear_errors():
+    assert parse_drafts("heads, context") == ("heads", "context")
+    assert parse_drafts(["stats", "heads"]) == ("heads", "stats")
+    assert parse_drafts("all") == ("heads", "context", "store", "stats")
+    with pytest.raises(ValueError, match="comma-separated subset of heads, context, store, stats"):
+        parse_drafts("heads,suffix")
+    with pytest.raises(ValueError, match="no head checkpoint was loaded"):
+        build_drafter(("heads", "context"), None)
+    with pytest.raises(ValueError, match="need a model store: build one with"):
+        build_drafter(("context", "store"), None)
+    assert isinstance(build_drafter(("heads",), OracleHeads([[1]], vocab=96)), HeadsDrafter)
+    drafter = build_drafter(("context",), None)
+    assert isinstance(drafter, MergedDrafter) and drafter.heads is None
