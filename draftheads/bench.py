@@ -19,6 +19,7 @@ import torch
 
 from .decoding.output import generated_counts
 from .decoding.guarantee import first_divergence as divergence
+from .plots import plot, plot_surface, plot_throughput
 
 #: transformers' prompt lookup: the control for identity and the one-line peer for speed
 PROMPT_LOOKUP_TOKENS = 10
@@ -185,31 +186,6 @@ def summarize(rows: list[dict]) -> dict:
             "mismatching_prompts": len(control), "divergence_gaps_ulps": [m["gap_ulps"] for m in control],
             "divergences_outside_band": sum(not m["within_band"] for m in control)}
     return summary
-
-
-def plot(rows: list[dict], overall: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    xs = range(len(rows))
-    left.plot(xs, [r["hf"]["tokens_per_second"] for r in rows], "o-", ms=3, label="HF generate (greedy)")
-    left.plot(xs, [r["draftheads"]["tokens_per_second"] for r in rows], "o-", ms=3, label="draftheads")
-    left.set_xlabel("prompt")
-    left.set_ylabel("new tokens / s")
-    left.set_title(f"throughput: {overall['hf_tokens_per_second']:.1f} → {overall['draftheads_tokens_per_second']:.1f}"
-                   f" tok/s ({overall['speedup']:.2f}x)")
-    left.legend()
-    right.hist([r["draftheads"]["tau"] for r in rows], bins=20, color="tab:green")
-    right.axvline(overall["tau"], color="k", ls="--", label=f"overall τ = {overall['tau']:.2f}")
-    right.set_xlabel("τ (tokens per verification step)")
-    right.set_ylabel("prompts")
-    right.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 # -- batched: HF batched greedy vs every fixed tree vs the adaptive policy --------------------
@@ -403,66 +379,3 @@ def policy_on_surfaces(heads, paths: list[Path], batch_sizes=(1, 2, 4, 8, 16, 32
 def asdict_choice(choice) -> dict:
     return {"budget": choice.budget, "nodes": choice.nodes, "tau": round(choice.tau, 4),
             "step_ms": round(choice.step_ms, 2), "tokens_per_second": round(choice.tokens_per_second, 2)}
-
-
-def plot_throughput(results: dict, path: Path, max_new_tokens: int, heads: str = "draft") -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    sizes = [int(b) for b in results]
-    names = list(next(iter(results.values()))["strategies"]) if results else []
-    fig, ax = plt.subplots(figsize=(7.5, 4.6))
-    for name in names:
-        ys = [results[str(b)]["strategies"][name]["tokens_per_second"] for b in sizes]
-        style = {"hf": dict(color="k", lw=2.2), "adaptive": dict(color="tab:red", lw=2.2, marker="s"),
-                 "adaptive:mask": dict(color="tab:red", lw=1, ls="--", marker="x")}.get(name, dict(lw=1, marker="o", ms=3))
-        ax.plot(sizes, ys, label="HF generate (batched greedy)" if name == "hf" else name, **style)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(sizes, [str(s) for s in sizes])
-    ax.set_xlabel("batch size")
-    ax.set_ylabel("generated tokens / s (whole batch)")
-    ax.set_title(f"{heads} heads, MT-Bench, {max_new_tokens} new tokens")
-    ax.legend(fontsize=7, ncol=2)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def plot_surface(cost, policy, path: Path) -> None:
-    """Left: profiled step latency vs tree slots per batch size (forward + loop overhead);
-    right: the policy's chosen budget per batch size at each calibrated context."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    contexts = list(cost.forward.points)
-    fig, axes = plt.subplots(1, len(contexts) + 1, figsize=(5 * (len(contexts) + 1), 4.2))
-    for ax, ctx in zip(axes, contexts):
-        for bs, points in cost.forward.points[ctx].items():
-            qs = [q for q, _ in points]
-            ax.plot(qs, [ms for _, ms in points], "o-", ms=3, label=f"bs {bs}")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("query tokens per row (tree slots)")
-        ax.set_ylabel("forward ms (measured)")
-        ax.set_title(f"context {ctx}")
-        ax.legend(fontsize=7)
-        ax.grid(alpha=0.3)
-    ax = axes[-1]
-    sizes = [1, 2, 4, 8, 16, 32, 64]
-    for ctx in contexts:
-        ax.plot(sizes, [policy.rank(bs, ctx)[0].budget for bs in sizes], "o-", label=f"context {ctx}")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(sizes, [str(s) for s in sizes])
-    ax.set_xlabel("live batch size")
-    ax.set_ylabel("chosen node budget (0 = plain)")
-    ax.set_title(f"adaptive choice (τ scale {policy.scale:.2f})")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

@@ -12,7 +12,15 @@ from pathlib import Path
 
 import torch
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "keep": None}
+from .decoding.limits import parse_dtype
+
+#: the dtypes export and import-medusa write (``--save-dtype keep``: each tensor keeps its own)
+WRITE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def write_dtype(name: str, option: str) -> torch.dtype | None:
+    """A ``--dtype``/``--save-dtype`` value as a torch dtype (the package's one parser), ``keep`` → None."""
+    return None if name == "keep" else parse_dtype(name, option)
 
 
 def clean_errors(command):
@@ -57,7 +65,7 @@ def cmd_export(args) -> int:
         base = load_base_model(args.base)
         check_base(heads.config, fingerprint(base).to_dict(), base_label(args.base), args.checkpoint)
         lm_head = base.get_output_embeddings().weight
-    out = export_heads(heads, args.to, args.out, lm_head, args.share_lm_head, DTYPES[args.dtype])
+    out = export_heads(heads, args.to, args.out, lm_head, args.share_lm_head, write_dtype(args.dtype, "--dtype"))
     print(f"wrote {out} ({args.to}); serve with vLLM as a Medusa speculator of {heads.config.base_name}", file=sys.stderr)
     return 0
 
@@ -78,7 +86,7 @@ def cmd_import_medusa(args) -> int:
                           base_revision=getattr(base.config, "_commit_hash", None))
     if args.trees_from:
         fit_imported_trees(heads, base, tokenizer, args)
-    heads.save_pretrained(args.out, dtype=DTYPES[args.save_dtype])
+    heads.save_pretrained(args.out, dtype=write_dtype(args.save_dtype, "--save-dtype"))
     print(f"wrote {args.out}: {heads.num_heads} Medusa heads ({heads.config.num_layers} layer(s), "
           f"{'own' if heads.config.owns_lm_head else 'shared'} LM head)", file=sys.stderr)
     return 0
@@ -156,14 +164,14 @@ def add_commands(sub) -> None:
                                                       "its LM head is written into the export")
     export.add_argument("--share-lm-head", action="store_true",
                         help="write the LM head once with vLLM's original_lm_head option instead of once per head")
-    export.add_argument("--dtype", choices=[k for k in DTYPES if k != "keep"], default="bfloat16")
+    export.add_argument("--dtype", choices=WRITE_DTYPES, default="bfloat16")
     export.set_defaults(func=clean_errors(cmd_export))
     imp = sub.add_parser("import-medusa", help="convert a FasterDecoding Medusa checkpoint into draftheads heads")
     imp.add_argument("source", help="folder or Hub id with config.json + medusa_lm_head.{safetensors,pt}")
     imp.add_argument("out", help="draftheads checkpoint folder to write")
     imp.add_argument("--base", default=None, help="the base the Medusa heads were trained for")
     imp.add_argument("--revision", default=None, help="Hub revision of the source")
-    imp.add_argument("--save-dtype", choices=list(DTYPES), default="keep")
+    imp.add_argument("--save-dtype", choices=[*WRITE_DTYPES, "keep"], default="keep")
     imp.add_argument("--trees-from", default=None, help="prompt file (JSON lines, like bench's): fit stored trees and "
                                                         "expected τ on the base's answers, for tree=<budget>/adaptive")
     imp.add_argument("--limit", type=int, default=20, help="prompts of --trees-from to use")

@@ -38,6 +38,7 @@ from draftheads.decoding import DraftHeadsModel, Tree, fingerprint, load_base
 from draftheads.decoding.step import PhaseTimer
 from draftheads.evaluation import answer_features, answers_cache_path, base_answers, score_heads
 from draftheads.heads import HeadConfig, display_name, load_heads, read_config
+from draftheads.plots import plot_chart
 from draftheads.training.adversarial import koala_label
 
 REPO = Path(__file__).resolve().parents[1]
@@ -308,35 +309,6 @@ def render_tables(results: dict) -> str:
                  for g in groups + ["overall"]]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
-
-
-def plot_chart(results: dict, path: Path) -> None:
-    """Grouped bars: speedup (top) and τ (bottom) per Spec-Bench category group, one bar per checkpoint."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    entries = results["checkpoints"]
-    groups = list(next(iter(entries.values()))["speed"]["groups"]) + ["overall"]
-    width = 0.8 / max(1, len(entries))
-    fig, axes = plt.subplots(2, 1, figsize=(max(9.0, 1.4 * len(groups) + 5), 7), sharex=True)
-    for ax, key, label in zip(axes, ("speedup", "tau"), ("speedup vs HF generate", "τ (tokens / verify step)")):
-        for i, (name, e) in enumerate(entries.items()):
-            speed = e["speed"]
-            values = [(speed["overall"] if g == "overall" else speed["groups"][g])[key] for g in groups]
-            ax.bar([x + (i - (len(entries) - 1) / 2) * width for x in range(len(groups))], values, width,
-                   label=f"{name} ({e['label']})")
-        ax.axhline(1.0, color="k", lw=0.8, ls="--")
-        ax.set_ylabel(label)
-        ax.grid(axis="y", alpha=0.3)
-    axes[0].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    axes[0].set_title(f"bs 1 greedy, {results['meta']['dtype']}, {results['meta']['max_new_tokens']} new tokens, "
-                      f"{results['meta']['prompts']} prompts")
-    axes[1].set_xticks(range(len(groups)), groups)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 # -- command line -----------------------------------------------------------------------------------------

@@ -87,3 +87,28 @@ def test_command_line_errors_are_messages(tmp_path):
     with pytest.raises(SystemExit, match="error: Vocabulary-size mismatch"):
         main(["import-medusa", str(tmp_path / "medusa"), str(tmp_path / "x"), "--base", str(tmp_path / "base")])
     assert not (tmp_path / "out").exists() and not (tmp_path / "x").exists()
+
+
+def float_dtypes(path: Path) -> set[torch.dtype]:
+    return {t.dtype for t in load_file(str(path)).values() if t.is_floating_point()}
+
+
+@pytest.mark.parametrize("option, expected", [(None, torch.float64), ("keep", torch.float64), ("float32", torch.float32),
+                                              ("bfloat16", torch.bfloat16), ("float16", torch.float16)])
+def test_import_and_export_write_the_dtype_asked_for(tmp_path, option, expected):
+    """``--save-dtype`` (default keep: the float64 source stays float64) and ``--dtype`` (default bfloat16)."""
+    tiny_llama(0).save_pretrained(tmp_path / "base")
+    write_medusa(tmp_path / "medusa", reference_heads(32, 96, heads=2, layers=1, projection=False), 1, "safetensors")
+    extra = [] if option is None else ["--save-dtype", option]
+    assert main(["import-medusa", str(tmp_path / "medusa"), str(tmp_path / "ours"), "--base", str(tmp_path / "base"),
+                 *extra]) == 0
+    assert float_dtypes(tmp_path / "ours" / "model.safetensors") == {expected}
+    if option in (None, "keep"):
+        option = "bfloat16"  # export's default
+        expected = torch.bfloat16
+    extra = [] if option == "bfloat16" else ["--dtype", option]
+    assert main(["export", "--to", "vllm-medusa", str(tmp_path / "ours"), str(tmp_path / "vllm"), "--base",
+                 str(tmp_path / "base"), *extra]) == 0
+    assert float_dtypes(tmp_path / "vllm" / "model.safetensors") == {expected}
+    with pytest.raises(SystemExit):
+        main(["export", "--to", "vllm-medusa", str(tmp_path / "ours"), str(tmp_path / "x"), "--dtype", "keep"])

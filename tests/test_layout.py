@@ -1,0 +1,81 @@
+"""The installed package is exactly what pyproject.toml maps: ``draftheads/`` plus the folders
+``heads/``, ``decoding/`` (with ``decoding/drafters/``) and ``training/`` as ``draftheads.heads``,
+``draftheads.decoding`` and ``draftheads.training``. Nothing else in the checkout (``scripts/``,
+``tests/``, ``recipes/``, a second copy of ``draftheads/``) is importable under ``draftheads``.
+
+The suite runs against an editable install of this checkout (``scripts/test.sh``), so the
+sub-packages must be this checkout's folders, and the checkout's paths (``checkpoints/``,
+``../shared``) must resolve from any working directory."""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import draftheads
+from draftheads.decoding.base import from_checkout, source_root
+
+REPO = Path(__file__).resolve().parents[1]
+NOT_PACKAGES = ("draftheads.scripts", "draftheads.tests", "draftheads.recipes", "draftheads.draftheads")
+SUBPACKAGES = {"draftheads.heads": "heads", "draftheads.decoding": "decoding",
+               "draftheads.decoding.drafters": "decoding/drafters", "draftheads.training": "training"}
+
+
+@pytest.mark.parametrize("name", NOT_PACKAGES)
+def test_checkout_folders_outside_the_mapping_are_not_importable(name):
+    assert importlib.util.find_spec(name) is None
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module(name)
+
+
+def test_the_package_path_is_the_package_folder_alone():
+    assert [Path(p).resolve() for p in draftheads.__path__] == [REPO / "draftheads"]
+
+
+@pytest.mark.parametrize("name, folder", SUBPACKAGES.items())
+def test_subpackages_are_this_checkouts_folders(name, folder):
+    module = importlib.import_module(name)
+    assert Path(module.__file__).resolve() == REPO / folder / "__init__.py", (
+        f"{name} comes from {module.__file__}, not from {REPO / folder}: the tests need an editable install "
+        "of this checkout (scripts/test.sh)")
+
+
+def test_checkout_paths_resolve_in_this_process():
+    assert source_root() == REPO
+    assert from_checkout("checkpoints").resolve() == REPO / "checkpoints"  # relative when run from REPO
+    assert from_checkout("no/such/path") == Path("no/such/path")
+
+
+def test_a_fresh_interpreter_elsewhere_sees_the_same_layout(tmp_path):
+    """No working directory or test-runner path entry helps: run from an unrelated folder."""
+    code = f"""
+import importlib.util, json
+import draftheads, draftheads.heads, draftheads.decoding.drafters, draftheads.training
+from draftheads.decoding.base import from_checkout, source_root
+print(json.dumps({{
+    "missing": [n for n in {list(NOT_PACKAGES)!r} if importlib.util.find_spec(n) is None],
+    "files": {{n: __import__("sys").modules[n].__file__ for n in {list(SUBPACKAGES)!r}}},
+    "path": list(draftheads.__path__),
+    "root": str(source_root()),
+    "checkpoints": str(from_checkout("checkpoints")),
+    "shared": str(from_checkout("../shared")),
+}}))
+"""
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["missing"] == list(NOT_PACKAGES)
+    assert {n: Path(f).resolve() for n, f in seen["files"].items()} == {
+        n: REPO / folder / "__init__.py" for n, folder in SUBPACKAGES.items()}
+    assert [Path(p).resolve() for p in seen["path"]] == [REPO / "draftheads"]
+    assert Path(seen["root"]) == REPO
+    assert Path(seen["checkpoints"]) == REPO / "checkpoints" and (REPO / "checkpoints").is_dir()
+    if (REPO.parent / "shared").is_dir():
+        assert Path(seen["shared"]).resolve() == (REPO.parent / "shared").resolve()
+    else:
+        assert seen["shared"] == "../shared"
