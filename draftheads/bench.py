@@ -19,7 +19,7 @@ import torch
 
 from .decoding.output import generated_counts
 from .decoding.guarantee import first_divergence as divergence
-from .plots import plot, plot_surface, plot_throughput
+from .plots import plot, plot_drafts, plot_surface, plot_throughput
 
 #: transformers' prompt lookup: the control for identity and the one-line peer for speed
 PROMPT_LOOKUP_TOKENS = 10
@@ -76,14 +76,45 @@ def eos_ids(base) -> list[int]:
     return eos_token_ids(base.generation_config)
 
 
-def bench_prompt(model, ids: torch.Tensor, max_new_tokens: int, control: bool = True) -> tuple[dict, torch.Tensor]:
-    """One prompt, interleaved: HF plain, draftheads, then (``control``) HF prompt lookup, the
-    one-argument peer. Returns the row and HF's plain output (the reference)."""
+def draft_configs(model, sources: tuple[str, ...]) -> dict[str, object]:
+    """The bench's drafting configurations for ``sources`` (``--drafts``): each source alone, the
+    lookups together (the Hierarchy Drafting hierarchy), and every source merged (last: the
+    headline). name → a drafter for ``model.drafter`` (None: the heads alone)."""
+    from .decoding.drafter import parse_drafts
+
+    sources = parse_drafts(sources)
+    lookups = tuple(s for s in sources if s != "heads")
+    wanted = [(s,) for s in sources]
+    if len(lookups) > 1:
+        wanted.append(lookups)
+    if len(sources) > 1:
+        wanted.append(sources)
+    configs: dict[str, object] = {}
+    for combo in wanted:
+        model.use_drafts(combo)
+        configs["+".join(combo)] = model.drafter
+    return configs
+
+
+def bench_prompt(model, ids: torch.Tensor, max_new_tokens: int, control: bool = True,
+                 configs: dict[str, object] | None = None) -> tuple[dict, torch.Tensor]:
+    """One prompt, interleaved: HF plain, draftheads under each drafting configuration (default:
+    the model's own drafter), then (``control``) HF prompt lookup, the one-argument peer.
+    Returns the row and HF's plain output (the reference). The last configuration is the
+    row's headline ``draftheads`` entry."""
     plain, hf = timed_hf(model.base, ids, max_new_tokens)
-    ours = timed_draftheads(model, ids, plain, hf, max_new_tokens)
+    own = model.drafter
+    runs = {}
+    for name, drafter in (configs or {"draftheads": own}).items():
+        model.drafter = drafter
+        runs[name] = timed_draftheads(model, ids, plain, hf, max_new_tokens)
+    model.drafter = own
+    ours = runs[list(runs)[-1]]
     row = {"prompt_tokens": ids.shape[1], "hf": hf,
            "draftheads": {k: ours[k] for k in ("new_tokens", "seconds", "tokens_per_second", "tau", "verify_steps")},
            "speedup": ours["speedup"], "mismatch": ours["mismatch"]}
+    if configs:
+        row["drafts"] = runs
     if control:
         lookup, timing = timed_hf(model.base, ids, max_new_tokens, prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS)
         row["prompt_lookup"] = {**timing, "speedup": round(timing["tokens_per_second"] / hf["tokens_per_second"], 4),
@@ -91,35 +122,62 @@ def bench_prompt(model, ids: torch.Tensor, max_new_tokens: int, control: bool = 
     return row, plain
 
 
-def run_bench(model, prompts: list[dict], max_new_tokens: int, out_dir: Path, meta: dict | None = None,
-              control: bool = True, log=print) -> dict:
-    """Prompts in pairs: each prompt alone through HF plain, draftheads and HF prompt lookup,
-    then (``control``) the pair once more as one padded batch of 2 through HF plain."""
+def second_turns(model, prompts: list[dict], max_new_tokens: int) -> list[dict]:
+    """MT-Bench second turns: for each prompt with a later turn, the conversation (turn 1, the
+    base's own greedy answer to it, turn 2) as one more bench item of category ``mt_bench_turn2``."""
     from .prompts import chat_input
+
+    items = []
+    for item in prompts:
+        if not item.get("later_turns"):
+            continue
+        ids = chat_input(model.tokenizer, item["prompt"])
+        answer = hf_greedy(model.base, ids, max_new_tokens)[0, ids.shape[1]:]
+        text = model.tokenizer.decode(answer, skip_special_tokens=True)
+        items.append({"id": f"{item['id']}-turn2", "category": "mt_bench_turn2", "prompt": item["prompt"],
+                      "conversation": ([item["prompt"], item["later_turns"][0]], [text])})
+    return items
+
+
+def run_bench(model, prompts: list[dict], max_new_tokens: int, out_dir: Path, meta: dict | None = None,
+              control: bool = True, log=print, drafts: tuple[str, ...] | None = None,
+              turn2: bool = False) -> dict:
+    """Prompts in pairs: each prompt alone through HF plain, draftheads (under each ``drafts``
+    configuration, see :func:`draft_configs`) and HF prompt lookup, then (``control``) the pair
+    once more as one padded batch of 2 through HF plain. ``turn2``: MT-Bench second turns too."""
+    from .prompts import chat_input, conversation_input
 
     tokenizer, base = model.tokenizer, model.base
     out_dir.mkdir(parents=True, exist_ok=True)
+    configs = draft_configs(model, drafts) if drafts else None
     warm = chat_input(tokenizer, "Hello!")
     hf_greedy(base, warm, 8)
-    model.generate(warm, max_new_tokens=8)
+    for drafter in (configs or {"own": model.drafter}).values():
+        own, model.drafter = model.drafter, drafter
+        model.generate(warm, max_new_tokens=8)
+        model.drafter = own
     if control:
         hf_greedy(base, warm, 8, prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS)
+    if turn2:
+        prompts = prompts + second_turns(model, prompts, max_new_tokens)
     pad = base.generation_config.pad_token_id if base.generation_config.pad_token_id is not None else eos_ids(base)[0]
     rows: list[dict] = []
     for start in range(0, len(prompts), 2):
         pair = prompts[start: start + 2]
         encoded, references = [], []
         for offset, item in enumerate(pair):
-            ids = chat_input(tokenizer, item["prompt"])
-            result, plain = bench_prompt(model, ids, max_new_tokens, control)
+            ids = conversation_input(tokenizer, *item["conversation"]) if "conversation" in item \
+                else chat_input(tokenizer, item["prompt"])
+            result, plain = bench_prompt(model, ids, max_new_tokens, control, configs)
             row = {"id": item["id"], "category": item["category"], **result}
             rows.append(row)
             encoded.append(ids)
             references.append(plain)
             lookup = f"  lookup {row['prompt_lookup']['speedup']:.2f}x" if control else ""
+            each = "".join(f"  {name} {r['speedup']:.2f}x τ={r['tau']:.2f}" for name, r in row.get("drafts", {}).items())
             log(f"[{start + offset + 1}/{len(prompts)}] id={item['id']} {item['category']} "
                 f"hf {row['hf']['tokens_per_second']:.1f} tok/s  ours {row['draftheads']['tokens_per_second']:.1f} "
-                f"tok/s  τ={row['draftheads']['tau']:.2f}  speedup {row['speedup']:.2f}x{lookup}"
+                f"tok/s  τ={row['draftheads']['tau']:.2f}  speedup {row['speedup']:.2f}x{lookup}{each}"
                 f"{'  DIVERGED' if row['mismatch'] else ''}", flush=True)
         if control and len(pair) == 2:
             batched = padded_pair(base, encoded[0], encoded[1], max_new_tokens, pad)
@@ -132,10 +190,13 @@ def run_bench(model, prompts: list[dict], max_new_tokens: int, out_dir: Path, me
                            for k, v in (meta or {}).items()},
                         "max_new_tokens": max_new_tokens, "prompts": len(rows), "torch": torch.__version__,
                         "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
-                        "dtype": str(base.dtype), "tree_nodes": model.policy.choose(1, 0).num_nodes},
+                        "dtype": str(base.dtype), "tree_nodes": model.policy.choose(1, 0).num_nodes,
+                        "drafts": list(configs) if configs else None},
                "overall": overall, "by_category": by_category, "per_prompt": rows}
     (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     plot(rows, overall, out_dir / "results.png")
+    if configs:
+        plot_drafts(results, out_dir / "drafts.png")
     return results
 
 
@@ -185,7 +246,26 @@ def summarize(rows: list[dict]) -> dict:
             "draftheads_vs_prompt_lookup": round(our_tps / (lookup_tokens / lookup_seconds), 4),
             "mismatching_prompts": len(control), "divergence_gaps_ulps": [m["gap_ulps"] for m in control],
             "divergences_outside_band": sum(not m["within_band"] for m in control)}
+    if rows and all("drafts" in r for r in rows):
+        summary["drafts"] = {name: drafts_summary(rows, name, hf_tps, summary.get("prompt_lookup"))
+                             for name in rows[0]["drafts"]}
     return summary
+
+
+def drafts_summary(rows: list[dict], name: str, hf_tps: float, lookup: dict | None) -> dict:
+    """One drafting configuration over ``rows``: tokens/s, speedup over HF plain and over HF's
+    prompt lookup, τ, and divergences (with those outside the dtype's band)."""
+    runs = [r["drafts"][name] for r in rows]
+    tokens, seconds = sum(x["new_tokens"] for x in runs), sum(x["seconds"] for x in runs)
+    steps = sum(x["verify_steps"] for x in runs)
+    diverged = [x["mismatch"] for x in runs if x["mismatch"]]
+    tps = tokens / seconds
+    out = {"tokens_per_second": round(tps, 3), "speedup": round(tps / hf_tps, 4),
+           "tau": round((tokens - len(runs)) / max(1, steps), 4), "mismatching_prompts": len(diverged),
+           "divergences_outside_band": sum(not m["within_band"] for m in diverged)}
+    if lookup:
+        out["vs_prompt_lookup"] = round(tps / lookup["tokens_per_second"], 4)
+    return out
 
 
 # -- batched: HF batched greedy vs every fixed tree vs the adaptive policy --------------------

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from .decoding.limits import DTYPE_CHOICES, InputError
-from .options import find_heads, tree_argument
+from .options import drafts_argument, find_heads, tree_argument
 from .prompts import PromptError, PromptFileError, chat_input, split_cap
 from .prompts import read_prompts as _read_prompts
 
@@ -56,8 +56,9 @@ def count_argument(minimum: int = 1):
 def load_model(args):
     from .decoding import DraftHeadsModel
 
+    drafts = getattr(args, "draft_sources", None) or ("heads",)
     return DraftHeadsModel.from_pretrained(find_heads(args.heads), base_name_or_path=args.base, dtype=args.dtype,
-                                           tree=args.tree)
+                                           tree=args.tree, drafts=drafts)
 
 
 def identity_status(diff: dict | None, dtype: torch.dtype) -> str:
@@ -155,7 +156,7 @@ def cmd_bench(args) -> int:
         return 0
     prompts = read_prompts(args.prompts, args.limit)
     results = run_bench(model, prompts, args.max_new_tokens, Path(args.out), meta=vars(args),
-                        control=not args.no_control)
+                        control=not args.no_control, drafts=args.drafts, turn2=args.turn2)
     print(bench_table(results))
     return 0
 
@@ -179,6 +180,14 @@ def bench_table(results: dict) -> str:
             f"{s['mismatching_prompts']} ({s['divergences_outside_band']}) | "
             f"{padded.get('mismatching_prompts', '-')}/{padded.get('prompts', '-')} | "
             f"{lookup.get('mismatching_prompts', '-')} |")
+    names = results["meta"].get("drafts") or []
+    if names:
+        lines += ["", "speedup over HF generate (τ) per drafting configuration; last column: HF prompt lookup",
+                  "| category | " + " | ".join(names) + " | prompt lookup |", "|---" * (len(names) + 2) + "|"]
+        for name, s in [*results["by_category"].items(), ("overall", results["overall"])]:
+            cells = [f"{s['drafts'][n]['speedup']:.2f}x ({s['drafts'][n]['tau']:.2f})" for n in names]
+            lookup = s.get("prompt_lookup", {}).get("speedup")
+            lines.append(f"| {name} | " + " | ".join(cells) + f" | {'-' if lookup is None else f'{lookup:.2f}x'} |")
     return "\n".join(lines)
 
 
@@ -200,6 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", parents=[common], help="answer one prompt, streaming")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--no-baseline", action="store_true", help="skip the plain-generate comparison")
+    gen.add_argument("--drafts", dest="draft_sources", type=drafts_argument, default=None,
+                     help="who fills the trees: a comma-separated subset of heads,context,store,stats (or 'all'; "
+                          "default: heads): the heads and lookups merge into one tree per step")
     gen.set_defaults(func=cmd_generate)
     bench = sub.add_parser("bench", parents=[common], help="HF generate vs draftheads on a prompt file")
     bench.add_argument("--prompts", required=True, nargs="+",
@@ -226,6 +238,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-control", action="store_true",
                        help="skip the controls (HF prompt lookup on each prompt, HF on each pair of prompts as a "
                             "padded batch of 2): faster, but no peer speed and no identity control")
+    bench.add_argument("--drafts", type=drafts_argument, default=None,
+                       help="compare draft sources: a comma-separated subset of heads,context,store,stats (or "
+                            "'all'); runs each alone, the lookups together and all merged, beside HF prompt lookup")
+    bench.add_argument("--turn2", action="store_true",
+                       help="also bench MT-Bench second turns (turn 1 and the base's own answer in context)")
     bench.add_argument("--out", default="results/bench")
     bench.set_defaults(func=cmd_bench)
     train = sub.add_parser("train", help="train draft heads from a recipe (same as python -m draftheads.training.train)")

@@ -24,3 +24,13 @@ def tree_argument(value: str) -> str | int:
         return parse_tree_option(value)
     except InputError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def drafts_argument(value: str) -> tuple[str, ...]:
+    """``--drafts``: a comma-separated subset of heads, context, store, stats (or ``all``)."""
+    from .decoding.drafter import parse_drafts
+
+    try:
+        return parse_drafts(value)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None

@@ -113,3 +113,26 @@ def plot_chart(results: dict, path: Path) -> None:
         axes[0].set_title(f"bs 1 greedy, {results['meta']['dtype']}, {results['meta']['max_new_tokens']} new tokens, "
                           f"{results['meta']['prompts']} prompts")
         axes[1].set_xticks(range(len(groups)), groups)
+
+
+def plot_drafts(results: dict, path: Path) -> None:
+    """``drafts.png`` (``draftheads bench --drafts``): speedup over HF plain generate per category
+    for every drafting configuration, with transformers' prompt lookup as the peer."""
+    import numpy as np
+
+    groups = [*results["by_category"], "overall"]
+    summaries = [results["by_category"].get(g, results["overall"]) for g in groups]
+    names = list(summaries[0].get("drafts", {}))
+    series = {name: [s["drafts"][name]["speedup"] for s in summaries] for name in names}
+    if all("prompt_lookup" in s for s in summaries):
+        series["HF prompt lookup"] = [s["prompt_lookup"]["speedup"] for s in summaries]
+    width = 0.8 / max(1, len(series))
+    with figure(path, figsize=(max(8.0, 1.3 * len(groups)), 4.6)) as (fig, ax):
+        xs = np.arange(len(groups))
+        for i, (name, ys) in enumerate(series.items()):
+            ax.bar(xs + i * width, ys, width, label=name, color="k" if name == "HF prompt lookup" else None)
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xticks(xs + width * (len(series) - 1) / 2, groups, rotation=20)
+        ax.set_ylabel("speedup over HF generate (same dtype)")
+        ax.set_title(f"draft sources, {results['meta']['dtype'].removeprefix('torch.')}, bs 1")
+        ax.legend(fontsize=7, ncol=2)

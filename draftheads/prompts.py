@@ -3,7 +3,8 @@ scripts read prompts from, so every figure is measured on prompts selected the s
 
 A prompt file is JSON lines: MT-Bench / Spec-Bench records (``turns``: the first turn is the
 prompt; ``category``) or ``{"prompt": ...}``. A path may end in ``@N``: the first N prompts of
-each category of that file (``spec_bench_dev.jsonl@8``). Several files are read in order and a
+each category of that file (``spec_bench_dev.jsonl@8``), or ``@N:cat,cat`` for those categories
+only (``spec_bench_dev.jsonl@8:qa,rag``; a group name such as ``mt_bench`` stands for its categories). Several files are read in order and a
 prompt text seen in an earlier file is skipped, so ``mt_bench.jsonl spec_bench_dev.jsonl@8``
 is MT-Bench's 80 prompts plus 8 of each other Spec-Bench category.
 """
@@ -40,14 +41,35 @@ def chat_input(tokenizer, prompt: str) -> torch.Tensor:
     return torch.tensor([chat_prompt_ids(tokenizer, prompt)])
 
 
+def conversation_input(tokenizer, turns: Sequence[str], answers: Sequence[str]) -> torch.Tensor:
+    """(1, L) input ids of a multi-turn chat: user turns[0], assistant answers[0], ..., the last
+    user turn, ready for the next answer (MT-Bench's second turn has the first answer in context)."""
+    messages = []
+    for i, turn in enumerate(turns):
+        messages.append({"role": "user", "content": turn})
+        if i < len(answers):
+            messages.append({"role": "assistant", "content": answers[i]})
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                        return_dict=True)["input_ids"]
+    return torch.tensor([list(ids)])
+
+
 def split_cap(spec: str) -> tuple[str, int | None]:
-    """``path@N`` → (path, N); a plain path → (path, None)."""
+    """``path@N`` (or ``path@N:cat,cat``) → (path, N); a plain path → (path, None)."""
+    path, cap, _ = split_spec(spec)
+    return path, cap
+
+
+def split_spec(spec: str) -> tuple[str, int | None, list[str] | None]:
+    """``path@N:cat1,cat2`` → (path, N, [cat1, cat2]): the first N prompts of each of those
+    categories (or groups, e.g. ``mt_bench``); ``path@N`` → every category; a plain path → all."""
     path, sep, cap = str(spec).rpartition("@")
-    if sep and cap.isdigit() and path:
-        if int(cap) < 1:
+    count, _, cats = cap.partition(":")
+    if sep and count.isdigit() and path:
+        if int(count) < 1:
             raise PromptFileError(f"{spec}: the per-category count after '@' must be at least 1.")
-        return path, int(cap)
-    return str(spec), None
+        return path, int(count), [c.strip() for c in cats.split(",") if c.strip()] or None
+    return str(spec), None, None
 
 
 def read_prompt_file(path: str) -> list[dict]:
@@ -84,8 +106,9 @@ def prompt_record(line: str, where: str, line_no: int) -> dict:
         raise PromptFileError(f"{where} has neither 'turns' nor 'prompt'.")
     if not isinstance(text, str) or not text.strip():
         raise PromptFileError(f"{where}: the prompt {text!r} must be a non-empty string.")
+    later = [t for t in record.get("turns", [])[1:] if isinstance(t, str) and t.strip()]
     return {"id": record.get("question_id", record.get("id", line_no)),
-            "category": record.get("category", record.get("source", "")), "prompt": text}
+            "category": record.get("category", record.get("source", "")), "prompt": text, "later_turns": later}
 
 
 def first_per_category(records: list[dict], per_category: int) -> list[dict]:
@@ -107,8 +130,12 @@ def read_prompts(paths: str | Sequence[str], limit: int | None = None) -> list[d
     seen: set[str] = set()
     prompts: list[dict] = []
     for spec in [paths] if isinstance(paths, str) else list(paths):
-        path, cap = split_cap(spec)
+        path, cap, categories = split_spec(spec)
         records = read_prompt_file(path)
+        if categories:
+            records = [r for r in records if r["category"] in categories or group_of(r["category"]) in categories]
+            if not records:
+                raise PromptFileError(f"{path} has no prompt of categories {categories}.")
         if cap is not None:
             records = first_per_category([r for r in records if r["prompt"] not in seen], cap)
         for record in records:
