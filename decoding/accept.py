@@ -41,6 +41,19 @@ they depend on the prefix only. (The same argument covers any draft tokens, samp
 long as they are independent of the acceptance uniforms: condition on them.) The price of
 point masses: a node accepts with probability Σ_i p(x_i), the mass its children cover.
 
+Trees that mix head drafts and lookup drafts (:class:`~.drafter.MergedDrafter`). A lookup
+node (a context match, a store continuation, a bigram chain) is a token fixed by the row's
+history, as a head's top-k candidate is; after the merge a node's children are distinct
+tokens, whichever source proposed each, in an order fixed before the walk. Their union is
+again a list of point masses x_1..x_m at the node, so the rule above is unchanged and the
+proof holds word for word: S_i and the residual do not care who proposed x_i. What the proof
+needs is only that the drafts (tokens, shapes, order) are independent of *this step's*
+uniforms given the history. Merged drafts depend on the history and on earlier steps'
+acceptance (the hit-rate calibration learns from it), i.e. on earlier uniforms — but the
+uniforms are fresh each step, so conditioning on everything before the step (the chain-rule
+argument already does) leaves this step's walk exact. Rows with different trees are walked
+with their own children tables; padding slots are nobody's child and are never tried.
+
 Typical acceptance (``acceptance="typical"``) is Medusa-2's threshold rule and is **not
 lossless**: see :func:`draftheads.decoding.accept.typical_accept`.
 

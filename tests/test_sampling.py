@@ -129,6 +129,16 @@ def draft_tokens(kind: str, drafts: torch.Tensor, noise: torch.Tensor, context: 
     return noise[root_context, depth - 1, rank]
 
 
+def first_tokens(table: torch.Tensor, draws: int, gen: torch.Generator):
+    """The prefill sample of every row: (out (draws, K) with column 0 filled, count (draws,) = 1,
+    each row's context id after it)."""
+    out = torch.zeros(draws, K, dtype=torch.long)
+    first = sample_from(table[torch.zeros(draws, dtype=torch.long)], torch.rand(draws, generator=gen, dtype=torch.float64))
+    out[:, 0] = first
+    zeros = torch.zeros(draws, dtype=torch.long)
+    return out, torch.ones(draws, dtype=torch.long), extend(zeros, zeros, first)
+
+
 def decode_exact(table: torch.Tensor, paths, kind: str, rule, draws: int = DRAWS, seed: int = 0) -> torch.Tensor:
     """Decode ``draws`` identical rows: the first token sampled from p after the prompt, then
     tree steps (children drafted by ``kind``, verified by ``rule`` against exact per-node
@@ -138,11 +148,7 @@ def decode_exact(table: torch.Tensor, paths, kind: str, rule, draws: int = DRAWS
     drafts = draft_table().topk(4, dim=-1).indices
     noise = torch.randint(0, VOCAB, (table.shape[0], 3, 4), generator=torch.Generator().manual_seed(99))
     rows = torch.arange(draws)
-    out = torch.zeros(draws, K, dtype=torch.long)
-    first = sample_from(table[torch.zeros(draws, dtype=torch.long)], torch.rand(draws, generator=gen, dtype=torch.float64))
-    out[:, 0] = first
-    count = torch.ones(draws, dtype=torch.long)
-    context = extend(torch.zeros(draws, dtype=torch.long), torch.zeros(draws, dtype=torch.long), first)
+    out, count, context = first_tokens(table, draws, gen)
     while bool((count < K).any()):
         nodes = tree.num_nodes
         tokens = torch.zeros(draws, nodes, dtype=torch.long)
@@ -426,11 +432,7 @@ def decode_exact_mixed(table: torch.Tensor, rule, draws: int = DRAWS, seed: int 
     drafts = draft_table().topk(4, dim=-1).indices
     chains = torch.randint(0, VOCAB, (table.shape[0], 3), generator=torch.Generator().manual_seed(98))
     rows = torch.arange(draws)
-    out = torch.zeros(draws, K, dtype=torch.long)
-    first = sample_from(table[torch.zeros(draws, dtype=torch.long)], torch.rand(draws, generator=gen, dtype=torch.float64))
-    out[:, 0] = first
-    count = torch.ones(draws, dtype=torch.long)
-    context = extend(torch.zeros(draws, dtype=torch.long), torch.zeros(draws, dtype=torch.long), first)
+    out, count, context = first_tokens(table, draws, gen)
     children = padded.children()
     nodes, width = padded.num_nodes, children.shape[-1]
     while bool((count < K).any()):
