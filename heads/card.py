@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .protocol import REGISTRY, HeadConfig
+from .config import REGISTRY, HeadConfig, read_config
 
 #: base ids that are not Hub ids → the Hub model they are (the embedded GGUF is a Q4_1
 #: quantization of SmolLM2-135M-Instruct; the fingerprint pins the exact weights)
@@ -179,8 +179,6 @@ def card_for_checkpoint(checkpoint: str | Path, name: str | None = None, root: s
     """Regenerate a saved checkpoint's card from what it records: ``config.json``,
     ``training_report.json`` if present, and the results JSON its ``measured`` entry names
     (a path relative to ``root``, the repository the command ran in)."""
-    from .protocol import read_config
-
     checkpoint = Path(checkpoint)
     config = read_config(checkpoint)
     report_path = checkpoint / "training_report.json"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .protocol import CONFIG_NAME, WEIGHTS_NAME, CheckpointError
+from .config import CONFIG_NAME, WEIGHTS_NAME, CheckpointError
 
 
 def looks_like_repo_id(name: str) -> bool:

@@ -14,102 +14,19 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 from torch import nn
 
+from .config import (CARD_NAME, CONFIG_NAME, DRAFTHEADS_VERSION, FORMAT_VERSION, PROMOTED_FROM_EXTRA, REGISTRY,
+                     WEIGHTS_NAME, CheckpointError, HeadConfig, display_name, read_config, register)
+from .card import basic_card
+from .hub import resolve_checkpoint, upload_checkpoint
 from .linear import PackedWeight, can_pack, packed_matmul
 from .linear import use_packed_linears as wrap_linears
-
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
-CARD_NAME = "README.md"
-#: 1: the first layout (no version recorded); 2: adds ``draftheads_version``, ``base_revision``
-#: and ``owns_lm_head``. A reader loads every format up to its own and names both versions otherwise.
-FORMAT_VERSION = 3
-#: keys formats 1-2 kept in ``extra`` that format 3 made typed fields (moved on load)
-PROMOTED_FROM_EXTRA = ("default_budget", "expected_tau", "default_budget_by_dtype")
-#: the package version, recorded in every ``config.json`` (``draftheads.__version__`` reads it)
-DRAFTHEADS_VERSION = "0.1.0"
-
-
-class CheckpointError(ValueError):
-    """A head checkpoint that cannot be used: wrong base, corrupt file, unknown family..."""
-
-
-@dataclass
-class HeadConfig:
-    """Everything needed to rebuild a head module; saved as ``config.json``.
-
-    ``draft_vocab_size`` > 0 restricts draft logits to the most frequent tokens (ids kept in
-    the checkpoint as ``vocab_ids``): drafting and training get several times cheaper, and a
-    token outside the subset simply cannot be drafted (verification stays exact).
-    """
-
-    family: str = "medusa"
-    num_heads: int = 4
-    num_layers: int = 1
-    hidden_size: int = 576
-    vocab_size: int = 49152
-    draft_vocab_size: int = 0
-    base_fingerprint: dict | None = None
-    base_name: str | None = None
-    trees: dict[str, list[list[int]]] = field(default_factory=dict)
-    extra: dict[str, Any] = field(default_factory=dict)
-    #: Hub revision (commit/tag) of the base, where known
-    base_revision: str | None = None
-    #: True: every head has its own ``Linear(d, V_draft)`` instead of reading out through the
-    #: base's frozen LM head (imported Medusa-1 checkpoints); families that cannot refuse it.
-    owns_lm_head: bool = False
-    #: the draftheads version that wrote the checkpoint (None: written before versions were recorded)
-    draftheads_version: str | None = None
-    #: the node budget of the default tree (when no per-dtype choice applies)
-    default_budget: int = 4
-    #: expected tokens per verification step of each stored tree, {budget: τ}, measured by
-    #: training's tree search on held-out text (the adaptive policy's prior)
-    expected_tau: dict[str, float] = field(default_factory=dict)
-    #: the cost model's default budget per dtype name, {"bfloat16": {"budget": 6, ...}}
-    #: (``scripts/default_trees.py``: a calibration of the step × ``expected_tau``)
-    default_budget_by_dtype: dict[str, dict] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        defaults = {f.name: (f.default_factory() if callable(f.default_factory) else f.default) for f in fields(self)}
-        if any(key in self.extra for key in PROMOTED_FROM_EXTRA):
-            self.extra = dict(self.extra)
-            for key in PROMOTED_FROM_EXTRA:  # formats 1-2 kept these untyped in ``extra``
-                if key in self.extra:
-                    value = self.extra.pop(key)
-                    if getattr(self, key) == defaults[key]:
-                        setattr(self, key, value)
-        for name in ("num_heads", "num_layers", "hidden_size", "vocab_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"HeadConfig.{name} must be a positive integer, got {value!r}.")
-        if not isinstance(self.draft_vocab_size, int) or not 0 <= self.draft_vocab_size <= self.vocab_size:
-            raise ValueError(f"HeadConfig.draft_vocab_size must be in [0, vocab_size={self.vocab_size}] "
-                             f"(0 = full vocabulary), got {self.draft_vocab_size!r}.")
-
-    def to_dict(self) -> dict:
-        return {"format_version": FORMAT_VERSION, **asdict(self), "draftheads_version": DRAFTHEADS_VERSION}
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "HeadConfig":
-        """Read any format up to :data:`FORMAT_VERSION` (older ones lack keys, which keep their
-        defaults); a newer checkpoint fails naming the version that wrote it and this one."""
-        version = data.get("format_version", 1)
-        known = {f.name for f in fields(cls)}
-        unknown = set(data) - known - {"format_version"}
-        if not isinstance(version, int) or version > FORMAT_VERSION or unknown:
-            what = f"format {version}" + (f" with unknown keys {sorted(unknown)}" if unknown else "")
-            raise CheckpointError(
-                f"config.json is {what}, written by draftheads {data.get('draftheads_version') or 'unknown'}; this is "
-                f"draftheads {DRAFTHEADS_VERSION}, which reads formats 1-{FORMAT_VERSION}. Upgrade draftheads "
-                f"(pip install -U draftheads) to load it.")
-        return cls(**{k: v for k, v in data.items() if k in known})
-
 
 @dataclass
 class TreeSpec:
@@ -288,8 +205,6 @@ class DraftHeads(nn.Module):
         state = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().contiguous().cpu()
                  for k, v in self.state_dict().items()}
         if card is None:
-            from .card import basic_card
-
             card = basic_card(self.config)
         with atomic_directory(directory) as tmp:
             save_file(state, str(tmp / WEIGHTS_NAME), metadata={"family": self.family})
@@ -302,8 +217,6 @@ class DraftHeads(nn.Module):
                     files: dict[str, str] | None = None, **hub_kwargs) -> str:
         """Upload exactly the folder :meth:`save_pretrained` writes to the Hub repo ``repo_id``
         (created if missing); ``hub_kwargs`` go to :func:`.hub.upload_checkpoint`. Returns the commit URL."""
-        from .hub import upload_checkpoint
-
         with tempfile.TemporaryDirectory(prefix="draftheads-push-") as tmp:
             folder = self.save_pretrained(Path(tmp) / "checkpoint", dtype=dtype, card=card, files=files)
             return upload_checkpoint(folder, repo_id, **hub_kwargs)
@@ -350,21 +263,6 @@ class atomic_directory:
         shutil.rmtree(old, ignore_errors=True)
 
 
-REGISTRY: dict[str, type[DraftHeads]] = {}
-
-
-def register(cls: type[DraftHeads]) -> type[DraftHeads]:
-    """Class decorator: make a family loadable by name from ``config.json``."""
-    REGISTRY[cls.family] = cls
-    return cls
-
-
-def display_name(family: str) -> str:
-    """A registered family's display name ("Medusa", "Hydra++"), else the family string."""
-    cls = REGISTRY.get(family)
-    return (cls.display_name if cls is not None else "") or family
-
-
 def cartesian_tokens(candidates: torch.Tensor, roots: torch.Tensor, tree: TreeSpec) -> torch.Tensor:
     """Medusa's Cartesian tree filling for families that draft every depth in one call:
     candidates (B, K, k) base token ids per head, best first → tree tokens (B, N); a node's
@@ -386,24 +284,6 @@ def build_heads(config: HeadConfig) -> DraftHeads:
     if config.family not in REGISTRY:
         raise CheckpointError(f"Unknown head family {config.family!r}; known families: {sorted(REGISTRY)}.")
     return REGISTRY[config.family](config)
-
-
-def read_config(directory: str | Path) -> HeadConfig:
-    path = Path(directory) / CONFIG_NAME
-    if not path.is_file():
-        raise CheckpointError(f"{path} not found: a head checkpoint is a directory with {CONFIG_NAME} and {WEIGHTS_NAME}.")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise CheckpointError(f"{path} is not valid JSON ({err}); the checkpoint is corrupt.") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path} holds a {type(data).__name__}, not a config object; the checkpoint is corrupt.")
-    try:
-        return HeadConfig.from_dict(data)
-    except CheckpointError as err:
-        raise CheckpointError(f"{path}: {err}") from None
-    except (TypeError, ValueError) as err:  # a field of the wrong type or out of range
-        raise CheckpointError(f"{path}: {err} Fix the field or re-download the checkpoint.") from None
 
 
 # dtype rounding moves a sketch entry by ≲1e-5 on SmolLM2 (≲2e-4 on a 96×32 test model); another model by ≳0.1
@@ -475,8 +355,6 @@ def load_heads(directory: str | Path, expected_fingerprint: dict | None = None,
     ``expected_fingerprint`` refuse one made for another base (``base_name`` names it in the message)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
-
-    from .hub import resolve_checkpoint
 
     directory = resolve_checkpoint(directory, **hub_kwargs)
     config = read_config(directory)

@@ -79,3 +79,61 @@ print(json.dumps({{
         assert Path(seen["shared"]).resolve() == (REPO.parent / "shared").resolve()
     else:
         assert seen["shared"] == "../shared"
+
+
+# -- imports run one way ----------------------------------------------------------------------------
+FOLDERS = {"heads": "draftheads.heads", "decoding": "draftheads.decoding", "training": "draftheads.training",
+           "draftheads": "draftheads"}
+#: the layers, ground first: a module may import its own layer and the ones before it
+LAYERS = ("draftheads.heads", "draftheads.decoding", "draftheads.training", "draftheads")
+
+
+def module_imports() -> dict[str, set[str]]:
+    """{module: the package modules it imports}, read from the source (every import, deferred
+    ones inside functions included), relative imports resolved."""
+    import ast
+
+    modules = {}
+    for folder, package in FOLDERS.items():
+        for path in (REPO / folder).rglob("*.py"):
+            parts = [p for p in path.relative_to(REPO / folder).with_suffix("").parts if p != "__init__"]
+            modules[".".join([package, *parts])] = path
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        here = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            base = here.split(".")[: len(here.split(".")) - node.level + 1] if node.level else []
+            target = ".".join(base + ([node.module] if node.module else [])) if node.level else node.module or ""
+            for candidate in [target, *(f"{target}.{a.name}" for a in node.names)]:
+                if candidate in modules and candidate != name and not name.startswith(candidate + "."):
+                    graph[name].add(candidate)
+    return graph
+
+
+def test_no_import_cycle_and_nothing_imports_the_cli():
+    graph = module_imports()
+    assert not [m for m, targets in graph.items() if "draftheads.cli" in targets]
+    state: dict[str, int] = {}
+
+    def visit(node: str, trail: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            assert state.get(nxt) != 1, f"import cycle: {' → '.join(trail + [node, nxt])}"
+            if nxt not in state:
+                visit(nxt, trail + [node])
+        state[node] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [])
+
+
+def test_imports_run_from_the_ground_up():
+    """heads/ imports nothing of decoding/ or training/; decoding/ nothing of training/ or the roof."""
+    def layer(module: str) -> int:
+        return max(i for i, prefix in enumerate(LAYERS) if module == prefix or module.startswith(prefix + "."))
+
+    upward = [(m, t) for m, targets in module_imports().items() for t in targets if layer(t) > layer(m)]
+    assert not upward, f"imports against the layering (module, what it imports): {upward}"
