@@ -71,7 +71,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .drafts import Drafts, _children
+from .drafts import Drafts, children_table
 from .processors import history_ids, logits_processors, processed_scores, uses_history
 
 
@@ -121,13 +121,6 @@ def greedy_accept(tokens: torch.Tensor, parent: torch.Tensor, depth: torch.Tenso
 # -- sampling: lossless rejection walk and the lossy typical rule -----------------------------
 # The derivation and the proof are in this module's docstring.
 
-def children_table(parent: torch.Tensor) -> torch.Tensor:
-    """(N,) parent slots → (N, W) each slot's children in slot order, padded with -1. Slots
-    are sorted by rank within a parent, so children are tried best draft first (the order
-    changes only how often a child is accepted, never the output distribution)."""
-    return _children(tuple(parent.tolist())).to(parent.device)
-
-
 def sample_from(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF sample per row of (B, V) non-negative weights (need not sum to 1) with
     (B,) uniforms in [0, 1). A token of zero weight is never returned, even when rounding
@@ -147,9 +140,8 @@ def lossless_accept(tokens: torch.Tensor, probs: torch.Tensor, parent: torch.Ten
 
     tokens (B, N) tree tokens (column 0 = the root, already emitted); probs (B, N, V) the
     base's *processed* next-token distribution at every slot; parent, depth (N,) or (B, N);
-    path_slots (N, D+1) or (B, N, D+1); children (B, N, W) per-row children tables (default:
-    from a shared ``parent``; per-row trees pass :meth:`~.drafts.Drafts.children`, where
-    padding slots are nobody's children); uniforms (B, D, W) in [0, 1), one per (level, child
+    path_slots (N, D+1) or (B, N, D+1); children (B, N, W) each slot's children (default: from
+    ``parent`` by :func:`~.drafts.children_table`; padding slots are nobody's child); uniforms (B, D, W) in [0, 1), one per (level, child
     trial), drawn before the walk so the random stream does not depend on the outcome;
     bonus_uniform (B,).
 
@@ -162,7 +154,7 @@ def lossless_accept(tokens: torch.Tensor, probs: torch.Tensor, parent: torch.Ten
     batch, nodes = tokens.shape
     device = tokens.device
     if children is None:
-        children = children_table(parent.reshape(-1, nodes)[0].to(device)).expand(batch, -1, -1)
+        children = children_table(parent.to(device)).expand(batch, nodes, -1)
     parent, depth, path_slots = _per_row(batch, nodes, parent.to(device), depth.to(device), path_slots.to(device))
     rows = torch.arange(batch, device=device)
     levels = path_slots.shape[-1] - 1

@@ -141,11 +141,7 @@ def cap_depth(trie: Candidates, max_depth: int) -> Candidates:
     prefix-closed and in order, since depth grows along every path."""
     if len(trie) == 0 or int(trie.depth.max()) <= max_depth:
         return trie
-    keep = np.flatnonzero(trie.depth <= max_depth)
-    index = {int(old): new for new, old in enumerate(keep)}
-    parent = [-1 if trie.parent[i] < 0 else index[int(trie.parent[i])] for i in keep]
-    return Candidates.from_lists(parent, trie.token[keep].tolist(), trie.score[keep].tolist(),
-                                 trie.source[keep].tolist(), trie.bucket[keep].tolist(), trie.share[keep].tolist())
+    return trie.subset(np.flatnonzero(trie.depth <= max_depth))
 
 
 @dataclass
@@ -188,25 +184,16 @@ class MergedDrafter:
                 parts.append(self.lookup.hitrate.rescore(head_trie(tree, head_tokens[b], head_probs[b])))
             tries.append(cap_depth(merge(parts, budget), state.room[b]))
         width = self.width.choose([t.score for t in tries], state.context_length)
-        self._proposed = [_first(t, width - 1) for t in tries]
+        # best-first order: the first width−1 nodes of each trie are a prefix-closed tree
+        self._proposed = [t if len(t) < width else t.subset(range(width - 1)) for t in tries]
         return Drafts.from_rows(state.roots, [t.parent.tolist() for t in self._proposed],
-                                [t.token.tolist() for t in self._proposed],
-                                [t.source.tolist() for t in self._proposed])
+                                [t.token.tolist() for t in self._proposed])
 
     def observe(self, drafts: Drafts, result: Acceptance, rows: Sequence[int]) -> None:
         """Each row's accepted drafts calibrate the hit rates of the sources that proposed them."""
         accepted = drafts.accepted_tokens(result.path, result.accepted)
         for b, row in enumerate(rows):
             self.lookup.observe(row, self._proposed[b], accepted[b])
-
-
-def _first(trie: Candidates, count: int) -> Candidates:
-    """The first ``count`` nodes of a best-first trie (prefix-closed: parents come first)."""
-    if len(trie) <= count:
-        return trie
-    return Candidates.from_lists(trie.parent[:count].tolist(), trie.token[:count].tolist(),
-                                 trie.score[:count].tolist(), trie.source[:count].tolist(),
-                                 trie.bucket[:count].tolist(), trie.share[:count].tolist())
 
 
 #: every draft source ``generate`` can merge: the heads, then the lookups most local first

@@ -20,10 +20,6 @@ import torch
 
 from .tree import Tree
 
-#: ``source`` value of the root and of padding slots
-NO_SOURCE = -1
-
-
 @dataclass(eq=False)
 class Drafts:
     tokens: torch.Tensor  # (B, N) long; column 0 = the roots
@@ -32,7 +28,6 @@ class Drafts:
     path_slots: torch.Tensor  # (B, N, D+1) long: slots root→slot, padded with the slot itself
     valid: torch.Tensor  # (B, N) bool; False at padding slots
     shape: Tree | None = None  # the one shape every row has, when uniform
-    source: torch.Tensor | None = None  # (B, N) int8: who proposed each slot (drafters.Source; -1 root/padding)
 
     @property
     def batch(self) -> int:
@@ -63,14 +58,8 @@ class Drafts:
     def children(self) -> torch.Tensor:
         """(B, N, W) each slot's children in slot order, padded with -1 (the lossless walk's table)."""
         if self.shape is not None:
-            table = _children(tuple(self.shape.parent.tolist()))
-            return table.to(self.tokens.device).expand(self.batch, -1, -1)
-        rows = [_children(tuple(p)) for p in self.parent.tolist()]
-        width = max(t.shape[1] for t in rows)
-        table = torch.full((self.batch, self.num_nodes, width), -1, dtype=torch.long)
-        for b, t in enumerate(rows):
-            table[b, :, : t.shape[1]] = t
-        return table.to(self.tokens.device)
+            return children_table(self.shape.parent).to(self.tokens.device).expand(self.batch, -1, -1)
+        return children_table(self.parent)
 
     @classmethod
     def uniform(cls, tree: Tree, tokens: torch.Tensor) -> "Drafts":
@@ -81,19 +70,17 @@ class Drafts:
         return cls(tokens, expand(tree.parent), expand(tree.depth), expand(tree.path_slots), valid, tree)
 
     @classmethod
-    def from_rows(cls, roots: torch.Tensor, parents: Sequence[Sequence[int]], tokens: Sequence[Sequence[int]],
-                  sources: Sequence[Sequence[int]] | None = None) -> "Drafts":
+    def from_rows(cls, roots: torch.Tensor, parents: Sequence[Sequence[int]],
+                  tokens: Sequence[Sequence[int]]) -> "Drafts":
         """Per-row tries → padded drafts. roots (B,); for row b, ``parents[b]`` and ``tokens[b]`` list
         its draft nodes parents-first, a parent given as the node's index in that list (-1 = the
-        root); ``sources[b]`` who proposed each. Children keep their list order (the order the
-        lossless walk tries them in)."""
+        root). Children keep their list order (the order the lossless walk tries them in)."""
         batch = roots.shape[0]
         sizes = [len(t) for t in tokens]
         nodes = 1 + max(sizes, default=0)
         parent = np.full((batch, nodes), -1, dtype=np.int64)
         depth = np.zeros((batch, nodes), dtype=np.int64)
         token = np.zeros((batch, nodes), dtype=np.int64)
-        source = np.full((batch, nodes), NO_SOURCE, dtype=np.int8)
         valid = np.zeros((batch, nodes), dtype=bool)
         valid[:, 0] = True
         for b in range(batch):
@@ -108,8 +95,6 @@ class Drafts:
             for i in range(1, n + 1):
                 depth[b, i] = depth[b, slot_parent[i - 1]] + 1
             token[b, 1: n + 1] = tokens[b]
-            if sources is not None:
-                source[b, 1: n + 1] = sources[b]
             valid[b, : n + 1] = True
         max_depth = int(depth.max())
         path_slots = np.repeat(np.arange(nodes)[None, :, None], max_depth + 1, axis=2).repeat(batch, 0)
@@ -124,13 +109,26 @@ class Drafts:
         out = torch.from_numpy(token).to(device)
         out[:, 0] = roots
         return cls(out, torch.from_numpy(parent).to(device), torch.from_numpy(depth).to(device),
-                   torch.from_numpy(path_slots).to(device), torch.from_numpy(valid).to(device),
-                   None, torch.from_numpy(source).to(device))
+                   torch.from_numpy(path_slots).to(device), torch.from_numpy(valid).to(device))
 
     def accepted_tokens(self, path: torch.Tensor, accepted: torch.Tensor) -> list[list[int]]:
         """Per row, the draft tokens on its accepted path (the bonus excluded). path (B, D+1), accepted (B,)."""
         taken = self.tokens.gather(1, path).tolist()
         return [row[1: 1 + int(a)] for row, a in zip(taken, accepted.tolist())]
+
+
+def children_table(parent: torch.Tensor) -> torch.Tensor:
+    """Parent slots (N,) → (N, W), or per row (B, N) → (B, N, W): each slot's children in slot
+    order, padded with -1. Slots are sorted by rank within a parent, so children are tried best
+    draft first (the order changes only how often a child is accepted, never the output
+    distribution); padding slots (parent -1, not the root) are nobody's child."""
+    if parent.dim() == 1:
+        return _children(tuple(parent.tolist())).to(parent.device)
+    rows = [_children(tuple(p)) for p in parent.tolist()]
+    table = torch.full((*parent.shape, max(t.shape[1] for t in rows)), -1, dtype=torch.long)
+    for b, t in enumerate(rows):
+        table[b, :, : t.shape[1]] = t
+    return table.to(parent.device)
 
 
 @functools.lru_cache(maxsize=512)

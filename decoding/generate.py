@@ -279,9 +279,8 @@ class DraftHeadsModel:
     def step_cost(self):
         """The step-time model the merged drafter sizes trees with: the adaptive policy's
         calibration, else the checkpoint's stored bs-1 table for this dtype, else a linear guess."""
-        cost = getattr(self.policy, "cost", None)
-        if cost is not None:
-            return cost
+        if isinstance(self.policy, AdaptivePolicy):
+            return self.policy.cost
         by_dtype = self.heads.config.default_budget_by_dtype if self.heads is not None else {}
         ranked = by_dtype.get(dtype_name(self.base.dtype), {}).get("ranked")
         return TableCost.from_ranked(ranked) if ranked else None

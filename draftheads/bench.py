@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import platform
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -90,10 +92,22 @@ def draft_configs(model, sources: tuple[str, ...]) -> dict[str, object]:
     if len(sources) > 1:
         wanted.append(sources)
     configs: dict[str, object] = {}
+    own = model.drafter
     for combo in wanted:
         model.use_drafts(combo)
         configs["+".join(combo)] = model.drafter
+    model.drafter = own
     return configs
+
+
+@contextmanager
+def drafting(model, drafter) -> Iterator[None]:
+    """``model`` drafts with ``drafter`` inside the block; its own drafter is back afterwards."""
+    own, model.drafter = model.drafter, drafter
+    try:
+        yield
+    finally:
+        model.drafter = own
 
 
 def bench_prompt(model, ids: torch.Tensor, max_new_tokens: int, control: bool = True,
@@ -103,12 +117,10 @@ def bench_prompt(model, ids: torch.Tensor, max_new_tokens: int, control: bool = 
     Returns the row and HF's plain output (the reference). The last configuration is the
     row's headline ``draftheads`` entry."""
     plain, hf = timed_hf(model.base, ids, max_new_tokens)
-    own = model.drafter
     runs = {}
-    for name, drafter in (configs or {"draftheads": own}).items():
-        model.drafter = drafter
-        runs[name] = timed_draftheads(model, ids, plain, hf, max_new_tokens)
-    model.drafter = own
+    for name, drafter in (configs or {"draftheads": model.drafter}).items():
+        with drafting(model, drafter):
+            runs[name] = timed_draftheads(model, ids, plain, hf, max_new_tokens)
     ours = runs[list(runs)[-1]]
     row = {"prompt_tokens": ids.shape[1], "hf": hf,
            "draftheads": {k: ours[k] for k in ("new_tokens", "seconds", "tokens_per_second", "tau", "verify_steps")},
@@ -153,9 +165,8 @@ def run_bench(model, prompts: list[dict], max_new_tokens: int, out_dir: Path, me
     warm = chat_input(tokenizer, "Hello!")
     hf_greedy(base, warm, 8)
     for drafter in (configs or {"own": model.drafter}).values():
-        own, model.drafter = model.drafter, drafter
-        model.generate(warm, max_new_tokens=8)
-        model.drafter = own
+        with drafting(model, drafter):
+            model.generate(warm, max_new_tokens=8)
     if control:
         hf_greedy(base, warm, 8, prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS)
     if turn2:

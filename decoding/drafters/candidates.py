@@ -97,6 +97,15 @@ class Candidates:
         return Candidates(self.parent, self.token, self.depth, np.asarray(score, dtype=np.float64), self.source,
                           self.bucket, self.share)
 
+    def subset(self, kept: Sequence[int]) -> "Candidates":
+        """The nodes ``kept`` (indices, each node's parent kept before it), in that order, parents
+        renumbered: what selection, depth caps and width cuts keep of a trie."""
+        kept = [int(i) for i in kept]
+        index = {old: new for new, old in enumerate(kept)}
+        parent = [-1 if self.parent[i] < 0 else index[int(self.parent[i])] for i in kept]
+        return Candidates.from_lists(parent, self.token[kept].tolist(), self.score[kept].tolist(),
+                                     self.source[kept].tolist(), self.bucket[kept].tolist(), self.share[kept].tolist())
+
 
 class TrieBuilder:
     """Accumulates nodes keyed by (parent, token); used by every source and by :func:`merge`."""
@@ -173,16 +182,12 @@ def select(trie: Candidates, budget: int) -> Candidates:
     frontier = [entry(i, -1) for i in children.get(-1, [])]
     heapq.heapify(frontier)
     kept: list[int] = []
-    new_index: dict[int, int] = {}
     while frontier and len(kept) < budget:
         node = heapq.heappop(frontier)[-1]
-        new_index[node] = len(kept)
         kept.append(node)
         for child in children.get(node, []):
-            heapq.heappush(frontier, entry(child, new_index[node]))
-    parent = [-1 if trie.parent[i] < 0 else new_index[int(trie.parent[i])] for i in kept]
-    return Candidates.from_lists(parent, trie.token[kept].tolist(), trie.score[kept].tolist(), trie.source[kept].tolist(),
-                                 trie.bucket[kept].tolist(), trie.share[kept].tolist())
+            heapq.heappush(frontier, entry(child, len(kept) - 1))
+    return trie.subset(kept)
 
 
 def count_trie(continuations: Sequence[Sequence[int]], source: int, bucket: int, q: float) -> Candidates:
