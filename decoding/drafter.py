@@ -24,7 +24,8 @@ import torch
 
 from ..heads import DraftHeads
 from .accept import Acceptance
-from .drafters import Candidates, LookupDrafter, merge
+from .drafters import Candidates, HitRate, LookupDrafter, merge
+from .drafters.hitrate import reviewed_bucket
 from .drafts import Drafts
 from .tree import Tree, chain_tree
 
@@ -144,18 +145,69 @@ def cap_depth(trie: Candidates, max_depth: int) -> Candidates:
     return trie.subset(np.flatnonzero(trie.depth <= max_depth))
 
 
+def review(heads: DraftHeads, state: DraftState, tries: Sequence[Candidates], hitrate: HitRate) -> list[Candidates]:
+    """The vertical cascade: the heads rescore each row's lookup trie before it takes slots.
+
+    The heads read every root→node path once (one batched call over all rows' paths, cut at
+    the heads' depth: a path to each node at depth K or to a shallower leaf covers its
+    ancestors) and give each node within that depth the probability they would draft its
+    token with; that probability's bin joins the node's hit-rate bucket
+    (:func:`~.drafters.hitrate.reviewed_bucket`) and the trie is rescored. Deeper nodes keep
+    their bucket (their path's product still carries the reviewed ancestors). Same nodes,
+    same order: only the scores move."""
+    depth_cap = heads.num_heads
+    owners, chains, paths = [], [], []
+    for b, trie in enumerate(tries):
+        has_child = np.zeros(len(trie), dtype=bool)
+        has_child[trie.parent[trie.parent >= 0]] = True
+        for i in np.flatnonzero((trie.depth == depth_cap) | ((trie.depth < depth_cap) & ~has_child)):
+            chain, node = [], int(i)
+            while node >= 0:
+                chain.append(node)
+                node = int(trie.parent[node])
+            owners.append(b)
+            chains.append(chain[::-1])
+            paths.append(trie.token[chain[::-1]].tolist())
+    if not paths:
+        return list(tries)
+    tokens = torch.zeros(len(paths), 1 + max(map(len, paths)), dtype=torch.long, device=state.roots.device)
+    for p, (b, path) in enumerate(zip(owners, paths)):
+        tokens[p, 0] = state.roots[b]
+        tokens[p, 1: 1 + len(path)] = torch.tensor(path)
+    index = torch.tensor(owners, device=state.hidden.device)
+    probs = heads.path_probs(state.hidden.index_select(0, index), tokens).cpu().numpy()  # (P, longest)
+    reviewed = [np.full(len(trie), np.nan) for trie in tries]
+    for p, (b, chain) in enumerate(zip(owners, chains)):
+        reviewed[b][chain] = probs[p, : len(chain)]
+    out = []
+    for trie, prob in zip(tries, reviewed):
+        seen = ~np.isnan(prob)
+        bucket = trie.bucket.copy()
+        bucket[seen] = reviewed_bucket(trie.bucket[seen], prob[seen])
+        out.append(hitrate.rescore(Candidates(trie.parent, trie.token, trie.depth, trie.score, trie.source, bucket,
+                                              trie.share)))
+    return out
+
+
 @dataclass
 class MergedDrafter:
     """Heads (optional) + lookup sources in one tree per row (see the module docstring).
 
     ``lookup_nodes``: the most draft nodes a row's lookup sources propose per step (prompt
     lookup proposes 10, SuffixDecoding up to 24-64); the merged tree then keeps the width the
-    :class:`WidthChooser` finds best, at most the policy's tree size + ``lookup_nodes``."""
+    :class:`WidthChooser` finds best, at most the policy's tree size + ``lookup_nodes``.
+
+    ``review`` (the *vertical cascade* of CS Drafting, off by default): the heads review the
+    lookups' drafts before they take verification slots — each lookup node within the heads'
+    depth is scored again with the heads' probability of its token given the root and the path
+    before it (:meth:`~draftheads.heads.DraftHeads.path_probs`) as one more feature of its
+    calibrated hit rate (:func:`review`)."""
 
     heads: DraftHeads | None
     lookup: LookupDrafter
     width: WidthChooser = field(default_factory=WidthChooser)
     lookup_nodes: int = 16
+    review: bool = False
     _seen: dict[int, int] = field(default_factory=dict)
     _proposed: list[Candidates] = field(default_factory=list)
 
@@ -173,15 +225,20 @@ class MergedDrafter:
             tokens, probs = self.heads.propose(state.hidden, state.roots, tree.spec, with_probs=True)
             head_tokens, head_probs = tokens.tolist(), probs.tolist()
         budget = tree.num_nodes - 1 + self.lookup_nodes
-        tries = []
-        for b, row in enumerate(state.rows):
+        lookups = []
+        for row in state.rows:
             new = state.generated[row][self._seen[row]:]  # what the row emitted since it last drafted
             if new:
                 self.lookup.extend(row, new)
                 self._seen[row] += len(new)
-            parts = self.lookup.tries(row, self.lookup_nodes)
+            lookups.append(self.lookup.tries(row, self.lookup_nodes))
+        if self.review and self.heads is not None:
+            lookups = [[trie] for trie in review(self.heads, state, [merge(parts, self.lookup_nodes) for parts in lookups],
+                                                 self.lookup.hitrate)]
+        tries = []
+        for b, parts in enumerate(lookups):
             if head_tokens is not None:
-                parts.append(self.lookup.hitrate.rescore(head_trie(tree, head_tokens[b], head_probs[b])))
+                parts = parts + [self.lookup.hitrate.rescore(head_trie(tree, head_tokens[b], head_probs[b]))]
             tries.append(cap_depth(merge(parts, budget), state.room[b]))
         width = self.width.choose([t.score for t in tries], state.context_length)
         # best-first order: the first width−1 nodes of each trie are a prefix-closed tree
@@ -215,8 +272,17 @@ def parse_drafts(drafts: str | Sequence[str]) -> tuple[str, ...]:
     return tuple(n for n in DRAFT_SOURCES if n in names)
 
 
+def check_review(review: bool, sources: Sequence[str]) -> None:
+    """The vertical cascade needs the heads (the reviewers) and a lookup source (the reviewed)."""
+    if not isinstance(review, bool):
+        raise ValueError(f"review={review!r}: expected True (the heads rescore lookup drafts) or False.")
+    if review and ("heads" not in sources or not [s for s in sources if s != "heads"]):
+        raise ValueError(f"review=True: the heads review lookup drafts, so drafts must include 'heads' and at "
+                         f"least one of context, store, stats (got {','.join(sources)}).")
+
+
 def build_drafter(sources: Sequence[str], heads: DraftHeads | None, store=None, cost: StepCost | None = None,
-                  eos_token_id: int | None = None) -> Drafter:
+                  eos_token_id: int | None = None, review: bool = False) -> Drafter:
     """The drafter for ``sources`` (:func:`parse_drafts`): the heads alone → :class:`HeadsDrafter`;
     any lookup → :class:`MergedDrafter` (with the heads when "heads" is among them)."""
     from .drafters import ContextConfig, LookupConfig, StatsConfig, StoreConfig
@@ -229,5 +295,7 @@ def build_drafter(sources: Sequence[str], heads: DraftHeads | None, store=None, 
         return HeadsDrafter(heads)
     config = LookupConfig(ContextConfig(eos_token_id=eos_token_id), StoreConfig(eos_token_id=eos_token_id),
                           StatsConfig(eos_token_id=eos_token_id))
+    check_review(review, sources)
     return MergedDrafter(heads if "heads" in sources else None, LookupDrafter(store, config, sources=lookups),
-                         WidthChooser(cost if cost is not None else LINEAR_COST))
+                         WidthChooser(cost if cost is not None else LINEAR_COST),
+                         review=review)

@@ -25,7 +25,7 @@ from .accept import Acceptor, Typical, resolve_acceptance
 from .processors import check_sampling_config
 from .policy import AdaptivePolicy, CalibrationConfig, calibrate
 from .output import Emitter, generated_counts
-from .drafter import STORE_NAME, Drafter, DraftState, HeadsDrafter, TableCost, build_drafter, parse_drafts
+from .drafter import STORE_NAME, Drafter, DraftState, HeadsDrafter, TableCost, build_drafter, check_review, parse_drafts
 from .step import PhaseTimer, decode_step
 from .tree import Tree, chain_tree, tree_from_paths
 
@@ -222,6 +222,7 @@ class DraftHeadsModel:
         self.policy: TreePolicy = as_policy(tree)
         #: who fills the trees; None: the heads alone (:class:`~.drafter.HeadsDrafter` over ``self.heads``)
         self.drafter: Drafter | None = None
+        self._stores: dict = {}  # lookup_store argument → the opened (read-only, mapped) store
         self.last_stats = DecodingStats()
 
     # -- loading ---------------------------------------------------------------------------
@@ -230,7 +231,7 @@ class DraftHeadsModel:
                         base_name_or_path: str | None = None, dtype: torch.dtype | str | None = "auto", tree=None,
                         packed_attention: bool = True, packed_linears: bool = True,
                         drafts: str | Sequence[str] = "heads", lookup_store: str | Path | None = None,
-                        **hub_kwargs) -> "DraftHeadsModel":
+                        review: bool = False, **hub_kwargs) -> "DraftHeadsModel":
         """Load heads from a local checkpoint directory or a Hub id (``hub_kwargs``: ``revision``,
         ``cache_dir``, ``token``, ``local_files_only``; ``HF_HUB_OFFLINE=1`` reads the cache only)
         and the base they were made for (default: the embedded SmolLM2), in ``dtype``:
@@ -239,9 +240,11 @@ class DraftHeadsModel:
         The heads are cast to the base's dtype. ``drafts``: who fills the trees — "heads"
         (default), or any comma-separated mix of heads, context, store, stats (see
         :meth:`use_drafts`); ``lookup_store``: the model store for "store"/"stats" (default: the
-        one shipped beside the heads)."""
+        one shipped beside the heads); ``review``: the heads review lookup drafts (see
+        :meth:`use_drafts`)."""
         tree = parse_tree_option(tree)  # every argument is checked before anything loads
         sources = parse_drafts(drafts)
+        check_review(review, sources)
         if base is None:
             check_base_path(base_name_or_path)
             parse_dtype(dtype)
@@ -259,22 +262,29 @@ class DraftHeadsModel:
         model = cls(base, heads, tokenizer, resolve_tree(tree, base, heads), packed_attention=packed_attention,
                     packed_linears=packed_linears)
         if sources != ("heads",):
-            model.use_drafts(sources, lookup_store)
+            model.use_drafts(sources, lookup_store, review)
         return model
 
-    def use_drafts(self, drafts: str | Sequence[str], lookup_store: str | Path | None = None) -> None:
+    def use_drafts(self, drafts: str | Sequence[str], lookup_store: str | Path | None = None,
+                   review: bool = False) -> None:
         """Choose who fills the trees: "heads" (the checkpoint's heads alone), or a mix of heads
         and lookup sources — "context" (suffix matches in the prompt and the answer so far),
         "store" (matches in the base's own answers, a file shipped beside the heads), "stats"
         (bigram chains from the store) — merged into one tree per row under the cost model
         (:class:`~.drafter.MergedDrafter`). ``lookup_store``: the store file (default:
-        ``lookup_store.safetensors`` beside the heads)."""
+        ``lookup_store.safetensors`` beside the heads). ``review=True`` (the vertical cascade): the
+        heads rescore each lookup draft within their depth before it takes a verification slot
+        (their probability of its token joins its calibrated hit rate)."""
         sources = parse_drafts(drafts)
+        check_review(review, sources)
         store = None
         if "store" in sources or "stats" in sources:
-            store = open_store(lookup_store, self.heads, self.tokenizer)
+            key = None if lookup_store is None else str(Path(lookup_store).resolve())
+            if key not in self._stores:  # opened and checked once per file, shared by every drafter
+                self._stores[key] = open_store(lookup_store, self.heads, self.tokenizer)
+            store = self._stores[key]
         eos = eos_token_ids(self.base.generation_config)
-        self.drafter = build_drafter(sources, self.heads, store, self.step_cost(), eos[0] if eos else None)
+        self.drafter = build_drafter(sources, self.heads, store, self.step_cost(), eos[0] if eos else None, review)
 
     def step_cost(self):
         """The step-time model the merged drafter sizes trees with: the adaptive policy's

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import platform
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -78,10 +78,11 @@ def eos_ids(base) -> list[int]:
     return eos_token_ids(base.generation_config)
 
 
-def draft_configs(model, sources: tuple[str, ...]) -> dict[str, object]:
+def draft_configs(model, sources: tuple[str, ...], review: bool = False) -> dict[str, object]:
     """The bench's drafting configurations for ``sources`` (``--drafts``): each source alone, the
-    lookups together (the Hierarchy Drafting hierarchy), and every source merged (last: the
-    headline). name → a drafter for ``model.drafter`` (None: the heads alone)."""
+    lookups together (the Hierarchy Drafting hierarchy), with ``review`` every source merged
+    under the vertical cascade, and every source merged (last: the headline). name → a drafter
+    for ``model.drafter`` (None: the heads alone)."""
     from .decoding.drafter import parse_drafts
 
     sources = parse_drafts(sources)
@@ -93,8 +94,11 @@ def draft_configs(model, sources: tuple[str, ...]) -> dict[str, object]:
         wanted.append(sources)
     configs: dict[str, object] = {}
     own = model.drafter
+    if review:
+        wanted.insert(len(wanted) - 1, sources + ("review",))
     for combo in wanted:
-        model.use_drafts(combo)
+        reviewed = combo[-1] == "review"
+        model.use_drafts(combo[:-1] if reviewed else combo, review=reviewed)
         configs["+".join(combo)] = model.drafter
     model.drafter = own
     return configs
@@ -153,7 +157,7 @@ def second_turns(model, prompts: list[dict], max_new_tokens: int) -> list[dict]:
 
 def run_bench(model, prompts: list[dict], max_new_tokens: int, out_dir: Path, meta: dict | None = None,
               control: bool = True, log=print, drafts: tuple[str, ...] | None = None,
-              turn2: bool = False) -> dict:
+              turn2: bool = False, review: bool = False) -> dict:
     """Prompts in pairs: each prompt alone through HF plain, draftheads (under each ``drafts``
     configuration, see :func:`draft_configs`) and HF prompt lookup, then (``control``) the pair
     once more as one padded batch of 2 through HF plain. ``turn2``: MT-Bench second turns too."""
@@ -161,7 +165,7 @@ def run_bench(model, prompts: list[dict], max_new_tokens: int, out_dir: Path, me
 
     tokenizer, base = model.tokenizer, model.base
     out_dir.mkdir(parents=True, exist_ok=True)
-    configs = draft_configs(model, drafts) if drafts else None
+    configs = draft_configs(model, drafts, review) if drafts else None
     warm = chat_input(tokenizer, "Hello!")
     hf_greedy(base, warm, 8)
     for drafter in (configs or {"own": model.drafter}).values():
@@ -320,20 +324,50 @@ def keep_fastest(best: dict, name: str, result: tuple) -> None:
         best[name] = result
 
 
-def strategy_names(budgets: list[int], compare_mask: bool) -> list[str]:
+def strategy_names(budgets: list[int], compare_mask: bool, drafted: Sequence[str] = ()) -> list[str]:
+    """The batched bench's strategies: HF, each fixed tree, the adaptive policy (heads alone),
+    its masked variant; with draft sources (``drafted``) HF, the adaptive policy with the heads
+    alone and with each drafting combination instead of the fixed trees."""
+    if drafted:
+        return ["hf", "adaptive"] + [f"adaptive+{name}" for name in drafted]
     names = ["hf"] + [f"fixed:{b}" for b in budgets] + ["adaptive"]
     return names + (["adaptive:mask"] if compare_mask else [])
 
 
+def prompt_label(prompts: list[dict]) -> str:
+    """E.g. "28 prompts, 13 categories": what a figure's title says it ran on."""
+    categories = {p.get("category") for p in prompts}
+    return f"{len(prompts)} prompts, {len(categories)} categories"
+
+
+def batch_draft_combos(sources: Sequence[str], review: bool = False) -> list[tuple[str, ...]]:
+    """What the batched bench runs beside the heads-only policy for ``--drafts``: the lookups
+    together (the Hierarchy Drafting hierarchy, no heads), every source merged, and with
+    ``review`` every source merged under the vertical cascade (a trailing "review")."""
+    from .decoding.drafter import parse_drafts
+
+    sources = parse_drafts(sources)
+    lookups = tuple(s for s in sources if s != "heads")
+    combos = [lookups] if lookups else []
+    if lookups and "heads" in sources:
+        combos.append(sources)
+        if review:
+            combos.append(sources + ("review",))
+    return combos
+
+
 def run_batch_bench(model, prompts: list[dict], batch_sizes: list[int], budgets: list[int], max_new_tokens: int,
                     out_dir: Path, max_batches: int | dict[int, int] = 4, compare_mask: bool = True, meta: dict | None = None,
-                    surfaces: list[Path] = (), log=print, recalibrate: bool = False, repeats: int = 1) -> dict:
+                    surfaces: list[Path] = (), log=print, recalibrate: bool = False, repeats: int = 1,
+                    drafts: Sequence[str] | None = None, review: bool = False) -> dict:
     """One run, the same batches for every strategy (the first ``bs × max_batches`` prompts
-    in file order, chat template, left padding), strategies interleaved per batch (in a rotating
+    in the order given — the CLI deals categories round-robin — chat template, left padding), strategies interleaved per batch (in a rotating
     order) so they share the machine's state. Throughput = new tokens (to EOS) over the batch /
     wall seconds; with ``repeats`` > 1 each strategy runs each batch that often and its fastest run
     counts (the mean over all runs is saved too). The adaptive policy chooses among exactly the
-    compared budgets, so "best fixed tree" is the best of its own options."""
+    compared budgets, so "best fixed tree" is the best of its own options. With ``drafts``
+    (source names) the adaptive policy with the heads alone runs against the same policy with
+    lookups (:func:`batch_draft_combos`), whose merged trees are sized by its cost model."""
     from .prompts import chat_input
     from .decoding.generate import FixedTree, eos_token_ids, tree_for_budget
     from .decoding.policy import AdaptivePolicy, calibrate
@@ -347,15 +381,23 @@ def run_batch_bench(model, prompts: list[dict], batch_sizes: list[int], budgets:
     adaptive = AdaptivePolicy.from_heads(model.heads, cost, budgets=budgets)
     policies = {f"fixed:{b}": FixedTree(tree_for_budget(model.heads, b)) for b in budgets}
     policies["adaptive"] = policies["adaptive:mask"] = adaptive
-    names = strategy_names(budgets, compare_mask)
+    model.policy = adaptive  # the drafters below size their trees with its cost model
+    drafters: dict[str, object] = {"hf": None}
+    with drafting(model, model.drafter):
+        for combo in batch_draft_combos(drafts, review) if drafts else []:
+            reviewed = combo[-1] == "review"
+            model.use_drafts(combo[:-1] if reviewed else combo, review=reviewed)
+            drafters["adaptive+" + "+".join(combo)] = model.drafter
+    names = strategy_names(budgets, compare_mask and not drafts, [n[len("adaptive+"):] for n in drafters if n != "hf"])
     encoded = [chat_input(tokenizer, p["prompt"])[0].tolist() for p in prompts]
 
     def run(name: str, ids: torch.Tensor, mask: torch.Tensor, new: int):
         if name == "hf":
             return base.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=pad), None
-        model.policy = policies[name]
+        model.policy = policies.get(name, adaptive)
         model.finished_rows = "mask" if name.endswith(":mask") else "shrink"
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=new, pad_token_id=pad)
+        with drafting(model, drafters.get(name)):
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=new, pad_token_id=pad)
         return out, model.last_stats
 
     warm_ids, warm_mask = left_pad(encoded[:2], pad)
@@ -422,6 +464,10 @@ def run_batch_bench(model, prompts: list[dict], batch_sizes: list[int], budgets:
             entry["speedup_vs_hf"] = round(entry["tokens_per_second"] / hf_tps, 4)
         best_fixed = max((n for n in table if n.startswith("fixed:") or n == "hf"),
                          key=lambda n: table[n]["tokens_per_second"])
+        for name in table:
+            if name.startswith("adaptive+"):
+                table[name]["vs_adaptive_heads"] = round(table[name]["tokens_per_second"]
+                                                         / table["adaptive"]["tokens_per_second"], 4)
         ctx = int(sum(len(r) for b in batches for r in b) / sum(len(b) for b in batches)) + max_new_tokens // 2
         predicted = adaptive.rank(bs, ctx)
         results[str(bs)] = {"batches": len(batches), "prompts": len(batches) * bs, "strategies": table,
@@ -440,7 +486,7 @@ def run_batch_bench(model, prompts: list[dict], batch_sizes: list[int], budgets:
                "results": results, "gpu_surfaces": policy_on_surfaces(model.heads, list(surfaces)),
                "calibration": cost.to_dict()}
     (out_dir / "results.json").write_text(json.dumps(payload, indent=1) + "\n")
-    plot_throughput(results, out_dir / "throughput.png", max_new_tokens,
+    plot_throughput(results, out_dir / "throughput.png", max_new_tokens, prompts=prompt_label(prompts),
                     heads=model.heads.config.family.capitalize())
     plot_surface(cost, adaptive, out_dir / "latency_surface.png")
     return payload

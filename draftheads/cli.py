@@ -13,7 +13,7 @@ import torch
 
 from .decoding.limits import DTYPE_CHOICES, InputError
 from .options import drafts_argument, find_heads, tree_argument
-from .prompts import PromptError, PromptFileError, chat_input, split_cap
+from .prompts import PromptError, PromptFileError, chat_input, round_robin, split_cap
 from .prompts import read_prompts as _read_prompts
 
 DEFAULT_HEADS = "checkpoints/smollm2-135m-hydra"
@@ -57,8 +57,14 @@ def load_model(args):
     from .decoding import DraftHeadsModel
 
     drafts = getattr(args, "draft_sources", None) or ("heads",)
-    return DraftHeadsModel.from_pretrained(find_heads(args.heads), base_name_or_path=args.base, dtype=args.dtype,
-                                           tree=args.tree, drafts=drafts)
+    review = args.review and args.command == "generate"  # the bench compares with and without
+    try:
+        return DraftHeadsModel.from_pretrained(find_heads(args.heads), base_name_or_path=args.base, dtype=args.dtype,
+                                               tree=args.tree, drafts=drafts, review=review)
+    except ValueError as err:
+        if "review=" in str(err):
+            raise SystemExit(f"error: --review: {err}") from None
+        raise
 
 
 def identity_status(diff: dict | None, dtype: torch.dtype) -> str:
@@ -130,6 +136,13 @@ def cmd_bench(args) -> int:
     from .bench import run_batch_bench, run_bench
 
     read_prompts(args.prompts, args.limit)  # a bad prompt file fails before the model loads
+    if args.review:
+        from .decoding.drafter import check_review
+
+        try:
+            check_review(args.review, args.drafts or ("heads",))
+        except ValueError as err:
+            raise SystemExit(f"error: --review: {err}") from None
     model = load_model(args)
     if args.batch_sizes:
         if min(args.batch_sizes) < 1:
@@ -144,11 +157,11 @@ def cmd_bench(args) -> int:
         if unknown:
             raise SystemExit(f"error: no stored tree for budget(s) {unknown}; the checkpoint stores {stored}.")
         per_size = batches_per_size(args.batch_sizes, args.max_batches)
-        prompts = read_prompts(args.prompts, args.limit or max(bs * n for bs, n in per_size.items()))
+        prompts = round_robin(read_prompts(args.prompts, None))[: args.limit or max(bs * n for bs, n in per_size.items())]
         out = Path(args.out if args.out != "results/bench" else "results/batch")
         payload = run_batch_bench(model, prompts, args.batch_sizes, budgets, args.max_new_tokens, out,
                                   max_batches=per_size, compare_mask=not args.no_mask_compare,
-                                  recalibrate=args.recalibrate, repeats=args.repeats,
+                                  recalibrate=args.recalibrate, repeats=args.repeats, drafts=args.drafts, review=args.review,
                                   meta=vars(args), surfaces=sorted(Path(split_cap(args.prompts[0])[0]).parent.glob("cost_surfaces/cost_*.json")))
         summary = {bs: {name: s["tokens_per_second"] for name, s in r["strategies"].items()}
                    for bs, r in payload["results"].items()}
@@ -156,7 +169,8 @@ def cmd_bench(args) -> int:
         return 0
     prompts = read_prompts(args.prompts, args.limit)
     results = run_bench(model, prompts, args.max_new_tokens, Path(args.out), meta=vars(args),
-                        control=not args.no_control, drafts=args.drafts, turn2=args.turn2)
+                        control=not args.no_control, drafts=args.drafts, turn2=args.turn2,
+                        review=args.review)
     print(bench_table(results))
     return 0
 
@@ -176,7 +190,7 @@ def bench_table(results: dict) -> str:
         padded = s.get("control_padded_batch", {})
         lines.append(
             f"| {name} | {s['prompts']} | {s['hf_tokens_per_second']:.1f} | {s['draftheads_tokens_per_second']:.1f} | "
-            f"{s['speedup']:.2f}x | {s['tau']:.2f} | {lookup.get('speedup', float('nan')):.2f}x | "
+            f"{s['speedup']:.2f}x | {s['tau']:.2f} | {times(lookup.get('speedup'))} | "
             f"{s['mismatching_prompts']} ({s['divergences_outside_band']}) | "
             f"{padded.get('mismatching_prompts', '-')}/{padded.get('prompts', '-')} | "
             f"{lookup.get('mismatching_prompts', '-')} |")
@@ -187,8 +201,13 @@ def bench_table(results: dict) -> str:
         for name, s in [*results["by_category"].items(), ("overall", results["overall"])]:
             cells = [f"{s['drafts'][n]['speedup']:.2f}x ({s['drafts'][n]['tau']:.2f})" for n in names]
             lookup = s.get("prompt_lookup", {}).get("speedup")
-            lines.append(f"| {name} | " + " | ".join(cells) + f" | {'-' if lookup is None else f'{lookup:.2f}x'} |")
+            lines.append(f"| {name} | " + " | ".join(cells) + f" | {times(lookup)} |")
     return "\n".join(lines)
+
+
+def times(speedup: float | None) -> str:
+    """A speedup cell: "1.23x", or "-" for a run that did not happen (``--no-control``)."""
+    return "-" if speedup is None else f"{speedup:.2f}x"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -204,6 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="'adaptive' (choose per live batch size from this machine's calibrated cost model; "
                              "first use calibrates for ~1-2 min, then cached) or a tree node budget "
                              "(default: the checkpoint's)")
+    common.add_argument("--review", action="store_true",
+                        help="vertical cascade: the heads rescore lookup drafts before they take verification "
+                             "slots (with --drafts mixing heads and lookups; the bench then also runs the reviewed mix)")
     common.add_argument("--max-new-tokens", type=count_argument(1), default=None,
                         help="default 128 (32 for the batched bench, which runs ~9 strategies x 6 batch sizes)")
     gen = sub.add_parser("generate", parents=[common], help="answer one prompt, streaming")
@@ -240,7 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "padded batch of 2): faster, but no peer speed and no identity control")
     bench.add_argument("--drafts", type=drafts_argument, default=None,
                        help="compare draft sources: a comma-separated subset of heads,context,store,stats (or "
-                            "'all'); runs each alone, the lookups together and all merged, beside HF prompt lookup")
+                            "'all'); runs each alone, the lookups together and all merged, beside HF prompt lookup; "
+                            "with --batch-sizes: the adaptive policy with the heads alone vs with the lookups")
     bench.add_argument("--turn2", action="store_true",
                        help="also bench MT-Bench second turns (turn 1 and the base's own answer in context)")
     bench.add_argument("--out", default="results/bench")

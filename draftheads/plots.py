@@ -46,7 +46,8 @@ def plot(rows: list[dict], overall: dict, path: Path) -> None:
         right.legend()
 
 
-def plot_throughput(results: dict, path: Path, max_new_tokens: int, heads: str = "draft") -> None:
+def plot_throughput(results: dict, path: Path, max_new_tokens: int, heads: str = "draft",
+                    prompts: str = "MT-Bench") -> None:
     sizes = [int(b) for b in results]
     names = list(next(iter(results.values()))["strategies"]) if results else []
     with figure(path, figsize=(7.5, 4.6)) as (fig, ax):
@@ -54,13 +55,13 @@ def plot_throughput(results: dict, path: Path, max_new_tokens: int, heads: str =
             ys = [results[str(b)]["strategies"][name]["tokens_per_second"] for b in sizes]
             style = {"hf": dict(color="k", lw=2.2), "adaptive": dict(color="tab:red", lw=2.2, marker="s"),
                      "adaptive:mask": dict(color="tab:red", lw=1, ls="--", marker="x")}.get(
-                         name, dict(lw=1, marker="o", ms=3))
+                         name, dict(lw=2.2, marker="D") if name.startswith("adaptive+") else dict(lw=1, marker="o", ms=3))
             ax.plot(sizes, ys, label="HF generate (batched greedy)" if name == "hf" else name, **style)
         ax.set_xscale("log", base=2)
         ax.set_xticks(sizes, [str(s) for s in sizes])
         ax.set_xlabel("batch size")
         ax.set_ylabel("generated tokens / s (whole batch)")
-        ax.set_title(f"{heads} heads, MT-Bench, {max_new_tokens} new tokens")
+        ax.set_title(f"{heads} heads, {prompts}, {max_new_tokens} new tokens")
         ax.legend(fontsize=7, ncol=2)
         ax.grid(alpha=0.3)
 

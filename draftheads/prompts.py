@@ -122,6 +122,19 @@ def first_per_category(records: list[dict], per_category: int) -> list[dict]:
     return chosen
 
 
+def round_robin(records: list[dict]) -> list[dict]:
+    """Records reordered one per category in turn (categories in order of first appearance,
+    each in its own order): the batched bench's batches then mix tasks as a server's do,
+    instead of taking the first task's prompts only."""
+    groups: dict[str, list[dict]] = {}
+    for item in records:
+        groups.setdefault(item["category"], []).append(item)
+    order = []
+    for i in range(max((len(g) for g in groups.values()), default=0)):
+        order += [g[i] for g in groups.values() if i < len(g)]
+    return order
+
+
 def read_prompts(paths: str | Sequence[str], limit: int | None = None) -> list[dict]:
     """Prompts from one or more files (see the module docstring for ``@N`` and de-duplication),
     then the first ``limit`` of them (None: all)."""

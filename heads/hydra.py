@@ -167,6 +167,10 @@ class HydraPlusPlusHeads(HydraHeads):
         """Base hidden states (B, T, d) → what the heads read at each position."""
         return self.prefix(hidden, positions, mask, cache)
 
+    def path_logits(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """While decoding the heads read the prefix layer's output (``hidden`` here), one position per path."""
+        return HydraHeads.forward(self, hidden, tokens=tokens)
+
     def forward(self, hidden: torch.Tensor, tokens: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, **_: object) -> torch.Tensor:
         """Training/eval on whole sequences: hidden (B, T, d), tokens (B, T, ≥K), attention_mask

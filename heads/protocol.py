@@ -88,6 +88,7 @@ class DraftHeads(nn.Module):
         self.draft_dtype: torch.dtype | None = None
         #: the draft readout's oneDNN-packed weight (see :mod:`.linear`), set by the decoder
         self._packed_readout: PackedWeight | None = None
+        self._draft_inverse: torch.Tensor | None = None  # base id → draft index (see draft_index)
 
     # -- the frozen base parts -------------------------------------------------------------
     def bind(self, lm_head_weight: torch.Tensor, embed_weight: torch.Tensor | None = None) -> "DraftHeads":
@@ -171,6 +172,42 @@ class DraftHeads(nn.Module):
         node's draft probability given its parent (B, N) float32 (1 at the root), which a
         merged tree ranks head drafts by (:mod:`draftheads.decoding.drafter`)."""
         raise NotImplementedError
+
+    def path_logits(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """hidden (P, d) as ``propose`` reads it, tokens (P, K) = the root then the path's first
+        K−1 drafts → draft logits (P, K, V_draft): head k's distribution of the path's (k+1)-th
+        draft given what precedes it (families that do not read the path ignore it)."""
+        return self(hidden, tokens=tokens)
+
+    @torch.no_grad()
+    def path_probs(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """hidden (P, d), tokens (P, L+1) = a root then L ≤ K drafted tokens → (P, L) float32:
+        the heads' probability of each draft given the root and the drafts before it (0 for a
+        token outside the draft vocabulary). Someone else's drafts, reviewed by the heads: the
+        vertical cascade (:class:`draftheads.decoding.drafter.MergedDrafter`) reads it."""
+        paths, length = tokens.shape[0], tokens.shape[1] - 1
+        if not 0 <= length <= self.num_heads:
+            raise ValueError(f"path_probs reviews at most {self.num_heads} drafts per path (the heads' depth), "
+                             f"got {length}.")
+        padded = torch.zeros(paths, self.num_heads, dtype=torch.long, device=tokens.device)
+        padded[:, : min(length + 1, self.num_heads)] = tokens[:, : self.num_heads]
+        logits = self.path_logits(hidden, padded)[:, :length].float()  # (P, L, V_draft)
+        index = self.draft_index(tokens[:, 1:])
+        chosen = logits.gather(-1, index.clamp(min=0)[..., None]).squeeze(-1)
+        probs = (chosen - logits.logsumexp(-1)).exp()
+        return torch.where(index >= 0, probs, torch.zeros_like(probs))
+
+    def draft_index(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Base token ids → their index in the draft vocabulary, −1 where the heads cannot draft
+        them (the inverse of :meth:`to_vocab`, built once)."""
+        if not self.config.draft_vocab_size:
+            return tokens
+        inverse = self._draft_inverse
+        if inverse is None or inverse.device != tokens.device:
+            inverse = torch.full((self.config.vocab_size,), -1, dtype=torch.long, device=tokens.device)
+            inverse[self.vocab_ids.to(tokens.device)] = torch.arange(self.vocab_ids.numel(), device=tokens.device)
+            self._draft_inverse = inverse
+        return inverse[tokens]
 
     def top_candidates(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft logits (..., V_draft) → the k best base token ids (..., k), best first, and their

@@ -18,6 +18,11 @@ from typing import Sequence
 import numpy as np
 
 
+#: a source's own buckets (match lengths) stay below this; the heads' review adds multiples of it
+#: (:func:`.hitrate.reviewed_bucket`)
+BUCKET_STRIDE = 64
+
+
 class Source(IntEnum):
     """Who proposed a node; lower value wins exact score ties (most local first, as in HD)."""
 
@@ -216,4 +221,4 @@ def count_trie(continuations: Sequence[Sequence[int]], source: int, bucket: int,
     for p, s in zip(parent, share):
         score.append((1.0 if p < 0 else score[p]) * q * s)
     n = len(token)
-    return Candidates.from_lists(parent, token, score, [source] * n, [bucket] * n, share)
+    return Candidates.from_lists(parent, token, score, [source] * n, [min(bucket, BUCKET_STRIDE - 1)] * n, share)

@@ -17,7 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .candidates import Candidates, Source
+from .candidates import BUCKET_STRIDE, Candidates, Source
 
 
 def default_q(source: Source, bucket: int) -> float:
@@ -33,6 +33,23 @@ def default_q(source: Source, bucket: int) -> float:
     return 0.4
 
 
+#: The vertical cascade: the heads' probability of a reviewed lookup node, binned at these
+#: edges (bin 1 = below the first … bin 5 = above the last; bin 0 = not reviewed), becomes part
+#: of the node's bucket (:func:`reviewed_bucket`), so the hit rates learn how much the heads'
+#: opinion says about acceptance (P(accepted | source, match length, review bin)) instead of
+#: assuming it: where the heads know nothing the bins' rates come out alike and the ranking is
+#: unchanged.
+REVIEW_EDGES = (1e-3, 1e-2, 0.1, 0.5)
+#: bucket = match-length bucket + REVIEW_STRIDE × review bin
+REVIEW_STRIDE = BUCKET_STRIDE
+
+
+def reviewed_bucket(bucket: np.ndarray, prob: np.ndarray) -> np.ndarray:
+    """(N,) buckets, (N,) the heads' probabilities → the buckets with the review bin folded in."""
+    bins = 1 + np.searchsorted(np.asarray(REVIEW_EDGES), np.asarray(prob, dtype=np.float64), side="right")
+    return (np.asarray(bucket) % REVIEW_STRIDE + REVIEW_STRIDE * bins).astype(np.int16)
+
+
 @dataclass(frozen=True)
 class HitRateConfig:
     strength: float = 8.0  # prior pseudo-observations (in units of share)
@@ -40,25 +57,34 @@ class HitRateConfig:
 
 
 class HitRate:
-    """Per (source, bucket) accepted / Σ share counts, shared by all rows of a decoder."""
+    """Per (source, bucket, review bin) accepted / Σ share counts, shared by all rows of a
+    decoder. The prior does not depend on the review bin: what the heads' opinion is worth is
+    learned."""
 
     def __init__(self, config: HitRateConfig = HitRateConfig()):
         self.config = config
-        shape = (len(Source), config.max_bucket + 1)
+        width = config.max_bucket + 1
+        shape = (len(Source), width * (len(REVIEW_EDGES) + 2))
         self.accepted = np.zeros(shape)
         self.proposed = np.zeros(shape)  # Σ share of eligible nodes
-        self.prior = np.array([[default_q(s, b) for b in range(shape[1])] for s in Source])
+        self.prior = np.array([[default_q(s, b % width) for b in range(shape[1])] for s in Source])
         self.row_steps: dict[int, int] = {}
         self.row_accepted: dict[int, int] = {}
 
+    def key(self, bucket):
+        """A node's bucket (match length + REVIEW_STRIDE × review bin) → its column."""
+        bucket = np.asarray(bucket, dtype=np.int64)
+        return (bucket // REVIEW_STRIDE) * (self.config.max_bucket + 1) + np.minimum(bucket % REVIEW_STRIDE,
+                                                                                       self.config.max_bucket)
+
     def q(self, source: int, bucket: int) -> float:
-        b = min(int(bucket), self.config.max_bucket)
+        b = int(self.key(bucket))
         k = self.config.strength
         return float((self.accepted[source, b] + k * self.prior[source, b]) / (self.proposed[source, b] + k))
 
     def conditional(self, trie: Candidates) -> np.ndarray:
         """(N,) c per node = min(1, q × share)."""
-        b = np.minimum(trie.bucket.astype(np.int64), self.config.max_bucket)
+        b = self.key(trie.bucket)
         s = trie.source.astype(np.int64)
         k = self.config.strength
         q = (self.accepted[s, b] + k * self.prior[s, b]) / (self.proposed[s, b] + k)
@@ -84,7 +110,7 @@ class HitRate:
             if p >= 0 and not accepted[p]:
                 continue  # not eligible: its parent was rejected
             d = int(proposed.depth[i])
-            s, b = int(proposed.source[i]), min(int(proposed.bucket[i]), self.config.max_bucket)
+            s, b = int(proposed.source[i]), int(self.key(int(proposed.bucket[i])))
             self.proposed[s, b] += float(proposed.share[i])
             if d <= len(accepted_tokens) and int(proposed.token[i]) == int(accepted_tokens[d - 1]):
                 accepted[i] = True

@@ -1,0 +1,197 @@
+"""The vertical cascade: the heads review lookup drafts before they take verification slots.
+
+``DraftHeads.path_probs`` is the probability the heads' own drafting gives each token of a
+path; ``review`` folds that probability's bin into each lookup node's hit-rate bucket and
+rescores; decoding with the review on stays token-identical to transformers (float64)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from helpers import FAMILIES, left_pad, tiny_llama
+from test_families import random_heads
+from draftheads.decoding import DraftHeadsModel, tree_from_paths
+from draftheads.decoding.drafter import (LINEAR_COST, DraftState, MergedDrafter, WidthChooser, build_drafter,
+                                         check_review, review)
+from draftheads.decoding.drafters import Candidates, ContextConfig, HitRate, LookupConfig, LookupDrafter
+from draftheads.decoding.drafters.hitrate import REVIEW_EDGES, REVIEW_STRIDE, reviewed_bucket
+from draftheads.decoding.tree import chain_tree
+
+PAD = 0
+
+
+def contextual_hidden(heads, hidden: torch.Tensor) -> torch.Tensor:
+    """What ``propose`` reads: Hydra++ reads its prefix layer's output, the others the hidden state."""
+    if not heads.contextual:
+        return hidden
+    batch = hidden.shape[0]
+    ones = torch.ones(batch, 1, 1, 1, dtype=torch.bool)
+    return heads.contextualize(hidden[:, None], torch.zeros(batch, 1, dtype=torch.long), ones)[:, 0]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("draft_vocab", [0, 40])
+def test_path_probs_are_the_probabilities_the_heads_draft_with(family, draft_vocab):
+    """Along the heads' own greedy chain, path_probs equals propose's per-node probabilities;
+    a token outside the draft vocabulary gets 0."""
+    model = tiny_llama(1)
+    heads = random_heads(family, model, seed=2, draft_vocab=draft_vocab)
+    hidden = contextual_hidden(heads, torch.randn(3, model.config.hidden_size, dtype=model.dtype))
+    roots = torch.tensor([5, 17, 60])
+    chain = chain_tree(heads.num_heads)
+    tokens, probs = heads.propose(hidden, roots, chain.spec, with_probs=True)
+    reviewed = heads.path_probs(hidden, tokens)
+    torch.testing.assert_close(reviewed, probs[:, 1:], rtol=1e-6, atol=1e-9)
+    assert heads.path_probs(hidden, tokens[:, :2]).shape == (3, 1)  # shorter paths: the first heads only
+    torch.testing.assert_close(heads.path_probs(hidden, tokens[:, :2]), probs[:, 1:2], rtol=1e-6, atol=1e-9)
+    if draft_vocab:
+        outside = sorted(set(range(model.config.vocab_size)) - set(heads.vocab_ids.tolist()))[0]
+        odd = tokens.clone()
+        odd[:, 1] = outside
+        assert heads.path_probs(hidden, odd)[:, 0].tolist() == [0.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="at most 3 drafts per path"):
+        heads.path_probs(hidden, torch.zeros(3, 5, dtype=torch.long))
+
+
+def reference_bins(heads, hidden, roots, trie: Candidates, row: int) -> list[int | None]:
+    """Node by node (one path_probs call each): the review bin of every node within the heads'
+    depth, None deeper."""
+    bins = []
+    for i in range(len(trie)):
+        path = list(trie.path(i))
+        if len(path) > heads.num_heads:
+            bins.append(None)
+            continue
+        prob = float(heads.path_probs(hidden[row: row + 1], torch.tensor([[int(roots[row])] + path]))[0, -1])
+        bins.append(1 + sum(prob >= edge for edge in REVIEW_EDGES))
+    return bins
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(family=st.sampled_from(FAMILIES), seed=st.integers(0, 5),
+       chains=st.lists(st.lists(st.lists(st.integers(1, 95), min_size=1, max_size=7), max_size=4), min_size=1,
+                       max_size=3))
+def test_review_rescores_each_lookup_node_by_the_heads_opinion(family, seed, chains):
+    """Same nodes in the same order; each node within the heads' depth carries the bin of the
+    heads' probability of its token given its own path (checked node by node); its score is
+    the hit rate's for that bucket."""
+    model = tiny_llama(0)
+    heads = random_heads(family, model, seed=seed)
+    batch = len(chains)
+    hidden = contextual_hidden(heads, torch.randn(batch, model.config.hidden_size, dtype=model.dtype,
+                                                  generator=torch.Generator().manual_seed(seed)))
+    roots = torch.arange(batch) + 3
+    tries = []
+    for rows in chains:  # a trie per row from a few continuations (shared prefixes once)
+        index, parent, token = {}, [], []
+        for seq in rows:
+            node = -1
+            for t in seq:
+                if (node, t) not in index:
+                    index[(node, t)] = len(token)
+                    parent.append(node)
+                    token.append(t)
+                node = index[(node, t)]
+        n = len(token)
+        tries.append(Candidates.from_lists(parent, token, [0.5] * n, [1] * n, [3] * n, [1.0] * n))
+    hitrate = HitRate()
+    hitrate.accepted[1, hitrate.key(3 + REVIEW_STRIDE * 5)] = 50.0  # the top bin has been accepted often
+    hitrate.proposed[1, hitrate.key(3 + REVIEW_STRIDE * 5)] = 50.0
+    state = DraftState(roots, hidden, list(range(batch)), [32] * batch, 10)
+    out = review(heads, state, tries, hitrate)
+    for b, (trie, scored) in enumerate(zip(tries, out)):
+        assert scored.token.tolist() == trie.token.tolist() and scored.parent.tolist() == trie.parent.tolist()
+        bins = reference_bins(heads, hidden, roots, trie, b)
+        assert [int(x) // REVIEW_STRIDE if bin_ is not None else None for x, bin_ in zip(scored.bucket, bins)] == bins
+        assert all(int(x) % REVIEW_STRIDE == 3 for x in scored.bucket)
+        np.testing.assert_allclose(scored.score, hitrate.rescore(scored).score)
+
+
+def reviewed_decoder(model, heads, tree) -> DraftHeadsModel:
+    decoder = DraftHeadsModel(model, heads, tree=tree)
+    lookup = LookupDrafter(None, LookupConfig(ContextConfig()), sources=("context",))
+    decoder.drafter = MergedDrafter(heads, lookup, WidthChooser(LINEAR_COST), lookup_nodes=12, review=True)
+    return decoder
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(family=st.sampled_from(FAMILIES), seed=st.integers(0, 1), max_new=st.integers(1, 24),
+       motifs=st.lists(st.tuples(st.lists(st.integers(3, 95), min_size=1, max_size=5), st.integers(1, 6)),
+                       min_size=1, max_size=4))
+def test_reviewed_merged_trees_greedy_matches_hf(family, seed, max_new, motifs):
+    model = tiny_llama(seed)
+    ids, mask = left_pad([(motif * times)[:40] for motif, times in motifs])
+    reference = model.generate(ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False, pad_token_id=PAD)
+    decoder = reviewed_decoder(model, random_heads(family, model, seed=seed), tree_from_paths([(0,), (1,), (0, 0)]))
+    ours = decoder.generate(ids, attention_mask=mask, max_new_tokens=max_new, pad_token_id=PAD)
+    assert ours.tolist() == reference.tolist()
+
+
+def test_hit_rates_learn_what_the_review_is_worth():
+    """Review bins are separate hit-rate cells with the match length's prior: acceptances seen
+    in one bin raise that bin's calibration only."""
+    hitrate = HitRate()
+    low, high = 2 + REVIEW_STRIDE * 1, 2 + REVIEW_STRIDE * 5
+    assert hitrate.q(1, low) == hitrate.q(1, high) == hitrate.q(1, 2)
+    trie = Candidates.from_lists([-1, 0], [7, 8], [0.5, 0.4], [1, 1], [high, low], [1.0, 1.0])
+    for _ in range(20):
+        hitrate.observe(0, trie, [7])  # the high-bin node is accepted, the low-bin one not
+    assert hitrate.q(1, high) > hitrate.q(1, 2) > hitrate.q(1, low)
+    assert reviewed_bucket(np.array([2, 2, 2]), np.array([0.0, 0.05, 0.9])).tolist() == [2 + 64, 2 + 3 * 64,
+                                                                                      2 + 5 * 64]
+
+
+def test_review_arguments_are_checked_with_clear_errors():
+    check_review(False, ("heads",))
+    check_review(True, ("heads", "context"))
+    for bad in (0.01, 1, "yes", None):
+        with pytest.raises(ValueError, match="expected True"):
+            check_review(bad, ("heads", "context"))
+    with pytest.raises(ValueError, match="must include 'heads' and at least one of context, store, stats"):
+        check_review(True, ("heads",))
+    with pytest.raises(ValueError, match="must include 'heads'"):
+        check_review(True, ("context",))
+    model = tiny_llama(0)
+    heads = random_heads("medusa", model)
+    drafter = build_drafter(("heads", "context"), heads, review=True)
+    assert isinstance(drafter, MergedDrafter) and drafter.review is True
+    assert build_drafter(("heads", "context"), heads).review is False
+    decoder = DraftHeadsModel(model, heads, tree=tree_from_paths([(0,)]))
+    with pytest.raises(ValueError, match="drafts must include 'heads' and at least one"):
+        decoder.use_drafts("heads", review=True)
+
+
+def test_batched_bench_strategies_and_mixed_batches():
+    """--batch-sizes with --drafts: HF, the heads-only adaptive policy and the same policy with
+    lookups (and the reviewed mix); batches mix categories round-robin."""
+    from draftheads.bench import batch_draft_combos, strategy_names
+    from draftheads.prompts import round_robin
+
+    assert batch_draft_combos("all") == [("context", "store", "stats"), ("heads", "context", "store", "stats")]
+    assert batch_draft_combos("heads,context", True) == [("context",), ("heads", "context"),
+                                                         ("heads", "context", "review")]
+    assert batch_draft_combos("heads") == []
+    assert strategy_names([0, 4], True, ["context", "heads+context"]) == ["hf", "adaptive", "adaptive+context",
+                                                                         "adaptive+heads+context"]
+    assert strategy_names([0, 4], True) == ["hf", "fixed:0", "fixed:4", "adaptive", "adaptive:mask"]
+    records = [{"category": c, "prompt": f"{c}{i}"} for c, n in (("a", 3), ("b", 1), ("c", 2)) for i in range(n)]
+    assert [r["prompt"] for r in round_robin(records)] == ["a0", "b0", "c0", "a1", "c1", "a2"]
+    assert np.array_equal(np.array([len(round_robin([]))]), np.array([0]))
+
+
+def test_cli_refuses_review_without_heads_and_lookups(tmp_path, capsys):
+    """--review needs --drafts mixing heads and lookups: one error line before any model loads."""
+    import json
+
+    from draftheads.cli import main
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    for argv in (["bench", "--prompts", str(prompts), "--review", "--base", "/nonexistent"],
+                 ["bench", "--prompts", str(prompts), "--review", "--drafts", "context", "--base", "/nonexistent"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        message = str(exit_info.value.code) + capsys.readouterr().err
+        assert "--review: review=True: the heads review lookup drafts, so drafts must include 'heads'" in message
