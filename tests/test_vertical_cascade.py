@@ -195,3 +195,40 @@ def test_cli_refuses_review_without_heads_and_lookups(tmp_path, capsys):
             main(argv)
         message = str(exit_info.value.code) + capsys.readouterr().err
         assert "--review: review=True: the heads review lookup drafts, so drafts must include 'heads'" in message
+
+
+def test_batched_bench_runs_lookup_strategies_end_to_end(tmp_path, monkeypatch):
+    """``run_batch_bench(..., drafts=..., review=True)`` on a tiny float64 model: the heads-only
+    adaptive policy and the same policy with lookups, the merged and the reviewed mix, all
+    token-identical to HF's batched greedy output, with their gain over the heads-only policy
+    recorded and the figure written."""
+    import json
+
+    import draftheads.decoding.policy as policy
+    import draftheads.prompts as prompts_module
+    from draftheads.bench import run_batch_bench
+    from test_policy import TINY_GRID, tiny_heads
+
+    monkeypatch.setenv("DRAFTHEADS_CACHE", str(tmp_path / "cache"))
+    real_calibrate = policy.calibrate
+    monkeypatch.setattr(policy, "calibrate", lambda model, heads, **kw: real_calibrate(model, heads, TINY_GRID, **kw))
+    # "prompts" are token ids written as text: repetitive, so the context source finds matches
+    monkeypatch.setattr(prompts_module, "chat_input", lambda _tok, text: torch.tensor([[int(t) for t in text.split()]]))
+    model = tiny_llama(0, max_pos=128)
+    decoder = DraftHeadsModel(model, tiny_heads(), tree=tree_from_paths([(0,)]))
+    motifs = [[5, 6, 7], [9, 10, 11, 12], [20, 21], [30, 31, 32, 33, 34]]
+    prompts = [{"prompt": " ".join(map(str, (m * 6)[: 12 + i])), "category": f"c{i % 2}"} for i, m in enumerate(motifs)]
+    payload = run_batch_bench(decoder, prompts, [1, 2], [0, 1, 3], 12, tmp_path / "out", max_batches=2,
+                              drafts=("heads", "context"), review=True, log=lambda *_: None)
+    for bs in ("1", "2"):
+        strategies = payload["results"][bs]["strategies"]
+        assert list(strategies) == ["hf", "adaptive", "adaptive+context", "adaptive+heads+context",
+                                    "adaptive+heads+context+review"]
+        for name, entry in strategies.items():
+            if name != "hf":
+                assert entry["mismatching_rows"] == 0, (bs, name, entry["mismatches"])
+            if name.startswith("adaptive+"):
+                assert entry["vs_adaptive_heads"] > 0 and entry["tau"] > 1.0  # the lookups get accepted
+    assert (tmp_path / "out" / "throughput.png").stat().st_size > 0
+    assert json.loads((tmp_path / "out" / "results.json").read_text())["results"]["2"]["batches"] == 2
+    assert decoder.drafter is None  # the bench leaves the model's own drafter in place
