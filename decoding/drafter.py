@@ -290,12 +290,12 @@ def build_drafter(sources: Sequence[str], heads: DraftHeads | None, store=None, 
     if "heads" in sources and heads is None:
         raise ValueError("drafts include 'heads' but no head checkpoint was loaded: pass heads_path, or draft "
                          "with lookups only (drafts='context,store,stats').")
+    check_review(review, sources)
     lookups = [s for s in sources if s != "heads"]
     if not lookups:
         return HeadsDrafter(heads)
     config = LookupConfig(ContextConfig(eos_token_id=eos_token_id), StoreConfig(eos_token_id=eos_token_id),
                           StatsConfig(eos_token_id=eos_token_id))
-    check_review(review, sources)
     return MergedDrafter(heads if "heads" in sources else None, LookupDrafter(store, config, sources=lookups),
                          WidthChooser(cost if cost is not None else LINEAR_COST),
                          review=review)

@@ -276,7 +276,7 @@ class DraftHeadsModel:
         heads rescore each lookup draft within their depth before it takes a verification slot
         (their probability of its token joins its calibrated hit rate)."""
         sources = parse_drafts(drafts)
-        check_review(review, sources)
+        check_review(review, sources)  # before the store is opened
         store = None
         if "store" in sources or "stats" in sources:
             key = None if lookup_store is None else str(Path(lookup_store).resolve())

@@ -92,16 +92,18 @@ def draft_configs(model, sources: tuple[str, ...], review: bool = False) -> dict
         wanted.append(lookups)
     if len(sources) > 1:
         wanted.append(sources)
-    configs: dict[str, object] = {}
-    own = model.drafter
     if review:
         wanted.insert(len(wanted) - 1, sources + ("review",))
-    for combo in wanted:
-        reviewed = combo[-1] == "review"
-        model.use_drafts(combo[:-1] if reviewed else combo, review=reviewed)
-        configs["+".join(combo)] = model.drafter
-    model.drafter = own
-    return configs
+    with drafting(model, model.drafter):
+        return {"+".join(combo): config_drafter(model, combo) for combo in wanted}
+
+
+def config_drafter(model, combo: tuple[str, ...]):
+    """The drafter of one bench configuration: source names, a trailing "review" for the
+    vertical cascade. Sets ``model.drafter`` (callers restore theirs with :func:`drafting`)."""
+    reviewed = combo[-1] == "review"
+    model.use_drafts(combo[:-1] if reviewed else combo, review=reviewed)
+    return model.drafter
 
 
 @contextmanager
@@ -382,13 +384,9 @@ def run_batch_bench(model, prompts: list[dict], batch_sizes: list[int], budgets:
     policies = {f"fixed:{b}": FixedTree(tree_for_budget(model.heads, b)) for b in budgets}
     policies["adaptive"] = policies["adaptive:mask"] = adaptive
     model.policy = adaptive  # the drafters below size their trees with its cost model
-    drafters: dict[str, object] = {"hf": None}
-    with drafting(model, model.drafter):
-        for combo in batch_draft_combos(drafts, review) if drafts else []:
-            reviewed = combo[-1] == "review"
-            model.use_drafts(combo[:-1] if reviewed else combo, review=reviewed)
-            drafters["adaptive+" + "+".join(combo)] = model.drafter
-    names = strategy_names(budgets, compare_mask and not drafts, [n[len("adaptive+"):] for n in drafters if n != "hf"])
+    with drafting(model, model.drafter):  # configuration name → its drafter
+        drafters = {"+".join(c): config_drafter(model, c) for c in (batch_draft_combos(drafts, review) if drafts else [])}
+    names = strategy_names(budgets, compare_mask and not drafts, list(drafters))
     encoded = [chat_input(tokenizer, p["prompt"])[0].tolist() for p in prompts]
 
     def run(name: str, ids: torch.Tensor, mask: torch.Tensor, new: int):
@@ -396,7 +394,7 @@ def run_batch_bench(model, prompts: list[dict], batch_sizes: list[int], budgets:
             return base.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=pad), None
         model.policy = policies.get(name, adaptive)
         model.finished_rows = "mask" if name.endswith(":mask") else "shrink"
-        with drafting(model, drafters.get(name)):
+        with drafting(model, drafters.get(name.removeprefix("adaptive+"))):  # None: the heads alone
             out = model.generate(ids, attention_mask=mask, max_new_tokens=new, pad_token_id=pad)
         return out, model.last_stats
 

@@ -58,13 +58,18 @@ def load_model(args):
 
     drafts = getattr(args, "draft_sources", None) or ("heads",)
     review = args.review and args.command == "generate"  # the bench compares with and without
+    return DraftHeadsModel.from_pretrained(find_heads(args.heads), base_name_or_path=args.base, dtype=args.dtype,
+                                           tree=args.tree, drafts=drafts, review=review)
+
+
+def check_review_option(review: bool, drafts) -> None:
+    """``--review`` needs ``--drafts`` mixing heads and lookups: one error line, before any model loads."""
+    from .decoding.drafter import check_review
+
     try:
-        return DraftHeadsModel.from_pretrained(find_heads(args.heads), base_name_or_path=args.base, dtype=args.dtype,
-                                               tree=args.tree, drafts=drafts, review=review)
+        check_review(review, drafts or ("heads",))
     except ValueError as err:
-        if "review=" in str(err):
-            raise SystemExit(f"error: --review: {err}") from None
-        raise
+        raise SystemExit(f"error: --review: {err}") from None
 
 
 def identity_status(diff: dict | None, dtype: torch.dtype) -> str:
@@ -84,6 +89,7 @@ def cmd_generate(args) -> int:
     from .decoding.guarantee import first_divergence
     from .streamer import DraftColourStreamer
 
+    check_review_option(args.review, args.draft_sources)
     model = load_model(args)
     ids = chat_input(model.tokenizer, args.prompt)
     if not args.no_baseline:  # warm both paths up (first calls allocate), so the timing compares steady states
@@ -136,13 +142,7 @@ def cmd_bench(args) -> int:
     from .bench import run_batch_bench, run_bench
 
     read_prompts(args.prompts, args.limit)  # a bad prompt file fails before the model loads
-    if args.review:
-        from .decoding.drafter import check_review
-
-        try:
-            check_review(args.review, args.drafts or ("heads",))
-        except ValueError as err:
-            raise SystemExit(f"error: --review: {err}") from None
+    check_review_option(args.review, args.drafts)
     model = load_model(args)
     if args.batch_sizes:
         if min(args.batch_sizes) < 1:

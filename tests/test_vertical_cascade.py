@@ -16,7 +16,8 @@ from draftheads.decoding import DraftHeadsModel, tree_from_paths
 from draftheads.decoding.drafter import (LINEAR_COST, DraftState, MergedDrafter, WidthChooser, build_drafter,
                                          check_review, review)
 from draftheads.decoding.drafters import Candidates, ContextConfig, HitRate, LookupConfig, LookupDrafter
-from draftheads.decoding.drafters.hitrate import REVIEW_EDGES, REVIEW_STRIDE, reviewed_bucket
+from draftheads.decoding.drafters.candidates import BUCKET_STRIDE
+from draftheads.decoding.drafters.hitrate import REVIEW_EDGES, reviewed_bucket
 from draftheads.decoding.tree import chain_tree
 
 PAD = 0
@@ -97,15 +98,15 @@ def test_review_rescores_each_lookup_node_by_the_heads_opinion(family, seed, cha
         n = len(token)
         tries.append(Candidates.from_lists(parent, token, [0.5] * n, [1] * n, [3] * n, [1.0] * n))
     hitrate = HitRate()
-    hitrate.accepted[1, hitrate.key(3 + REVIEW_STRIDE * 5)] = 50.0  # the top bin has been accepted often
-    hitrate.proposed[1, hitrate.key(3 + REVIEW_STRIDE * 5)] = 50.0
+    hitrate.accepted[1, hitrate.key(3 + BUCKET_STRIDE * 5)] = 50.0  # the top bin has been accepted often
+    hitrate.proposed[1, hitrate.key(3 + BUCKET_STRIDE * 5)] = 50.0
     state = DraftState(roots, hidden, list(range(batch)), [32] * batch, 10)
     out = review(heads, state, tries, hitrate)
     for b, (trie, scored) in enumerate(zip(tries, out)):
         assert scored.token.tolist() == trie.token.tolist() and scored.parent.tolist() == trie.parent.tolist()
         bins = reference_bins(heads, hidden, roots, trie, b)
-        assert [int(x) // REVIEW_STRIDE if bin_ is not None else None for x, bin_ in zip(scored.bucket, bins)] == bins
-        assert all(int(x) % REVIEW_STRIDE == 3 for x in scored.bucket)
+        assert [int(x) // BUCKET_STRIDE if bin_ is not None else None for x, bin_ in zip(scored.bucket, bins)] == bins
+        assert all(int(x) % BUCKET_STRIDE == 3 for x in scored.bucket)
         np.testing.assert_allclose(scored.score, hitrate.rescore(scored).score)
 
 
@@ -133,7 +134,7 @@ def test_hit_rates_learn_what_the_review_is_worth():
     """Review bins are separate hit-rate cells with the match length's prior: acceptances seen
     in one bin raise that bin's calibration only."""
     hitrate = HitRate()
-    low, high = 2 + REVIEW_STRIDE * 1, 2 + REVIEW_STRIDE * 5
+    low, high = 2 + BUCKET_STRIDE * 1, 2 + BUCKET_STRIDE * 5
     assert hitrate.q(1, low) == hitrate.q(1, high) == hitrate.q(1, 2)
     trie = Candidates.from_lists([-1, 0], [7, 8], [0.5, 0.4], [1, 1], [high, low], [1.0, 1.0])
     for _ in range(20):
@@ -190,7 +191,8 @@ def test_cli_refuses_review_without_heads_and_lookups(tmp_path, capsys):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "hi"}) + "\n")
     for argv in (["bench", "--prompts", str(prompts), "--review", "--base", "/nonexistent"],
-                 ["bench", "--prompts", str(prompts), "--review", "--drafts", "context", "--base", "/nonexistent"]):
+                 ["bench", "--prompts", str(prompts), "--review", "--drafts", "context", "--base", "/nonexistent"],
+                 ["generate", "--prompt", "hi", "--review", "--base", "/nonexistent"]):
         with pytest.raises(SystemExit) as exit_info:
             main(argv)
         message = str(exit_info.value.code) + capsys.readouterr().err

@@ -40,14 +40,12 @@ def default_q(source: Source, bucket: int) -> float:
 #: assuming it: where the heads know nothing the bins' rates come out alike and the ranking is
 #: unchanged.
 REVIEW_EDGES = (1e-3, 1e-2, 0.1, 0.5)
-#: bucket = match-length bucket + REVIEW_STRIDE × review bin
-REVIEW_STRIDE = BUCKET_STRIDE
 
 
 def reviewed_bucket(bucket: np.ndarray, prob: np.ndarray) -> np.ndarray:
     """(N,) buckets, (N,) the heads' probabilities → the buckets with the review bin folded in."""
     bins = 1 + np.searchsorted(np.asarray(REVIEW_EDGES), np.asarray(prob, dtype=np.float64), side="right")
-    return (np.asarray(bucket) % REVIEW_STRIDE + REVIEW_STRIDE * bins).astype(np.int16)
+    return (np.asarray(bucket) % BUCKET_STRIDE + BUCKET_STRIDE * bins).astype(np.int16)
 
 
 @dataclass(frozen=True)
@@ -72,9 +70,9 @@ class HitRate:
         self.row_accepted: dict[int, int] = {}
 
     def key(self, bucket):
-        """A node's bucket (match length + REVIEW_STRIDE × review bin) → its column."""
+        """A node's bucket (match length + BUCKET_STRIDE × review bin) → its column."""
         bucket = np.asarray(bucket, dtype=np.int64)
-        return (bucket // REVIEW_STRIDE) * (self.config.max_bucket + 1) + np.minimum(bucket % REVIEW_STRIDE,
+        return (bucket // BUCKET_STRIDE) * (self.config.max_bucket + 1) + np.minimum(bucket % BUCKET_STRIDE,
                                                                                        self.config.max_bucket)
 
     def q(self, source: int, bucket: int) -> float:
@@ -104,13 +102,14 @@ class HitRate:
         accepted this step, root-side first (the bonus token excluded). Returns how many of
         the proposed nodes lie on the accepted path."""
         accepted = np.zeros(len(proposed), dtype=bool)
+        keys = self.key(proposed.bucket).tolist()
         hits = 0
         for i in range(len(proposed)):
             p = int(proposed.parent[i])
             if p >= 0 and not accepted[p]:
                 continue  # not eligible: its parent was rejected
             d = int(proposed.depth[i])
-            s, b = int(proposed.source[i]), int(self.key(int(proposed.bucket[i])))
+            s, b = int(proposed.source[i]), keys[i]
             self.proposed[s, b] += float(proposed.share[i])
             if d <= len(accepted_tokens) and int(proposed.token[i]) == int(accepted_tokens[d - 1]):
                 accepted[i] = True
