@@ -21,7 +21,9 @@ from pathlib import Path
 
 import torch
 
-from ..heads.linear import PackedWeight, can_pack, packed_linears, packed_matmul
+from ..heads.hardware import cpu_key, native_cpu_dtypes
+from ..heads.linear import PLAN, PackedWeight, can_pack, measure_shape, packed_linears, packed_matmul, packs
+from ..heads.linear import shape_key, valid_timings
 from ..heads.linear import use_packed_linears as wrap_linears
 from .attention import PACK_FLAG, PACKED_SDPA
 from .limits import DTYPES, DtypeError, check_base_path, parse_dtype
@@ -39,34 +41,15 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-@functools.lru_cache(maxsize=1)
-def _cpu_flags() -> frozenset[str]:
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as handle:
-            for line in handle:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
-def cpu_has_bf16() -> bool:
-    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX); elsewhere bf16
-    matmuls are emulated and slower than fp32."""
-    return bool({"avx512_bf16", "amx_bf16"} & _cpu_flags())
-
-
 def native_half_dtypes(device: torch.device | str) -> set[torch.dtype]:
     """The 16-bit float dtypes ``device`` computes natively (fast); the others it emulates
-    (CPU: slow but exact to the dtype) or cannot run at all (old GPUs and bf16)."""
+    (CPU: slow but exact to the dtype) or cannot run at all (old GPUs and bf16). A CPU's answer
+    comes from torch/oneDNN (:mod:`draftheads.heads.hardware`), so ISA limits are honoured."""
     device = torch.device(device)
     if device.type == "cuda":
         return {torch.float16} | ({torch.bfloat16} if torch.cuda.is_bf16_supported() else set())
     if device.type == "cpu":
-        flags = _cpu_flags()
-        return ({torch.bfloat16} if cpu_has_bf16() else set()) | (
-            {torch.float16} if {"avx512_fp16", "amx_fp16"} & flags else set())
+        return native_cpu_dtypes() - {torch.float32}
     return {torch.float16}
 
 
@@ -346,7 +329,68 @@ def use_packed_linears(model) -> bool:
         return False
     wrap_linears(model.model)
     _PACKED_BASES[model] = PackedWeight()
+    plan_packing([lm_head_weight(model)] + [p for p in model.model.parameters() if p.dim() == 2])
     return True
+
+
+def packing_cache_path() -> Path:
+    """This machine's packing measurements (keyed by :func:`~draftheads.heads.hardware.cpu_key`)."""
+    digest = hashlib.sha256(json.dumps(cpu_key(), sort_keys=True).encode()).hexdigest()[:16]
+    return cache_root() / "packing" / f"{digest}.json"
+
+
+def read_packing_cache(path: Path) -> dict:
+    """The measured shapes cached at ``path``, each entry checked; an unreadable file or entry is
+    dropped with one warning naming the file (and measured again), never trusted."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(data, dict) or data.get("key") != json.loads(json.dumps(cpu_key())) \
+                or not isinstance(data.get("shapes"), dict):
+            raise ValueError("not a packing cache of this machine")
+    except (OSError, ValueError, UnicodeDecodeError) as err:
+        warnings.warn(f"Ignoring the packing cache {path} ({err}); measuring again.", UserWarning, stacklevel=3)
+        return {}
+    good = {k: v for k, v in data["shapes"].items() if isinstance(k, str) and valid_timings(v)}
+    if len(good) != len(data["shapes"]):
+        warnings.warn(f"Ignoring {len(data['shapes']) - len(good)} malformed entries of the packing cache {path}; "
+                      "measuring them again.", UserWarning, stacklevel=3)
+    return good
+
+
+def plan_packing(weights) -> None:
+    """Decide, for every shape among ``weights`` that packs here, at which row counts the packed
+    path is faster (:class:`~draftheads.heads.linear.PackingPlan`): from this machine's cache,
+    else measured now (~0.1 s a shape, ~2 s for a 49k-row LM head) and cached. An unwritable
+    cache keeps the measurement in memory, with a warning."""
+    path = packing_cache_path()
+    if not PLAN.timings:
+        for key, entry in read_packing_cache(path).items():
+            PLAN.add(key, entry)
+    missing = PLAN.missing(weights)
+    if not missing:
+        return
+    for dtype, out_features, in_features in missing:
+        PLAN.add(shape_key(dtype, out_features, in_features), measure_shape(dtype, out_features, in_features))
+    try:
+        write_json_atomic(path, {"key": cpu_key(), "shapes": PLAN.timings})
+    except OSError as err:
+        warnings.warn(f"Cannot write the packing cache {path} ({err}); the measurement is kept for this process only "
+                      "(set DRAFTHEADS_CACHE to a writable folder).", UserWarning, stacklevel=3)
+
+
+def write_json_atomic(path: Path, data) -> None:
+    """Write JSON to ``path`` through a temporary file and a rename: a reader never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            json.dump(data, handle, indent=1)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def _packing(model):
@@ -359,7 +403,8 @@ def lm_logits(model, states: torch.Tensor) -> torch.Tensor:
     the packed copy when the base was prepared by :func:`use_packed_linears`."""
     packed = _PACKED_BASES.get(model)
     weight = lm_head_weight(model)
-    if packed is not None and states.dtype == weight.dtype and getattr(model.get_output_embeddings(), "bias", None) is None:
+    if (packed is not None and states.dtype == weight.dtype and packs(weight, states.numel() // states.shape[-1])
+            and getattr(model.get_output_embeddings(), "bias", None) is None):
         return packed_matmul(states, weight, packed)
     return model.get_output_embeddings()(states)
 

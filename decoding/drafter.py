@@ -16,6 +16,7 @@ it, so the acceptance rules and their proof in :mod:`.accept` hold for merged tr
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
@@ -100,6 +101,13 @@ class TableCost:
             ms.append(best)
         return cls(tuple(reversed(nodes)), tuple(reversed(ms)))
 
+    @classmethod
+    def from_cost_model(cls, cost, ctx: int) -> "TableCost":
+        """A calibrated cost model's bs-1 step times at ``ctx`` at every node count it measured
+        (forward + the loop's overhead), as a table priced by query tokens."""
+        nodes = sorted({int(r["q"]) for r in cost.forward.rows() if int(r["bs"]) == 1})
+        return cls.from_ranked([{"nodes": n, "step_ms": cost.step_ms(1, n, ctx)} for n in nodes])
+
     def step_ms(self, bs: int, nodes: int, ctx: int, budget: int = 0) -> float:
         from .policy import interp1
 
@@ -129,6 +137,11 @@ class WidthChooser:
             gain += np.pad(cum, (0, widest - len(cum)), mode="edge")
         rate = [(batch + gain[w - 1]) / self.cost.step_ms(batch, w, ctx) for w in range(1, widest + 1)]
         return 1 + int(np.argmax(rate))
+
+
+def moving_average(previous: float | None, value: float, weight: float = 0.2) -> float:
+    """An exponential moving average (the first value starts it)."""
+    return value if previous is None else (1.0 - weight) * previous + weight * value
 
 
 def head_trie(tree: Tree, tokens: Sequence[int], probs: Sequence[float]) -> Candidates:
@@ -210,6 +223,17 @@ class MergedDrafter:
     review: bool = False
     _seen: dict[int, int] = field(default_factory=dict)
     _proposed: list[Candidates] = field(default_factory=list)
+    #: what the heads' proposal has been worth: ms per call and expected accepted drafts of
+    #: their own trie (Σ of its node scores), both moving averages (see :meth:`_heads_pay`)
+    _heads_ms: float | None = None
+    _heads_gain: float | None = None
+    #: steps this drafter proposed with and without the heads (reports and tests)
+    heads_steps: int = 0
+    skipped_heads_steps: int = 0
+    #: after this many skipped steps in a row the heads propose again, so their cost and worth
+    #: are measured afresh (a slow first call, or text that changed, never rules them out for good)
+    recheck_heads_every: int = 8
+    _skipped_in_a_row: int = 0
 
     def start(self, prompts: Sequence[Sequence[int]]) -> None:
         self.lookup.rows.clear()
@@ -220,10 +244,6 @@ class MergedDrafter:
 
     def propose(self, state: DraftState, tree: Tree) -> Drafts:
         tree = tree.fitting(min(state.room))
-        head_tokens = head_probs = None
-        if self.heads is not None and tree.num_nodes > 1:
-            tokens, probs = self.heads.propose(state.hidden, state.roots, tree.spec, with_probs=True)
-            head_tokens, head_probs = tokens.tolist(), probs.tolist()
         budget = tree.num_nodes - 1 + self.lookup_nodes
         lookups = []
         for row in state.rows:
@@ -235,16 +255,46 @@ class MergedDrafter:
         if self.review and self.heads is not None:
             lookups = [[trie] for trie in review(self.heads, state, [merge(parts, self.lookup_nodes) for parts in lookups],
                                                  self.lookup.hitrate)]
-        tries = []
-        for b, parts in enumerate(lookups):
-            if head_tokens is not None:
-                parts = parts + [self.lookup.hitrate.rescore(head_trie(tree, head_tokens[b], head_probs[b]))]
-            tries.append(cap_depth(merge(parts, budget), state.room[b]))
+        tries = [cap_depth(merge(parts, budget), room) for parts, room in zip(lookups, state.room)]
+        if self.heads is not None and tree.num_nodes > 1 and self._heads_pay(tries, state.context_length):
+            started = time.perf_counter()
+            tokens, probs = self.heads.propose(state.hidden, state.roots, tree.spec, with_probs=True)
+            head_tokens, head_probs = tokens.tolist(), probs.tolist()
+            heads = [self.lookup.hitrate.rescore(head_trie(tree, head_tokens[b], head_probs[b]))
+                     for b in range(len(tries))]
+            self._heads_ms = moving_average(self._heads_ms, (time.perf_counter() - started) * 1e3)
+            self._heads_gain = moving_average(self._heads_gain, float(np.mean([h.score.sum() for h in heads])))
+            tries = [cap_depth(merge(list(parts) + [h], budget), room)
+                     for parts, h, room in zip(lookups, heads, state.room)]
+            self.heads_steps += 1
+            self._skipped_in_a_row = 0
+        elif self.heads is not None and tree.num_nodes > 1:
+            self.skipped_heads_steps += 1
+            self._skipped_in_a_row += 1
         width = self.width.choose([t.score for t in tries], state.context_length)
         # best-first order: the first width−1 nodes of each trie are a prefix-closed tree
         self._proposed = [t if len(t) < width else t.subset(range(width - 1)) for t in tries]
         return Drafts.from_rows(state.roots, [t.parent.tolist() for t in self._proposed],
                                 [t.token.tolist() for t in self._proposed])
+
+    def _heads_pay(self, tries: Sequence[Candidates], ctx: int) -> bool:
+        """Whether the heads' proposal is worth its time this step, given the lookups' tries.
+
+        The heads draft below the root only, so where a lookup's first token is accepted with
+        probability s₁ their tree adds accepted tokens only in the other 1 − s₁ of cases: at most
+        G = Σ_rows (1 − s₁) · g, g the heads' own expected accepted drafts (their trie's Σ score,
+        averaged). Proposing costs p ms on a step of t ms that yields T expected tokens from the
+        lookups (the width chooser's step), so it pays when (T + G) / (t + p) > T / t, i.e.
+        G / T > p / t. Until both are measured (the first proposals), and again after
+        ``recheck_heads_every`` skipped steps, the heads propose."""
+        if (self._heads_ms is None or self._heads_gain is None or self.width.cost is LINEAR_COST
+                or self._skipped_in_a_row >= self.recheck_heads_every):
+            return True  # LINEAR_COST is relative, not ms: no step time to weigh the heads' ms against
+        first = [float(t.score[t.depth == 1].max()) if len(t) else 0.0 for t in tries]
+        width = self.width.choose([t.score for t in tries], ctx)
+        expected = sum(1.0 + float(t.score[: width - 1].sum()) for t in tries)
+        gain = sum(1.0 - s for s in first) * self._heads_gain
+        return gain * self.width.cost.step_ms(len(tries), width, ctx) > self._heads_ms * expected
 
     def observe(self, drafts: Drafts, result: Acceptance, rows: Sequence[int]) -> None:
         """Each row's accepted drafts calibrate the hit rates of the sources that proposed them."""

@@ -17,17 +17,28 @@ import torch
 
 from ..heads import DraftHeads, load_heads
 from .attention import use_packed_sdpa
-from .base import cpu_has_bf16, dtype_name, fingerprint, lm_logits, load_base, prefill, use_packed_linears
+from ..heads.hardware import bf16_native
+from .base import dtype_name, fingerprint, lm_logits, load_base, plan_packing, prefill, use_packed_linears
 from .cache import KVState
 from .context import HeadContext
 from .limits import check_base_path, check_input_tensors, parse_dtype, parse_tree_option, warn_context_cut
 from .accept import Acceptor, Typical, resolve_acceptance
 from .processors import check_sampling_config
-from .policy import AdaptivePolicy, CalibrationConfig, calibrate
+from .policy import AdaptivePolicy, CalibrationConfig, best_budget, calibrate
 from .output import Emitter, generated_counts
 from .drafter import STORE_NAME, Drafter, DraftState, HeadsDrafter, TableCost, build_drafter, check_review, parse_drafts
 from .step import PhaseTimer, decode_step
 from .tree import Tree, chain_tree, tree_from_paths
+
+
+#: the quick calibration behind the defaults (:meth:`DraftHeadsModel.calibrate_defaults`):
+#: batch size 1 at one context, the stored trees' sizes and the merged drafter's widths
+QUICK_CONTEXT = 256
+QUICK_CALIBRATION = CalibrationConfig(batch_sizes=(1,), contexts=(QUICK_CONTEXT,), reps=3,
+                                      extra_nodes=(3, 5, 9, 17, 33))
+#: the share of the checkpoint's expected drafted tokens that open-ended prompts reach (its τ
+#: is measured on held-out self-distilled text; on MT-Bench the accepted part measured 0.66-0.88)
+DEFAULT_TAU_SCALE = 0.75
 
 
 class TreePolicy(Protocol):
@@ -217,11 +228,16 @@ class DraftHeadsModel:
             heads.draft_dtype = drafting_dtype(base)
             if packed_linears:
                 heads.use_packed_readout()
+                plan_packing([heads.draft_weight(heads.draft_dtype)] + [p for p in heads.parameters() if p.dim() == 2])
         if tree is None:
             tree = default_tree(heads, base.dtype)
         self.policy: TreePolicy = as_policy(tree)
         #: who fills the trees; None: the heads alone (:class:`~.drafter.HeadsDrafter` over ``self.heads``)
         self.drafter: Drafter | None = None
+        #: the sources ``drafter`` merges (("heads",) for the heads alone), named in reports
+        self.draft_sources: tuple[str, ...] = ("heads",) if heads is not None else ()
+        #: this machine's bs-1 step times (:meth:`calibrate_defaults`); None: not measured
+        self.step_table: TableCost | None = None
         self._stores: dict = {}  # lookup_store argument → the opened (read-only, mapped) store
         self.last_stats = DecodingStats()
 
@@ -230,21 +246,25 @@ class DraftHeadsModel:
     def from_pretrained(cls, heads_path: str | Path | None = None, base=None, tokenizer=None,
                         base_name_or_path: str | None = None, dtype: torch.dtype | str | None = "auto", tree=None,
                         packed_attention: bool = True, packed_linears: bool = True,
-                        drafts: str | Sequence[str] = "heads", lookup_store: str | Path | None = None,
+                        drafts: str | Sequence[str] = "auto", lookup_store: str | Path | None = None,
                         review: bool = False, **hub_kwargs) -> "DraftHeadsModel":
         """Load heads from a local checkpoint directory or a Hub id (``hub_kwargs``: ``revision``,
         ``cache_dir``, ``token``, ``local_files_only``; ``HF_HUB_OFFLINE=1`` reads the cache only)
         and the base they were made for (default: the embedded SmolLM2), in ``dtype``:
         ``"auto"`` (default) is the base's native dtype where the hardware computes it natively
         (bf16 on CPUs with AVX512-BF16/AMX and on GPUs), else float32; an explicit dtype wins.
-        The heads are cast to the base's dtype. ``drafts``: who fills the trees — "heads"
-        (default), or any comma-separated mix of heads, context, store, stats (see
+        The heads are cast to the base's dtype. ``drafts``: who fills the trees — "auto"
+        (default: the heads and every lookup source there is data for, see :func:`auto_drafts`),
+        "heads" (the heads alone), or any comma-separated mix of heads, context, store, stats (see
         :meth:`use_drafts`); ``lookup_store``: the model store for "store"/"stats" (default: the
         one shipped beside the heads); ``review``: the heads review lookup drafts (see
-        :meth:`use_drafts`)."""
+        :meth:`use_drafts`). ``tree=None`` (default): the stored tree this machine's quick
+        calibration prices best (:meth:`calibrate_defaults`; seconds, once per machine, cached)."""
         tree = parse_tree_option(tree)  # every argument is checked before anything loads
-        sources = parse_drafts(drafts)
-        check_review(review, sources)
+        auto = isinstance(drafts, str) and drafts.strip().lower() == "auto"
+        sources = None if auto else parse_drafts(drafts)
+        if sources is not None:
+            check_review(review, sources)
         if base is None:
             check_base_path(base_name_or_path)
             parse_dtype(dtype)
@@ -261,9 +281,26 @@ class DraftHeadsModel:
             heads.use_packed_readout()  # the calibration drafts as the loop will
         model = cls(base, heads, tokenizer, resolve_tree(tree, base, heads), packed_attention=packed_attention,
                     packed_linears=packed_linears)
-        if sources != ("heads",):
-            model.use_drafts(sources, lookup_store, review)
+        if tree is None:
+            model.calibrate_defaults()
+        if auto:
+            sources = auto_drafts(heads, lookup_store)
+            check_review(review, sources)
+        model.use_drafts(sources, lookup_store, review)
         return model
+
+    def calibrate_defaults(self, config: CalibrationConfig | None = None) -> None:
+        """Price this machine's step (a quick bs-1 calibration of the verify forward, the loop's
+        overhead and the heads' drafting: seconds, once per machine/dtype/torch, cached) and
+        take the stored tree it ranks best (step time × the checkpoint's expected τ, its drafted
+        part scaled by ``DEFAULT_TAU_SCALE``) as the default, and the same table as the merged
+        drafter's width model. Without heads, or with stored trees lacking an expected τ, the
+        checkpoint's stored default stays."""
+        cost = calibrate(self.base, self.heads, config or QUICK_CALIBRATION)
+        self.step_table = TableCost.from_cost_model(cost, QUICK_CONTEXT)
+        if self.heads is not None and self.heads.config.trees and self.heads.config.expected_tau:
+            budget = best_budget(self.heads, cost, 1, QUICK_CONTEXT, DEFAULT_TAU_SCALE)[0].budget
+            self.policy = FixedTree(tree_for_budget(self.heads, budget))
 
     def use_drafts(self, drafts: str | Sequence[str], lookup_store: str | Path | None = None,
                    review: bool = False) -> None:
@@ -277,6 +314,7 @@ class DraftHeadsModel:
         (their probability of its token joins its calibrated hit rate)."""
         sources = parse_drafts(drafts)
         check_review(review, sources)  # before the store is opened
+        self.draft_sources = sources
         store = None
         if "store" in sources or "stats" in sources:
             key = None if lookup_store is None else str(Path(lookup_store).resolve())
@@ -288,9 +326,12 @@ class DraftHeadsModel:
 
     def step_cost(self):
         """The step-time model the merged drafter sizes trees with: the adaptive policy's
-        calibration, else the checkpoint's stored bs-1 table for this dtype, else a linear guess."""
+        calibration, else this machine's quick calibration (:meth:`calibrate_defaults`), else the
+        checkpoint's stored bs-1 table for this dtype (measured elsewhere), else a linear guess."""
         if isinstance(self.policy, AdaptivePolicy):
             return self.policy.cost
+        if self.step_table is not None:
+            return self.step_table
         by_dtype = self.heads.config.default_budget_by_dtype if self.heads is not None else {}
         ranked = by_dtype.get(dtype_name(self.base.dtype), {}).get("ranked")
         return TableCost.from_ranked(ranked) if ranked else None
@@ -421,6 +462,16 @@ def open_store(path: str | Path | None, heads: DraftHeads | None, tokenizer):
     return ModelStore.open(path, expect=tokenizer_identity(tokenizer) if tokenizer is not None else None)
 
 
+def auto_drafts(heads: DraftHeads | None, lookup_store: str | Path | None = None) -> tuple[str, ...]:
+    """``drafts="auto"``: the heads (when loaded), the context, and the store and its bigram
+    statistics when there is a store (``lookup_store``, or one shipped beside the heads).
+    Measured faster than the heads alone on every Spec-Bench category (README, Figures): the
+    merged tree spends each step's slots on whichever source is likelier to be accepted."""
+    has_store = lookup_store is not None or (
+        getattr(heads, "source_dir", None) is not None and (Path(heads.source_dir) / STORE_NAME).is_file())
+    return (("heads",) if heads is not None else ()) + ("context",) + (("store", "stats") if has_store else ())
+
+
 def _rooms(out: Emitter, live: torch.Tensor) -> list[int]:
     """Each live row's deepest usable draft (tokens it may still emit − 1); a finished row kept
     in the batch (``finished_rows="mask"``) gets the live rows' smallest, so it never shrinks
@@ -437,7 +488,7 @@ def drafting_dtype(base) -> torch.dtype | None:
     rows × 8,192 tokens, one thread). Drafts only propose: verification stays in the base's
     dtype, so outputs do not change. Other dtypes/devices draft in the base's dtype."""
     param = next(base.parameters())
-    if param.dtype == torch.float32 and param.device.type == "cpu" and cpu_has_bf16():
+    if param.dtype == torch.float32 and param.device.type == "cpu" and bf16_native():
         return torch.bfloat16
     return None
 

@@ -28,6 +28,7 @@ from typing import Iterable, Sequence
 
 import torch
 
+from ..heads.hardware import cpu_model, isa_limits
 from .accept import greedy_tokens
 from .base import cache_root, fingerprint, lm_logits, tree_attention_mask, verify
 from .tree import Tree, chain_tree, tree_from_paths
@@ -149,31 +150,23 @@ class CalibrationConfig:
     max_tokens: int = 160
     reps: int = 4
     tree_nodes: bool = True
+    #: node counts measured besides the stored trees' (the merged drafter's wider trees)
+    extra_nodes: tuple[int, ...] = ()
 
     def grid_nodes(self, heads=None) -> list[int]:
         """The query-token counts to measure for these heads."""
         stored = getattr(getattr(heads, "config", None), "trees", None)
         if self.tree_nodes and stored:
-            return sorted({1, 2} | {int(b) + 1 for b in stored})
-        return sorted(set(self.nodes))
+            return sorted({1, 2} | {int(b) + 1 for b in stored} | set(self.extra_nodes))
+        return sorted(set(self.nodes) | set(self.extra_nodes))
 
 
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"{platform.machine()} {cpu_model()} ({torch.get_num_threads()} threads)".strip()
-
-
-def cpu_model() -> str:
-    """The CPU's model name (a calibration from another CPU model is never reused)."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as handle:
-            for line in handle:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "cpu"
+    limits = ", ".join(f"{k}={v}" for k, v in isa_limits().items())
+    return (f"{platform.machine()} {cpu_model()} ({torch.backends.cpu.get_cpu_capability()}"
+            f"{', ' + limits if limits else ''}, {torch.get_num_threads()} threads)").strip()
 
 
 def calibration_key(model, heads=None) -> dict:

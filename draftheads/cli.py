@@ -56,7 +56,7 @@ def count_argument(minimum: int = 1):
 def load_model(args):
     from .decoding import DraftHeadsModel
 
-    drafts = getattr(args, "draft_sources", None) or ("heads",)
+    drafts = getattr(args, "draft_sources", None) or "auto"
     review = args.review and args.command == "generate"  # the bench compares with and without
     return DraftHeadsModel.from_pretrained(find_heads(args.heads), base_name_or_path=args.base, dtype=args.dtype,
                                            tree=args.tree, drafts=drafts, review=review)
@@ -111,7 +111,20 @@ def cmd_generate(args) -> int:
         print(f"[plain HF generate, same dtype] {base_new} tokens in {base_seconds:.2f}s = "
               f"{base_new / base_seconds:.1f} tok/s; speedup {(new / seconds) / (base_new / base_seconds):.2f}x; "
               f"{status}", file=sys.stderr)
+    print(f"[drafting] {drafting_line(model)}", file=sys.stderr)
     return 0
+
+
+def drafting_line(model) -> str:
+    """What filled the trees, in words: the sources, the tree, and how often the heads proposed."""
+    sources = " + ".join(model.draft_sources) or "none (plain decoding)"
+    tree = model.policy.tree.num_nodes if hasattr(model.policy, "tree") else "adaptive"
+    line = f"{sources}; heads' tree {tree} nodes"
+    drafter = model.drafter
+    if getattr(drafter, "heads", None) is not None and hasattr(drafter, "skipped_heads_steps"):
+        line += (f"; the heads proposed on {drafter.heads_steps} of "
+                 f"{drafter.heads_steps + drafter.skipped_heads_steps} steps (skipped where a lookup match carried the step)")
+    return line + " (--drafts heads: the heads alone)"
 
 
 def int_list(value: str, minimum: int = 0) -> list[int]:
@@ -233,7 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-baseline", action="store_true", help="skip the plain-generate comparison")
     gen.add_argument("--drafts", dest="draft_sources", type=drafts_argument, default=None,
                      help="who fills the trees: a comma-separated subset of heads,context,store,stats (or 'all'; "
-                          "default: heads): the heads and lookups merge into one tree per step")
+                          "default: the heads and every lookup source there is data for): the heads and lookups "
+                          "merge into one tree per step")
     gen.set_defaults(func=cmd_generate)
     bench = sub.add_parser("bench", parents=[common], help="HF generate vs draftheads on a prompt file")
     bench.add_argument("--prompts", required=True, nargs="+",
@@ -272,10 +286,19 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("recipe", help="recipes/<name>.yaml")
     train.add_argument("overrides", nargs=argparse.REMAINDER, help="--key value recipe overrides, e.g. --train.lr 5e-4")
     train.set_defaults(func=cmd_train)
+    env = sub.add_parser("env", help="what to paste into a bug report: versions, CPU capability, dtypes, packing, caches")
+    env.add_argument("--json", action="store_true", help="print JSON")
+    env.set_defaults(func=cmd_env)
     from .checkpoint_cli import add_commands  # export, import-medusa, card, push
 
     add_commands(sub)
     return parser
+
+
+def cmd_env(args) -> int:
+    from .environment import main as env_main
+
+    return env_main(as_json=args.json)
 
 
 def cmd_train(args) -> int:

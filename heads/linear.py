@@ -1,12 +1,19 @@
 """Prepacked linear layers for CPU inference (oneDNN), used by the decoder's own forwards only.
 
 Why: on a CPU, ``F.linear`` re-lays out the weight for oneDNN (bfloat16) or runs MKL's sgemm
-(float32, slow for 2-8 rows) on every call. Packing each weight once into oneDNN's blocked
+(float32, slow for 2-32 rows) on every call. Packing each weight once into oneDNN's blocked
 layout and calling its linear primitive directly measured 1.5-2× faster for bfloat16 at every
 row count (the 49,152 × 576 LM head: 8.4 vs 17.5 ms for 1 row, one thread) and 1.7-3× for
-float32 at 4-9 rows. bfloat16 results are bit-identical to ``F.linear`` (same accumulation);
-float32 results differ by float32 rounding (~1e-5 on SmolLM2's logits), which the float32
-guarantee (identical, or a first divergence at a near-tie) allows.
+float32 at 4-9 rows (AVX512 and AVX2 alike). bfloat16 results are bit-identical to ``F.linear``
+(same accumulation); float32 results differ by float32 rounding (~1e-5 on SmolLM2's logits),
+which the float32 guarantee (identical, or a first divergence at a near-tie) allows.
+
+Where packing pays is a property of the machine, the dtype, the weight's shape and the row
+count (on an AVX2 CPU a 1-row product can be faster through MKL), so it is decided **per
+dtype** from what torch and oneDNN report (:func:`packing_available`: a limited ISA, e.g.
+``ONEDNN_MAX_CPU_ISA=AVX2``, is honoured) and **per shape and row count by measurement**
+(:class:`PackingPlan`: a few timings per weight shape at load, cached per machine by the
+decoder). Unmeasured shapes take the packed path wherever the dtype packs.
 
 The packed path is only taken inside :func:`packed_linears` (the decoder's prefill and verify
 forwards): the same module, called by the base's own ``generate``, computes exactly the
@@ -17,34 +24,152 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import math
+import time
 from contextlib import contextmanager
-from typing import Iterator
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator
 
 import torch
 from torch import nn
 
+from .hardware import bf16_native
+
 _ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("draftheads_packed_linears", default=False)
 PACKED_DTYPES = (torch.bfloat16, torch.float32)
+#: the row counts at which a shape's two paths are timed: powers of two, so a call's rows fall
+#: in the bucket of the largest one not above them (verification: bs × tree nodes, 1 to ~128)
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
-@functools.lru_cache(maxsize=1)
-def packing_available() -> bool:
-    """Whether this torch build has oneDNN's packed linear for both dtypes, checked for exact
-    agreement with ``F.linear`` in bfloat16 (otherwise nothing is packed)."""
-    if not torch.backends.mkldnn.is_available():
+@functools.lru_cache(maxsize=None)
+def packing_available(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's packed linear runs here for ``dtype`` and agrees with ``F.linear``
+    (bit-exact for bfloat16, within float32 rounding for float32). Per dtype: float32 packing
+    never depends on bfloat16's (on AVX2 oneDNN refuses bf16 packing but packs float32), and
+    bfloat16 packs only where it is native (:func:`bf16_native`)."""
+    if dtype not in PACKED_DTYPES or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16 and not bf16_native():
         return False
     try:
-        weight = torch.randn(24, 16).to(torch.bfloat16)
-        x = torch.randn(3, 16).to(torch.bfloat16)
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 8)
-        return torch.equal(torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
-                           nn.functional.linear(x, weight))
+        generator = torch.Generator().manual_seed(0)
+        weight = torch.randn(24, 16, generator=generator).to(dtype)
+        x = torch.randn(3, 16, generator=generator).to(dtype)
+        packed = torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(weight, 8), None,
+                                                    "none", [], "")
+        reference = nn.functional.linear(x, weight)
     except (RuntimeError, AttributeError, NotImplementedError):
         return False
+    if dtype == torch.bfloat16:
+        return torch.equal(packed, reference)
+    return torch.allclose(packed, reference, rtol=1e-4, atol=1e-5)
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    return weight.device.type == "cpu" and weight.dtype in PACKED_DTYPES and weight.dim() == 2 and packing_available()
+    """Whether ``weight`` (out, in) can take the packed path at all (CPU, a dtype that packs here)."""
+    return weight.device.type == "cpu" and weight.dim() == 2 and packing_available(weight.dtype)
+
+
+# -- where packing pays: measured per shape and row count ----------------------------------------
+ShapeKey = str  # "float32 1728x576": dtype, out × in features
+
+
+def shape_key(dtype: torch.dtype, out_features: int, in_features: int) -> ShapeKey:
+    return f"{str(dtype).removeprefix('torch.')} {out_features}x{in_features}"
+
+
+def row_bucket(rows: int) -> int:
+    """The index in :data:`ROW_BUCKETS` of the largest bucket not above ``rows``."""
+    return min(len(ROW_BUCKETS) - 1, max(0, int(rows).bit_length() - 1))
+
+
+def _best_ms(fn, reps: int) -> float:
+    """Best-of-``reps`` milliseconds per call; each timing repeats the call until it spans ~2 ms
+    (a 1-row product of a small weight takes microseconds)."""
+    start = time.perf_counter()
+    fn()  # warm-up: first calls allocate
+    calls = max(1, min(200, int(2e-3 / max(time.perf_counter() - start, 1e-6))))
+    best = math.inf
+    for _ in range(reps):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best * 1e3
+
+
+def measure_shape(dtype: torch.dtype, out_features: int, in_features: int, reps: int = 3) -> dict[str, list[float]]:
+    """ms per call of ``F.linear`` and of the packed product for a random weight of this shape
+    at every row count of :data:`ROW_BUCKETS`, interleaved (one noisy spell hits both alike)."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, 8)
+    linear_ms, packed_ms = [], []
+    with torch.no_grad():
+        for rows in ROW_BUCKETS:
+            x = torch.randn(rows, in_features, generator=generator).to(dtype)
+            linear_ms.append(round(_best_ms(lambda: nn.functional.linear(x, weight), reps), 4))
+            packed_ms.append(round(_best_ms(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
+                                            reps), 4))
+    return {"linear_ms": linear_ms, "packed_ms": packed_ms}
+
+
+def valid_timings(entry) -> bool:
+    """A measured shape as :func:`measure_shape` writes it: two lists of positive finite ms,
+    one per row bucket (a cached entry is checked with this before it is used)."""
+    return (isinstance(entry, dict) and all(
+        isinstance(entry.get(name), list) and len(entry[name]) == len(ROW_BUCKETS)
+        and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+                for v in entry[name]) for name in ("linear_ms", "packed_ms")))
+
+
+#: packing is the measured-faster path almost everywhere; it is turned off for a (shape, rows)
+#: point only where it measured more than this much slower (timing noise only adds time)
+PACK_TOLERANCE = 1.1
+
+
+def packed_wins(entry: dict[str, list[float]]) -> tuple[bool, ...]:
+    """Per row bucket of a measured shape: whether the packed path is taken."""
+    return tuple(p <= f * PACK_TOLERANCE for p, f in zip(entry["packed_ms"], entry["linear_ms"]))
+
+
+@dataclass
+class PackingPlan:
+    """Per weight shape and dtype, the measured ms of both paths per row bucket; the packed path
+    is taken where it measured faster. Shapes never measured pack wherever the dtype packs."""
+
+    timings: dict[ShapeKey, dict[str, list[float]]] = field(default_factory=dict)
+    _verdicts: dict[ShapeKey, tuple[bool, ...]] = field(default_factory=dict, repr=False)
+
+    def pays(self, weight: torch.Tensor, rows: int) -> bool:
+        key = shape_key(weight.dtype, weight.shape[0], weight.shape[1])
+        verdict = self._verdicts.get(key)
+        if verdict is None:
+            entry = self.timings.get(key)
+            if entry is None:
+                return True
+            verdict = self._verdicts[key] = packed_wins(entry)
+        return verdict[row_bucket(rows)]
+
+    def missing(self, weights: Iterable[torch.Tensor]) -> list[tuple[torch.dtype, int, int]]:
+        """The (dtype, out, in) shapes among ``weights`` that pack here but were not measured yet."""
+        shapes = {(w.dtype, int(w.shape[0]), int(w.shape[1])) for w in weights if can_pack(w)}
+        return sorted((s for s in shapes if shape_key(*s) not in self.timings), key=str)
+
+    def add(self, key: ShapeKey, entry: dict[str, list[float]]) -> None:
+        self.timings[key] = entry
+        self._verdicts.pop(key, None)
+
+
+#: the process's plan (the decoder fills it at load, from its per-machine cache or by measuring)
+PLAN = PackingPlan()
+
+
+def packs(weight: torch.Tensor, rows: int) -> bool:
+    """Whether a product of ``rows`` rows with ``weight`` takes the packed path: the dtype packs
+    here and the shape measured faster packed at that row count."""
+    return can_pack(weight) and PLAN.pays(weight, rows)
 
 
 class PackedWeight:
@@ -66,7 +191,7 @@ class PackedWeight:
 def packed_matmul(x: torch.Tensor, weight: torch.Tensor, cache: PackedWeight,
                   bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (..., in) · weightᵀ (weight (out, in)) through the packed copy in ``cache``; callers
-    check :func:`can_pack` and that ``x`` has the weight's dtype."""
+    check :func:`packs` and that ``x`` has the weight's dtype."""
     return torch.ops.mkldnn._linear_pointwise(x, cache.get(weight), bias, "none", [], "")
 
 
@@ -82,7 +207,7 @@ class PackedLinear(nn.Module):
         self._packed = PackedWeight()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _ACTIVE.get() and x.dtype == self.weight.dtype and can_pack(self.weight):
+        if _ACTIVE.get() and x.dtype == self.weight.dtype and packs(self.weight, x.numel() // self.in_features):
             return packed_matmul(x, self.weight, self._packed, self.bias)
         return nn.functional.linear(x, self.weight, self.bias)
 
@@ -93,7 +218,7 @@ class PackedLinear(nn.Module):
 def use_packed_linears(module: nn.Module) -> int:
     """Wrap every ``nn.Linear`` below ``module`` in a :class:`PackedLinear` (idempotent; the
     state dict keeps its keys). Returns how many were wrapped."""
-    if not packing_available():
+    if not any(packing_available(dtype) for dtype in PACKED_DTYPES):
         return 0
     targets = [name for name, child in module.named_modules() if type(child) is nn.Linear]
     for name in targets:

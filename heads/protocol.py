@@ -25,7 +25,7 @@ from .config import (CARD_NAME, CONFIG_NAME, DRAFTHEADS_VERSION, FORMAT_VERSION,
                      WEIGHTS_NAME, CheckpointError, HeadConfig, display_name, read_config, register)
 from .card import basic_card
 from .hub import resolve_checkpoint, upload_checkpoint
-from .linear import PackedWeight, can_pack, packed_matmul
+from .linear import PackedWeight, packed_matmul, packs
 from .linear import use_packed_linears as wrap_linears
 
 @dataclass
@@ -125,7 +125,8 @@ class DraftHeads(nn.Module):
         when one is set; through a packed copy of the rows when the decoder asked for it)."""
         dtype = self.draft_dtype or states.dtype
         weight = self.draft_weight(dtype)
-        if self._packed_readout is not None and can_pack(weight) and not torch.is_grad_enabled():
+        if (self._packed_readout is not None and not torch.is_grad_enabled()
+                and packs(weight, states.numel() // states.shape[-1])):
             return packed_matmul(states.to(dtype), weight, self._packed_readout)
         return states.to(dtype) @ weight.t()
 

@@ -138,12 +138,12 @@ def test_prefix_layer_cache_matches_a_full_pass():
 def test_bf16_drafting_changes_drafts_not_outputs(family):
     """Heads may read out in bfloat16 (the decoder's default for fp32 bases on CPUs with native
     bf16): drafts are only proposals, so the output stays the base's own."""
-    from draftheads.decoding.base import cpu_has_bf16
+    from draftheads.heads.hardware import bf16_native
     from draftheads.decoding.generate import drafting_dtype
 
     model = tiny_llama(5)
     assert drafting_dtype(model) is None  # float64 bases draft in float64
-    assert drafting_dtype(tiny_llama(5, dtype=torch.float32)) == (torch.bfloat16 if cpu_has_bf16() else None)
+    assert drafting_dtype(tiny_llama(5, dtype=torch.float32)) == (torch.bfloat16 if bf16_native() else None)
     ids = torch.tensor([[3, 5, 9, 33, 4, 6], [7, 8, 9, 10, 11, 12]])
     reference = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False)
     drafter = DraftHeadsModel(model, random_heads(family, model, seed=5), tree=tree_from_paths(TREE))

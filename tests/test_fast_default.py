@@ -40,16 +40,16 @@ def test_parse_dtype_refuses_what_is_not_a_float_dtype(bad, error, message):
 
 
 def test_auto_takes_the_native_dtype_only_where_the_hardware_computes_it(monkeypatch):
-    monkeypatch.setattr(base_module, "_cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
+    monkeypatch.setattr(base_module, "native_cpu_dtypes", lambda: {torch.float32, torch.bfloat16})
     assert choose_dtype("auto", torch.bfloat16) is torch.bfloat16
     assert choose_dtype(None, torch.float16) is torch.float32  # fp16 is emulated on this CPU: fp32
     assert choose_dtype("auto", torch.float32) is torch.float32
-    monkeypatch.setattr(base_module, "_cpu_flags", lambda: frozenset({"avx2"}))
+    monkeypatch.setattr(base_module, "native_cpu_dtypes", lambda: {torch.float32})
     assert choose_dtype("auto", torch.bfloat16) is torch.float32
 
 
 def test_an_explicit_dtype_wins_with_a_warning_when_emulated(monkeypatch):
-    monkeypatch.setattr(base_module, "_cpu_flags", lambda: frozenset({"avx2"}))
+    monkeypatch.setattr(base_module, "native_cpu_dtypes", lambda: {torch.float32})
     with pytest.warns(UserWarning, match="no native bfloat16 arithmetic.*'auto' picks float32"):
         assert choose_dtype("bfloat16", torch.bfloat16) is torch.bfloat16
     with warnings.catch_warnings():
@@ -73,10 +73,13 @@ def test_load_base_refuses_a_bad_dtype_before_loading():
 
 
 # -- the cheaper step's pieces -------------------------------------------------------------------
-needs_packing = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN packed linear")
+needs_bf16_packing = pytest.mark.skipif(not packing_available(torch.bfloat16),
+                                        reason="no native bfloat16 here (torch/oneDNN report no AVX512-BF16/AMX)")
+needs_fp32_packing = pytest.mark.skipif(not packing_available(torch.float32),
+                                        reason="this torch build has no oneDNN packed linear")
 
 
-@needs_packing
+@needs_bf16_packing
 @pytest.mark.parametrize("rows", [1, 2, 5, 9, 40])
 def test_packed_forwards_are_bit_identical_in_bfloat16(rows):
     """Packed weights change nothing in bfloat16: the verify forward's hidden states, the LM
@@ -95,7 +98,7 @@ def test_packed_forwards_are_bit_identical_in_bfloat16(rows):
     assert torch.equal(packed(ids).logits, plain(ids).logits)
 
 
-@needs_packing
+@needs_fp32_packing
 @pytest.mark.parametrize("rows", [1, 3, 9])
 def test_packed_forwards_stay_within_float32_rounding(rows):
     plain, packed = tiny_llama(1, dtype=torch.float32), tiny_llama(1, dtype=torch.float32)

@@ -1,0 +1,78 @@
+"""``draftheads env``: what a user pastes into a bug report (like ``transformers env`` and
+``accelerate env``): versions, what torch will run on this CPU (capability, native dtypes, oneDNN
+packing per dtype and where it measured faster), threads, the cache paths, and the GPU."""
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import platform
+import sys
+
+import torch
+
+from .decoding.base import cache_root, packing_cache_path, read_packing_cache
+from .heads.hardware import bf16_native, cpu_model, fp16_native, isa_limits
+from .heads.linear import PACKED_DTYPES, ROW_BUCKETS, packed_wins, packing_available
+
+PACKAGES = ("draftheads", "torch", "transformers", "accelerate", "datasets", "huggingface_hub", "safetensors", "numpy")
+
+
+def version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def packing_report() -> dict[str, str]:
+    """Per dtype: whether oneDNN packs it here and, for the shapes measured on this machine,
+    at which row counts the packed path was faster (from the packing cache)."""
+    measured = read_packing_cache(packing_cache_path())
+    report = {}
+    for dtype in PACKED_DTYPES:
+        name = str(dtype).removeprefix("torch.")
+        if not packing_available(dtype):
+            report[name] = "off (oneDNN does not pack it natively here)"
+            continue
+        shapes = {k.split(" ", 1)[1]: v for k, v in measured.items() if k.split(" ", 1)[0] == name}
+        if not shapes:
+            report[name] = "on (no shape measured yet: measured at the first model load)"
+            continue
+        wins = sum(sum(packed_wins(v)) for v in shapes.values())
+        total = len(shapes) * len(ROW_BUCKETS)
+        speedups = [f / p for v in shapes.values() for p, f in zip(v["packed_ms"], v["linear_ms"])]
+        report[name] = (f"on; packed at {wins}/{total} (shape, rows) points of {len(shapes)} "
+                        f"shapes, where it measured faster (median {sorted(speedups)[len(speedups) // 2]:.2f}x F.linear)")
+    return report
+
+
+def collect() -> dict:
+    gpu = (f"{torch.cuda.get_device_name(0)} (CUDA {torch.version.cuda}, {torch.cuda.device_count()} device(s))"
+           if torch.cuda.is_available() else "none")
+    native = ["float32"] + [n for n, ok in (("bfloat16", bf16_native()), ("float16", fp16_native())) if ok]
+    return {
+        **{f"{p} version": version(p) for p in PACKAGES},
+        "Python": sys.version.split()[0],
+        "Platform": platform.platform(),
+        "CPU": f"{cpu_model()} ({platform.machine()})",
+        "CPU capability (torch)": torch.backends.cpu.get_cpu_capability(),
+        "ISA limits": ", ".join(f"{k}={v}" for k, v in isa_limits().items()) or "none",
+        "native CPU dtypes": ", ".join(native),
+        **{f"oneDNN packing, {k}": v for k, v in packing_report().items()},
+        "torch threads": torch.get_num_threads(),
+        "cache (DRAFTHEADS_CACHE)": str(cache_root()),
+        "packing cache": str(packing_cache_path()),
+        "calibration cache": str(cache_root() / "calibration"),
+        "GPU": gpu,
+    }
+
+
+def format_report(info: dict) -> str:
+    return "\n".join(f"- {key}: {value}" for key, value in info.items())
+
+
+def main(as_json: bool = False) -> int:
+    info = collect()
+    print(json.dumps(info, indent=1) if as_json else
+          "Copy-and-paste the text below in your GitHub issue:\n\n" + format_report(info))
+    return 0

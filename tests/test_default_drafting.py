@@ -1,0 +1,139 @@
+"""The best drafting by default (decoding/generate.py: auto_drafts, calibrate_defaults;
+decoding/drafter.py: MergedDrafter skips the heads where a lookup match carries the step), and
+``draftheads env``."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from draftheads.cli import drafting_line, main as cli_main
+from draftheads.decoding import DraftHeadsModel
+from draftheads.decoding.base import fingerprint
+from draftheads.decoding.drafter import STORE_NAME, HeadsDrafter, MergedDrafter, TableCost, WidthChooser
+from draftheads.decoding.drafters import Candidates, LookupDrafter
+from draftheads.decoding.drafters.candidates import Source
+from draftheads.decoding.generate import auto_drafts
+from draftheads.heads import HeadConfig, MedusaHeads
+from helpers import OracleHeads, tiny_llama
+
+
+def heads_in(folder, store: bool):
+    """A stand-in for loaded heads: only where they were loaded from matters here."""
+    folder.mkdir()
+    if store:
+        (folder / STORE_NAME).write_bytes(b"")
+    return SimpleNamespace(source_dir=folder)
+
+
+def test_auto_takes_the_heads_and_every_lookup_there_is_data_for(tmp_path):
+    assert auto_drafts(heads_in(tmp_path / "a", store=False)) == ("heads", "context")
+    assert auto_drafts(heads_in(tmp_path / "b", store=True)) == ("heads", "context", "store", "stats")
+    assert auto_drafts(None) == ("context",)
+    assert auto_drafts(None, lookup_store="some/store.safetensors") == ("context", "store", "stats")
+
+
+def saved_heads(folder, model):
+    cfg = model.config
+    heads = MedusaHeads(HeadConfig(num_heads=2, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
+                                   base_fingerprint=fingerprint(model).with_sketch(model),
+                                   trees={"1": [[0]], "3": [[0], [1], [0, 0]]}, expected_tau={"1": 1.6, "3": 1.9}))
+    torch.manual_seed(0)
+    for p in heads.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    heads.save_pretrained(folder, dtype=torch.float32)
+    return folder
+
+
+def test_from_pretrained_drafts_with_heads_and_lookups_by_default_and_follows_the_base(tmp_path, monkeypatch):
+    """The default: heads + context merged (no store shipped here), the tree and the width model
+    priced by this machine's quick calibration (cached under DRAFTHEADS_CACHE), output the base's own."""
+    monkeypatch.setenv("DRAFTHEADS_CACHE", str(tmp_path / "cache"))
+    base = tiny_llama(0)
+    model = DraftHeadsModel.from_pretrained(saved_heads(tmp_path / "heads", base), base=base)
+    assert model.draft_sources == ("heads", "context")
+    assert isinstance(model.drafter, MergedDrafter) and model.drafter.heads is model.heads
+    assert model.step_table is not None and model.drafter.width.cost is model.step_table
+    assert list((tmp_path / "cache" / "calibration").glob("*.json"))  # measured once, cached
+    assert model.policy.tree.num_nodes in (1, 2, 4)  # one of the stored trees (or plain), as priced here
+    prompt = torch.tensor([[5, 17, 33, 8, 9, 5, 17, 33, 8]])
+    reference = base.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=30, do_sample=False)
+    assert model.generate(prompt, max_new_tokens=30).tolist() == reference.tolist()
+    assert "heads + context" in drafting_line(model)
+    only_heads = DraftHeadsModel.from_pretrained(tmp_path / "heads", base=base, drafts="heads")
+    assert only_heads.draft_sources == ("heads",) and isinstance(only_heads.drafter, HeadsDrafter)
+
+
+def chain(scores):
+    n = len(scores)
+    return Candidates.from_lists(list(range(-1, n - 1)), list(range(10, 10 + n)), scores, [Source.CONTEXT] * n,
+                                 [4] * n, [1.0] * n)
+
+
+def merged(ms: float | None, gain: float | None) -> MergedDrafter:
+    drafter = MergedDrafter(object(), LookupDrafter(None, sources=("context",)), WidthChooser(TableCost((1, 33), (10.0, 20.0))))
+    drafter._heads_ms, drafter._heads_gain = ms, gain
+    return drafter
+
+
+def test_the_heads_are_skipped_only_where_a_lookup_match_carries_the_step():
+    confident = [chain([0.97, 0.95, 0.93, 0.9, 0.88, 0.85])]
+    nothing = [Candidates.empty()]
+    weak = [chain([0.2, 0.05])]
+    assert merged(None, None)._heads_pay(confident, 64)  # not measured yet: the heads propose
+    assert not merged(1.0, 1.0)._heads_pay(confident, 64)  # 0.03 of a chain to gain, 1 ms to pay
+    assert merged(1.0, 1.0)._heads_pay(nothing, 64)  # the heads are all there is
+    assert merged(1.0, 1.0)._heads_pay(weak, 64)
+    assert not merged(50.0, 1.0)._heads_pay(weak, 64)  # heads dearer than the step they would help
+    drafter = merged(1.0, 1.0)
+    drafter._skipped_in_a_row = drafter.recheck_heads_every
+    assert drafter._heads_pay(confident, 64)  # measured afresh now and then
+
+
+def test_skipping_the_heads_keeps_the_output_and_saves_their_calls(tmp_path, monkeypatch):
+    """This tiny base answers a token repeated (so the context match carries the steps): the heads
+    are skipped on most steps, and the tokens are still the base's own (float64). Without a step
+    time in ms (the relative LINEAR_COST) the heads always propose."""
+    monkeypatch.setenv("DRAFTHEADS_CACHE", str(tmp_path))
+    base = tiny_llama(3)
+    prompt = torch.tensor([[7, 21, 40, 9, 12, 55, 3, 8] * 4])
+    reference = base.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=48, do_sample=False)
+    continuation = reference[0, prompt.shape[1]:].tolist()
+    assert len(set(continuation)) == 1  # what makes the context match carry the step
+    uncalibrated = DraftHeadsModel(base, OracleHeads([continuation], vocab=96, error=0.9, seed=1))
+    uncalibrated.use_drafts("heads,context")
+    assert uncalibrated.generate(prompt, max_new_tokens=48).tolist() == reference.tolist()
+    assert uncalibrated.drafter.skipped_heads_steps == 0
+    model = DraftHeadsModel(base, OracleHeads([continuation], vocab=96, error=0.9, seed=1))
+    model.calibrate_defaults()
+    model.use_drafts("heads,context")
+    assert model.generate(prompt, max_new_tokens=48).tolist() == reference.tolist()
+    assert model.drafter.heads_steps >= 1 and model.drafter.skipped_heads_steps > model.drafter.heads_steps
+
+
+def test_env_reports_what_torch_runs_here(capsys):
+    assert cli_main(["env", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["CPU capability (torch)"] == torch.backends.cpu.get_cpu_capability()
+    assert info["torch version"] == torch.__version__
+    assert set(info) >= {"oneDNN packing, float32", "oneDNN packing, bfloat16", "native CPU dtypes", "packing cache",
+                         "calibration cache", "GPU", "torch threads"}
+    assert "float32" in info["native CPU dtypes"]
+
+
+@pytest.mark.skipif(not __import__("draftheads.heads.hardware", fromlist=["is_x86"]).is_x86(),
+                    reason="the AVX2 limit is an x86 setting")
+def test_env_under_an_avx2_limit():
+    env = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+    import os
+
+    out = subprocess.run([sys.executable, "-m", "draftheads.cli", "env"], env={**os.environ, **env},
+                         capture_output=True, text=True, check=True).stdout
+    assert "- CPU capability (torch): AVX2" in out
+    assert "- native CPU dtypes: float32\n" in out
+    assert "- oneDNN packing, bfloat16: off" in out
+    assert "ATEN_CPU_CAPABILITY=avx2" in out
