@@ -236,7 +236,7 @@ class MergedDrafter:
     _skipped_in_a_row: int = 0
 
     def start(self, prompts: Sequence[Sequence[int]]) -> None:
-        self.lookup.rows.clear()
+        self.lookup.reset()
         self._seen.clear()
         for row, prompt in enumerate(prompts):
             self.lookup.start(row, prompt)

@@ -207,7 +207,9 @@ def run_bench(model, prompts: list[dict], max_new_tokens: int, out_dir: Path, me
                            for k, v in (meta or {}).items()},
                         "max_new_tokens": max_new_tokens, "prompts": len(rows), "torch": torch.__version__,
                         "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
+                        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                         "dtype": str(base.dtype), "tree_nodes": model.policy.choose(1, 0).num_nodes,
+                        "default_drafts": list(model.draft_sources),
                         "drafts": list(configs) if configs else None},
                "overall": overall, "by_category": by_category, "per_prompt": rows}
     (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")

@@ -193,7 +193,8 @@ def bench_table(results: dict) -> str:
     over HF plain generate (draftheads and HF prompt lookup), τ, and identity under the dtype's
     guarantee with the controls."""
     dtype = results["meta"]["dtype"].removeprefix("torch.")
-    lines = [f"draftheads bench, {dtype}, {results['meta']['tree_nodes']}-node default tree, "
+    drafting = " + ".join(results["meta"].get("default_drafts") or ["heads"])
+    lines = [f"draftheads bench, {dtype}, drafting {drafting}, {results['meta']['tree_nodes']}-node heads' tree, "
              f"{results['meta']['max_new_tokens']} new tokens, bs 1",
              "| category | prompts | HF tok/s | draftheads tok/s | speedup | τ | prompt lookup | diverged "
              "(outside band) | control: padded batch of 2 | control: prompt lookup |",

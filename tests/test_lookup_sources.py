@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from draftheads.decoding.drafters import (BigramTable, Candidates, ContextConfig, ContextSource, HitRate, ModelStore,
+from draftheads.decoding.drafters import (BigramTable, Candidates, ContextConfig, ContextSource, HitRate, LookupConfig,
+                                          LookupDrafter, ModelStore,
                                           NgramIndex, Source, StatsSource, StoreConfig, StoreError, StoreHeader,
                                           StoreSource, SuffixAutomaton, TokenizerIdentity, build_arrays, count_trie,
                                           merge, save_store, tokenizer_identity)
@@ -354,3 +355,29 @@ def test_build_store_script_holds_out_the_last_records(tmp_path, monkeypatch, ca
     assert report["records"] == store.header.records == 3 and store.header.tokens == 15
     assert store.tokens.tolist() == [t for r in RECORDS[:3] for t in r + [-1]]  # the last record is held out
     assert "held out: last 1" in store.header.source and report["bytes"] == out.stat().st_size
+
+
+def test_static_sources_that_never_hit_in_a_request_are_muted_for_that_row(tmp_path):
+    """A row whose answers never follow the store: after ``mute_after`` steps the store and the
+    bigram statistics stop being asked (they propose nothing); the context always is; a new
+    request starts afresh."""
+    write_store(tmp_path / "s.safetensors")
+    store = ModelStore.open(tmp_path / "s.safetensors")
+    lookup = LookupDrafter(store, LookupConfig(mute_after=4), sources=("context", "store", "stats"))
+    lookup.start(0, [6, 7])
+    lookup.start(1, [6, 7])
+    for step in range(4):
+        assert lookup.muted(0) == []
+        tries = lookup.tries(0, 8)
+        assert all(len(t) for t in tries[1:])  # the store and the statistics propose 8 after 7
+        lookup.observe(0, merge(tries, 8), [0])  # the base never takes their drafts
+        lookup.extend(0, [6, 7])
+        hit = lookup.tries(1, 8)
+        lookup.observe(1, merge(hit, 8), [8])  # row 1 takes the store's draft
+        lookup.extend(1, [8, 6, 7])
+    assert lookup.muted(0) == ["store", "stats"] and lookup.muted(1) == []
+    context, store_trie, stats_trie = lookup.tries(0, 8)
+    assert len(context) and not len(store_trie) and not len(stats_trie)
+    lookup.reset()
+    lookup.start(0, [6, 7])
+    assert lookup.muted(0) == [] and all(len(t) for t in lookup.tries(0, 8)[1:])
