@@ -6,8 +6,9 @@ The sub-packages live in the checkout's top-level folders ``heads/``, ``decoding
 pyproject.toml). Nothing else in the checkout is part of the package."""
 from __future__ import annotations
 
+from .custom_generate import custom_generate
 from .decoding import DraftHeadsModel, load_base
 from .heads import HeadConfig, MedusaHeads, load_heads
 from .heads.protocol import DRAFTHEADS_VERSION as __version__
 
-__all__ = ["DraftHeadsModel", "HeadConfig", "MedusaHeads", "load_base", "load_heads", "__version__"]
+__all__ = ["DraftHeadsModel", "custom_generate", "HeadConfig", "MedusaHeads", "load_base", "load_heads", "__version__"]

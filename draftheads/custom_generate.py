@@ -1,0 +1,147 @@
+"""draftheads through transformers' own seam: ``model.generate(..., custom_generate=fn)``.
+
+Code that holds a plain transformers model — a ``pipeline("text-generation")``, an evaluation
+harness, a serving script — decodes with the heads without being rewritten:
+
+    fn = draftheads.custom_generate("checkpoints/smollm2-135m-hydra")
+    out = model.generate(**inputs, max_new_tokens=128, custom_generate=fn)
+
+transformers prepares the inputs and the generation config (its defaults, the model's
+``generation_config``, the call's keyword arguments), then calls ``fn`` in place of its own
+decoding loop; ``fn`` runs :meth:`DraftHeadsModel.generate` on *that* model object (the heads are
+loaded, checked against its fingerprint and bound once, then cached on the model) and returns
+what transformers returns. Under each dtype's guarantee the output equals the model's own
+``generate``; what the decoder does not implement is refused before any work, as in
+:meth:`DraftHeadsModel.generate`. transformers 5.24 hands a callable no ``streamer`` (it keeps
+only the arguments a callable adds to ``_sample``'s); stream with :meth:`DraftHeadsModel.generate`.
+"""
+from __future__ import annotations
+
+import weakref
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from .decoding import DraftHeadsModel
+from .decoding.drafter import parse_drafts
+from .decoding.limits import InputError, parse_tree_option
+
+#: transformers' own stopping criteria, which it adds from the generation config; the decoder
+#: applies the same rules itself (max length, EOS), so only the caller's own criteria are passed on
+_BUILT_IN_CRITERIA = ("MaxLengthCriteria", "EosTokenCriteria", "MaxNewTokensCriteria")
+
+#: the model keyword arguments transformers prepares for any decoding loop (the decoder makes its
+#: own cache and positions); anything else (``assistant_model``, ...) is refused by name
+_PREPARED = {"attention_mask", "position_ids", "use_cache", "cache", "past_key_values", "logits_to_keep",
+             "token_type_ids"}
+
+#: model → {the callable's arguments: its decoder}; entries go with the model
+_DECODERS: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, DraftHeadsModel]]" = weakref.WeakKeyDictionary()
+
+
+def custom_generate(heads: str | Path, drafts: str | Sequence[str] = "auto", tree=None,
+                    lookup_store: str | Path | None = None, **hub_kwargs) -> Callable:
+    """The function to pass as ``model.generate(..., custom_generate=fn)`` (see the module
+    docstring). ``heads``: a head checkpoint folder or Hub id, made for that model (its
+    fingerprint is checked on first use); ``drafts``, ``tree``, ``lookup_store`` and
+    ``hub_kwargs`` as in :meth:`DraftHeadsModel.from_pretrained`. Arguments are checked now."""
+    if not isinstance(heads, (str, Path)):
+        raise InputError(f"custom_generate(heads={heads!r}): expected a head checkpoint folder or Hub id.")
+    tree = parse_tree_option(tree)
+    if not (isinstance(drafts, str) and drafts.strip().lower() == "auto"):
+        parse_drafts(drafts)
+    key = (str(heads), drafts if isinstance(drafts, str) else tuple(drafts), tree, str(lookup_store),
+           tuple(sorted(hub_kwargs.items())))
+
+    def generate(model, input_ids: torch.Tensor, logits_processor=None, stopping_criteria=None,
+                 generation_config=None, synced_gpus: bool = False, streamer=None, **model_kwargs):
+        unsupported = sorted(k for k, v in model_kwargs.items() if k not in _PREPARED and v is not None)
+        if unsupported:
+            raise InputError(f"custom_generate: {', '.join(unsupported)} not supported with draftheads' heads "
+                             "(the heads are the draft model); drop it or call generate() without custom_generate.")
+        if len(logits_processor or []) > len(own_processors(model, generation_config, input_ids)):
+            raise InputError("custom_generate: a logits_processor of your own is not supported by draftheads; "
+                             "use generation config options (temperature, top_k, top_p, repetition_penalty).")
+        decoder = decoder_for(model, key, lambda: DraftHeadsModel.from_pretrained(
+            heads, base=model, tokenizer=None, drafts=drafts, tree=tree, lookup_store=lookup_store, **hub_kwargs))
+        attention_mask = model_kwargs.get("attention_mask")
+        if attention_mask is None:  # transformers drops an all-ones mask before calling us
+            attention_mask = torch.ones_like(input_ids)
+        own = [c for c in (stopping_criteria or []) if type(c).__name__ not in _BUILT_IN_CRITERIA]
+        return decoder.generate(input_ids, attention_mask=attention_mask, generation_config=generation_config,
+                                streamer=streamer, stopping_criteria=own or None)
+
+    generate.__doc__ = f"draftheads' tree decoding with the heads at {heads} (pass as custom_generate=)."
+    return generate
+
+
+def own_processors(model, generation_config, input_ids: torch.Tensor):
+    """The logits processors transformers builds from the generation config alone (so a longer
+    prepared list holds one of the caller's own, which the decoder would not apply)."""
+    return model._get_logits_processor(generation_config=generation_config, input_ids_seq_length=input_ids.shape[1],
+                                       encoder_input_ids=input_ids, prefix_allowed_tokens_fn=None,
+                                       logits_processor=None, device=input_ids.device, model_kwargs={})
+
+
+def decoder_for(model, key: tuple, build: Callable[[], DraftHeadsModel]) -> DraftHeadsModel:
+    """The decoder cached on ``model`` for these arguments, built on first use."""
+    per_model = _DECODERS.setdefault(model, {})
+    if key not in per_model:
+        per_model[key] = build()
+    return per_model[key]
+
+
+# -- the folder form: custom_generate/generate.py inside a head checkpoint ----------------------------
+#: transformers' layout for a Hub repo or folder that carries its own decoding loop
+FOLDER, MODULE, REQUIREMENTS = "custom_generate", "generate.py", "requirements.txt"
+_NOT_IMPLEMENTED = ("assistant_model", "prefix_allowed_tokens_fn", "negative_prompt_ids",
+                    "negative_prompt_attention_mask", "synced_gpus")
+_TEMPLATE = '''"""draftheads' tree decoding with the heads at {source!r}, as a transformers custom_generate:
+
+    model.generate(**inputs, custom_generate={source!r}, trust_remote_code=True)
+
+Written by draftheads {version}; the heads' base fingerprint is checked on first use."""
+from draftheads.custom_generate import run_folder_generate
+
+HEADS = {source!r}
+
+
+def generate(model, **kwargs):
+    return run_folder_generate(model, HEADS, **kwargs)
+'''
+
+
+def write_custom_generate(checkpoint: str | Path, source: str | None = None) -> Path:
+    """Write ``custom_generate/generate.py`` and ``requirements.txt`` into a head checkpoint
+    folder, so plain transformers code decodes with its heads. ``source``: where the function
+    finds the heads — the Hub repo id the folder is pushed to, or (default) this folder's
+    absolute path. transformers copies the module elsewhere before running it, so the source is
+    written into it rather than found from its own location."""
+    from .heads.protocol import DRAFTHEADS_VERSION
+
+    folder = Path(checkpoint) / FOLDER
+    folder.mkdir(parents=True, exist_ok=True)
+    text = _TEMPLATE.format(source=source or str(Path(checkpoint).resolve()), version=DRAFTHEADS_VERSION)
+    (folder / MODULE).write_text(text, encoding="utf-8")
+    (folder / REQUIREMENTS).write_text(f"draftheads>={DRAFTHEADS_VERSION}\n", encoding="utf-8")
+    return folder
+
+
+def run_folder_generate(model, heads: str, inputs: torch.Tensor | None = None, generation_config=None,
+                        logits_processor=None, stopping_criteria=None, streamer=None, **kwargs):
+    """What ``custom_generate/generate.py`` runs: transformers hands the folder form every
+    argument of ``generate`` as given (nothing prepared), so they go to
+    :meth:`DraftHeadsModel.generate` as they are; what it cannot do is refused by name."""
+    used = sorted(k for k in _NOT_IMPLEMENTED if kwargs.get(k) not in (None, False))
+    if used or logits_processor:
+        raise InputError(f"custom_generate: {', '.join(used or ['logits_processor'])} not supported with "
+                         "draftheads' heads; drop it or call generate() without custom_generate.")
+    for name in _NOT_IMPLEMENTED:
+        kwargs.pop(name, None)
+    input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
+    if input_ids is None:
+        raise InputError("custom_generate: pass the prompt's input_ids.")
+    decoder = decoder_for(model, ("folder", heads), lambda: DraftHeadsModel.from_pretrained(heads, base=model))
+    return decoder.generate(input_ids, generation_config=generation_config, streamer=streamer,
+                            stopping_criteria=stopping_criteria, **kwargs)

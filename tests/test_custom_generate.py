@@ -1,0 +1,139 @@
+"""draftheads through transformers' ``custom_generate`` seam (draftheads/custom_generate.py):
+the callable form on a plain transformers model equals the model's own generate (float64,
+greedy; bs 1 and a left-padded batch; dict outputs), the decoder is built once per model, the
+generation config transformers prepared is honoured, and what the decoder cannot do is refused."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draftheads import custom_generate
+from draftheads.custom_generate import _DECODERS, write_custom_generate
+from draftheads.decoding.base import fingerprint
+from draftheads.decoding.limits import InputError
+from draftheads.heads import CheckpointError, HeadConfig, MedusaHeads
+from helpers import left_pad, tiny_llama
+
+
+def saved_heads(folder, model):
+    cfg = model.config
+    heads = MedusaHeads(HeadConfig(num_heads=2, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
+                                   base_fingerprint=fingerprint(model).with_sketch(model),
+                                   trees={"1": [[0]], "3": [[0], [1], [0, 0]]}, expected_tau={"1": 1.6, "3": 1.9}))
+    torch.manual_seed(0)
+    for p in heads.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    heads.save_pretrained(folder, dtype=torch.float32)
+    return folder
+
+
+@pytest.fixture()
+def setup(tmp_path, monkeypatch):
+    monkeypatch.setenv("DRAFTHEADS_CACHE", str(tmp_path / "cache"))
+    model = tiny_llama(0)
+    return model, saved_heads(tmp_path / "heads", model)
+
+
+def test_the_callable_equals_the_models_own_greedy_generate(setup):
+    model, heads = setup
+    fn = custom_generate(heads, drafts="heads,context", tree=3)
+    ids = torch.tensor([[5, 17, 33, 8, 9, 5, 17, 33]])
+    mask = torch.ones_like(ids)
+    reference = model.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False)
+    ours = model.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False, custom_generate=fn)
+    assert ours.tolist() == reference.tolist()
+    assert model.generate(ids, max_new_tokens=30, do_sample=False, custom_generate=fn).tolist() == reference.tolist()
+    assert len(_DECODERS[model]) == 1  # bound once, reused
+
+
+def test_a_padded_batch_and_dict_outputs(setup):
+    model, heads = setup
+    fn = custom_generate(heads)
+    ids, mask = left_pad([[3, 5, 9, 13, 21], [7, 8]])
+    kwargs = dict(attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0,
+                  return_dict_in_generate=True, output_scores=True)
+    reference = model.generate(ids, **kwargs)
+    ours = model.generate(ids, custom_generate=fn, **kwargs)
+    assert type(ours) is type(reference)
+    assert ours.sequences.tolist() == reference.sequences.tolist()
+    assert len(ours.scores) == len(reference.scores)
+    torch.testing.assert_close(torch.stack(ours.scores), torch.stack(reference.scores))
+
+
+def test_the_prepared_generation_config_is_honoured(setup):
+    """Sampling with top_k=1 is the argmax: the callable saw do_sample and top_k from the call."""
+    model, heads = setup
+    fn = custom_generate(heads)
+    ids = torch.tensor([[11, 12, 13, 14]])
+    greedy = model.generate(ids, max_new_tokens=12, do_sample=False)
+    sampled = model.generate(ids, max_new_tokens=12, do_sample=True, top_k=1, custom_generate=fn)
+    assert sampled.tolist() == greedy.tolist()
+    short = model.generate(ids, max_new_tokens=3, do_sample=False, custom_generate=fn)
+    assert short.shape[1] == ids.shape[1] + 3
+
+
+def test_bad_use_is_refused_with_one_clear_line(setup, tmp_path):
+    model, heads = setup
+    with pytest.raises(InputError, match="expected a head checkpoint folder"):
+        custom_generate(42)
+    with pytest.raises(ValueError, match="drafts="):
+        custom_generate(heads, drafts="bogus")
+    ids = torch.tensor([[5, 6, 7]])
+    other = tiny_llama(1)
+    with pytest.raises(CheckpointError, match="another base"):
+        other.generate(ids, max_new_tokens=4, custom_generate=custom_generate(heads))
+    with pytest.raises((InputError, ValueError), match="num_beams"):
+        model.generate(ids, max_new_tokens=4, num_beams=2, custom_generate=custom_generate(heads))
+
+
+@pytest.mark.slow
+def test_a_text_generation_pipeline_with_the_shipped_heads(smollm2):
+    """transformers' pipeline on SmolLM2 (float32) with the shipped heads: the same text as the
+    pipeline without them (float32: identical, or a first divergence at a near-tie)."""
+    from transformers import pipeline
+
+    from draftheads.decoding.guarantee import first_divergence
+    from helpers import REPO
+
+    base, tokenizer = smollm2
+    pipe = pipeline("text-generation", model=base, tokenizer=tokenizer)
+    messages = [{"role": "user", "content": "Name three primary colours."}]
+    plain = pipe(messages, max_new_tokens=32, do_sample=False, return_tensors=True)
+    fast = pipe(messages, max_new_tokens=32, do_sample=False, return_tensors=True,
+                custom_generate=custom_generate(REPO / "checkpoints" / "smollm2-135m-hydra"))
+    ours, reference = fast[0]["generated_token_ids"], plain[0]["generated_token_ids"]
+    if ours != reference:
+        prompt = len(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        diff = first_divergence(base, torch.tensor([reference]), torch.tensor([ours]), prompt)
+        assert diff is not None and diff["within_band"], diff
+
+
+def test_the_folder_form_in_a_checkpoint(setup):
+    """``custom_generate/generate.py`` written into the checkpoint: plain transformers code with
+    ``custom_generate=<folder>, trust_remote_code=True`` decodes with the heads (same tokens,
+    streaming included); the folder says where the heads are."""
+    model, heads = setup
+    folder = write_custom_generate(heads)
+    assert (folder / "requirements.txt").read_text().startswith("draftheads")
+    assert repr(str(heads.resolve())) in (folder / "generate.py").read_text()
+
+    class Collect:
+        def __init__(self):
+            self.tokens = []
+
+        def put(self, value):
+            self.tokens += value.flatten().tolist()
+
+        def end(self):
+            self.tokens.append("end")
+
+    ids = torch.tensor([[5, 17, 33, 8, 9, 5, 17, 33]])
+    theirs, ours = Collect(), Collect()
+    reference = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+                               streamer=theirs)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+                         custom_generate=str(heads), trust_remote_code=True, streamer=ours)
+    assert out.tolist() == reference.tolist() and ours.tokens == theirs.tokens
+    with pytest.raises(InputError, match="assistant_model not supported"):
+        model.generate(ids, max_new_tokens=4, custom_generate=str(heads), trust_remote_code=True,
+                       assistant_model=tiny_llama(0))
