@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
+from transformers import StoppingCriteriaList
 
 from .decoding import DraftHeadsModel
 from .decoding.drafter import parse_drafts
@@ -68,7 +69,7 @@ def custom_generate(heads: str | Path, drafts: str | Sequence[str] = "auto", tre
         attention_mask = model_kwargs.get("attention_mask")
         if attention_mask is None:  # transformers drops an all-ones mask before calling us
             attention_mask = torch.ones_like(input_ids)
-        own = [c for c in (stopping_criteria or []) if type(c).__name__ not in _BUILT_IN_CRITERIA]
+        own = StoppingCriteriaList([c for c in (stopping_criteria or []) if type(c).__name__ not in _BUILT_IN_CRITERIA])
         return decoder.generate(input_ids, attention_mask=attention_mask, generation_config=generation_config,
                                 streamer=streamer, stopping_criteria=own or None)
 

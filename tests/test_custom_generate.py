@@ -72,6 +72,27 @@ def test_the_prepared_generation_config_is_honoured(setup):
     assert short.shape[1] == ids.shape[1] + 3
 
 
+def test_the_callers_own_stopping_criteria_apply(setup):
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class AfterToken(StoppingCriteria):
+        def __init__(self, token):
+            self.token = token
+
+        def __call__(self, input_ids, scores, **kwargs):
+            return input_ids[:, -1] == self.token
+
+    model, heads = setup
+    ids = torch.tensor([[11, 12, 13, 14]])
+    full = model.generate(ids, max_new_tokens=20, do_sample=False)
+    stop = int(full[0, ids.shape[1] + 5])
+    criteria = StoppingCriteriaList([AfterToken(stop)])
+    reference = model.generate(ids, max_new_tokens=20, do_sample=False, stopping_criteria=criteria)
+    ours = model.generate(ids, max_new_tokens=20, do_sample=False, stopping_criteria=criteria,
+                          custom_generate=custom_generate(heads))
+    assert ours.tolist() == reference.tolist() and ours.shape[1] < full.shape[1]
+
+
 def test_bad_use_is_refused_with_one_clear_line(setup, tmp_path):
     model, heads = setup
     with pytest.raises(InputError, match="expected a head checkpoint folder"):
