@@ -198,10 +198,18 @@ def times(speedup: float | None) -> str:
     return "-" if speedup is None else f"{speedup:.2f}x"
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with the CLI's one-line errors: a usage error is one ``error:`` line naming the
+    option and where the usage is (``--help``), exit status 2, like every other error."""
+
+    def error(self, message: str):
+        fail(f"{self.prog}: {message} (see `{self.prog} --help`)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="draftheads", description=__doc__)
+    parser = Parser(prog="draftheads", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    common = argparse.ArgumentParser(add_help=False)
+    common = Parser(add_help=False)
     common.add_argument("--heads", default=DEFAULT_HEADS, help="head checkpoint directory, or 'none' for plain decoding")
     common.add_argument("--base", default=None, help="base model dir / Hub id / .gguf (default: embedded SmolLM2)")
     common.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
