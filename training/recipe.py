@@ -253,10 +253,14 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     for key, value in pairs:
         node = data
         *parents, last = key.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-            if node is None:
-                node = {}
+        for depth, part in enumerate(parents):
+            if node.get(part) is None:
+                node[part] = {}
+            node = node[part]
+            if not isinstance(node, dict):
+                section = ".".join(parents[:depth + 1])
+                raise RecipeError(f"Recipe section {section} must be a mapping, got {node!r}; override --{key} "
+                                  "cannot set a key in it.")
         node[last] = value
     return data
 
