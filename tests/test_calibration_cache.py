@@ -162,3 +162,29 @@ def test_cli_generate_adaptive_on_a_fresh_machine(tmp_path, monkeypatch, capsys,
     with pytest.warns(UserWarning, match=rf"ignoring the cached calibration {cached}"):
         assert main(argv) == 0
     assert measured == [1, 1]
+
+
+@pytest.mark.slow
+def test_smollm2_adaptive_with_a_file_valued_cache(tmp_path, monkeypatch, measured):
+    """The embedded base and its shipped heads with ``DRAFTHEADS_CACHE`` pointing at a file: the
+    GGUF conversion and the calibration both warn and stay in this process, and the answer is
+    the base's own."""
+    import os
+
+    from helpers import REPO
+
+    if os.environ.get("DRAFTHEADS_SKIP_SMOLLM2"):
+        pytest.skip("DRAFTHEADS_SKIP_SMOLLM2 is set")
+    (tmp_path / "cache").write_text("a file")
+    monkeypatch.setenv("DRAFTHEADS_CACHE", str(tmp_path / "cache"))
+    grid = CalibrationConfig(batch_sizes=(1,), nodes=(1, 2), contexts=(32,), max_tokens=8, reps=1)
+    with pytest.warns(UserWarning) as seen:
+        model = DraftHeadsModel.from_pretrained(REPO / "checkpoints" / "smollm2-135m-hydra", dtype="float32",
+                                                tree="adaptive", calibration=grid)
+    messages = " ".join(str(w.message) for w in seen)
+    assert "converted base could not be cached: cannot write to" in messages
+    assert "calibration could not be cached: cannot write to" in messages
+    assert isinstance(model.policy, AdaptivePolicy) and measured == [1]
+    ids = model.tokenizer("The sky is", return_tensors="pt")["input_ids"]
+    assert model.generate(ids, max_new_tokens=12).tolist() == model.base.generate(
+        ids, max_new_tokens=12, do_sample=False).tolist()
