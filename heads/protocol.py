@@ -24,7 +24,7 @@ from torch import nn
 from .config import (CARD_NAME, CONFIG_NAME, DRAFTHEADS_VERSION, FORMAT_VERSION, PROMOTED_FROM_EXTRA, REGISTRY,
                      WEIGHTS_NAME, CheckpointError, HeadConfig, display_name, read_config, register)
 from .card import basic_card
-from .errors import DraftheadsError, cannot_write
+from .errors import cannot_write
 from .hub import resolve_checkpoint, upload_checkpoint
 from .linear import PackedWeight, can_pack, packed_matmul
 from .linear import use_packed_linears as wrap_linears
@@ -288,8 +288,6 @@ class atomic_directory:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
-            if isinstance(exc, OSError) and not isinstance(exc, DraftheadsError):
-                raise cannot_write(self.target, exc) from None
             return
         try:
             self._replace()
