@@ -61,7 +61,6 @@ def cmd_import_medusa(args) -> int:
     from .decoding.base import fingerprint
     from .heads.hub import resolve_checkpoint
     from .heads.medusa_import import import_medusa
-
     from .heads.protocol import check_output_dir
 
     source = resolve_checkpoint(args.source, revision=args.revision)
