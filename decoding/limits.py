@@ -13,10 +13,11 @@ from typing import Any
 
 import torch
 
+from ..heads.errors import DraftheadsError, MissingPathError
 from .tree import Tree
 
 
-class InputError(ValueError):
+class InputError(DraftheadsError, ValueError):
     """An argument or input the decoder cannot use; the message says what to pass instead."""
 
 
@@ -87,6 +88,13 @@ def parse_tree_option(tree: Any) -> Any:
     return check_count("tree (a node budget)", tree, 0)
 
 
+def check_generator(generator: Any) -> None:
+    """``generate(generator=...)``: None (seeded from the global RNG) or a ``torch.Generator``."""
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise InputTypeError(f"generate(): generator must be a torch.Generator (e.g. "
+                             f"torch.Generator().manual_seed(0)) or None, got {type(generator).__name__} {generator!r}.")
+
+
 def check_base_path(name_or_path: str | None) -> None:
     """A base that names a local path must exist: refuse it here rather than letting the Hub
     client try to download a folder name."""
@@ -98,7 +106,7 @@ def check_base_path(name_or_path: str | None) -> None:
     looks_local = (text.startswith(("/", "./", "../", "~", ".\\")) or text.endswith(".gguf") or text.count("/") > 1
                    or isinstance(name_or_path, Path))
     if looks_local and not Path(text).expanduser().exists():
-        raise FileNotFoundError(f"base model {text!r} does not exist: pass an existing model directory, a .gguf "
+        raise MissingPathError(f"base model {text!r} does not exist: pass an existing model directory, a .gguf "
                                 "file, a Hub id already in the local cache, or None for the embedded SmolLM2.")
 
 

@@ -18,18 +18,22 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
-import os
+import math
 import platform
-import tempfile
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
 
 import torch
 
+from ..heads import CheckpointError
+from ..heads.errors import DraftheadsError, UnwritablePathError
 from ..heads.hardware import cpu_model, isa_limits
+from ..heads.protocol import write_text_atomic
 from .accept import greedy_tokens
+from .limits import InputError
 from .base import cache_root, fingerprint, lm_logits, tree_attention_mask, verify
 from .tree import Tree, chain_tree, tree_from_paths
 
@@ -112,7 +116,8 @@ class CostModel:
     def from_dict(cls, data: dict, mode: str = "tree") -> "CostModel":
         """Reads both the calibration JSON and the GPU files of ``shared/data/cost_surfaces``
         (rows with ``ms_median`` and a ``mode``: only ``mode`` rows are used, since the decoder
-        verifies with a 4D tree mask)."""
+        verifies with a 4D tree mask), after :func:`check_cost_surface`."""
+        check_cost_surface(data)
         rows = [{"bs": r["bs"], "q": r["q"], "ctx": r.get("ctx", data.get("meta", {}).get("ctx", 0)),
                  "ms": r["ms"] if "ms" in r else r["ms_median"]}
                 for r in data.get("rows", []) if r.get("mode", mode) == mode]
@@ -124,10 +129,57 @@ class CostModel:
                    LatencyTable.from_rows(draft) if draft else None, dict(data.get("meta", {})))
 
 
+class CostSurfaceError(DraftheadsError, ValueError):
+    """A cost surface (a cached calibration, a GPU surface file) that cannot be used."""
+
+
+def _plausible_rows(rows, size_keys: tuple[str, ...], where: str) -> None:
+    """Each row an object whose sizes are integers ≥ 0 and whose time is a finite number > 0."""
+    if not isinstance(rows, list):
+        raise CostSurfaceError(f"'{where}' is a {type(rows).__name__}, not a list of measured points")
+    for row in rows:
+        if not isinstance(row, dict):
+            raise CostSurfaceError(f"'{where}' holds a {type(row).__name__}, not a measured point")
+        ms = row.get("ms", row.get("ms_median"))
+        for key in size_keys:
+            value = row.get(key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise CostSurfaceError(f"a point of '{where}' has {key}={value!r}, not a count")
+        if isinstance(ms, bool) or not isinstance(ms, (int, float)) or not math.isfinite(ms) or ms <= 0:
+            raise CostSurfaceError(f"a point of '{where}' has time {ms!r} ms, not a finite positive number")
+
+
+def check_cost_surface(data) -> None:
+    """Everything :meth:`CostModel.from_dict` reads, checked: an object with a non-empty list of
+    forward points and optional overhead/draft lists, every size a count and every time a
+    finite positive number (a NaN or negative time would make the policy's choice garbage)."""
+    if not isinstance(data, dict):
+        raise CostSurfaceError(f"it is a JSON {type(data).__name__}, not an object with 'rows'")
+    if not isinstance(data.get("meta", {}), dict):
+        raise CostSurfaceError("its 'meta' is not an object")
+    rows = data.get("rows")
+    if not rows:
+        raise CostSurfaceError("it holds no measured points ('rows' is missing or empty)")
+    _plausible_rows(rows, ("bs", "q"), "rows")
+    _plausible_rows(data.get("overhead_rows") or [], ("bs", "q", "ctx"), "overhead_rows")
+    _plausible_rows(data.get("draft_rows") or [], ("bs", "budget"), "draft_rows")
+
+
 def load_cost_surface(path: str | Path, mode: str = "tree") -> CostModel:
-    """A cost surface JSON file: a cached calibration or one of the measured GPU surfaces."""
-    with open(path, encoding="utf-8") as handle:
-        return CostModel.from_dict(json.load(handle), mode=mode)
+    """A cost surface JSON file: a cached calibration or one of the measured GPU surfaces;
+    anything unreadable or implausible is a :class:`CostSurfaceError` naming the file."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = json.load(handle)
+        return CostModel.from_dict(data, mode=mode)
+    except OSError as err:
+        raise CostSurfaceError(f"{path} cannot be read ({err.strerror or err})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CostSurfaceError(f"{path} is not valid JSON ({type(err).__name__})") from None
+    except CostSurfaceError as err:
+        raise CostSurfaceError(f"{path} is not a usable cost surface: {err}") from None
+    except ValueError as err:  # no rows of this mode
+        raise CostSurfaceError(f"{path}: {err}") from None
 
 
 # -- calibration -----------------------------------------------------------------------------
@@ -337,22 +389,50 @@ def run_calibration(model, heads=None, config: CalibrationConfig = CalibrationCo
                      LatencyTable.from_rows(monotone_envelope(draft)) if draft else None, meta)
 
 
+#: calibrations this process measured but could not write to the cache, by cache path
+_IN_MEMORY: dict[Path, CostModel] = {}
+
+
+def read_calibration(path: Path, key: dict) -> CostModel | None:
+    """The cached calibration at ``path`` if it is usable for ``key``, else None. A cache is
+    never trusted: a file that cannot be read or is implausible (truncated, not JSON, no
+    points, NaN or negative times...) is reported once, naming it, and measured again."""
+    if path in _IN_MEMORY:
+        return _IN_MEMORY[path]
+    try:
+        if not path.is_file():
+            return None
+        cost = load_cost_surface(path)
+    except (CostSurfaceError, OSError) as err:
+        warnings.warn(f"ignoring the cached calibration {path}: {err}; measuring it again (the new result "
+                      "replaces the file).", UserWarning, stacklevel=3)
+        return None
+    return cost if cost.meta.get("key") == key else None
+
+
+def write_calibration(path: Path, cost: CostModel) -> None:
+    """Cache a calibration (atomically); where the cache cannot be written (a read-only or
+    file-valued ``DRAFTHEADS_CACHE``) warn and keep it in memory for this process."""
+    try:
+        write_text_atomic(path, json.dumps(cost.to_dict(), indent=1))
+        _IN_MEMORY.pop(path, None)
+    except UnwritablePathError as err:
+        _IN_MEMORY[path] = cost
+        warnings.warn(f"the calibration could not be cached: {err} It is kept in memory for this process only; set "
+                      "DRAFTHEADS_CACHE to a writable folder to keep it across runs.", UserWarning, stacklevel=3)
+
+
 def calibrate(model, heads=None, config: CalibrationConfig = CalibrationConfig(), refresh: bool = False,
               log=None) -> CostModel:
     """The cost model of this base on this device/dtype/torch (and these heads): read from
-    ``cache_root()/calibration/`` when measured before, else measured now and cached."""
+    ``cache_root()/calibration/`` when measured before (and usable), else measured now and
+    cached (in memory when the cache cannot be written)."""
     key = calibration_key(model, heads)
     path = calibration_path(key, config)
-    if path.is_file() and not refresh:
-        cost = load_cost_surface(path)
-        if cost.meta.get("key") == key:
-            return cost
-    cost = run_calibration(model, heads, config, log=log)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")  # atomic: no half-written cache entry
-    with os.fdopen(fd, "w") as handle:
-        json.dump(cost.to_dict(), handle, indent=1)
-    os.replace(tmp, path)
+    cost = None if refresh else read_calibration(path, key)
+    if cost is None:
+        cost = run_calibration(model, heads, config, log=log)
+        write_calibration(path, cost)
     return cost
 
 
@@ -385,13 +465,13 @@ def candidates_from_heads(heads, budgets: Iterable[int] | None = None) -> list[C
     taus = {int(k): float(v) for k, v in heads.config.expected_tau.items()}
     trees = {int(k): v for k, v in heads.config.trees.items()}
     if not taus or not trees:
-        raise ValueError("The adaptive policy needs the checkpoint's stored trees and their expected τ "
+        raise CheckpointError("The adaptive policy needs the checkpoint's stored trees and their expected τ "
                          "(config.trees and config.expected_tau, written by training's tree search); "
                          "this checkpoint lacks them: pin a tree instead (tree=<node budget>).")
     wanted = sorted(set(trees) & set(taus) if budgets is None else set(budgets) - {0})
     missing = [b for b in wanted if b not in trees or b not in taus]
     if missing:
-        raise ValueError(f"No stored tree with an expected τ for budget(s) {missing}; stored: {sorted(set(trees) & set(taus))}.")
+        raise InputError(f"No stored tree with an expected τ for budget(s) {missing}; stored: {sorted(set(trees) & set(taus))}.")
     out = [plain]
     for budget in wanted:
         tree = tree_from_paths(trees[budget])

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from .custom_generate import custom_generate
 from .decoding import DraftHeadsModel, load_base
-from .heads import HeadConfig, MedusaHeads, load_heads
+from .heads import DraftheadsError, HeadConfig, MedusaHeads, load_heads
 from .heads.protocol import DRAFTHEADS_VERSION as __version__
 
-__all__ = ["DraftHeadsModel", "custom_generate", "HeadConfig", "MedusaHeads", "load_base", "load_heads", "__version__"]
+__all__ = ["DraftHeadsModel", "DraftheadsError", "HeadConfig", "MedusaHeads", "custom_generate", "load_base", "load_heads",
+           "__version__"]

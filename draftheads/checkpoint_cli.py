@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
-from .decoding.limits import parse_dtype
+from .decoding.limits import InputError, parse_dtype
+from .heads.protocol import write_text_atomic
 
 #: the dtypes export and import-medusa write (``--save-dtype keep``: each tensor keeps its own)
 WRITE_DTYPES = ("float32", "bfloat16", "float16")
@@ -21,19 +20,6 @@ WRITE_DTYPES = ("float32", "bfloat16", "float16")
 def write_dtype(name: str, option: str) -> torch.dtype | None:
     """A ``--dtype``/``--save-dtype`` value as a torch dtype (the package's one parser), ``keep`` → None."""
     return None if name == "keep" else parse_dtype(name, option)
-
-
-def clean_errors(command):
-    """A checkpoint problem ends the command with its message (which names the fix), not a traceback."""
-    def run(args) -> int:
-        from .heads import CheckpointError
-
-        try:
-            return command(args)
-        except (CheckpointError, FileNotFoundError) as err:
-            raise SystemExit(f"error: {err}") from None
-    run.__doc__ = command.__doc__
-    return run
 
 
 def load_base_model(name: str | None):
@@ -55,11 +41,12 @@ def base_label(name: str | None) -> str:
 def cmd_export(args) -> int:
     from .decoding.base import fingerprint
     from .heads import load_heads
-    from .heads.protocol import check_base
+    from .heads.protocol import check_base, check_output_dir
     from .heads.vllm_export import check_exportable, export_heads
 
     heads = load_heads(args.checkpoint)
     check_exportable(heads, args.to, args.share_lm_head)  # refuse before loading a base
+    check_output_dir(args.out, heads.source_dir)
     lm_head = None
     if not heads.config.owns_lm_head:
         base = load_base_model(args.base)
@@ -74,8 +61,10 @@ def cmd_import_medusa(args) -> int:
     from .decoding.base import fingerprint
     from .heads.hub import resolve_checkpoint
     from .heads.medusa_import import import_medusa
+    from .heads.protocol import check_output_dir
 
     source = resolve_checkpoint(args.source, revision=args.revision)
+    check_output_dir(args.out, source)  # before a base loads: never over the checkpoint being read
     if args.trees_from:
         from .decoding.base import load_base
 
@@ -105,23 +94,13 @@ def fit_imported_trees(heads, base, tokenizer, args) -> None:
 
 def record_measured(checkpoint: Path, results: str, command: str, date: str | None) -> None:
     """Point the checkpoint's training report at the benchmark results its card cites."""
+    from .heads.config import read_json_object
+
     path = checkpoint / "training_report.json"
-    if not path.is_file():
-        raise SystemExit(f"error: {path} not found: --results needs a trained checkpoint's training report.")
-    report = json.loads(path.read_text())
+    report = read_json_object(path, "a training report", "--results needs a trained checkpoint's training report "
+                                                         "(written by `draftheads train`).")
     report["measured"] = {"results": results, "command": command, "date": date or datetime.date.today().isoformat()}
     write_text_atomic(path, json.dumps(report, indent=2) + "\n")
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Replace a file in one rename, so a reader never sees half of it."""
-    from .heads.protocol import current_umask
-
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(text)
-    os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp makes it private
-    os.replace(tmp, path)
 
 
 def cmd_card(args) -> int:
@@ -131,7 +110,7 @@ def cmd_card(args) -> int:
     checkpoint = Path(args.checkpoint)
     if args.results:
         if not args.command_line:
-            raise SystemExit("error: --results needs --command, the exact command that wrote the results.")
+            raise InputError("--results needs --command, the exact command that wrote the results.")
         record_measured(checkpoint, args.results, args.command_line, args.date)
     card = card_for_checkpoint(checkpoint, name=args.name, root=args.root)
     target = checkpoint / CARD_NAME
@@ -165,7 +144,7 @@ def add_commands(sub) -> None:
     export.add_argument("--share-lm-head", action="store_true",
                         help="write the LM head once with vLLM's original_lm_head option instead of once per head")
     export.add_argument("--dtype", choices=WRITE_DTYPES, default="bfloat16")
-    export.set_defaults(func=clean_errors(cmd_export))
+    export.set_defaults(func=cmd_export)
     imp = sub.add_parser("import-medusa", help="convert a FasterDecoding Medusa checkpoint into draftheads heads")
     imp.add_argument("source", help="folder or Hub id with config.json + medusa_lm_head.{safetensors,pt}")
     imp.add_argument("out", help="draftheads checkpoint folder to write")
@@ -176,7 +155,7 @@ def add_commands(sub) -> None:
                                                         "expected τ on the base's answers, for tree=<budget>/adaptive")
     imp.add_argument("--limit", type=int, default=20, help="prompts of --trees-from to use")
     imp.add_argument("--max-new-tokens", type=int, default=128, help="answer length for --trees-from")
-    imp.set_defaults(func=clean_errors(cmd_import_medusa))
+    imp.set_defaults(func=cmd_import_medusa)
     card = sub.add_parser("card", help="regenerate a checkpoint's README.md model card from its recorded figures")
     card.add_argument("checkpoint")
     card.add_argument("--name", default=None, help="how the usage snippet names the checkpoint (Hub id or path)")
@@ -185,11 +164,11 @@ def add_commands(sub) -> None:
     card.add_argument("--command", dest="command_line", default=None, help="the exact command that wrote --results")
     card.add_argument("--date", default=None, help="when --results was measured (default: today)")
     card.add_argument("--check", action="store_true", help="only compare; exit 1 if README.md is out of date")
-    card.set_defaults(func=clean_errors(cmd_card))
+    card.set_defaults(func=cmd_card)
     push = sub.add_parser("push", help="upload a checkpoint folder to the Hugging Face Hub")
     push.add_argument("checkpoint")
     push.add_argument("repo_id")
     push.add_argument("--private", action="store_true")
     push.add_argument("--revision", default=None, help="branch to commit to")
-    push.set_defaults(func=clean_errors(cmd_push))
+    push.set_defaults(func=cmd_push)
 

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import torch
 
-from .decoding.limits import DTYPE_CHOICES, InputError
+from .decoding.limits import DTYPE_CHOICES, InputError, check_count
+from .heads.errors import DraftheadsError, one_line
 from .options import drafts_argument, find_heads, tree_argument
-from .prompts import PromptError, PromptFileError, chat_input, round_robin, split_cap
+from .prompts import chat_input, round_robin, split_cap
 from .prompts import read_prompts as _read_prompts
 
 DEFAULT_HEADS = "checkpoints/smollm2-135m-hydra"
@@ -21,23 +22,10 @@ DEFAULT_HEADS = "checkpoints/smollm2-135m-hydra"
 
 def read_prompts(paths, limit: int | None) -> list[dict]:
     """:func:`draftheads.prompts.read_prompts` for the command line: ``--limit`` checked as the
-    API checks it, and every prompt-file problem one ``error:`` line naming file and line."""
+    API checks it (a prompt-file problem names file and line; :func:`main` prints it)."""
     if limit is not None:
-        count_option("--limit", limit)
-    try:
-        return _read_prompts(paths, limit)
-    except PromptFileError as err:
-        raise SystemExit(f"error: {err}") from None
-
-
-def count_option(name: str, value, minimum: int = 1) -> int:
-    """A numeric option, checked exactly as the Python API checks it (decoding/limits.py)."""
-    from .decoding.limits import InputError, check_count
-
-    try:
-        return check_count(name, value, minimum)
-    except InputError as err:
-        raise SystemExit(f"error: {err}") from None
+        check_count("--limit", limit)
+    return _read_prompts(paths, limit)
 
 
 def count_argument(minimum: int = 1):
@@ -68,8 +56,8 @@ def check_review_option(review: bool, drafts) -> None:
 
     try:
         check_review(review, drafts or ("heads",))
-    except ValueError as err:
-        raise SystemExit(f"error: --review: {err}") from None
+    except InputError as err:
+        raise InputError(f"--review: {err}") from None
 
 
 def identity_status(diff: dict | None, dtype: torch.dtype) -> str:
@@ -146,7 +134,7 @@ def batches_per_size(batch_sizes: list[int], max_batches: list[int]) -> dict[int
     if len(max_batches) == 1:
         max_batches = max_batches * len(batch_sizes)
     if len(max_batches) != len(batch_sizes) or min(max_batches) < 1:
-        raise SystemExit(f"error: --max-batches needs one positive number or one per batch size "
+        raise InputError(f"--max-batches needs one positive number or one per batch size "
                          f"({len(batch_sizes)}), got {','.join(map(str, max_batches))}.")
     return dict(zip(batch_sizes, max_batches))
 
@@ -159,16 +147,16 @@ def cmd_bench(args) -> int:
     model = load_model(args)
     if args.batch_sizes:
         if min(args.batch_sizes) < 1:
-            raise SystemExit("error: --batch-sizes must be positive.")
+            raise InputError("--batch-sizes must be positive.")
         if args.repeats < 1:
-            raise SystemExit(f"error: --repeats must be at least 1, got {args.repeats}.")
+            raise InputError(f"--repeats must be at least 1, got {args.repeats}.")
         if model.heads is None:
-            raise SystemExit("error: --batch-sizes compares tree strategies and needs heads (--heads).")
+            raise InputError("--batch-sizes compares tree strategies and needs heads (--heads).")
         stored = sorted(int(b) for b in model.heads.config.trees)
         budgets = args.budgets if args.budgets is not None else [0] + [b for b in stored if b in (1, 2, 4, 8, 16)]
         unknown = [b for b in budgets if b and b not in stored]
         if unknown:
-            raise SystemExit(f"error: no stored tree for budget(s) {unknown}; the checkpoint stores {stored}.")
+            raise InputError(f"no stored tree for budget(s) {unknown}; the checkpoint stores {stored}.")
         per_size = batches_per_size(args.batch_sizes, args.max_batches)
         prompts = round_robin(read_prompts(args.prompts, None))[: args.limit or max(bs * n for bs, n in per_size.items())]
         out = Path(args.out if args.out != "results/bench" else "results/batch")
@@ -224,10 +212,18 @@ def times(speedup: float | None) -> str:
     return "-" if speedup is None else f"{speedup:.2f}x"
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with the CLI's one-line errors: a usage error is one ``error:`` line naming the
+    option and where the usage is (``--help``), exit status 2, like every other error."""
+
+    def error(self, message: str):
+        fail(f"{self.prog}: {message} (see `{self.prog} --help`)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="draftheads", description=__doc__)
+    parser = Parser(prog="draftheads", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    common = argparse.ArgumentParser(add_help=False)
+    common = Parser(add_help=False)
     common.add_argument("--heads", default=DEFAULT_HEADS, help="head checkpoint directory, or 'none' for plain decoding")
     common.add_argument("--base", default=None, help="base model dir / Hub id / .gguf (default: embedded SmolLM2)")
     common.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
@@ -310,15 +306,26 @@ def cmd_train(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Every subcommand runs under one catch: a :class:`DraftheadsError` (whatever its kind:
+    checkpoint, store, recipe, data, prompt, input...) or an OS error on a path the user gave
+    ends the command with one ``error:`` line on stderr and exit status 2, never a traceback."""
     args = build_parser().parse_args(argv)
     if getattr(args, "max_new_tokens", 1) is None:
         args.max_new_tokens = 32 if getattr(args, "batch_sizes", None) else 128
-    if getattr(args, "max_new_tokens", 1) <= 0:
-        raise SystemExit("error: --max-new-tokens must be positive.")
     try:
         return args.func(args)
-    except (PromptError, InputError) as err:
-        raise SystemExit(f"error: {err}") from None
+    except DraftheadsError as err:
+        fail(str(err))
+    except OSError as err:
+        if err.filename is None:  # not about a path: a bug or the machine, keep the traceback
+            raise
+        fail(f"{err.filename}: {err.strerror or err}")
+
+
+def fail(message: str) -> None:
+    """End the command: one ``error:`` line on stderr, exit status 2 (argparse's for usage errors)."""
+    print(f"error: {one_line(message)}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 if __name__ == "__main__":

@@ -15,13 +15,14 @@ from typing import Sequence
 
 import torch
 
+from .heads.errors import DraftheadsError
 from .training.features import chat_prompt_ids
 
 #: MT-Bench's eight categories (Spec-Bench counts them as one task, "mt_bench")
 MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 
 
-class PromptError(ValueError):
+class PromptError(DraftheadsError, ValueError):
     """A prompt that cannot be used (empty), or a prompt file that cannot be read."""
 
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .config import REGISTRY, HeadConfig, read_config
+from .config import REGISTRY, CheckpointError, HeadConfig, read_config, read_json_object
+from .errors import MissingPathError
 
 #: base ids that are not Hub ids → the Hub model they are (the embedded GGUF is a Q4_1
 #: quantization of SmolLM2-135M-Instruct; the fingerprint pins the exact weights)
@@ -178,19 +179,34 @@ def model_card(config: HeadConfig, report: dict, name: str = "<repo id or folder
 def card_for_checkpoint(checkpoint: str | Path, name: str | None = None, root: str | Path = ".") -> str:
     """Regenerate a saved checkpoint's card from what it records: ``config.json``,
     ``training_report.json`` if present, and the results JSON its ``measured`` entry names
-    (a path relative to ``root``, the repository the command ran in)."""
+    (a path relative to ``root``, the repository the command ran in). Each file is read and
+    checked by one reader; a file that lacks what the card cites is one error naming it."""
     checkpoint = Path(checkpoint)
     config = read_config(checkpoint)
     report_path = checkpoint / "training_report.json"
     name = name or str(checkpoint)
     if not report_path.is_file():
         return basic_card(config, name)
-    report = json.loads(report_path.read_text())
-    results = None
-    if report.get("measured"):
-        path = Path(root) / report["measured"]["results"]
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} (named by {report_path} 'measured.results') not found: run the card "
-                                    f"command from the repository root, or re-run `{report['measured']['command']}`.")
-        results = json.loads(path.read_text())
-    return model_card(config, report, name, results, checkpoint)
+    fix = "re-run training to write it again, or delete it for a basic card."
+    report = read_json_object(report_path, "a training report", fix)
+    results, results_path = None, None
+    measured = report.get("measured")
+    if measured:
+        if not isinstance(measured, dict) or not isinstance(measured.get("results"), str):
+            raise CheckpointError(f"{report_path}: 'measured' must be an object with a 'results' path; {fix}")
+        results_path = Path(root) / measured["results"]
+        if not results_path.is_file():
+            raise MissingPathError(f"{results_path} (named by {report_path} 'measured.results') not found: run the "
+                                   f"card command from the repository root, or re-run `{measured.get('command')}`.")
+        results = read_json_object(results_path, "benchmark results", f"re-run `{measured.get('command')}`.")
+    try:
+        body = model_card(config, report, name, None, checkpoint)
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as err:
+        raise CheckpointError(f"{report_path} lacks what the card cites ({type(err).__name__}: {err}); {fix}") from None
+    if results is None:
+        return body
+    try:
+        return model_card(config, report, name, results, checkpoint)
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as err:
+        raise CheckpointError(f"{results_path} lacks what the card cites for {checkpoint.name} "
+                              f"({type(err).__name__}: {err}); re-run `{measured.get('command')}`.") from None

@@ -8,6 +8,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from .errors import DraftheadsError
+
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 CARD_NAME = "README.md"
@@ -20,7 +22,7 @@ PROMOTED_FROM_EXTRA = ("default_budget", "expected_tau", "default_budget_by_dtyp
 DRAFTHEADS_VERSION = "0.1.0"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(DraftheadsError, ValueError):
     """A head checkpoint that cannot be used: wrong base, corrupt file, unknown family..."""
 
 
@@ -111,16 +113,35 @@ def display_name(family: str) -> str:
     return (cls.display_name if cls is not None else "") or family
 
 
+def read_json_object(path: str | Path, what: str, fix: str) -> dict:
+    """The one reader of the JSON objects draftheads keeps beside its files (``config.json``, a
+    training report, bench results, a run's ``recipe.json``): every way the file can be
+    unusable — missing, unreadable, not UTF-8, not JSON, not an object — is one
+    :class:`CheckpointError` naming the file, ``what`` it should be, and ``fix``."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path} not found: {what} is needed here; {fix}")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as err:
+        raise CheckpointError(f"{path} cannot be read ({err.strerror or err}); {fix}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{path} is not valid JSON ({type(err).__name__}: {err}), so it is not {what}; "
+                              f"{fix}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(data).__name__}, not {what} (a JSON object); {fix}")
+    return data
+
+
 def read_config(directory: str | Path) -> HeadConfig:
     path = Path(directory) / CONFIG_NAME
     if not path.is_file():
         raise CheckpointError(f"{path} not found: a head checkpoint is a directory with {CONFIG_NAME} and {WEIGHTS_NAME}.")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise CheckpointError(f"{path} is not valid JSON ({err}); the checkpoint is corrupt.") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path} holds a {type(data).__name__}, not a config object; the checkpoint is corrupt.")
+    data = read_json_object(path, "a head checkpoint's config", "the checkpoint is corrupt: re-download or re-train it.")
+    if "family" not in data and ("model_type" in data or "architectures" in data):
+        raise CheckpointError(f"{path} is a model's config (model_type {data.get('model_type')!r}), not draft heads: "
+                              "pass the folder heads.save_pretrained() or training wrote (its config.json has a "
+                              "'family'), and the base with --base / base_name_or_path.")
     try:
         return HeadConfig.from_dict(data)
     except CheckpointError as err:

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from .medusa import MedusaHeads
+from .config import read_json_object
 from .protocol import CheckpointError, HeadConfig
 
 WEIGHT_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
@@ -65,6 +66,11 @@ def read_medusa_state(folder: Path) -> tuple[dict[str, torch.Tensor], Path]:
             state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - any reader failure means the file is unusable
         raise CheckpointError(f"{path} cannot be read ({type(err).__name__}: {err}); re-download it.") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path} holds a {type(state).__name__}, not a state dict of tensors; re-download it.")
+    odd = sorted(str(k) for k, v in state.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor))
+    if odd:
+        raise CheckpointError(f"{path}: entries {odd[:5]} are not named tensors; re-download it.")
     return {k.removeprefix("medusa_head."): v for k, v in state.items()}, path
 
 
@@ -90,16 +96,57 @@ def infer_layout(state: dict[str, torch.Tensor], where: Path) -> MedusaLayout:
         raise CheckpointError(f"{where}: only some heads have a vocabulary projection ({projections}).")
     if num_layers == 0:
         raise CheckpointError(f"{where}: heads without ResBlocks are not supported (draftheads Medusa heads have ≥ 1).")
-    hidden = int(state["0.0.linear.weight"].shape[0])
-    vocab = int(state[f"0.{num_layers}.weight"].shape[0]) if all(projections) else None
-    return MedusaLayout(len(heads), num_layers, hidden, vocab)
+    first = state["0.0.linear.weight"]
+    hidden = int(first.shape[0]) if first.dim() == 2 else 0
+    last = state.get(f"0.{num_layers}.weight")
+    vocab = int(last.shape[0]) if all(projections) and last.dim() == 2 else None
+    layout = MedusaLayout(len(heads), num_layers, hidden, vocab)
+    check_tensors(state, layout, where)
+    return layout
+
+
+def expected_shape(key: str, layout: MedusaLayout) -> tuple[int, ...]:
+    """The shape a Medusa tensor must have for ``layout`` (d = hidden size, V = vocabulary)."""
+    kind = _KEY.match(key).group(3)
+    d = layout.hidden_size
+    return {"linear.weight": (d, d), "linear.bias": (d,), "weight": (layout.vocab_size or 0, d)}[kind]
+
+
+def check_tensors(state: dict[str, torch.Tensor], layout: MedusaLayout, where: Path) -> None:
+    """Every tensor is what the layout says (shape), a floating dtype, and finite: a checkpoint
+    that fails here would convert into heads that ``load_heads`` refuses or that draft garbage."""
+    if layout.hidden_size < 1:
+        raise CheckpointError(f"{where}: tensor '0.0.linear.weight' has shape {tuple(state['0.0.linear.weight'].shape)}, "
+                              "not (d, d); not a Medusa checkpoint, or a damaged one: re-download it.")
+    for key, tensor in sorted(state.items()):
+        want = expected_shape(key, layout)
+        if tuple(tensor.shape) != want:
+            raise CheckpointError(f"{where}: tensor {key!r} has shape {tuple(tensor.shape)} but the heads' hidden size "
+                                  f"{layout.hidden_size} needs {want}; the checkpoint is damaged: re-download it.")
+        if not tensor.is_floating_point():
+            raise CheckpointError(f"{where}: tensor {key!r} is {tensor.dtype}; Medusa weights are floating point "
+                                  "(float32/bfloat16/float16): the checkpoint is damaged or not Medusa heads.")
+        if not bool(torch.isfinite(tensor).all()):
+            raise CheckpointError(f"{where}: tensor {key!r} holds NaN or infinite values; the checkpoint is damaged "
+                                  "(or diverged in training): re-download it.")
+
+
+#: config.json fields import reads, each a positive integer when present
+INT_FIELDS = ("medusa_num_heads", "medusa_num_layers")
 
 
 def read_medusa_config(folder: Path) -> dict:
+    """The Medusa ``config.json`` through the one JSON-object reader, its numeric fields checked."""
     path = folder / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{path} not found: a Medusa checkpoint has a config.json with medusa_num_heads.")
-    return json.loads(path.read_text())
+    config = read_json_object(path, "a Medusa config", "re-download the Medusa checkpoint.")
+    for name in INT_FIELDS:
+        value = config.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise CheckpointError(f"{path}: {name} must be a positive integer, got {value!r}; fix the field or "
+                                  "re-download the Medusa checkpoint.")
+    return config
 
 
 def import_medusa(folder: str | Path, base_fingerprint: dict, base_name: str | None = None,
@@ -110,10 +157,12 @@ def import_medusa(folder: str | Path, base_fingerprint: dict, base_name: str | N
     config = read_medusa_config(folder)
     state, path = read_medusa_state(folder)
     layout = infer_layout(state, path)
-    recorded = config.get("medusa_num_layers")
-    if recorded is not None and int(recorded) != layout.num_layers:
-        raise CheckpointError(f"{folder}/config.json says medusa_num_layers={recorded} but {path.name} holds "
-                              f"{layout.num_layers} ResBlock(s) per head; the checkpoint is inconsistent.")
+    for name, held in (("medusa_num_layers", layout.num_layers), ("medusa_num_heads", layout.num_heads)):
+        recorded = config.get(name)
+        if recorded is not None and recorded != held:
+            raise CheckpointError(f"{folder}/config.json says {name}={recorded} but {path.name} holds {held} "
+                                  f"({'ResBlocks per head' if name.endswith('layers') else 'heads'}); the checkpoint "
+                                  "is inconsistent: re-download it.")
     if layout.hidden_size != base_fingerprint["hidden_size"]:
         raise CheckpointError(f"The Medusa heads in {folder} read hidden states of size {layout.hidden_size} but "
                               f"the base has hidden_size {base_fingerprint['hidden_size']}: load the base they were "

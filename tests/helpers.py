@@ -38,6 +38,24 @@ def tiny_llama(seed: int = 0, vocab: int = 96, dtype=torch.float64, max_pos: int
     return model
 
 
+def save_tiny_base(folder: Path, seed: int = 0) -> LlamaForCausalLM:
+    """:func:`tiny_llama` saved as a model folder with a word-level tokenizer ("w0".."w95", a
+    chat template), so the CLI's ``generate`` runs on it end to end; returns the model."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    model = tiny_llama(seed)
+    model.save_pretrained(folder)
+    words = Tokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(96)}, unk_token="w0"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, unk_token="w0", pad_token="w0", bos_token="w1",
+                                        eos_token="w2")
+    tokenizer.chat_template = ("{% for m in messages %}w3 {{ m['content'] }} {% endfor %}"
+                               "{% if add_generation_prompt %}w4{% endif %}")
+    tokenizer.save_pretrained(folder)
+    return model
+
+
 def left_pad(prompts: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """A left-padded batch and its attention mask, as a tokenizer with padding_side='left' gives."""
     width = max(len(p) for p in prompts)

@@ -76,16 +76,20 @@ def test_import_then_export_from_the_command_line(tmp_path):
     assert torch.allclose(ref.double(), draftheads_full_logits(ours, hidden32.double()), atol=1e-5)
 
 
-def test_command_line_errors_are_messages(tmp_path):
+def test_command_line_errors_are_messages(tmp_path, capsys):
     model = tiny_llama(0)
     model.save_pretrained(tmp_path / "base")
     HydraHeads(HeadConfig(family="hydra", num_heads=2, hidden_size=32, vocab_size=96,
                           base_fingerprint=fingerprint(model).to_dict())).save_pretrained(tmp_path / "hydra")
-    with pytest.raises(SystemExit, match="error: Cannot export 'hydra' heads to vLLM's MLPSpeculator"):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
         main(["export", "--to", "vllm-mlp-speculator", str(tmp_path / "hydra"), str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.startswith("error: Cannot export 'hydra' heads to vLLM's MLPSpeculator")
     write_medusa(tmp_path / "medusa", reference_heads(32, 128, 2, 1, True), 1, "pt")
-    with pytest.raises(SystemExit, match="error: Vocabulary-size mismatch"):
+    with pytest.raises(SystemExit) as exit_info:
         main(["import-medusa", str(tmp_path / "medusa"), str(tmp_path / "x"), "--base", str(tmp_path / "base")])
+    assert exit_info.value.code == 2 and "error: Vocabulary-size mismatch" in capsys.readouterr().err
     assert not (tmp_path / "out").exists() and not (tmp_path / "x").exists()
 
 

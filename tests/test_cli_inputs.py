@@ -7,6 +7,7 @@ import json
 import pytest
 
 from draftheads.cli import main, read_prompts
+from draftheads.decoding.limits import InputError
 
 
 def run_cli(argv, capsys) -> str:
@@ -61,5 +62,5 @@ def test_limit_takes_the_first_prompts(tmp_path):
     prompts.write_text("".join(json.dumps({"turns": [f"q{i}", "second"]}) + "\n" for i in range(3)))
     assert [p["prompt"] for p in read_prompts(str(prompts), 2)] == ["q0", "q1"]
     assert len(read_prompts(str(prompts), None)) == 3
-    with pytest.raises(SystemExit, match="--limit must be ≥ 1, got 0"):
+    with pytest.raises(InputError, match="--limit must be ≥ 1, got 0"):
         read_prompts(str(prompts), 0)

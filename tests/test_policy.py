@@ -11,6 +11,7 @@ import torch
 from helpers import DATA, OracleHeads, left_pad, tiny_llama
 from draftheads.decoding import DraftHeadsModel, chain_tree, tree_from_paths
 from draftheads.decoding.generate import FixedTree, resolve_tree
+from draftheads.decoding.limits import InputError
 from draftheads.decoding.policy import (AdaptivePolicy, CalibrationConfig, Candidate, CostModel, LatencyTable,
                                         calibrate, calibration_key, calibration_path, candidates_from_heads, interp1,
                                         load_cost_surface)
@@ -299,7 +300,7 @@ def test_cli_tree_and_batch_size_arguments():
     assert batches_per_size([1, 4, 32], [2]) == {1: 2, 4: 2, 32: 2}
     assert batches_per_size([1, 4, 32], [6, 4, 1]) == {1: 6, 4: 4, 32: 1}
     for bad in ([6, 4], [2, 0, 1]):
-        with pytest.raises(SystemExit, match="--max-batches needs one positive number or one per batch size"):
+        with pytest.raises(InputError, match="--max-batches needs one positive number or one per batch size"):
             batches_per_size([1, 4, 32], bad)
     for bad in (["--tree", "huge"], ["--batch-sizes", "1,x"]):
         with pytest.raises(SystemExit):

@@ -30,6 +30,7 @@ from typing import Iterable
 import torch
 from tqdm.auto import tqdm
 
+from ..heads.errors import DraftheadsError
 from ..decoding.base import from_checkout
 from ..decoding.generate import eos_token_ids
 from ..decoding.output import generated_counts
@@ -49,7 +50,7 @@ REQUIRED_COLUMNS = {
 }
 
 
-class DataError(ValueError):
+class DataError(DraftheadsError, ValueError):
     """Data that cannot be used as asked: missing file or column, inconsistent resume."""
 
 

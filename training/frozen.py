@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..heads.errors import MissingPathError
 from ..decoding.base import fingerprint, load_base
 from ..decoding.limits import DTYPES
 
@@ -23,7 +24,7 @@ def load_frozen_base(name: str, dtype: str):
     try:
         model = AutoModelForCausalLM.from_pretrained(name, dtype=DTYPES[dtype]).eval().requires_grad_(False)
     except OSError as err:  # not a model dir / not in the local Hub cache: one line for main()
-        raise FileNotFoundError(f"Recipe key base={name!r} could not be loaded: {str(err).splitlines()[0]}") from None
+        raise MissingPathError(f"Recipe key base={name!r} could not be loaded: {str(err).splitlines()[0]}") from None
     try:
         tokenizer = AutoTokenizer.from_pretrained(name)
     except (OSError, ValueError):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import types
 import typing
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
@@ -17,10 +18,11 @@ from typing import Any
 
 import yaml
 
+from ..heads.errors import DraftheadsError, one_line
 from .features import MAX_TARGETS
 
 
-class RecipeError(ValueError):
+class RecipeError(DraftheadsError, ValueError):
     """A recipe that cannot be used: unknown key, wrong type, bad value, wrong resume dir."""
 
 
@@ -251,10 +253,14 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     for key, value in pairs:
         node = data
         *parents, last = key.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-            if node is None:
-                node = {}
+        for depth, part in enumerate(parents):
+            if node.get(part) is None:
+                node[part] = {}
+            node = node[part]
+            if not isinstance(node, dict):
+                section = ".".join(parents[:depth + 1])
+                raise RecipeError(f"Recipe section {section} must be a mapping, got {node!r}; override --{key} "
+                                  "cannot set a key in it.")
         node[last] = value
     return data
 
@@ -267,17 +273,38 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> 
         if not path.is_file():
             raise RecipeError(f"Recipe {path} not found; the shipped recipes are in recipes/*.yaml.")
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except UnicodeDecodeError:
+            raise RecipeError(f"Recipe {path} is not a text file (not UTF-8): pass a YAML recipe such as "
+                              "recipes/medusa-smollm2.yaml.") from None
         except yaml.YAMLError as err:
-            raise RecipeError(f"Recipe {path} is not valid YAML: {err}") from None
+            raise RecipeError(f"Recipe {path} is not valid YAML: {one_line(str(err))}") from None
+        except OSError as err:
+            raise RecipeError(f"Recipe {path} cannot be read ({err.strerror or err}).") from None
+        if not isinstance(data, dict):
+            raise RecipeError(f"Recipe {path} holds a YAML {type(data).__name__} at the top level; a recipe is a "
+                              "mapping of sections (name:, base:, heads:, data:, train:...), as in recipes/*.yaml.")
     data = apply_overrides(data, overrides or [])
     recipe = build(Recipe, data)
     check_values(recipe)
     return recipe
 
 
+def check_finite(section: Any, prefix: str = "") -> None:
+    """Every float of the recipe (every section, every field) is a finite number: a NaN passes
+    every range check (``nan <= 0`` is False) and would train to NaN weights, an infinity would
+    never end (epochs) or blow up at the first step (lr)."""
+    for f in fields(section):
+        value, key = getattr(section, f.name), prefix + f.name
+        if is_dataclass(value):
+            check_finite(value, key + ".")
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise RecipeError(f"Recipe key {key} must be a finite number, got {value}.")
+
+
 def check_values(recipe: Recipe) -> None:
     """Value ranges that types cannot express."""
+    check_finite(recipe)
     positive = {"heads.num_heads": recipe.heads.num_heads, "heads.num_layers": recipe.heads.num_layers,
                 "train.batch_size": recipe.train.batch_size, "train.grad_accum": recipe.train.grad_accum,
                 "run.checkpoint_every": recipe.run.checkpoint_every, "run.eval_every": recipe.run.eval_every,

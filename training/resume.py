@@ -9,6 +9,7 @@ import os
 import shutil
 from pathlib import Path
 
+from ..heads.config import CheckpointError, read_json_object
 from .recipe import Recipe, RecipeError
 from .run_state import foreign_entries, save_run_state
 
@@ -42,7 +43,12 @@ def check_same_recipe(directory: Path, recipe: Recipe) -> None:
     path = directory / RECIPE_FILE
     if not path.is_file():
         raise RecipeError(f"{directory} has no {RECIPE_FILE}: it is not a draftheads training run/checkpoint.")
-    saved = json.loads(path.read_text())
+    try:
+        saved = read_json_object(path, "the recipe the run was made with",
+                                 "the checkpoint is damaged: resume from another one (run.resume=<step dir>) or "
+                                 "start over (run.resume=never).")
+    except CheckpointError as err:
+        raise RecipeError(str(err)) from None
 
     def flat(d: dict, prefix: str = "") -> dict:
         out = {}

@@ -32,7 +32,8 @@ from pathlib import Path
 import torch
 
 from ..decoding.limits import DTYPES
-from ..heads import REGISTRY, CheckpointError, DraftHeads
+from ..heads import REGISTRY, DraftHeads
+from ..heads.errors import DraftheadsError, one_line
 from .adversarial import Adversary
 from .data import DataError, example_features, load_examples, resolve_data_path
 from .evaluation import evaluate
@@ -316,13 +317,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         recipe = load_recipe(path, overrides)
     except RecipeError as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {one_line(str(err))}", file=sys.stderr)
         return 2
     quiet_library_bars()
     try:
         report = train(recipe)
-    except (RecipeError, DataError, CheckpointError, FileNotFoundError) as err:  # one clear line, no traceback
-        print(f"error: {err}", file=sys.stderr)
+    except DraftheadsError as err:  # every project error: one clear line, no traceback
+        print(f"error: {one_line(str(err))}", file=sys.stderr)
         return 2
     if report:
         print(json.dumps({k: report[k] for k in ("steps", "final_loss", "train_tokens_per_second",

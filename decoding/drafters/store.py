@@ -26,6 +26,7 @@ from typing import Sequence
 
 import numpy as np
 
+from ...heads.errors import DraftheadsError
 from .candidates import Candidates, Source, count_trie, select
 from .hitrate import default_q
 
@@ -37,7 +38,7 @@ _NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
 FIX = "rebuild it with `python scripts/build_store.py --data <answers.jsonl> --out <store.safetensors>`"
 
 
-class StoreError(ValueError):
+class StoreError(DraftheadsError, ValueError):
     """A store file that cannot be used: wrong tokenizer, corrupt, empty, or too large."""
 
 
@@ -72,12 +73,14 @@ class StoreHeader:
 
     @classmethod
     def from_metadata(cls, meta: dict[str, str], path: Path) -> "StoreHeader":
+        if not isinstance(meta, dict):
+            raise StoreError(f"{path} has a damaged header (__metadata__ is a {type(meta).__name__}); {FIX}.")
         if meta.get("format") != FORMAT:
             raise StoreError(f"{path} is not a draftheads lookup store (format={meta.get('format')!r}); {FIX}.")
         try:
             return cls(int(meta["format_version"]), int(meta["vocab_size"]), meta["vocab_sha256"], int(meta["n"]),
                        int(meta["bits"]), meta["build_date"], meta["source"], int(meta["records"]), int(meta["tokens"]))
-        except (KeyError, ValueError) as err:
+        except (KeyError, ValueError, TypeError) as err:
             raise StoreError(f"{path} has a damaged header ({err!r}); {FIX}.") from None
 
 
@@ -182,8 +185,11 @@ def available_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+ARRAYS = ("tokens", "keys", "positions", "bigram_next", "bigram_prob")
+
+
 def _read_layout(path: Path) -> tuple[dict, int]:
-    """Header dict and data start offset; every inconsistency is a StoreError."""
+    """Header dict and data start offset; every inconsistency is a StoreError naming the file."""
     if not path.is_file():
         raise StoreError(f"store file {path} does not exist; {FIX}.")
     size = path.stat().st_size
@@ -198,18 +204,69 @@ def _read_layout(path: Path) -> tuple[dict, int]:
             layout = json.loads(handle.read(length))
         except (UnicodeDecodeError, json.JSONDecodeError):
             raise StoreError(f"{path} is corrupt (unreadable header); {FIX}.") from None
+    if not isinstance(layout, dict):
+        raise StoreError(f"{path} is corrupt (its header is a JSON {type(layout).__name__}, not an object); {FIX}.")
     data_start = 8 + length
-    for name in ("tokens", "keys", "positions", "bigram_next", "bigram_prob"):
-        spec = layout.get(name)
-        if not isinstance(spec, dict) or spec.get("dtype") not in _DTYPES:
-            raise StoreError(f"{path} is corrupt (array {name!r} missing or of unknown type); {FIX}.")
-        begin, end = spec["data_offsets"]
-        if data_start + end > size:
-            raise StoreError(f"{path} is truncated ({size} bytes, array {name!r} needs {data_start + end}); {FIX}.")
-        width = np.dtype(_DTYPES[spec["dtype"]]).itemsize
-        if end - begin != width * int(np.prod(spec["shape"], dtype=np.int64)):
-            raise StoreError(f"{path} is corrupt (array {name!r} has the wrong byte length); {FIX}.")
+    for name in ARRAYS:
+        _check_array_spec(path, name, layout.get(name), size - data_start)
     return layout, data_start
+
+
+def _check_array_spec(path: Path, name: str, spec, data_bytes: int) -> None:
+    """One array's header entry: a known dtype, a 1-D shape, and offsets inside the file that
+    hold exactly shape × itemsize bytes."""
+    if not isinstance(spec, dict) or spec.get("dtype") not in _DTYPES:
+        raise StoreError(f"{path} is corrupt (array {name!r} missing or of unknown type); {FIX}.")
+    offsets, shape = spec.get("data_offsets"), spec.get("shape")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+            and 0 <= offsets[0] <= offsets[1]):
+        raise StoreError(f"{path} is corrupt (array {name!r} has no valid data_offsets: {offsets!r}); {FIX}.")
+    if not (isinstance(shape, list) and len(shape) == 1 and type(shape[0]) is int and shape[0] >= 0):
+        raise StoreError(f"{path} is corrupt (array {name!r} has shape {shape!r}, not one length); {FIX}.")
+    begin, end = offsets
+    if end > data_bytes:
+        raise StoreError(f"{path} is truncated (array {name!r} needs {end} data bytes, the file holds {data_bytes}); "
+                         f"{FIX}.")
+    if end - begin != np.dtype(_DTYPES[spec["dtype"]]).itemsize * shape[0]:
+        raise StoreError(f"{path} is corrupt (array {name!r} has the wrong byte length); {FIX}.")
+
+
+def _check_header(path: Path, header: "StoreHeader", layout: dict) -> None:
+    """The header's numbers against each other and the arrays' lengths: a wrong n or bits
+    would make every key lookup wrong (or overflow), a wrong count would read past an answer."""
+    length = {name: layout[name]["shape"][0] for name in ARRAYS}
+    problems = []
+    if header.vocab_size < 1 or header.bits != key_bits(header.vocab_size) or header.n != 64 // header.bits:
+        problems.append(f"vocab_size={header.vocab_size}, bits={header.bits}, n={header.n} do not fit together "
+                        f"(bits must be {key_bits(max(header.vocab_size, 1))}, n = 64 // bits)")
+    if header.records < 0 or header.tokens < 0 or length["tokens"] != header.tokens + header.records:
+        problems.append(f"tokens={header.tokens} + records={header.records} separators != {length['tokens']} stored")
+    if not length["keys"] == length["positions"] == header.tokens:
+        problems.append(f"{length['keys']} keys and {length['positions']} positions for {header.tokens} tokens")
+    if not length["bigram_next"] == length["bigram_prob"] == header.vocab_size:
+        problems.append(f"bigram tables of {length['bigram_next']}/{length['bigram_prob']} rows for a vocabulary "
+                        f"of {header.vocab_size}")
+    if problems:
+        raise StoreError(f"{path} has an inconsistent header ({'; '.join(problems)}); {FIX}.")
+
+
+def _check_values(path: Path, arrays: dict[str, np.ndarray], vocab: int) -> None:
+    """Once on open, vectorized over the mapped arrays: every token id in [0, vocab) (or the
+    separator), every position inside the token array, every bigram successor a token, the
+    keys sorted. Overwritten bytes would otherwise surface as an IndexError inside the base's
+    embedding during ``generate``."""
+    tokens, positions, keys, nxt = arrays["tokens"], arrays["positions"], arrays["keys"], arrays["bigram_next"]
+    if tokens.size and (int(tokens.max()) >= vocab or int(tokens.min()) < SEPARATOR):
+        bad = int(tokens.max()) if int(tokens.max()) >= vocab else int(tokens.min())
+        raise StoreError(f"{path} holds token id {bad}, outside this vocabulary [0, {vocab}): the file is damaged or "
+                         f"was built with another tokenizer; {FIX}.")
+    if positions.size and (int(positions.min()) < 0 or int(positions.max()) >= tokens.size
+                           or bool((tokens[positions] == SEPARATOR).any())):
+        raise StoreError(f"{path} is corrupt (positions outside its answers); {FIX}.")
+    if nxt.size and (int(nxt.max()) >= vocab or int(nxt.min()) < -1):
+        raise StoreError(f"{path} is corrupt (bigram table holds ids outside [0, {vocab})); {FIX}.")
+    if keys.size > 1 and bool((keys[1:] < keys[:-1]).any()):
+        raise StoreError(f"{path} is corrupt (its keys are not sorted); {FIX}.")
 
 
 @dataclass(frozen=True)
@@ -233,7 +290,9 @@ class ModelStore:
 
     @classmethod
     def open(cls, path: str | Path, expect: TokenizerIdentity | None = None,
-             memory_limit: int | None = None) -> "ModelStore":
+             memory_limit: int | None = None, vocab_limit: int | None = None) -> "ModelStore":
+        """Open and check the store: header, sizes, tokenizer, memory, then every id against the
+        vocabulary (``vocab_limit``: the base's embedding rows, when smaller than the header's)."""
         path = Path(path)
         layout, data_start = _read_layout(path)
         header = StoreHeader.from_metadata(layout.get("__metadata__") or {}, path)
@@ -246,6 +305,7 @@ class ModelStore:
                              f"this base's answers with `python scripts/build_store.py --data <answers.jsonl> --out {path}`.")
         if header.tokens == 0 or layout["keys"]["shape"][0] == 0:
             raise StoreError(f"{path} is an empty store (no answer tokens); {FIX} from data with answers.")
+        _check_header(path, header, layout)
         need = path.stat().st_size
         limit = available_memory() if memory_limit is None else memory_limit
         if need > limit:
@@ -257,7 +317,8 @@ class ModelStore:
         # cheaper than slicing np.memmap (no subclass bookkeeping on every lookup)
         arrays = {name: np.frombuffer(mapped, dtype=_DTYPES[spec["dtype"]], offset=data_start + spec["data_offsets"][0],
                                       count=int(np.prod(spec["shape"], dtype=np.int64)))
-                  for name, spec in layout.items() if name != "__metadata__"}
+                  for name, spec in layout.items() if name in ARRAYS}
+        _check_values(path, arrays, min(header.vocab_size, vocab_limit or header.vocab_size))
         return cls(path, header, arrays)
 
     def match(self, history: Sequence[int], min_match: int = 1) -> tuple[int, int, int]:
