@@ -45,6 +45,8 @@ def cmd_export(args) -> int:
     from .heads.vllm_export import check_exportable, export_heads
 
     heads = load_heads(args.checkpoint)
+    if args.to == CUSTOM_GENERATE:
+        return export_custom_generate(heads, args.out, args.source)
     check_exportable(heads, args.to, args.share_lm_head)  # refuse before loading a base
     check_output_dir(args.out, heads.source_dir)
     lm_head = None
@@ -54,6 +56,30 @@ def cmd_export(args) -> int:
         lm_head = base.get_output_embeddings().weight
     out = export_heads(heads, args.to, args.out, lm_head, args.share_lm_head, write_dtype(args.dtype, "--dtype"))
     print(f"wrote {out} ({args.to}); serve with vLLM as a Medusa speculator of {heads.config.base_name}", file=sys.stderr)
+    return 0
+
+
+#: ``export --to custom-generate``: the checkpoint with transformers' custom_generate/ folder
+CUSTOM_GENERATE = "custom-generate"
+
+
+def export_custom_generate(heads, out: str, source: str | None) -> int:
+    """A copy of the head checkpoint with ``custom_generate/generate.py`` in it, so plain
+    transformers code decodes with the heads (``custom_generate=<folder or repo>,
+    trust_remote_code=True``). ``source``: where that code finds the heads — the Hub repo id the
+    folder will be pushed to, else the folder's own absolute path."""
+    import shutil
+
+    from .custom_generate import write_custom_generate
+    from .heads.protocol import atomic_directory, check_output_dir
+
+    check_output_dir(out, heads.source_dir)
+    with atomic_directory(out) as staging:
+        shutil.copytree(heads.source_dir, staging, dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("custom_generate"))
+        write_custom_generate(staging, source or str(Path(out).resolve()))
+    print(f"wrote {out}: model.generate(..., custom_generate={source or str(Path(out).resolve())!r}, "
+          "trust_remote_code=True) decodes with these heads", file=sys.stderr)
     return 0
 
 
@@ -135,8 +161,11 @@ def add_commands(sub) -> None:
     """Add ``export``, ``import-medusa``, ``card`` and ``push`` to the ``draftheads`` parser."""
     from .heads.vllm_export import TARGETS
 
-    export = sub.add_parser("export", help="write a head checkpoint in a serving engine's format (vLLM)")
-    export.add_argument("--to", required=True, choices=TARGETS, help="target format")
+    export = sub.add_parser("export", help="write a head checkpoint in a serving engine's format (vLLM) or with "
+                                           "transformers' custom_generate/ folder")
+    export.add_argument("--to", required=True, choices=(*TARGETS, CUSTOM_GENERATE), help="target format")
+    export.add_argument("--source", default=None, help="custom-generate: where the written code finds the heads "
+                                                       "(the Hub repo id you will push to; default: the output folder)")
     export.add_argument("checkpoint", help="draftheads head checkpoint folder or Hub id")
     export.add_argument("out", help="folder to write")
     export.add_argument("--base", default=None, help="the base the heads were made for (default: embedded SmolLM2); "

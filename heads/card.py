@@ -68,7 +68,12 @@ def summary(config: HeadConfig) -> str:
 def usage(config: HeadConfig, name: str) -> str:
     base = "" if config.base_name in (None, *HUB_BASES) else f", base_name_or_path={config.base_name!r}"
     return ("## Usage\n```python\nfrom draftheads import DraftHeadsModel\n"
-            f"model = DraftHeadsModel.from_pretrained({name!r}{base})  # then model.generate(...) as with HF\n```\n")
+            f"model = DraftHeadsModel.from_pretrained({name!r}{base})  # then model.generate(...) as with HF\n```\n"
+            "\nWith a plain transformers model (a pipeline, an evaluation harness) — same output, its own object:\n"
+            "```python\nimport draftheads\n"
+            f"out = model.generate(**inputs, custom_generate=draftheads.custom_generate({name!r}))\n```\n"
+            "A copy made by `draftheads export --to custom-generate` carries `custom_generate/generate.py`: "
+            "`model.generate(**inputs, custom_generate=<that repo or folder>, trust_remote_code=True)`.\n")
 
 
 def basic_card(config: HeadConfig, name: str = "<repo id or folder>") -> str:

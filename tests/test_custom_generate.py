@@ -158,3 +158,21 @@ def test_the_folder_form_in_a_checkpoint(setup):
     with pytest.raises(InputError, match="assistant_model not supported"):
         model.generate(ids, max_new_tokens=4, custom_generate=str(heads), trust_remote_code=True,
                        assistant_model=tiny_llama(0))
+
+
+def test_export_to_custom_generate_writes_a_folder_transformers_runs(setup, tmp_path):
+    """``draftheads export --to custom-generate``: a copy of the checkpoint with the folder; plain
+    transformers code runs it; the source is never overwritten."""
+    from draftheads.cli import main as cli_main
+
+    model, heads = setup
+    out = tmp_path / "exported"
+    assert cli_main(["export", "--to", "custom-generate", str(heads), str(out)]) == 0
+    assert (out / "custom_generate" / "generate.py").is_file() and (out / "config.json").is_file()
+    assert not (heads / "custom_generate").exists()
+    ids = torch.tensor([[9, 8, 7, 6, 9, 8, 7]])
+    reference = model.generate(ids, max_new_tokens=12, do_sample=False)
+    ours = model.generate(ids, max_new_tokens=12, do_sample=False, custom_generate=str(out), trust_remote_code=True)
+    assert ours.tolist() == reference.tolist()
+    with pytest.raises(SystemExit):
+        cli_main(["export", "--to", "custom-generate", str(heads), str(heads)])  # onto its own source
