@@ -50,7 +50,7 @@ def loop(model: DraftHeadsModel, batches: list[tuple[torch.Tensor, torch.Tensor]
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--heads", default="checkpoints/smollm2-135m-hydra")
-    parser.add_argument("--prompts", default="../shared/data/mt_bench.jsonl")
+    parser.add_argument("--prompts", default="mt-bench", help="a built-in prompt set or a JSON-lines file")
     parser.add_argument("--calls", type=int, default=1000)
     parser.add_argument("--out", default="results/rss_loop/rss.json")
     args = parser.parse_args()

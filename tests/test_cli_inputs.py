@@ -71,7 +71,7 @@ def test_an_empty_prompt_file_is_one_line(tmp_path, capsys):
 
 def test_builtin_prompt_sets_are_the_shipped_files_with_the_suffix_syntax():
     """``mt-bench spec-bench@8`` (the README's bench) is MT-Bench's 80 prompts plus 8 of each of
-    Spec-Bench's 5 other tasks, read from the package's own data folder (no ../shared)."""
+    Spec-Bench's 5 other tasks, read from the package's own data folder (nothing outside the clone)."""
     from draftheads.prompts import DATA_DIR, prompt_file
 
     assert prompt_file("mt-bench") == DATA_DIR / "mt_bench.jsonl" and prompt_file("mt-bench").is_file()

@@ -127,7 +127,7 @@ def test_bad_local_data_is_one_line(tmp_path):
 
 def test_hub_ids_are_names_not_paths():
     assert data.is_hub_id("openai/gsm8k") and data.is_hub_id("gsm8k") and data.is_hub_id("data_cache/answers")
-    assert not any(data.is_hub_id(p) for p in ("../shared/x.jsonl", "/abs/dir", "a/b/c", "rows.jsonl", "./x"))
+    assert not any(data.is_hub_id(p) for p in ("../elsewhere/x.jsonl", "/abs/dir", "a/b/c", "rows.jsonl", "./x"))
 
 
 def test_training_data_that_is_not_set_or_not_found_names_both_ways(tmp_path):

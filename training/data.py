@@ -275,7 +275,7 @@ def shifted_rows(targets: torch.Tensor, num_heads: int) -> torch.Tensor:
 class SelfDistillConfig:
     """How the base answers the prompts; recorded in the output's provenance."""
 
-    prompts: str = ""  # a local prompt file (e.g. this machine's ../shared/data/train_prompts.jsonl) or a Hub id
+    prompts: str = ""  # a local prompt file or folder, or a Hub dataset id (no default: a clone carries none)
     name: str | None = None  # Hub prompts: the dataset's configuration (e.g. main for openai/gsm8k)
     split: str = "train"  # Hub prompts: the split to answer
     columns: dict[str, str] = field(default_factory=dict)  # {column in the data: prompt/id/source}, e.g. question→prompt
@@ -430,8 +430,8 @@ def parse_selfdistill_args(argv: list[str] | None = None) -> SelfDistillConfig:
                                 help="keep only prompts whose source starts with this (repeatable)")
         elif f.name == "prompts":
             parser.add_argument("--prompts", required=True,
-                                help="a local prompt file or folder (records with 'prompt', e.g. this machine's "
-                                     "../shared/data/train_prompts.jsonl) or a Hub dataset id (with --name, --split, "
+                                help="a local prompt file or folder (records with 'prompt', e.g. the project's "
+                                     "train_prompts.jsonl) or a Hub dataset id (with --name, --split, "
                                      "--columns), e.g. --prompts openai/gsm8k --name main --columns question:prompt")
         elif f.name == "columns":
             parser.add_argument("--columns", type=column_map, default={},
@@ -459,6 +459,7 @@ def main(argv: list[str] | None = None) -> int:
         config.prompts = str(local.resolve())
     try:
         prompts = select_prompts(load_records(config.prompts, config.name, config.split, config.columns), config)
+        require_columns(prompts, "prompts", config.prompts)  # before the base loads
         model, tokenizer = load_base(config.base, dtype=config.dtype)
         dataset = self_distill(model, tokenizer, prompts, config, fingerprint(model).to_dict())
     except DataError as err:  # one clear line, no traceback
