@@ -43,6 +43,10 @@ from .features import Example, Features, chat_prompt_ids, hidden_states, selfdis
     shift_teacher
 
 PROVENANCE = "provenance.json"
+#: the Hub options (a recipe's data.name / data.split / data.columns, self-distillation's --name /
+#: --split / --columns) at their defaults: left out of a run's identity and provenance, so runs
+#: made before they existed still resume
+HUB_DEFAULTS = {"name": None, "split": "train", "columns": {}}
 #: local data file types and the ``datasets`` builder that reads each
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 #: ``name`` or ``owner/name``: what may be a Hub dataset id when no such local path exists
@@ -336,10 +340,6 @@ def _prompt_key(dataset) -> str:
     same prompts in the same order, or shard i would mean something else."""
     column = "id" if "id" in dataset.column_names else "prompt"
     return hashlib.sha256(json.dumps(list(dataset[column]), ensure_ascii=False).encode()).hexdigest()[:16]
-
-
-#: the Hub options at their defaults are left out of a run's provenance: older runs still resume
-HUB_DEFAULTS = {"name": None, "split": "train", "columns": {}}
 
 
 def _check_provenance(path: Path, provenance: dict) -> None:

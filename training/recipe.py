@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from .data import HUB_DEFAULTS
 from .features import MAX_TARGETS
 
 
@@ -137,7 +138,7 @@ class Recipe:
         data, loss, schedule). ``run.*`` (logging, checkpoint cadence, paths) may change."""
         data = self.to_dict()
         data.pop("run")
-        for key, default in DATA_SOURCE_DEFAULTS.items():
+        for key, default in HUB_DEFAULTS.items():
             if data["data"][key] == default:  # unused Hub options: runs from before they existed still resume
                 data["data"].pop(key)
         if not self.adversarial.enabled:
@@ -147,9 +148,6 @@ class Recipe:
     def fingerprint(self) -> str:
         return hashlib.sha256(json.dumps(self.identity(), sort_keys=True).encode()).hexdigest()[:16]
 
-
-#: data.name / data.split / data.columns at their defaults (left out of a run's identity)
-DATA_SOURCE_DEFAULTS = {"name": None, "split": "train", "columns": {}}
 
 CHOICES = {"data.kind": ("selfdistill", "conversations", "tokens"), "loss.labels": ("teacher", "text"),
            "train.mixed_precision": ("no", "bf16", "fp16"), "train.dtype": ("float32", "float64", "bfloat16"),
