@@ -99,14 +99,14 @@ def cache_root() -> Path:
 def source_root() -> Path | None:
     """The source checkout this package runs from (an editable install, or the checkout on the
     path): the folder with ``pyproject.toml`` beside ``heads/``, ``decoding/``, ``training/``.
-    None when installed from a wheel, which ships no ``checkpoints/`` and has no ``../shared``."""
+    None when installed from a wheel, which ships no ``checkpoints/``."""
     root = Path(__file__).resolve().parents[1]
     return root if (root / "pyproject.toml").is_file() and (root / "heads").is_dir() else None
 
 
 def from_checkout(path: str | Path) -> Path:
     """A relative path as given when it exists from the working directory, else from the
-    source checkout (``checkpoints/...``, ``../shared/data/...`` work from anywhere inside the
+    source checkout (``checkpoints/...``, ``tests/data/...`` work from anywhere inside the
     project), else as given (the caller's error names it)."""
     candidate = Path(path).expanduser()
     if candidate.exists() or candidate.is_absolute():

@@ -114,7 +114,7 @@ class CostModel:
 
     @classmethod
     def from_dict(cls, data: dict, mode: str = "tree") -> "CostModel":
-        """Reads both the calibration JSON and the GPU files of ``shared/data/cost_surfaces``
+        """Reads both the calibration JSON and the GPU files the package ships (``draftheads/data/cost_surfaces``)
         (rows with ``ms_median`` and a ``mode``: only ``mode`` rows are used, since the decoder
         verifies with a 4D tree mask), after :func:`check_cost_surface`."""
         check_cost_surface(data)

@@ -14,7 +14,7 @@ import torch
 from .decoding.limits import DTYPE_CHOICES, InputError, check_count
 from .heads.errors import DraftheadsError, one_line
 from .options import drafts_argument, find_heads, tree_argument
-from .prompts import chat_input, round_robin, split_cap
+from .prompts import chat_input, cost_surfaces, round_robin
 from .prompts import read_prompts as _read_prompts
 
 DEFAULT_HEADS = "checkpoints/smollm2-135m-hydra"
@@ -163,7 +163,7 @@ def cmd_bench(args) -> int:
         payload = run_batch_bench(model, prompts, args.batch_sizes, budgets, args.max_new_tokens, out,
                                   max_batches=per_size, compare_mask=not args.no_mask_compare,
                                   recalibrate=args.recalibrate, repeats=args.repeats, drafts=args.drafts, review=args.review,
-                                  meta=vars(args), surfaces=sorted(Path(split_cap(args.prompts[0])[0]).parent.glob("cost_surfaces/cost_*.json")))
+                                  meta=vars(args), surfaces=cost_surfaces())
         summary = {bs: {name: s["tokens_per_second"] for name, s in r["strategies"].items()}
                    for bs, r in payload["results"].items()}
         print(json.dumps(summary, indent=1))
@@ -248,9 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
     bench = sub.add_parser("bench", parents=[common], help="HF generate vs draftheads on a prompt file")
     bench.add_argument("--prompts", required=True, nargs="+",
-                       help="JSON-lines prompt file(s); FILE@N takes the first N prompts of each category, and a "
-                            "prompt already read from an earlier file is skipped (e.g. mt_bench.jsonl "
-                            "spec_bench_dev.jsonl@8)")
+                       help="built-in prompt set(s) (mt-bench, spec-bench) or JSON-lines file(s); NAME@N takes the "
+                            "first N prompts of each category (NAME@N:cat,cat those categories only), and a prompt "
+                            "already read from an earlier set is skipped (e.g. mt-bench spec-bench@8)")
     bench.add_argument("--limit", type=count_argument(1), default=None,
                        help="use the first N prompts (batched default: max batch size x --max-batches)")
     bench.add_argument("--batch-sizes", type=positive_list, default=None,

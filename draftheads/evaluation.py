@@ -19,6 +19,7 @@ from .bench import hf_greedy
 from .decoding.base import fingerprint
 from .decoding.tree import tree_from_paths
 from .heads import DraftHeads
+from .prompts import PROMPT_SETS
 from .training.features import (Features, chat_prompt_ids, extract_features, load_shards, read_jsonl,
                                 selfdistill_examples)
 from .training.losses import topk_accuracy
@@ -29,7 +30,8 @@ def answers_cache_path(prompts_path: str | Path, limit: int | None, max_new_toke
                        root: str | Path = "data_cache") -> Path:
     """Where the base's answers for this prompt file / limit / length / dtype are cached
     (the name eval_heads.py has always used, so existing caches keep serving)."""
-    return Path(root) / f"answers-{Path(prompts_path).stem}-{limit}-{max_new_tokens}-{dtype}.jsonl"
+    stem = Path(PROMPT_SETS.get(str(prompts_path), prompts_path)).stem  # a built-in name: its file's stem
+    return Path(root) / f"answers-{stem}-{limit}-{max_new_tokens}-{dtype}.jsonl"
 
 
 @torch.no_grad()

@@ -2,7 +2,9 @@
 scripts read prompts from, so every figure is measured on prompts selected the same way.
 
 A prompt file is JSON lines: MT-Bench / Spec-Bench records (``turns``: the first turn is the
-prompt; ``category``) or ``{"prompt": ...}``. A path may end in ``@N``: the first N prompts of
+prompt; ``category``) or ``{"prompt": ...}``. A built-in name (``mt-bench``, ``spec-bench``: the
+files shipped in ``draftheads/data/``, :data:`PROMPT_SETS`) stands for its file wherever a path
+does, so the README's commands run on a clone or an installed wheel. A path may end in ``@N``: the first N prompts of
 each category of that file (``spec_bench_dev.jsonl@8``), or ``@N:cat,cat`` for those categories
 only (``spec_bench_dev.jsonl@8:qa,rag``; a group name such as ``mt_bench`` stands for its categories). Several files are read in order and a
 prompt text seen in an earlier file is skipped, so ``mt_bench.jsonl spec_bench_dev.jsonl@8``
@@ -11,12 +13,18 @@ is MT-Bench's 80 prompts plus 8 of each other Spec-Bench category.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Sequence
 
 import torch
 
 from .heads.errors import DraftheadsError
 from .training.features import chat_prompt_ids
+
+#: the data shipped with the package (evaluation prompts, GPU cost surfaces; README and licences there)
+DATA_DIR = Path(__file__).resolve().parent / "data"
+#: built-in prompt sets: name → file in DATA_DIR
+PROMPT_SETS = {"mt-bench": "mt_bench.jsonl", "spec-bench": "spec_bench_dev.jsonl"}
 
 #: MT-Bench's eight categories (Spec-Bench counts them as one task, "mt_bench")
 MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
@@ -55,12 +63,6 @@ def conversation_input(tokenizer, turns: Sequence[str], answers: Sequence[str]) 
     return torch.tensor([list(ids)])
 
 
-def split_cap(spec: str) -> tuple[str, int | None]:
-    """``path@N`` (or ``path@N:cat,cat``) → (path, N); a plain path → (path, None)."""
-    path, cap, _ = split_spec(spec)
-    return path, cap
-
-
 def split_spec(spec: str) -> tuple[str, int | None, list[str] | None]:
     """``path@N:cat1,cat2`` → (path, N, [cat1, cat2]): the first N prompts of each of those
     categories (or groups, e.g. ``mt_bench``); ``path@N`` → every category; a plain path → all."""
@@ -73,11 +75,26 @@ def split_spec(spec: str) -> tuple[str, int | None, list[str] | None]:
     return str(spec), None, None
 
 
-def read_prompt_file(path: str) -> list[dict]:
-    """All records of one file as {"id", "category", "prompt"}, in file order; every problem is
-    one :class:`PromptFileError` naming the file and the line."""
+def prompt_file(name_or_path: str | Path) -> Path:
+    """The file a built-in prompt-set name (:data:`PROMPT_SETS`) or a path stands for; a name
+    wins over a file of the same name in the working directory. Neither → one line that lists
+    the names (a typo'd name and a wrong path look alike)."""
+    if str(name_or_path) in PROMPT_SETS:
+        return DATA_DIR / PROMPT_SETS[str(name_or_path)]
+    path = Path(name_or_path).expanduser()
+    if not path.exists():
+        raise PromptFileError(f"{str(name_or_path)!r} is neither a prompt file nor a built-in prompt set; the built-in "
+                              f"sets are {', '.join(PROMPT_SETS)} (e.g. --prompts mt-bench spec-bench@8), or pass a "
+                              "JSON-lines file.")
+    return path
+
+
+def read_prompt_file(path: str | Path) -> list[dict]:
+    """All records of one file (or built-in prompt set) as {"id", "category", "prompt"}, in file
+    order; every problem is one :class:`PromptFileError` naming the file and the line."""
+    source = prompt_file(path)
     try:
-        handle = open(path, encoding="utf-8")
+        handle = open(source, encoding="utf-8")
     except OSError as err:
         raise PromptFileError(f"cannot read the prompt file {path}: {err.strerror}.") from None
     with handle:
@@ -86,6 +103,11 @@ def read_prompt_file(path: str) -> list[dict]:
     if not prompts:
         raise PromptFileError(f"{path} holds no prompts; write one JSON object per line with 'turns' or 'prompt'.")
     return prompts
+
+
+def cost_surfaces() -> list[Path]:
+    """The measured GPU cost surfaces shipped with the package (``draftheads/data/cost_surfaces``)."""
+    return sorted((DATA_DIR / "cost_surfaces").glob("cost_*.json"))
 
 
 def prompt_record(line: str, where: str, line_no: int) -> dict:

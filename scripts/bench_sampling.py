@@ -2,7 +2,7 @@
 (and draftheads greedy, for the τ ratio) on the same prompts, interleaved per prompt so every
 mode sees the same machine state. Writes JSON.
 
-    python scripts/bench_sampling.py --prompts ../shared/data/mt_bench.jsonl --limit 10 \
+    python scripts/bench_sampling.py --prompts mt-bench --limit 10 \
         --heads checkpoints/smollm2-135m-medusa --temperature 0.7 --max-new-tokens 128 \
         --out results/sampling/results.json
 
@@ -58,7 +58,7 @@ def summarize(rows: list[dict], mode: str) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--prompts", default="../shared/data/mt_bench.jsonl")
+    parser.add_argument("--prompts", default="mt-bench", help="a built-in prompt set or a JSON-lines file")
     parser.add_argument("--limit", type=int, default=10)
     parser.add_argument("--heads", default="checkpoints/smollm2-135m-medusa")
     parser.add_argument("--temperature", type=float, default=0.7)

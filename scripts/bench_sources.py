@@ -151,7 +151,7 @@ def replay(make, prompt: list[int], answer: list[int], budget: int, hitrate: Hit
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     root = Path(__file__).resolve().parents[1]
-    parser.add_argument("--data", default=str(root.parent / "shared" / "data" / "selfdistill_smollm2.jsonl"))
+    parser.add_argument("--data", required=True, help="JSONL with response_ids (the base's own answers: the data the store was built from, e.g. this machine's ../shared/data/selfdistill_smollm2.jsonl)")
     parser.add_argument("--store", required=True, help="built with --holdout-last equal to ours")
     parser.add_argument("--holdout-last", type=int, default=300)
     parser.add_argument("--per-category", type=int, default=40)
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=256)
     parser.add_argument("--streams", type=int, default=4)
     parser.add_argument("--budget", type=int, default=16)
-    parser.add_argument("--spec-bench", default=None, help="spec_bench_dev.jsonl: also replay the base's answers")
+    parser.add_argument("--spec-bench", default=None, help="spec-bench (or a Spec-Bench-style file): also replay the base's answers")
     parser.add_argument("--spec-bench-per-category", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--out", default=str(root / "results" / "lookup_sources" / "bench.json"))

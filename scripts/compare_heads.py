@@ -42,7 +42,6 @@ from draftheads.plots import plot_chart
 from draftheads.training.adversarial import koala_label
 
 REPO = Path(__file__).resolve().parents[1]
-DATA = REPO.parent / "shared" / "data"
 # Spec-Bench's first 80 records are MT-Bench (its "multi-turn conversation" task, first turns).
 MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 GROUP_ORDER = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
@@ -334,14 +333,14 @@ def default_checkpoints() -> list[Path]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoints", nargs="*", type=Path, help="head checkpoint dirs (default: checkpoints/*/)")
-    parser.add_argument("--prompts", default=str(DATA / "spec_bench_dev.jsonl"), help="Spec-Bench-style JSONL")
+    parser.add_argument("--prompts", default="spec-bench", help="a built-in prompt set or a Spec-Bench-style JSONL")
     parser.add_argument("--per-category", type=int, default=2, help="prompts per category (default 2)")
     parser.add_argument("--categories", default=None,
                         help="comma-separated categories or groups to keep, e.g. writing,translation or mt_bench")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--tree", type=int, default=None, help="tree node budget (default: each checkpoint's)")
-    parser.add_argument("--accuracy-prompts", default=str(DATA / "mt_bench.jsonl"))
+    parser.add_argument("--accuracy-prompts", default="mt-bench", help="a built-in prompt set or a JSON-lines file")
     parser.add_argument("--accuracy-limit", type=int, default=20)
     parser.add_argument("--accuracy-max-new-tokens", type=int, default=128)
     parser.add_argument("--latency-steps", type=int, default=16)

@@ -1,7 +1,7 @@
 """Held-out accuracy of head checkpoints on the base's own answers to an evaluation set.
 
     python scripts/eval_heads.py checkpoints/smollm2-135m-medusa checkpoints/smollm2-135m-hydra \\
-        --prompts ../shared/data/mt_bench.jsonl --limit 20 --out results/heads_eval.json
+        --prompts mt-bench --limit 20 --out results/heads_eval.json
 
 The base (same dtype as decoding, fp32 by default) answers the prompts greedily (cached under
 ``data_cache/``), its hidden states are extracted once, and every checkpoint is scored on the
@@ -27,8 +27,7 @@ from draftheads.heads import load_heads
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoints", nargs="+")
-    parser.add_argument("--prompts", default=str(Path(__file__).resolve().parents[1].parent / "shared" / "data"
-                                                 / "mt_bench.jsonl"))
+    parser.add_argument("--prompts", default="mt-bench", help="a built-in prompt set or a JSON-lines file")
     parser.add_argument("--limit", type=int, default=20)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")

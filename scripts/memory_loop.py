@@ -124,7 +124,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--heads", default="tiny", help="'tiny' (random model, default) or a head checkpoint")
     parser.add_argument("--base", default=None, help="with a checkpoint: its base (default: embedded SmolLM2)")
-    parser.add_argument("--prompts", default="../shared/data/mt_bench.jsonl", help="with a checkpoint")
+    parser.add_argument("--prompts", default="mt-bench", help="with a checkpoint: a built-in prompt set or a JSON-lines file")
     parser.add_argument("--drafts", default="heads;all", help="drafting configurations to alternate, ';'-separated")
     parser.add_argument("--batch-sizes", default="1,4")
     parser.add_argument("--calls", type=int, default=1000)

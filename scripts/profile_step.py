@@ -3,7 +3,7 @@
 same prompts, interleaved per prompt, for any heads, tree and dtype.
 
     python scripts/profile_step.py --heads checkpoints/smollm2-135m-hydra --dtype bfloat16 --tree 8 \
-        --prompts ../shared/data/mt_bench.jsonl --limit 10 --out results/profile/bf16.json
+        --prompts mt-bench --limit 10 --out results/profile/bf16.json
 """
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--base", default=None)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--tree", type=tree_argument, default=None)
-    parser.add_argument("--prompts", default=str(Path(__file__).resolve().parents[2] / "shared/data/mt_bench.jsonl"))
+    parser.add_argument("--prompts", default="mt-bench", help="a built-in prompt set or a JSON-lines file")
     parser.add_argument("--limit", type=int, default=10)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--no-packed-linears", action="store_true",

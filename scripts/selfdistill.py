@@ -1,11 +1,15 @@
 """Let the base answer training prompts (resumable shards → a ``datasets`` dataset with
-provenance), for head training. Same as ``python -m draftheads.training.data``:
+provenance), for head training. Same as ``python -m draftheads.training.data``. The prompts are a
+local file or folder, or a Hub dataset id (``--name``, ``--split``, ``--columns`` FROM:TO):
 
-    python scripts/selfdistill.py --skip 3072 --limit 768 --exclude-source gsm8k-train --out data_cache/selfdistill-extra
+    python scripts/selfdistill.py --prompts openai/gsm8k --name main --columns question:prompt \\
+        --limit 3072 --out data_cache/selfdistill-gsm8k
+    python scripts/selfdistill.py --prompts ../shared/data/train_prompts.jsonl --skip 3072 --limit 768 \\
+        --exclude-source gsm8k-train --out data_cache/selfdistill-extra
 
-The first 3,072 prompts of train_prompts.jsonl are already answered in
-../shared/data/selfdistill_smollm2.jsonl; ``--skip 3072`` starts after them. Re-running the
-same command resumes at the first unfinished shard.
+On this machine the first 3,072 prompts of the local train_prompts.jsonl are already answered in
+selfdistill_smollm2.jsonl beside it; ``--skip 3072`` starts after them. Re-running the same
+command resumes at the first unfinished shard.
 """
 from draftheads.training.data import main
 

@@ -9,7 +9,7 @@ from draftheads.decoding.output import generated_counts
 m = DraftHeadsModel.from_pretrained("checkpoints/smollm2-135m-medusa", tree=4)
 tok = m.tokenizer
 dot = tok.convert_tokens_to_ids(".")
-prompts = read_prompts("/work/shared/data/mt_bench.jsonl", 8)
+prompts = read_prompts("mt-bench", 8)
 ids, mask = left_pad([chat_input(tok, p["prompt"])[0].tolist() for p in prompts], 2)
 eos = [2, dot]
 res = {"shrink": [], "mask": []}

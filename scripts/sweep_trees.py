@@ -20,7 +20,7 @@ from draftheads.decoding import DraftHeadsModel, tree_for_budget
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--heads", default="checkpoints/smollm2-135m-medusa")
-    parser.add_argument("--prompts", default=str(Path(__file__).resolve().parents[2] / "shared/data/mt_bench.jsonl"))
+    parser.add_argument("--prompts", default="mt-bench", help="a built-in prompt set or a JSON-lines file")
     parser.add_argument("--limit", type=int, default=6)
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")

@@ -20,11 +20,9 @@ from draftheads.heads import REGISTRY, DraftHeads, HeadConfig, TreeSpec
 from draftheads.training.recipe import load_recipe
 
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
-if not SHARED.exists():
-    SHARED = Path(__file__).resolve().parents[1].parent / "shared"
-DATA = SHARED / "data"
 REPO = Path(__file__).resolve().parents[1]
+#: the tests' own data: samples of the training sets (tests/data/README.md: sources, licences)
+FIXTURES = REPO / "tests" / "data"
 
 
 def tiny_llama(seed: int = 0, vocab: int = 96, dtype=torch.float64, max_pos: int = 256) -> LlamaForCausalLM:

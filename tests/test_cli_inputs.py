@@ -54,7 +54,34 @@ def test_bad_prompt_files_fail_before_the_model_loads(tmp_path, capsys, content,
 
 def test_missing_prompt_file(capsys, tmp_path):
     err = run_cli(["bench", "--prompts", str(tmp_path / "nope.jsonl"), "--heads", "none"], capsys)
-    assert "cannot read the prompt file" in err and "nope.jsonl" in err
+    assert "nope.jsonl' is neither a prompt file nor a built-in prompt set" in err and len(err.strip().splitlines()) == 1
+
+
+def test_an_unknown_prompt_set_name_lists_the_names(capsys):
+    err = run_cli(["bench", "--prompts", "mt-bench", "spec-bnch@8", "--heads", "none"], capsys)
+    assert "'spec-bnch' is neither a prompt file nor a built-in prompt set; the built-in sets are mt-bench, " \
+           "spec-bench" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_an_empty_prompt_file_is_one_line(tmp_path, capsys):
+    (tmp_path / "empty.jsonl").write_text("")
+    err = run_cli(["bench", "--prompts", str(tmp_path / "empty.jsonl"), "--heads", "none"], capsys)
+    assert err.strip().splitlines() == [f"error: {tmp_path / 'empty.jsonl'} holds no prompts; write one JSON object "
+                                        "per line with 'turns' or 'prompt'."]
+
+
+def test_builtin_prompt_sets_are_the_shipped_files_with_the_suffix_syntax():
+    """``mt-bench spec-bench@8`` (the README's bench) is MT-Bench's 80 prompts plus 8 of each of
+    Spec-Bench's 5 other tasks, read from the package's own data folder (nothing outside the clone)."""
+    from draftheads.prompts import DATA_DIR, prompt_file
+
+    assert prompt_file("mt-bench") == DATA_DIR / "mt_bench.jsonl" and prompt_file("mt-bench").is_file()
+    first_lines = [json.loads(line)["turns"][0] for line in open(DATA_DIR / "mt_bench.jsonl", encoding="utf-8")]
+    both = read_prompts(["mt-bench", "spec-bench@8"], None)
+    assert [p["prompt"] for p in both[:80]] == first_lines and len(both) == 80 + 5 * 8
+    assert {p["category"] for p in both[80:]} == {"translation", "summarization", "qa", "math_reasoning", "rag"}
+    picked = read_prompts(["spec-bench@2:qa,mt_bench"], None)
+    assert [p["category"] for p in picked].count("qa") == 2 and len(picked) == 2 + 2 * 8
 
 
 def test_limit_takes_the_first_prompts(tmp_path):

@@ -4,8 +4,8 @@
 ``tests/``, ``recipes/``, a second copy of ``draftheads/``) is importable under ``draftheads``.
 
 The suite runs against an editable install of this checkout (``scripts/test.sh``), so the
-sub-packages must be this checkout's folders, and the checkout's paths (``checkpoints/``,
-``../shared``) must resolve from any working directory."""
+sub-packages must be this checkout's folders, and the checkout's paths (``checkpoints/``, one
+that climbs out and back in) must resolve from any working directory."""
 from __future__ import annotations
 
 import importlib
@@ -63,7 +63,7 @@ print(json.dumps({{
     "path": list(draftheads.__path__),
     "root": str(source_root()),
     "checkpoints": str(from_checkout("checkpoints")),
-    "shared": str(from_checkout("../shared")),
+    "climbing": str(from_checkout({f"../{REPO.name}/checkpoints"!r})),
 }}))
 """
     done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
@@ -75,10 +75,7 @@ print(json.dumps({{
     assert [Path(p).resolve() for p in seen["path"]] == [REPO / "draftheads"]
     assert Path(seen["root"]) == REPO
     assert Path(seen["checkpoints"]) == REPO / "checkpoints" and (REPO / "checkpoints").is_dir()
-    if (REPO.parent / "shared").is_dir():
-        assert Path(seen["shared"]).resolve() == (REPO.parent / "shared").resolve()
-    else:
-        assert seen["shared"] == "../shared"
+    assert Path(seen["climbing"]).resolve() == REPO / "checkpoints"
 
 
 # -- imports run one way ----------------------------------------------------------------------------

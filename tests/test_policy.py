@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from helpers import DATA, OracleHeads, left_pad, tiny_llama
+from helpers import OracleHeads, left_pad, tiny_llama
 from draftheads.decoding import DraftHeadsModel, chain_tree, tree_from_paths
 from draftheads.decoding.generate import FixedTree, resolve_tree
 from draftheads.decoding.limits import InputError
@@ -16,9 +16,10 @@ from draftheads.decoding.policy import (AdaptivePolicy, CalibrationConfig, Candi
                                         calibrate, calibration_key, calibration_path, candidates_from_heads, interp1,
                                         load_cost_surface)
 from draftheads.heads import HeadConfig, MedusaHeads
+from draftheads.prompts import DATA_DIR
 
-SURFACES = DATA / "cost_surfaces"
-# τ(n) of a best-first Medusa tree from a quick SmolLM2 probe (shared/notes/batch-adaptive.md)
+SURFACES = DATA_DIR / "cost_surfaces"  # the measured GPU surfaces the package ships
+# τ(n) of a best-first Medusa tree from a quick SmolLM2 probe (the project's batch-adaptive notes)
 PROBE_TAU = {1: 1.46, 3: 1.69, 7: 1.87, 15: 2.00, 63: 2.13}
 
 

@@ -5,24 +5,24 @@ near-tie (top-1 − top-2 < 1e-3); bfloat16 — every first divergence within th
 (gap ≤ 2 ulps at the row's largest |logit|)."""
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
 import torch
 
-from helpers import DATA, REPO
+from helpers import REPO
 from draftheads.bench import hf_greedy, padded_pair
 from draftheads.decoding import DraftHeadsModel
 from draftheads.heads.hardware import bf16_native
 from draftheads.decoding.guarantee import BAND_ULPS, NEAR_TIE, first_divergence, ulp, within_band
-from draftheads.prompts import chat_input
+from draftheads.prompts import chat_input, read_prompts
 
 CHECKPOINT = REPO / "checkpoints" / "smollm2-135m-hydra"  # the default heads
 
 
 def first_prompts(count: int = 20) -> list[str]:
-    return [json.loads(line)["turns"][0] for line in open(DATA / "mt_bench.jsonl")][:count]
+    """The first turns of MT-Bench's first ``count`` questions, from the copy the package ships."""
+    return [p["prompt"] for p in read_prompts("mt-bench", count)]
 
 
 #: bfloat16 where this CPU only emulates it (an AVX2 machine: ~5x slower than float32) runs the

@@ -9,6 +9,10 @@ of prompt + answer, and where the answer starts; only answer tokens are learned)
 * ``conversations``: fixed ``messages`` (user → assistant), e.g. reference answers.
 * ``tokens``: pre-tokenized ``input_ids`` (+ optional ``response_start``).
 
+Each comes from a local file or folder, or from a Hub dataset id read with
+``datasets.load_dataset`` (config name, split and a column mapping beside it: :func:`load_records`),
+as TRL and axolotl configs name data; a clone of the project carries none of the training sets.
+
 The examples then become training *positions* (the base's last hidden state at t, the text
 tokens x_{t+1}.., the base's own argmax predictions) either once, into the fp16 feature cache
 of :mod:`.features`, or on the fly from a base forward per batch (:func:`example_features`).
@@ -22,7 +26,9 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import shutil
+import sys
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Iterable
@@ -37,9 +43,20 @@ from ..decoding.output import generated_counts
 from .features import Example, Features, chat_prompt_ids, hidden_states, selfdistill_examples, shift_targets, \
     shift_teacher
 
-SHARED_DATA = from_checkout("../shared/data").resolve()
-DEFAULT_PROMPTS = SHARED_DATA / "train_prompts.jsonl"
 PROVENANCE = "provenance.json"
+#: the Hub options (a recipe's data.name / data.split / data.columns, self-distillation's --name /
+#: --split / --columns) at their defaults: left out of a run's identity and provenance, so runs
+#: made before they existed still resume
+HUB_DEFAULTS = {"name": None, "split": "train", "columns": {}}
+#: local data file types and the ``datasets`` builder that reads each
+FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+#: ``name`` or ``owner/name``: what may be a Hub dataset id when no such local path exists
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+#: what a data path (a recipe's data.path, self-distillation's --prompts) may be, for every "cannot read it" error
+DATA_OPTIONS = ("use a local JSON-lines file or datasets folder (e.g. a self-distillation output: python "
+                "scripts/selfdistill.py --prompts FILE_OR_HUB_ID --out <that folder>), or a Hub dataset id already in "
+                "this machine's datasets cache (a recipe's data.name / data.split / data.columns, self-distillation's "
+                "--name / --split / --columns)")
 
 #: columns each data kind needs, and where such data comes from (for the error message)
 REQUIRED_COLUMNS = {
@@ -57,37 +74,92 @@ class DataError(DraftheadsError, ValueError):
 # -- loading ------------------------------------------------------------------------------------
 def resolve_data_path(path: str | Path) -> Path:
     """Relative paths are tried from the working directory, then from the source checkout
-    (so ``../shared/data/...`` in a recipe works from anywhere inside the project)."""
+    (so ``tests/data/...`` or ``data_cache/...`` in a recipe work from anywhere inside the project)."""
     return from_checkout(path)
 
 
-def load_records(path: str | Path):
-    """Any ``datasets``-loadable source → ``datasets.Dataset``: a .jsonl/.json/.parquet/.csv
+def is_hub_id(path: str | Path) -> bool:
+    """Whether a data path that is not on disk may be a Hub dataset id (``name`` or
+    ``owner/name``, no data-file suffix); ``../x.jsonl`` or ``/abs/path`` never is."""
+    text = str(path)
+    return bool(HUB_ID.fullmatch(text)) and Path(text).suffix not in FILE_BUILDERS
+
+
+def load_records(path: str | Path, name: str | None = None, split: str = "train",
+                 columns: dict[str, str] | None = None):
+    """Any ``datasets``-loadable source → ``datasets.Dataset``, columns renamed by ``columns``
+    ({column in the data: column draftheads reads}). A local path wins: a .jsonl/.json/.parquet/.csv
     file, a ``save_to_disk`` directory, a self-distillation output directory (its merged
-    ``dataset/``), or a directory of JSON-lines files (e.g. legacy ``answers-*.jsonl`` shards)."""
+    ``dataset/``) or a directory of JSON-lines files; else ``path`` is read as a Hub dataset id
+    (``load_dataset(path, name, split=split)``: the cache, or the Hub when online), the way TRL or
+    axolotl configs name data. Whatever fails is one :class:`DataError` naming the alternatives."""
+    source = resolve_data_path(path)
+    if source.exists():
+        dataset = load_local(source)
+    elif is_hub_id(path):
+        dataset = load_hub(str(path), name, split, source)
+    else:
+        raise DataError(f"Data {str(path)!r} not found (looked at {source}); {DATA_OPTIONS}.")
+    return rename_columns(dataset, columns or {}, path)
+
+
+def load_local(source: Path):
+    """A local file or folder (see :func:`load_records`) → ``datasets.Dataset``."""
     import datasets
 
-    source = resolve_data_path(path)
     if source.is_file():
-        builder = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}.get(source.suffix)
+        builder = FILE_BUILDERS.get(source.suffix)
         if builder is None:
             raise DataError(f"{source}: unknown data file type {source.suffix!r}; use .jsonl, .json, .parquet or .csv.")
-        return datasets.load_dataset(builder, data_files=str(source), split="train")
-    if source.is_dir():
-        if (source / "dataset_info.json").is_file() or (source / "state.json").is_file():
-            return datasets.load_from_disk(str(source))
-        if (source / "dataset").is_dir():
-            return datasets.load_from_disk(str(source / "dataset"))
-        if (source / "shards").is_dir():
-            raise DataError(f"{source} is an unfinished self-distillation run (no merged dataset/ yet); "
-                            "re-run the same self-distillation command to finish it.")
-        files = sorted(source.glob("*.jsonl"))
-        if files:
-            return datasets.load_dataset("json", data_files=[str(f) for f in files], split="train")
-        raise DataError(f"{source} holds no dataset: expected a save_to_disk directory or *.jsonl files.")
-    raise DataError(f"Data {path!r} not found (looked at {source}); shared data lives in ../shared/data/, and "
-                    "a self-distillation output is made by the command in the recipe's comment "
-                    "(python scripts/selfdistill.py ... --out <that path>).")
+        try:
+            return datasets.load_dataset(builder, data_files=str(source), split="train")
+        except Exception as err:  # datasets wraps a bad line in DatasetGenerationError (its cause says which)
+            raise DataError(f"{source} cannot be read as {builder} data ({first_line(err)}); JSON lines need one "
+                            "object per line, every line with the same fields.") from None
+    if (source / "dataset_info.json").is_file() or (source / "state.json").is_file():
+        return datasets.load_from_disk(str(source))
+    if (source / "dataset").is_dir():
+        return datasets.load_from_disk(str(source / "dataset"))
+    if (source / "shards").is_dir():
+        raise DataError(f"{source} is an unfinished self-distillation run (no merged dataset/ yet); "
+                        "re-run the same self-distillation command to finish it.")
+    files = sorted(source.glob("*.jsonl"))
+    if files:
+        return datasets.load_dataset("json", data_files=[str(f) for f in files], split="train")
+    raise DataError(f"{source} holds no dataset: expected a save_to_disk directory or *.jsonl files.")
+
+
+def load_hub(dataset_id: str, name: str | None, split: str, looked_at: Path):
+    """A Hub dataset (cached, or fetched when online) → ``datasets.Dataset``. No machine here has
+    internet access, so an id not in the cache must fail as one line naming the local way."""
+    import datasets
+
+    try:
+        return datasets.load_dataset(dataset_id, name, split=split)
+    except Exception as err:  # offline, unknown id, config or split: datasets raises many types
+        raise DataError(f"Data {dataset_id!r} is no local file or folder (looked at {looked_at}) and no Hub dataset "
+                        f"readable here ({type(err).__name__}: {first_line(err)}); {DATA_OPTIONS}.") from None
+
+
+def first_line(err: BaseException) -> str:
+    """An exception's cause's message (datasets wraps the real one), else its own, cut to one
+    line for a one-line error."""
+    text = str(err.__cause__ or "").strip() or str(err).strip() or type(err).__name__
+    return text.splitlines()[0][:300]
+
+
+def rename_columns(dataset, columns: dict[str, str], source: str | Path):
+    """``columns`` = {column in the data: the column draftheads reads} (``Dataset.rename_columns``);
+    a column the data lacks, or a target it already has, is refused rather than ignored."""
+    if not columns:
+        return dataset
+    missing = [c for c in columns if c not in dataset.column_names]
+    if missing:
+        raise DataError(f"{source} has no column {missing[0]!r} to rename (data.columns); it has {dataset.column_names}.")
+    clash = [new for old, new in columns.items() if new in dataset.column_names and new not in columns]
+    if clash:
+        raise DataError(f"{source} already has a column {clash[0]!r}; data.columns cannot rename another one to it.")
+    return dataset.rename_columns(columns)
 
 
 def require_columns(dataset, kind: str, source: str | Path) -> None:
@@ -96,7 +168,8 @@ def require_columns(dataset, kind: str, source: str | Path) -> None:
     missing = [c for c in needed if c not in dataset.column_names]
     if missing:
         raise DataError(f"{source} has no column {missing[0]!r} needed for data kind {kind!r} "
-                        f"(it has {dataset.column_names}); {kind!r} expects {what}.")
+                        f"(it has {dataset.column_names}); {kind!r} expects {what} (other names: map them with "
+                        f"data.columns / --columns, e.g. {{question: {missing[0]}}}).")
 
 
 def conversation_examples(records: Iterable[dict], tokenizer, max_length: int = 1024) -> list[Example]:
@@ -140,6 +213,7 @@ def select_sources(sources: list[str], keep: Iterable[str] = (), caps: dict[str,
     taken = dict.fromkeys(caps, 0)
     chosen = []
     for index, source in enumerate(sources):
+        source = source or ""  # a record without a source (e.g. self-distilled from a Hub prompt set)
         if keep and not source.startswith(keep):
             continue
         capped = [p for p in caps if source.startswith(p)]
@@ -152,12 +226,14 @@ def select_sources(sources: list[str], keep: Iterable[str] = (), caps: dict[str,
 
 
 def load_examples(kind: str, path: str | Path, tokenizer=None, max_length: int = 1024, limit: int = 0,
-                  sources: Iterable[str] = (), source_caps: dict[str, int] | None = None) -> list[Example]:
-    """Data of ``kind`` at ``path`` → examples: records selected by ``source`` prefix and caps
-    (:func:`select_sources`), then the first ``limit`` of them when > 0."""
+                  sources: Iterable[str] = (), source_caps: dict[str, int] | None = None, name: str | None = None,
+                  split: str = "train", columns: dict[str, str] | None = None) -> list[Example]:
+    """Data of ``kind`` at ``path`` (a local file/folder or a Hub id: :func:`load_records`) →
+    examples: records selected by ``source`` prefix and caps (:func:`select_sources`), then the
+    first ``limit`` of them when > 0."""
     if kind not in ("selfdistill", "conversations", "tokens"):
         raise DataError(f"Unknown data kind {kind!r}; use selfdistill, conversations or tokens.")
-    dataset = load_records(path)
+    dataset = load_records(path, name, split, columns)
     require_columns(dataset, kind, path)
     if tuple(sources) or source_caps:
         if "source" not in dataset.column_names:
@@ -204,7 +280,10 @@ def shifted_rows(targets: torch.Tensor, num_heads: int) -> torch.Tensor:
 class SelfDistillConfig:
     """How the base answers the prompts; recorded in the output's provenance."""
 
-    prompts: str = str(DEFAULT_PROMPTS)
+    prompts: str = ""  # a local prompt file or folder, or a Hub dataset id (no default: a clone carries none)
+    name: str | None = None  # Hub prompts: the dataset's configuration (e.g. main for openai/gsm8k)
+    split: str = "train"  # Hub prompts: the split to answer
+    columns: dict[str, str] = field(default_factory=dict)  # {column in the data: prompt/id/source}, e.g. question→prompt
     out: str = "data_cache/selfdistill"
     skip: int = 0  # start after the first N lines of the prompt file (e.g. those already answered)
     limit: int = 0  # answer at most N prompts (0 = all), counted after the source filters
@@ -287,7 +366,8 @@ def self_distill(model, tokenizer, prompts, config: SelfDistillConfig, base_fing
 
     require_columns(prompts, "prompts", config.prompts)
     out = Path(config.out)
-    settings = {k: v for k, v in asdict(config).items() if k not in ("out", "batch_size")}
+    settings = {k: v for k, v in asdict(config).items()
+                if k not in ("out", "batch_size") and not (k in HUB_DEFAULTS and v == HUB_DEFAULTS[k])}
     provenance = {"kind": "selfdistill", "base_fingerprint": base_fingerprint, "prompt_count": len(prompts),
                   "prompt_key": _prompt_key(prompts), **settings}
     _check_provenance(out / PROVENANCE, provenance)
@@ -349,19 +429,43 @@ def parse_selfdistill_args(argv: list[str] | None = None) -> SelfDistillConfig:
         elif f.name == "sources":
             parser.add_argument("--source", dest="sources", action="append", default=[],
                                 help="keep only prompts whose source starts with this (repeatable)")
+        elif f.name == "prompts":
+            parser.add_argument("--prompts", required=True,
+                                help="a local prompt file or folder (records with 'prompt', e.g. the project's "
+                                     "train_prompts.jsonl) or a Hub dataset id (with --name, --split, "
+                                     "--columns), e.g. --prompts openai/gsm8k --name main --columns question:prompt")
+        elif f.name == "columns":
+            parser.add_argument("--columns", type=column_map, default={},
+                                help="rename columns of the prompt data: FROM:TO[,FROM:TO] (e.g. question:prompt)")
         else:
             kind = {"int": int, "float": float}.get(str(f.type), str)
             parser.add_argument(flag, type=kind, default=f.default)
     return SelfDistillConfig(**vars(parser.parse_args(argv)))
 
 
+def column_map(text: str) -> dict[str, str]:
+    """``question:prompt,idx:id`` → {"question": "prompt", "idx": "id"} (argparse ``type=``)."""
+    pairs = [item.partition(":") for item in text.split(",") if item.strip()]
+    if not pairs or any(not old.strip() or not sep or not new.strip() for old, sep, new in pairs):
+        raise argparse.ArgumentTypeError(f"expected FROM:TO[,FROM:TO], got {text!r}")
+    return {old.strip(): new.strip() for old, _, new in pairs}
+
+
 def main(argv: list[str] | None = None) -> int:
     from ..decoding.base import fingerprint, load_base
 
     config = parse_selfdistill_args(argv)
-    prompts = select_prompts(load_records(config.prompts), config)
-    model, tokenizer = load_base(config.base, dtype=config.dtype)
-    dataset = self_distill(model, tokenizer, prompts, config, fingerprint(model).to_dict())
+    local = resolve_data_path(config.prompts)
+    if local.exists():  # provenance records the file itself, wherever the command ran from
+        config.prompts = str(local.resolve())
+    try:
+        prompts = select_prompts(load_records(config.prompts, config.name, config.split, config.columns), config)
+        require_columns(prompts, "prompts", config.prompts)  # before the base loads
+        model, tokenizer = load_base(config.base, dtype=config.dtype)
+        dataset = self_distill(model, tokenizer, prompts, config, fingerprint(model).to_dict())
+    except DataError as err:  # one clear line, no traceback
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     print(f"{len(dataset)} answers in {Path(config.out) / 'dataset'}")
     return 0
 

@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from ..heads.errors import DraftheadsError, one_line
+from .data import HUB_DEFAULTS
 from .features import MAX_TARGETS
 
 
@@ -38,8 +39,12 @@ class HeadsSection:
 @dataclass
 class DataSection:
     kind: str = "selfdistill"  # selfdistill (prompt + response_ids) | conversations (messages) | tokens (input_ids)
-    # a file, datasets dir or self-distillation output dir, or a list of them (concatenated in order)
-    path: str | list[str] = "../shared/data/selfdistill_smollm2.jsonl"
+    # a local file, datasets dir or self-distillation output dir, or a Hub dataset id, or a list of them
+    # (concatenated in order); no default: a clone carries no training set (training/data.py:load_records)
+    path: str | list[str] = ""
+    name: str | None = None  # Hub datasets: the configuration (load_dataset's name), e.g. main for openai/gsm8k
+    split: str = "train"  # Hub datasets: the split to read
+    columns: dict[str, str] = field(default_factory=dict)  # {column in the data: column read}, e.g. {question: prompt}
     features_dir: str | None = "data_cache/features-smollm2"  # fp16 hidden-state cache; null = base forward each step
     eval_examples: int = 256  # held-out examples, taken from the end of the (last) data
     limit: int = 0  # use only the first N examples (0 = all)
@@ -135,6 +140,9 @@ class Recipe:
         data, loss, schedule). ``run.*`` (logging, checkpoint cadence, paths) may change."""
         data = self.to_dict()
         data.pop("run")
+        for key, default in HUB_DEFAULTS.items():
+            if data["data"][key] == default:  # unused Hub options: runs from before they existed still resume
+                data["data"].pop(key)
         if not self.adversarial.enabled:
             data.pop("adversarial")  # off = as before the section existed: older runs still resume
         return data

@@ -35,7 +35,8 @@ from ..decoding.limits import DTYPES
 from ..heads import REGISTRY, DraftHeads
 from ..heads.errors import DraftheadsError, one_line
 from .adversarial import Adversary
-from .data import DataError, example_features, load_examples, resolve_data_path
+from .data import DATA_OPTIONS, DataError, example_features, is_hub_id, load_examples, load_records, \
+    resolve_data_path
 from .evaluation import evaluate
 from .frozen import frozen_parts, load_frozen_base, unsharded_loading
 from .losses import head_weights
@@ -95,15 +96,26 @@ def configure_deepspeed(accelerator, recipe: Recipe) -> None:
         plugin.deepspeed_config.pop("train_batch_size", None)
 
 
+def data_paths(recipe: Recipe) -> list[str]:
+    """data.path as a list (one path or several, concatenated in order)."""
+    return [recipe.data.path] if isinstance(recipe.data.path, str) else list(recipe.data.path)
+
+
 def preflight(recipe: Recipe) -> None:
     """What can be checked without loading anything, checked before any work: the data paths
     and a base given as a local path exist (the recipe's keys were validated when it loaded)."""
     from ..decoding.limits import check_base_path
 
-    for path in [recipe.data.path] if isinstance(recipe.data.path, str) else recipe.data.path:
-        if not resolve_data_path(path).exists():
+    paths = data_paths(recipe)
+    if not paths or not all(paths):
+        raise DataError(f"Recipe key data.path is not set (--data.path PATH_OR_HUB_ID); {DATA_OPTIONS}.")
+    for path in paths:
+        if resolve_data_path(path).exists():
+            continue
+        if not is_hub_id(path):
             raise DataError(f"Recipe key data.path: {path} does not exist (tried from the working directory and the "
-                            "source checkout); fix the path or pass --data.path.")
+                            f"source checkout); {DATA_OPTIONS}.")
+        load_records(path, recipe.data.name, recipe.data.split)  # a Hub id: cached (or fetched) now, or one line
     if recipe.base not in ("embedded", ""):
         check_base_path(recipe.base)
 
@@ -194,10 +206,10 @@ def prepare_data(recipe: Recipe, accelerator, dtype: torch.dtype):
     with unsharded_loading(accelerator):
         base, tokenizer = load_frozen_base(recipe.base, recipe.base_dtype)
     parts = frozen_parts(base, dtype)
-    paths = [recipe.data.path] if isinstance(recipe.data.path, str) else recipe.data.path
-    examples = [e for path in paths
+    examples = [e for path in data_paths(recipe)
                 for e in load_examples(recipe.data.kind, path, tokenizer, recipe.data.max_length, recipe.data.limit,
-                                       recipe.data.sources, recipe.data.source_caps)]
+                                       recipe.data.sources, recipe.data.source_caps, recipe.data.name,
+                                       recipe.data.split, recipe.data.columns)]
     train_examples, eval_examples = split_examples(examples, recipe.data.eval_examples)
     if recipe.data.features_dir:
         cache = Path(recipe.data.features_dir)
