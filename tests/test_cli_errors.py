@@ -114,7 +114,7 @@ def test_generate_errors_are_one_line(files, capsys, argv, message):
 
 
 BENCH = [
-    (["--prompts", "ROOT/missing.jsonl"], "cannot read the prompt file"),
+    (["--prompts", "ROOT/missing.jsonl"], "is neither a prompt file nor a built-in prompt set"),
     (["--prompts", "ROOT/prompts.jsonl", "--base", "/nonexistent/base"], "does not exist"),
     (["--prompts", "ROOT/prompts.jsonl", "--base", "ROOT/base", "--heads", "none", "--batch-sizes", "1"],
      "--batch-sizes compares tree strategies and needs heads"),
