@@ -283,3 +283,20 @@ def write_medusa(folder, module: nn.ModuleList, layers: int, fmt: str, base: str
         from safetensors.torch import save_file
 
         save_file({k: v.clone().contiguous() for k, v in state.items()}, str(folder / "medusa_lm_head.safetensors"))
+
+
+def saved_tree_heads(folder, model):
+    """Random Medusa heads for ``model`` with two stored trees and their expected τ (what the
+    default tree's calibration and the adaptive policy need), saved to ``folder``."""
+    from draftheads.decoding.base import fingerprint
+    from draftheads.heads import MedusaHeads
+
+    cfg = model.config
+    heads = MedusaHeads(HeadConfig(num_heads=2, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
+                                   base_fingerprint=fingerprint(model).with_sketch(model),
+                                   trees={"1": [[0]], "3": [[0], [1], [0, 0]]}, expected_tau={"1": 1.6, "3": 1.9}))
+    torch.manual_seed(0)
+    for p in heads.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    heads.save_pretrained(folder, dtype=torch.float32)
+    return folder

@@ -9,29 +9,16 @@ import torch
 
 from draftheads import custom_generate
 from draftheads.custom_generate import _DECODERS, write_custom_generate
-from draftheads.decoding.base import fingerprint
 from draftheads.decoding.limits import InputError
-from draftheads.heads import CheckpointError, HeadConfig, MedusaHeads
-from helpers import left_pad, tiny_llama
-
-
-def saved_heads(folder, model):
-    cfg = model.config
-    heads = MedusaHeads(HeadConfig(num_heads=2, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
-                                   base_fingerprint=fingerprint(model).with_sketch(model),
-                                   trees={"1": [[0]], "3": [[0], [1], [0, 0]]}, expected_tau={"1": 1.6, "3": 1.9}))
-    torch.manual_seed(0)
-    for p in heads.parameters():
-        torch.nn.init.normal_(p, std=0.3)
-    heads.save_pretrained(folder, dtype=torch.float32)
-    return folder
+from draftheads.heads import CheckpointError
+from helpers import left_pad, saved_tree_heads, tiny_llama
 
 
 @pytest.fixture()
 def setup(tmp_path, monkeypatch):
     monkeypatch.setenv("DRAFTHEADS_CACHE", str(tmp_path / "cache"))
     model = tiny_llama(0)
-    return model, saved_heads(tmp_path / "heads", model)
+    return model, saved_tree_heads(tmp_path / "heads", model)
 
 
 def test_the_callable_equals_the_models_own_greedy_generate(setup):

@@ -13,13 +13,11 @@ import torch
 
 from draftheads.cli import drafting_line, main as cli_main
 from draftheads.decoding import DraftHeadsModel
-from draftheads.decoding.base import fingerprint
 from draftheads.decoding.drafter import STORE_NAME, HeadsDrafter, MergedDrafter, TableCost, WidthChooser
 from draftheads.decoding.drafters import Candidates, LookupDrafter
 from draftheads.decoding.drafters.candidates import Source
 from draftheads.decoding.generate import auto_drafts
-from draftheads.heads import HeadConfig, MedusaHeads
-from helpers import OracleHeads, tiny_llama
+from helpers import OracleHeads, saved_tree_heads, tiny_llama
 
 
 def heads_in(folder, store: bool):
@@ -37,24 +35,12 @@ def test_auto_takes_the_heads_and_every_lookup_there_is_data_for(tmp_path):
     assert auto_drafts(None, lookup_store="some/store.safetensors") == ("context", "store", "stats")
 
 
-def saved_heads(folder, model):
-    cfg = model.config
-    heads = MedusaHeads(HeadConfig(num_heads=2, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
-                                   base_fingerprint=fingerprint(model).with_sketch(model),
-                                   trees={"1": [[0]], "3": [[0], [1], [0, 0]]}, expected_tau={"1": 1.6, "3": 1.9}))
-    torch.manual_seed(0)
-    for p in heads.parameters():
-        torch.nn.init.normal_(p, std=0.3)
-    heads.save_pretrained(folder, dtype=torch.float32)
-    return folder
-
-
 def test_from_pretrained_drafts_with_heads_and_lookups_by_default_and_follows_the_base(tmp_path, monkeypatch):
     """The default: heads + context merged (no store shipped here), the tree and the width model
     priced by this machine's quick calibration (cached under DRAFTHEADS_CACHE), output the base's own."""
     monkeypatch.setenv("DRAFTHEADS_CACHE", str(tmp_path / "cache"))
     base = tiny_llama(0)
-    model = DraftHeadsModel.from_pretrained(saved_heads(tmp_path / "heads", base), base=base)
+    model = DraftHeadsModel.from_pretrained(saved_tree_heads(tmp_path / "heads", base), base=base)
     assert model.draft_sources == ("heads", "context")
     assert isinstance(model.drafter, MergedDrafter) and model.drafter.heads is model.heads
     assert model.step_table is not None and model.drafter.width.cost is model.step_table
