@@ -26,6 +26,7 @@ from ..heads.errors import MissingPathError, UnwritablePathError, cannot_write
 from ..heads.hardware import cpu_key, native_cpu_dtypes
 from ..heads.linear import PLAN, PackedWeight, can_pack, measure_shape, packed_linears, packed_matmul, packs
 from ..heads.linear import shape_key, valid_timings
+from ..heads.fewrow import load_kernel
 from ..heads.linear import use_packed_linears as wrap_linears
 from ..heads.protocol import write_text_atomic
 from .attention import PACK_FLAG, PACKED_SDPA
@@ -400,7 +401,11 @@ def plan_packing(weights) -> None:
     """Decide, for every shape among ``weights`` that packs here, at which row counts the packed
     path is faster (:class:`~draftheads.heads.linear.PackingPlan`): from this machine's cache,
     else measured now (~0.1 s a shape, ~2 s for a 49k-row LM head) and cached. An unwritable
-    cache keeps the measurement in memory, with a warning."""
+    cache keeps the measurement in memory, with a warning. Float32 weights also get the few-row
+    kernel as a candidate (:mod:`draftheads.heads.fewrow`, compiled once per machine)."""
+    weights = list(weights)
+    if any(w.dtype == torch.float32 and w.device.type == "cpu" for w in weights):
+        load_kernel(cache_root() / "kernels")
     path = packing_cache_path()
     if not PLAN.timings:
         for key, entry in read_packing_cache(path).items():

@@ -12,7 +12,8 @@ import torch
 
 from .decoding.base import cache_root, packing_cache_path, read_packing_cache
 from .heads.hardware import bf16_native, cpu_model, fp16_native, isa_limits
-from .heads.linear import PACKED_DTYPES, ROW_BUCKETS, packed_wins, packing_available
+from .heads.fewrow import kernel_status, load_kernel
+from .heads.linear import PACKED_DTYPES, PATHS, fastest_paths, packing_available
 
 PACKAGES = ("draftheads", "torch", "transformers", "accelerate", "datasets", "huggingface_hub", "safetensors", "numpy")
 
@@ -25,8 +26,8 @@ def version(package: str) -> str:
 
 
 def packing_report() -> dict[str, str]:
-    """Per dtype: whether oneDNN packs it here and, for the shapes measured on this machine,
-    at which row counts the packed path was faster (from the packing cache)."""
+    """Per dtype: whether oneDNN packs it here and, for the shapes measured on this machine, how
+    many (shape, rows) points take each path (from the packing cache)."""
     measured = read_packing_cache(packing_cache_path())
     report = {}
     for dtype in PACKED_DTYPES:
@@ -38,11 +39,12 @@ def packing_report() -> dict[str, str]:
         if not shapes:
             report[name] = "on (no shape measured yet: measured at the first model load)"
             continue
-        wins = sum(sum(packed_wins(v)) for v in shapes.values())
-        total = len(shapes) * len(ROW_BUCKETS)
-        speedups = [f / p for v in shapes.values() for p, f in zip(v["packed_ms"], v["linear_ms"])]
-        report[name] = (f"on; packed at {wins}/{total} (shape, rows) points of {len(shapes)} "
-                        f"shapes, where it measured faster (median {sorted(speedups)[len(speedups) // 2]:.2f}x F.linear)")
+        chosen = [path for v in shapes.values() for path in fastest_paths(v, "fewrow_ms" in v)]
+        counts = ", ".join(f"{path} {chosen.count(path)}" for path in PATHS if chosen.count(path))
+        speedups = [f / min(v[f"{p}_ms"][i] for p in PATHS if f"{p}_ms" in v)
+                    for v in shapes.values() for i, f in enumerate(v["linear_ms"])]
+        report[name] = (f"on; of {len(chosen)} (shape, rows) points of {len(shapes)} shapes, the measured-fastest "
+                        f"path: {counts} (median {sorted(speedups)[len(speedups) // 2]:.2f}x F.linear)")
     return report
 
 
@@ -59,6 +61,7 @@ def collect() -> dict:
         "ISA limits": ", ".join(f"{k}={v}" for k, v in isa_limits().items()) or "none",
         "native CPU dtypes": ", ".join(native),
         **{f"oneDNN packing, {k}": v for k, v in packing_report().items()},
+        "few-row float32 kernel": kernel_status(),
         "torch threads": torch.get_num_threads(),
         "cache (DRAFTHEADS_CACHE)": str(cache_root()),
         "packing cache": str(packing_cache_path()),
@@ -72,6 +75,7 @@ def format_report(info: dict) -> str:
 
 
 def main(as_json: bool = False) -> int:
+    load_kernel(cache_root() / "kernels")  # builds it once if this machine never has (under a second)
     info = collect()
     print(json.dumps(info, indent=1) if as_json else
           "Copy-and-paste the text below in your GitHub issue:\n\n" + format_report(info))

@@ -33,6 +33,7 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
+from .fewrow import block_weight, fewrow_linear, kernel
 from .hardware import bf16_native
 
 _ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("draftheads_packed_linears", default=False)
@@ -100,62 +101,102 @@ def _best_ms(fn, reps: int) -> float:
 
 
 def measure_shape(dtype: torch.dtype, out_features: int, in_features: int, reps: int = 3) -> dict[str, list[float]]:
-    """ms per call of ``F.linear`` and of the packed product for a random weight of this shape
-    at every row count of :data:`ROW_BUCKETS`, interleaved (one noisy spell hits both alike)."""
+    """ms per call of ``F.linear``, of the packed product and (float32, where it is loaded) of the
+    few-row kernel for a random weight of this shape at every row count of :data:`ROW_BUCKETS`,
+    interleaved (one noisy spell hits every path alike)."""
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, 8)
-    linear_ms, packed_ms = [], []
+    paths = {"linear_ms": lambda x: nn.functional.linear(x, weight),
+             "packed_ms": lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")}
+    if fewrow_applies(weight):
+        blocked = block_weight(weight)
+        paths["fewrow_ms"] = lambda x: fewrow_linear(x, blocked, out_features)
+    timings: dict[str, list[float]] = {name: [] for name in paths}
     with torch.no_grad():
         for rows in ROW_BUCKETS:
             x = torch.randn(rows, in_features, generator=generator).to(dtype)
-            linear_ms.append(round(_best_ms(lambda: nn.functional.linear(x, weight), reps), 4))
-            packed_ms.append(round(_best_ms(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
-                                            reps), 4))
-    return {"linear_ms": linear_ms, "packed_ms": packed_ms}
+            for name, path in paths.items():
+                timings[name].append(round(_best_ms(lambda: path(x), reps), 4))
+    return timings
+
+
+def _timing_list(value) -> bool:
+    return (isinstance(value, list) and len(value) == len(ROW_BUCKETS)
+            and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+                    for v in value))
 
 
 def valid_timings(entry) -> bool:
-    """A measured shape as :func:`measure_shape` writes it: two lists of positive finite ms,
-    one per row bucket (a cached entry is checked with this before it is used)."""
-    return (isinstance(entry, dict) and all(
-        isinstance(entry.get(name), list) and len(entry[name]) == len(ROW_BUCKETS)
-        and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
-                for v in entry[name]) for name in ("linear_ms", "packed_ms")))
+    """A measured shape as :func:`measure_shape` writes it: lists of positive finite ms, one per
+    row bucket, for ``F.linear`` and the packed path, and for the kernel where it was measured
+    (a cached entry is checked with this before it is used)."""
+    return (isinstance(entry, dict) and all(_timing_list(entry.get(name)) for name in ("linear_ms", "packed_ms"))
+            and ("fewrow_ms" not in entry or _timing_list(entry["fewrow_ms"])))
 
 
 #: packing is the measured-faster path almost everywhere; it is turned off for a (shape, rows)
 #: point only where it measured more than this much slower (timing noise only adds time)
 PACK_TOLERANCE = 1.1
+#: the paths a product can take: "linear" (``F.linear``), "packed" (oneDNN), "fewrow" (the kernel)
+PATHS = ("linear", "packed", "fewrow")
+
+
+def fastest_paths(entry: dict[str, list[float]], kernel_loaded: bool = True) -> tuple[str, ...]:
+    """Per row bucket of a measured shape, the path taken: packed unless it measured more than
+    :data:`PACK_TOLERANCE` slower than ``F.linear``; the few-row kernel (when loaded and
+    measured) where it beat both."""
+    chosen = []
+    for bucket, (p, f) in enumerate(zip(entry["packed_ms"], entry["linear_ms"])):
+        path, ms = ("packed", p) if p <= f * PACK_TOLERANCE else ("linear", f)
+        if kernel_loaded and "fewrow_ms" in entry and entry["fewrow_ms"][bucket] < min(p, f):
+            path = "fewrow"
+        chosen.append(path)
+    return tuple(chosen)
 
 
 def packed_wins(entry: dict[str, list[float]]) -> tuple[bool, ...]:
-    """Per row bucket of a measured shape: whether the packed path is taken."""
-    return tuple(p <= f * PACK_TOLERANCE for p, f in zip(entry["packed_ms"], entry["linear_ms"]))
+    """Per row bucket of a measured shape: whether a faster path than ``F.linear`` is taken."""
+    return tuple(path != "linear" for path in fastest_paths(entry))
+
+
+def fewrow_applies(weight: torch.Tensor) -> bool:
+    """Whether the few-row kernel can multiply by ``weight``: float32 on the CPU, kernel loaded."""
+    return weight.dtype == torch.float32 and weight.device.type == "cpu" and kernel() is not None
 
 
 @dataclass
 class PackingPlan:
-    """Per weight shape and dtype, the measured ms of both paths per row bucket; the packed path
-    is taken where it measured faster. Shapes never measured pack wherever the dtype packs."""
+    """Per weight shape and dtype, the measured ms of each path per row bucket; the fastest is
+    taken (:func:`fastest_paths`). Shapes never measured pack wherever the dtype packs."""
 
     timings: dict[ShapeKey, dict[str, list[float]]] = field(default_factory=dict)
-    _verdicts: dict[ShapeKey, tuple[bool, ...]] = field(default_factory=dict, repr=False)
+    _verdicts: dict[ShapeKey, tuple[str, ...]] = field(default_factory=dict, repr=False)
 
-    def pays(self, weight: torch.Tensor, rows: int) -> bool:
+    def path(self, weight: torch.Tensor, rows: int) -> str:
+        """The path a product of ``rows`` rows with ``weight`` takes (one of :data:`PATHS`)."""
         key = shape_key(weight.dtype, weight.shape[0], weight.shape[1])
         verdict = self._verdicts.get(key)
         if verdict is None:
             entry = self.timings.get(key)
             if entry is None:
-                return True
-            verdict = self._verdicts[key] = packed_wins(entry)
+                return "packed"
+            verdict = self._verdicts[key] = fastest_paths(entry, kernel() is not None)
         return verdict[row_bucket(rows)]
 
+    def pays(self, weight: torch.Tensor, rows: int) -> bool:
+        return self.path(weight, rows) != "linear"
+
     def missing(self, weights: Iterable[torch.Tensor]) -> list[tuple[torch.dtype, int, int]]:
-        """The (dtype, out, in) shapes among ``weights`` that pack here but were not measured yet."""
+        """The (dtype, out, in) shapes among ``weights`` that pack here but were not measured yet
+        (or were measured before the few-row kernel was loaded, for the shapes it applies to)."""
         shapes = {(w.dtype, int(w.shape[0]), int(w.shape[1])) for w in weights if can_pack(w)}
-        return sorted((s for s in shapes if shape_key(*s) not in self.timings), key=str)
+        kernel_shapes = {(w.dtype, int(w.shape[0]), int(w.shape[1])) for w in weights if fewrow_applies(w)}
+
+        def unmeasured(s) -> bool:
+            entry = self.timings.get(shape_key(*s))
+            return entry is None or (s in kernel_shapes and "fewrow_ms" not in entry)
+        return sorted((s for s in shapes if unmeasured(s)), key=str)
 
     def add(self, key: ShapeKey, entry: dict[str, list[float]]) -> None:
         self.timings[key] = entry
@@ -167,31 +208,39 @@ PLAN = PackingPlan()
 
 
 def packs(weight: torch.Tensor, rows: int) -> bool:
-    """Whether a product of ``rows`` rows with ``weight`` takes the packed path: the dtype packs
-    here and the shape measured faster packed at that row count."""
+    """Whether a product of ``rows`` rows with ``weight`` takes a path other than ``F.linear``:
+    the dtype packs here and the shape measured faster that way at that row count."""
     return can_pack(weight) and PLAN.pays(weight, rows)
 
 
 class PackedWeight:
-    """A weight's oneDNN-packed copy, made on first use and remade if the weight changes
-    (another dtype, device or in-place update)."""
+    """A weight's oneDNN-packed copy and its few-row kernel copy, each made on first use and
+    remade if the weight changes (another dtype, device or in-place update)."""
 
     def __init__(self) -> None:
-        self._key: tuple | None = None
-        self._packed: torch.Tensor | None = None
+        self._copies: dict[str, tuple[tuple, torch.Tensor]] = {}
+
+    def _copy(self, kind: str, weight: torch.Tensor, make) -> torch.Tensor:
+        key = (weight.dtype, weight.device, weight.data_ptr(), weight._version, tuple(weight.shape))
+        cached = self._copies.get(kind)
+        if cached is None or cached[0] != key:
+            cached = self._copies[kind] = (key, make(weight.detach().contiguous()))
+        return cached[1]
 
     def get(self, weight: torch.Tensor) -> torch.Tensor:
-        key = (weight.dtype, weight.device, weight.data_ptr(), weight._version, tuple(weight.shape))
-        if key != self._key:
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 8)
-            self._key = key
-        return self._packed
+        return self._copy("packed", weight, lambda w: torch.ops.mkldnn._reorder_linear_weight(w, 8))
+
+    def blocked(self, weight: torch.Tensor) -> torch.Tensor:
+        return self._copy("fewrow", weight, block_weight)
 
 
 def packed_matmul(x: torch.Tensor, weight: torch.Tensor, cache: PackedWeight,
                   bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (..., in) · weightᵀ (weight (out, in)) through the packed copy in ``cache``; callers
-    check :func:`packs` and that ``x`` has the weight's dtype."""
+    """x (..., in) · weightᵀ (weight (out, in)) through the copy in ``cache`` that the plan picks
+    for this row count (packed, or the few-row kernel); callers check :func:`packs` and that
+    ``x`` has the weight's dtype."""
+    if PLAN.path(weight, x.numel() // x.shape[-1]) == "fewrow" and fewrow_applies(weight):
+        return fewrow_linear(x, cache.blocked(weight), weight.shape[0], bias)
     return torch.ops.mkldnn._linear_pointwise(x, cache.get(weight), bias, "none", [], "")
 
 

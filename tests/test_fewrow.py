@@ -1,0 +1,122 @@
+"""The few-row float32 kernel (heads/fewrow.py): agreement with F.linear, how it is built and
+rebuilt, and how the packing plan picks it only where it measured fastest."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from draftheads.decoding import base as base_module
+from draftheads.heads import fewrow, linear
+from draftheads.heads.linear import PackingPlan, ROW_BUCKETS, fastest_paths, shape_key, valid_timings
+
+from helpers import tiny_llama
+
+
+@pytest.fixture(scope="module")
+def kernel_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("kernels")
+    if not fewrow.load_kernel(folder):
+        pytest.skip(f"the few-row kernel is off here ({fewrow.kernel_status()})")
+    return folder
+
+
+@pytest.mark.parametrize("out_features, in_features", [(37, 29), (16, 8), (64, 576), (49, 1), (1, 13)])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 12, 13, 20])
+def test_the_kernel_agrees_with_f_linear_within_float32_rounding(kernel_dir, out_features, in_features, rows):
+    generator = torch.Generator().manual_seed(rows * 1000 + out_features)
+    weight = torch.randn(out_features, in_features, generator=generator)
+    x = torch.randn(rows, in_features, generator=generator)
+    got = fewrow.fewrow_linear(x, fewrow.block_weight(weight), out_features)
+    exact = torch.nn.functional.linear(x.double(), weight.double())
+    assert got.shape == (rows, out_features) and got.dtype == torch.float32
+    # one accumulation chain per output: within a few float32 ulps of the sum's magnitude
+    bound = 4 * in_features * torch.finfo(torch.float32).eps * (x.abs().double() @ weight.abs().double().T)
+    assert ((got.double() - exact).abs() <= bound + 1e-30).all()
+
+
+def test_batched_strided_input_and_bias(kernel_dir):
+    generator = torch.Generator().manual_seed(1)
+    weight, bias = torch.randn(40, 24, generator=generator), torch.randn(40, generator=generator)
+    x = torch.randn(3, 24, 4, generator=generator).transpose(1, 2)  # (3, 4, 24), not contiguous
+    got = fewrow.fewrow_linear(x, fewrow.block_weight(weight), 40, bias)
+    assert got.shape == (3, 4, 40)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+
+
+def test_a_missing_compiler_turns_the_kernel_off_with_the_reason(monkeypatch, tmp_path):
+    monkeypatch.setattr(fewrow, "_state", {"lib": None, "status": "not loaded"})
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    assert fewrow.load_kernel(tmp_path) is False
+    assert fewrow.kernel() is None and fewrow.kernel_status().startswith("off: ")
+    monkeypatch.setattr(fewrow, "unsupported_reason", lambda: "not an x86 CPU (the kernel is AVX2 code)")
+    assert fewrow.load_kernel(tmp_path) is False
+    assert fewrow.kernel_status() == "off: not an x86 CPU (the kernel is AVX2 code)"
+
+
+def test_a_damaged_cached_library_is_rebuilt_not_trusted(kernel_dir, monkeypatch, tmp_path):
+    monkeypatch.setattr(fewrow, "_state", {"lib": None, "status": "not loaded"})
+    compiler = fewrow._compiler()
+    path = fewrow._library_path(tmp_path, compiler)
+    path.write_bytes(b"\x7fELF not really a library")
+    assert fewrow.load_kernel(tmp_path) is True
+    assert fewrow.kernel_status() == f"on ({path})"
+    assert path.read_bytes()[:4] == b"\x7fELF" and path.stat().st_size > 1000
+
+
+def entry(linear_ms, packed_ms, fewrow_ms=None):
+    out = {"linear_ms": [float(v) for v in linear_ms], "packed_ms": [float(v) for v in packed_ms]}
+    if fewrow_ms is not None:
+        out["fewrow_ms"] = [float(v) for v in fewrow_ms]
+    return out
+
+
+def test_the_plan_takes_the_kernel_only_where_it_beat_both_paths():
+    n = len(ROW_BUCKETS)
+    measured = entry([1.0] * n, [2.0, 0.8, 0.8, 0.8, 0.8, 0.8, 0.8, 0.8], [0.5, 0.9, 0.4, 0.4, 0.4, 0.4, 0.9, 3.0])
+    assert fastest_paths(measured) == ("fewrow", "packed", "fewrow", "fewrow", "fewrow", "fewrow", "packed", "packed")
+    assert fastest_paths(measured, kernel_loaded=False) == ("linear",) + ("packed",) * (n - 1)
+    assert fastest_paths(entry([1.0] * n, [0.5] * n)) == ("packed",) * n  # never measured: never taken
+
+
+@pytest.mark.parametrize("bad", [[1.0], [float("nan")] * len(ROW_BUCKETS), [0.0] * len(ROW_BUCKETS), "fast", None])
+def test_a_malformed_kernel_timing_is_not_trusted(bad):
+    good = entry([1.0] * len(ROW_BUCKETS), [1.0] * len(ROW_BUCKETS))
+    assert valid_timings(good) and valid_timings({**good, "fewrow_ms": [0.5] * len(ROW_BUCKETS)})
+    assert not valid_timings({**good, "fewrow_ms": bad})
+
+
+def test_shapes_measured_before_the_kernel_are_measured_again(kernel_dir):
+    plan = PackingPlan()
+    weight = torch.zeros(12, 8)
+    plan.add(shape_key(torch.float32, 12, 8), entry([1.0] * len(ROW_BUCKETS), [1.0] * len(ROW_BUCKETS)))
+    assert plan.missing([weight]) == ([(torch.float32, 12, 8)] if linear.packing_available(torch.float32) else [])
+    plan.add(shape_key(torch.float32, 12, 8), linear.measure_shape(torch.float32, 12, 8, reps=1))
+    assert plan.missing([weight]) == [] and valid_timings(plan.timings["float32 12x8"])
+
+
+@pytest.mark.skipif(not linear.packing_available(torch.float32), reason="this torch build has no oneDNN packed linear")
+def test_float32_decoding_through_the_kernel_follows_the_base(kernel_dir, monkeypatch):
+    """Every linear of a tiny float32 base and its LM head forced onto the kernel (trees of 2-8
+    slots): the decoder's greedy output equals transformers' greedy generate."""
+    from draftheads.decoding import DraftHeadsModel, tree_from_paths
+    from helpers import OracleHeads
+
+    model = tiny_llama(2, dtype=torch.float32)
+    prompt = torch.tensor([[5, 17, 33, 8, 9]])
+    reference = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=40, do_sample=False)
+    plan = PackingPlan()
+    n = len(ROW_BUCKETS)
+    for w in [p for p in model.parameters() if p.dim() == 2]:
+        plan.add(shape_key(w.dtype, w.shape[0], w.shape[1]), entry([9.0] * n, [9.0] * n, [1.0] * n))
+    monkeypatch.setattr(linear, "PLAN", plan)
+    monkeypatch.setattr(base_module, "PLAN", plan)
+    calls = []
+    real = linear.fewrow_linear
+    monkeypatch.setattr(linear, "fewrow_linear", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    for paths in ([(0,)], [(0,), (1,), (0, 0)], [(0,), (0, 0), (0, 0, 0), (1,), (2,), (1, 0), (0, 1)]):
+        heads = OracleHeads([reference[0, 5:].tolist()], vocab=96, error=0.3, seed=4)
+        ours = DraftHeadsModel(model, heads, tree=tree_from_paths(paths)).generate(prompt, max_new_tokens=40)
+        assert ours.tolist() == reference.tolist()
+    assert len(calls) > 100, "the kernel was not used"
