@@ -14,6 +14,7 @@ import argparse
 import datetime
 import json
 import platform
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                              "torch": torch.__version__, "transformers": __import__("transformers").__version__,
                              "lm_eval": __import__("lm_eval").__version__ if hasattr(__import__("lm_eval"), "__version__")
                              else "?", "note": args.note}
-    report["command"] = "python scripts/lm_eval_gsm8k.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    report["command"] = shlex.join(["python", "scripts/lm_eval_gsm8k.py", *(sys.argv[1:] if argv is None else argv)])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(report, indent=1, default=str) + "\n", encoding="utf-8")
