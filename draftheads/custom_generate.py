@@ -140,14 +140,17 @@ def check_placement(model, decoder: DraftHeadsModel) -> None:
     if head is not None and (head.device != param.device or head.dtype != param.dtype):
         raise InputError(f"custom_generate: the model is on {param.device} ({str(param.dtype).removeprefix('torch.')}) "
                          f"but its heads were bound on {head.device} ({str(head.dtype).removeprefix('torch.')}) when it "
-                         "was first used; move or cast it back, or bind the heads again where it is now "
-                         "(from draftheads.custom_generate import unbind; unbind(model)).")
+                         "was first used; move or cast it back, or bind the heads again where it is now with "
+                         "draftheads.custom_generate.unbind(model).")
 
 
 def unbind(model) -> None:
     """Forget the heads bound to ``model`` (every callable's): the next call binds them again,
     on the model's device and in its dtype as they are then."""
     _DECODERS.pop(model, None)
+
+
+custom_generate.unbind = unbind  # draftheads.custom_generate is the function: draftheads.custom_generate.unbind(model)
 
 
 def own_processors(model, generation_config, input_ids: torch.Tensor):

@@ -172,8 +172,6 @@ def test_bad_input_to_either_form_is_one_clear_line_before_any_work(setup, tmp_p
     """Heads for another base, beams, another draft model or transformers' prompt lookup with the
     heads, a model moved after its heads were bound, a checkpoint folder without
     custom_generate/: each one line naming the fix, raised before a token is decoded."""
-    from draftheads.custom_generate import unbind
-
     model, heads = setup
     ids = torch.tensor([[5, 6, 7, 8]])
     fn = custom_generate(heads)
@@ -200,7 +198,7 @@ def test_bad_input_to_either_form_is_one_clear_line_before_any_work(setup, tmp_p
     with pytest.raises(InputError, match=r"the model is on cpu \(float32\) but its heads were bound on cpu "
                                          r"\(float64\).*unbind\(model\)"):
         model.generate(ids.clone(), max_new_tokens=8, do_sample=False, custom_generate=fn)
-    unbind(model)
+    custom_generate.unbind(model)  # draftheads.custom_generate.unbind, as the error says
     model.double()
     assert model.generate(ids, max_new_tokens=8, do_sample=False, custom_generate=fn).tolist() == reference.tolist()
 
