@@ -27,7 +27,7 @@ def tiny(tmp_path, monkeypatch):
 
 def test_the_event_streams_coloured_drafts_then_plain_generate(tiny):
     model = DraftHeadsModel.from_pretrained(tiny / "heads", base_name_or_path=str(tiny / "base"), dtype="float64",
-                                            drafts="heads,context")
+                                            drafts="heads,context", tree=3)  # pinned: drafts are accepted
     updates = list(answer(model, "w5 w6 w7 w8 w5 w6", 30))
     fast_html, fast_line, plain_html, plain_line, verdict = updates[-1]
     assert verdict.startswith("speedup ") and verdict.endswith("identical to plain generate (float64)")
