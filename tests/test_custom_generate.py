@@ -296,3 +296,22 @@ def test_push_writes_custom_generate_for_the_repo(setup, tmp_path, monkeypatch):
     with pytest.raises(SystemExit):  # a bad repo id: one line, nothing uploaded
         cli_main(["push", str(heads), "not a repo id"])
     assert len(calls) == 2
+
+
+def test_the_folder_form_with_a_padded_batch_and_sampling(setup):
+    """The folder form as the callable is tested: a left-padded batch with dict outputs gives the
+    model's own tokens and scores; sampling with top_k=1 is the argmax."""
+    model, heads = setup
+    write_custom_generate(heads)
+    ids, mask = left_pad([[3, 5, 9, 13, 21], [7, 8]])
+    kwargs = dict(attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0,
+                  return_dict_in_generate=True, output_scores=True)
+    reference = model.generate(ids, **kwargs)
+    ours = model.generate(ids, custom_generate=str(heads), trust_remote_code=True, **kwargs)
+    assert type(ours) is type(reference) and ours.sequences.tolist() == reference.sequences.tolist()
+    torch.testing.assert_close(torch.stack(ours.scores), torch.stack(reference.scores))
+    one = torch.tensor([[11, 12, 13, 14]])
+    greedy = model.generate(one, max_new_tokens=12, do_sample=False)
+    sampled = model.generate(one, max_new_tokens=12, do_sample=True, top_k=1, custom_generate=str(heads),
+                             trust_remote_code=True)
+    assert sampled.tolist() == greedy.tolist()
