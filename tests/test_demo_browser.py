@@ -2,8 +2,8 @@
 by Playwright loads the page the command serves, submits a prompt, waits for the answer and
 checks that its text is plain ``generate``'s, that accepted drafts are coloured and that the speed
 lines (tokens/s, τ) are shown; a screenshot is saved (``DRAFTHEADS_DEMO_SCREENSHOT=path`` keeps
-it: docs/demo.png is the slow SmolLM2 test's). Skipped, naming the package, where no browser or
-Playwright is installed (scripts/test.sh installs both)."""
+it: docs/demo.png is the slow SmolLM2 test's). Skipped, naming the package, where no browser,
+Playwright or Gradio is installed (scripts/test.sh installs them)."""
 from __future__ import annotations
 
 import os
@@ -43,6 +43,13 @@ def playwright():
     except ImportError:
         pytest.skip(f"{NEEDS} Playwright: pip install playwright (it drives the OS's chromium; no browser download)")
     return sync_playwright
+
+
+def gradio() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("gradio") is None:
+        pytest.skip(f"{NEEDS} Gradio, which serves the page: pip install 'draftheads[demo]'")
 
 
 def free_port() -> int:
@@ -132,7 +139,7 @@ def test_the_demo_page_in_a_real_browser(tmp_path):
     """A tiny float64 base with a word-level tokenizer and random Medusa heads: the page's
     draftheads answer is token for token plain generate's (float64), drafts accepted and coloured
     (the tree pinned: this machine's calibrated default may decode plainly)."""
-    chromium(), playwright()  # skip before building anything
+    chromium(), playwright(), gradio()  # skip before building anything
     from transformers import AutoTokenizer, LlamaForCausalLM
 
     base = save_tiny_base(tmp_path / "base")
@@ -157,7 +164,7 @@ def test_the_demo_page_with_smollm2_and_the_shipped_heads(tmp_path, smollm2):
     """SmolLM2 (float32) with the shipped heads and lookups, as the README shows it: the page's
     plain answer is transformers' own; the draftheads answer equals it (float32: or diverges at
     a near-tie, which the verdict line says)."""
-    chromium(), playwright()
+    chromium(), playwright(), gradio()
     prompt = "Explain in three sentences why the sky is blue."
     demo = Demo(["--dtype", "float32", "--max-new-tokens", "96"], Path(os.environ.get("DRAFTHEADS_CACHE", tmp_path / "cache")), tmp_path / "demo.log")
     try:
