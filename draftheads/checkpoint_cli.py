@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -150,11 +152,35 @@ def cmd_card(args) -> int:
 
 
 def cmd_push(args) -> int:
-    from .heads.hub import upload_checkpoint
+    """Upload the checkpoint with ``custom_generate/`` written for the repo id, so that plain
+    transformers code runs the pushed heads (``custom_generate="<repo>", trust_remote_code=True``).
+    The folder is staged (files linked where the filesystem allows, else copied): the local
+    checkpoint is left as it is, and a ``custom_generate/`` already in it is replaced."""
+    import tempfile
 
-    url = upload_checkpoint(args.checkpoint, args.repo_id, private=args.private or None, revision=args.revision)
+    from .custom_generate import FOLDER, write_custom_generate
+    from .heads.hub import check_checkpoint_folder, check_repo_id, upload_checkpoint
+
+    source = Path(args.checkpoint)
+    check_checkpoint_folder(source)  # before staging anything: the same checks the upload makes
+    check_repo_id(args.repo_id)
+    with tempfile.TemporaryDirectory(prefix="draftheads-push-") as tmp:
+        staged = Path(tmp) / source.name
+        shutil.copytree(source, staged, ignore=shutil.ignore_patterns(FOLDER), copy_function=link_or_copy)
+        write_custom_generate(staged, args.repo_id)
+        url = upload_checkpoint(staged, args.repo_id, private=args.private or None, revision=args.revision)
     print(url)
+    print(f"plain transformers code runs these heads: model.generate(..., custom_generate={args.repo_id!r}, "
+          "trust_remote_code=True)", file=sys.stderr)
     return 0
+
+
+def link_or_copy(src: str, dst: str) -> None:
+    """A hard link (no copy of the weights) where the filesystem allows, else a copy."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
 
 
 def add_commands(sub) -> None:
@@ -194,7 +220,8 @@ def add_commands(sub) -> None:
     card.add_argument("--date", default=None, help="when --results was measured (default: today)")
     card.add_argument("--check", action="store_true", help="only compare; exit 1 if README.md is out of date")
     card.set_defaults(func=cmd_card)
-    push = sub.add_parser("push", help="upload a checkpoint folder to the Hugging Face Hub")
+    push = sub.add_parser("push", help="upload a checkpoint folder to the Hugging Face Hub, with custom_generate/ "
+                                       "written for the repo (transformers' custom_generate=<repo>)")
     push.add_argument("checkpoint")
     push.add_argument("repo_id")
     push.add_argument("--private", action="store_true")

@@ -1,7 +1,7 @@
 """The ``draftheads`` command: ``generate`` (stream an answer, report tokens/s, τ, speedup),
 ``bench`` (plain HF greedy generate vs draftheads on a prompt file, one run, JSON + PNG; with
 ``--batch-sizes``: batched HF generate vs every fixed tree vs the adaptive policy) and
-``train`` (train heads from a recipe)."""
+``train`` (train heads from a recipe), ``demo`` (a local Gradio page, draftheads/demo.py)."""
 from __future__ import annotations
 
 import argparse
@@ -287,8 +287,10 @@ def build_parser() -> argparse.ArgumentParser:
     env.add_argument("--json", action="store_true", help="print JSON")
     env.set_defaults(func=cmd_env)
     from .checkpoint_cli import add_commands  # export, import-medusa, card, push
+    from .demo import add_command as add_demo  # gradio itself is imported only when the demo runs
 
     add_commands(sub)
+    add_demo(sub, common)
     return parser
 
 

@@ -12,11 +12,15 @@ decoding loop; ``fn`` runs :meth:`DraftHeadsModel.generate` on *that* model obje
 loaded, checked against its fingerprint and bound once, then cached on the model) and returns
 what transformers returns. Under each dtype's guarantee the output equals the model's own
 ``generate``; what the decoder does not implement is refused before any work, as in
-:meth:`DraftHeadsModel.generate`. transformers 5.24 hands a callable no ``streamer`` (it keeps
-only the arguments a callable adds to ``_sample``'s); stream with :meth:`DraftHeadsModel.generate`.
+:meth:`DraftHeadsModel.generate`; the heads stay bound where the model was at its first call (a
+model moved or cast since is refused, :func:`unbind` forgets them). transformers 5.24 hands a
+callable only the arguments it adds to ``_sample``'s, so the ``streamer`` and an
+``assistant_model`` are read from transformers' ``generate`` call itself
+(:func:`generate_call_arguments`): the first streams, the second is refused.
 """
 from __future__ import annotations
 
+import sys
 import weakref
 from pathlib import Path
 from typing import Callable, Sequence
@@ -64,8 +68,13 @@ def custom_generate(heads: str | Path, drafts: str | Sequence[str] = "auto", tre
         if len(logits_processor or []) > len(own_processors(model, generation_config, input_ids)):
             raise InputError("custom_generate: a logits_processor of your own is not supported by draftheads; "
                              "use generation config options (temperature, top_k, top_p, repetition_penalty).")
+        dropped = generate_call_arguments()
+        refuse_assistance(dropped.get("assistant_model"), generation_config)
+        if streamer is None and dropped.get("streamer") is not None:
+            streamer = PromptAlreadyStreamed(dropped["streamer"])
         decoder = decoder_for(model, key, lambda: DraftHeadsModel.from_pretrained(
             heads, base=model, tokenizer=None, drafts=drafts, tree=tree, lookup_store=lookup_store, **hub_kwargs))
+        check_placement(model, decoder)
         attention_mask = model_kwargs.get("attention_mask")
         if attention_mask is None:  # transformers drops an all-ones mask before calling us
             attention_mask = torch.ones_like(input_ids)
@@ -75,6 +84,73 @@ def custom_generate(heads: str | Path, drafts: str | Sequence[str] = "auto", tre
 
     generate.__doc__ = f"draftheads' tree decoding with the heads at {heads} (pass as custom_generate=)."
     return generate
+
+
+def generate_call_arguments() -> dict:
+    """The arguments of the transformers ``generate`` call that is calling the callable, read
+    from its frame: transformers (5.24) hands a callable only what ``_sample`` takes, so an
+    ``assistant_model`` (which the heads cannot be combined with) would be dropped silently and a
+    ``streamer`` lost. Empty where the caller is not transformers' ``generate``."""
+    frame = sys._getframe(2)  # 0: here, 1: the callable, 2: its caller
+    if frame.f_code.co_name != "generate" or not frame.f_globals.get("__name__", "").startswith("transformers."):
+        return {}
+    names = ("assistant_model", "streamer", "prefix_allowed_tokens_fn", "negative_prompt_ids")
+    return {name: frame.f_locals.get(name) for name in names if frame.f_locals.get(name) is not None}
+
+
+class PromptAlreadyStreamed:
+    """A streamer that transformers' ``generate`` already gave the prompt (it does so before
+    calling the decoding loop): the decoder's own first ``put`` (the prompt again) is dropped,
+    everything else (``put_step`` where the streamer has it) goes through."""
+
+    def __init__(self, streamer):
+        self.streamer = streamer
+        self.prompt_dropped = False
+
+    def put(self, value) -> None:
+        if not self.prompt_dropped:
+            self.prompt_dropped = True
+            return
+        self.streamer.put(value)
+
+    def end(self) -> None:
+        self.streamer.end()
+
+    def __getattr__(self, name):
+        return getattr(self.streamer, name)
+
+
+def refuse_assistance(assistant_model, generation_config) -> None:
+    """Another draft model or transformers' prompt lookup together with the heads: one line."""
+    if assistant_model is not None:
+        raise InputError("custom_generate: assistant_model cannot be combined with draftheads' heads (the heads are "
+                         "the draft model); drop assistant_model, or call generate() without custom_generate.")
+    if getattr(generation_config, "prompt_lookup_num_tokens", None):
+        raise InputError("custom_generate: prompt_lookup_num_tokens cannot be combined with draftheads' heads "
+                         "(draftheads drafts lookups itself: drafts='auto' or 'heads,context'); drop it.")
+
+
+def check_placement(model, decoder: DraftHeadsModel) -> None:
+    """The heads bound on first use sit on the model's device in its dtype; a model moved or
+    cast since then is refused before any work, naming the fix."""
+    if decoder.heads is None:
+        return
+    param = next(model.parameters())
+    head = next(decoder.heads.parameters(), None)
+    if head is not None and (head.device != param.device or head.dtype != param.dtype):
+        raise InputError(f"custom_generate: the model is on {param.device} ({str(param.dtype).removeprefix('torch.')}) "
+                         f"but its heads were bound on {head.device} ({str(head.dtype).removeprefix('torch.')}) when it "
+                         "was first used; move or cast it back, or bind the heads again where it is now with "
+                         "draftheads.custom_generate.unbind(model).")
+
+
+def unbind(model) -> None:
+    """Forget the heads bound to ``model`` (every callable's): the next call binds them again,
+    on the model's device and in its dtype as they are then."""
+    _DECODERS.pop(model, None)
+
+
+custom_generate.unbind = unbind  # draftheads.custom_generate is the function: draftheads.custom_generate.unbind(model)
 
 
 def own_processors(model, generation_config, input_ids: torch.Tensor):
@@ -144,5 +220,6 @@ def run_folder_generate(model, heads: str, inputs: torch.Tensor | None = None, g
     if input_ids is None:
         raise InputError("custom_generate: pass the prompt's input_ids.")
     decoder = decoder_for(model, ("folder", heads), lambda: DraftHeadsModel.from_pretrained(heads, base=model))
+    check_placement(model, decoder)
     return decoder.generate(input_ids, generation_config=generation_config, streamer=streamer,
                             stopping_criteria=stopping_criteria, **kwargs)
