@@ -112,6 +112,7 @@ class RecordingHfApi:
 
 
 def test_push_to_hub_uploads_exactly_the_saved_folder(tmp_path, monkeypatch, no_network):
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # the Hub is mocked: pass where the shell sets it
     RecordingHfApi.calls = []
     monkeypatch.setattr(huggingface_hub, "HfApi", RecordingHfApi)
     heads = trained_heads(tiny_llama(0), 0)
