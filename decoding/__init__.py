@@ -1,7 +1,7 @@
 """Tree speculative decoding: base wrapper, trees, acceptance, KV bookkeeping, the loop."""
 from .accept import Acceptance, greedy_accept
 from .base import BaseFingerprint, fingerprint, load_base
-from .context import HeadContext
+from .head_context import HeadContext
 from .generate import DecodingStats, DraftHeadsModel, FixedTree, TreePolicy, default_tree, tree_for_budget
 from .policy import AdaptivePolicy, calibrate, load_cost_surface
 from .tree import Tree, chain_tree, tree_from_paths, tree_from_ranks

@@ -71,7 +71,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .drafts import Drafts, children_table
+from .drafters.drafts import Drafts, children_table
 from .processors import history_ids, logits_processors, processed_scores, uses_history
 
 

@@ -20,13 +20,13 @@ from ..heads.hardware import bf16_native
 from .attention import use_packed_sdpa
 from .base import dtype_name, fingerprint, lm_logits, load_base, plan_packing, prefill, use_packed_linears
 from .cache import KVState
-from .context import HeadContext
+from .head_context import HeadContext
 from .limits import InputError, InputTypeError, check_base_path, check_generator, check_input_tensors, parse_dtype, parse_tree_option, warn_context_cut
 from .accept import Acceptor, Typical, resolve_acceptance
 from .processors import check_sampling_config
 from .policy import AdaptivePolicy, CalibrationConfig, best_budget, calibrate
 from .output import Emitter, generated_counts
-from .drafter import STORE_NAME, Drafter, DraftState, HeadsDrafter, TableCost, build_drafter, check_review, parse_drafts
+from .drafters import STORE_NAME, Drafter, DraftState, HeadsDrafter, TableCost, build_drafter, check_review, parse_drafts
 from .step import PhaseTimer, decode_step
 from .tree import Tree, chain_tree, tree_from_paths
 

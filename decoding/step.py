@@ -21,9 +21,8 @@ from ..heads.linear import packed_linears
 from .accept import Acceptance
 from .base import lm_logits, verify
 from .cache import KVState
-from .context import HeadContext
-from .drafter import Drafter, DraftState
-from .drafts import Drafts
+from .drafters import Drafter, Drafts, DraftState
+from .head_context import HeadContext
 from .tree import Tree
 
 #: the phases of a step, in order (the profiler's table rows)

@@ -83,7 +83,7 @@ def draft_configs(model, sources: tuple[str, ...], review: bool = False) -> dict
     lookups together (the Hierarchy Drafting hierarchy), with ``review`` every source merged
     under the vertical cascade, and every source merged (last: the headline). name → a drafter
     for ``model.drafter`` (None: the heads alone)."""
-    from .decoding.drafter import parse_drafts
+    from .decoding.drafters import parse_drafts
 
     sources = parse_drafts(sources)
     lookups = tuple(s for s in sources if s != "heads")
@@ -348,7 +348,7 @@ def batch_draft_combos(sources: Sequence[str], review: bool = False) -> list[tup
     """What the batched bench runs beside the heads-only policy for ``--drafts``: the lookups
     together (the Hierarchy Drafting hierarchy, no heads), every source merged, and with
     ``review`` every source merged under the vertical cascade (a trailing "review")."""
-    from .decoding.drafter import parse_drafts
+    from .decoding.drafters import parse_drafts
 
     sources = parse_drafts(sources)
     lookups = tuple(s for s in sources if s != "heads")

@@ -80,7 +80,7 @@ def spec_bench_answers(path: str, per_category: int, max_new_tokens: int) -> dic
     """The base's greedy answers to the first ``per_category`` prompts of each Spec-Bench
     category (the model is loaded only here, never for timing; answers cached)."""
     from draftheads.decoding.base import load_base, dtype_name
-    from draftheads.evaluation import answers_cache_path, base_answers
+    from draftheads.head_scoring import answers_cache_path, base_answers
     from draftheads.prompts import read_prompts
 
     prompts = [p for p in read_prompts(f"{path}@{per_category}") if p["category"] in SPEC_BENCH_CATEGORIES]

@@ -13,7 +13,7 @@ import torch
 
 from draftheads.cli import drafting_line, main as cli_main
 from draftheads.decoding import DraftHeadsModel
-from draftheads.decoding.drafter import STORE_NAME, HeadsDrafter, MergedDrafter, TableCost, WidthChooser
+from draftheads.decoding.drafters import STORE_NAME, HeadsDrafter, MergedDrafter, TableCost, WidthChooser
 from draftheads.decoding.drafters import Candidates, LookupDrafter
 from draftheads.decoding.drafters.candidates import Source
 from draftheads.decoding.generate import auto_drafts

@@ -103,7 +103,7 @@ def test_prefix_layer_cache_matches_a_full_pass():
     from transformers import DynamicCache
 
     from draftheads.decoding.accept import Acceptance
-    from draftheads.decoding.context import HeadContext
+    from draftheads.decoding.head_context import HeadContext
 
     model = tiny_llama(0)
     heads = random_heads("hydra++", model)

@@ -10,10 +10,10 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from helpers import OracleHeads, left_pad, tiny_llama, trees
 from draftheads.decoding import DraftHeadsModel, tree_from_paths
-from draftheads.decoding.drafter import (LINEAR_COST, DraftState, HeadsDrafter, MergedDrafter, TableCost,
+from draftheads.decoding.drafters import (LINEAR_COST, DraftState, HeadsDrafter, MergedDrafter, TableCost,
                                          WidthChooser, build_drafter, cap_depth, parse_drafts)
 from draftheads.decoding.drafters import Candidates, ContextConfig, LookupConfig, LookupDrafter
-from draftheads.decoding.drafts import Drafts
+from draftheads.decoding.drafters.drafts import Drafts
 
 MODELS = {seed: tiny_llama(seed) for seed in range(2)}
 PAD = 0

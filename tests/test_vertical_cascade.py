@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from helpers import FAMILIES, left_pad, tiny_llama
 from test_families import random_heads
 from draftheads.decoding import DraftHeadsModel, tree_from_paths
-from draftheads.decoding.drafter import (LINEAR_COST, DraftState, MergedDrafter, WidthChooser, build_drafter,
+from draftheads.decoding.drafters import (LINEAR_COST, DraftState, MergedDrafter, WidthChooser, build_drafter,
                                          check_review, review)
 from draftheads.decoding.drafters import Candidates, ContextConfig, HitRate, LookupConfig, LookupDrafter
 from draftheads.decoding.drafters.candidates import BUCKET_STRIDE

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from .candidates import Candidates, merge
-from .context import ContextConfig, ContextSource
+from .context_source import ContextConfig, ContextSource
 from .hitrate import HitRate
 from .stats import BigramTable, StatsConfig, StatsSource
 from .store import ModelStore, StoreConfig, StoreSource

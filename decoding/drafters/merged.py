@@ -18,18 +18,21 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 import numpy as np
 import torch
 
-from ..heads import DraftHeads
-from .accept import Acceptance
-from .drafters import Candidates, HitRate, LookupDrafter, merge
-from .drafters.hitrate import reviewed_bucket
+from ...heads import DraftHeads
+from ..limits import InputError, InputTypeError
+from ..tree import Tree, chain_tree
+from .candidates import Candidates, merge
 from .drafts import Drafts
-from .limits import InputError, InputTypeError
-from .tree import Tree, chain_tree
+from .hitrate import HitRate, reviewed_bucket
+from .lookup import LookupDrafter
+
+if TYPE_CHECKING:  # the acceptance rules read drafts (accept → drafters.drafts): no runtime import back
+    from ..accept import Acceptance
 
 
 @dataclass
@@ -110,7 +113,7 @@ class TableCost:
         return cls.from_ranked([{"nodes": n, "step_ms": cost.step_ms(1, n, ctx)} for n in nodes])
 
     def step_ms(self, bs: int, nodes: int, ctx: int, budget: int = 0) -> float:
-        from .policy import interp1
+        from ..policy import interp1
 
         return interp1(self.nodes, self.ms, bs * nodes) if len(self.nodes) > 1 else self.ms[0] * bs * nodes
 
@@ -340,7 +343,10 @@ def build_drafter(sources: Sequence[str], heads: DraftHeads | None, store=None, 
                   eos_token_id: int | None = None, review: bool = False) -> Drafter:
     """The drafter for ``sources`` (:func:`parse_drafts`): the heads alone → :class:`HeadsDrafter`;
     any lookup → :class:`MergedDrafter` (with the heads when "heads" is among them)."""
-    from .drafters import ContextConfig, LookupConfig, StatsConfig, StoreConfig
+    from .context_source import ContextConfig
+    from .lookup import LookupConfig
+    from .stats import StatsConfig
+    from .store import StoreConfig
 
     if "heads" in sources and heads is None:
         raise InputError("drafts include 'heads' but no head checkpoint was loaded: pass heads_path, or draft "
