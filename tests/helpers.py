@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from draftheads.decoding.request import left_pad  # noqa: F401 (tests pad batches by the package's one rule)
 from draftheads.heads import REGISTRY, DraftHeads, HeadConfig, TreeSpec
 from draftheads.training.recipe import load_recipe
 
@@ -52,17 +53,6 @@ def save_tiny_base(folder: Path, seed: int = 0) -> LlamaForCausalLM:
                                "{% if add_generation_prompt %}w4{% endif %}")
     tokenizer.save_pretrained(folder)
     return model
-
-
-def left_pad(prompts: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """A left-padded batch and its attention mask, as a tokenizer with padding_side='left' gives."""
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad)
-    mask = torch.zeros_like(ids)
-    for row, p in enumerate(prompts):
-        ids[row, width - len(p):] = torch.tensor(p)
-        mask[row, width - len(p):] = 1
-    return ids, mask
 
 
 class OracleHeads(DraftHeads):
@@ -134,9 +124,7 @@ FAMILIES = sorted(f for f in REGISTRY if not f.endswith("-test"))
 
 
 # -- from test_train_framework -------------------------------------------------------------------
-ROOT = Path(__file__).resolve().parents[1]
-
-RECIPES = ROOT / "recipes"
+RECIPES = REPO / "recipes"
 
 def tiny_recipe(root: Path, run: str, **over) -> Path:
     recipe = {
@@ -170,7 +158,7 @@ def final_weights(run_dir: Path) -> dict:
     return load_file(str(run_dir / "final" / "model.safetensors"))
 
 def subprocess_env() -> dict:
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "tests"), TQDM_DISABLE="1", OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=str(REPO / "tests"), TQDM_DISABLE="1", OMP_NUM_THREADS="1")
     env.pop("WANDB_API_KEY", None)
     return env
 
