@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 
-from helpers import OracleHeads, left_pad, tiny_llama
+from helpers import TINY_GRID, OracleHeads, left_pad, tiny_heads, tiny_llama
 from draftheads.decoding import DraftHeadsModel, chain_tree, tree_from_paths
 from draftheads.decoding.limits import InputError
-from draftheads.decoding.calibration import CalibrationConfig, calibrate, calibration_key, calibration_path
+from draftheads.decoding.calibration import calibrate, calibration_key, calibration_path
 from draftheads.decoding.cost import CostModel, LatencyTable, interp1, load_cost_surface
 from draftheads.decoding.policy import AdaptivePolicy, Candidate, FixedTree, candidates_from_heads, resolve_tree
 from draftheads.heads import HeadConfig, MedusaHeads
@@ -141,16 +141,6 @@ def test_resolve_tree_arguments():
 
 
 # -- calibration -----------------------------------------------------------------------------
-TINY_GRID = CalibrationConfig(batch_sizes=(1, 2), nodes=(1, 2, 4), contexts=(8, 16), max_tokens=4, reps=1)
-
-
-def tiny_heads() -> MedusaHeads:
-    config = HeadConfig(num_heads=2, hidden_size=32, vocab_size=96, trees={"1": [[0]], "3": [[0], [1], [0, 0]]},
-                        expected_tau={"1": 1.4, "3": 1.7})
-    heads = MedusaHeads(config).to(torch.float64)
-    return heads
-
-
 def test_calibration_is_cached_per_model_dtype_and_heads(tmp_path, monkeypatch):
     monkeypatch.setenv("DRAFTHEADS_CACHE", str(tmp_path))
     model = tiny_llama(0, max_pos=64)

@@ -12,13 +12,12 @@ import pytest
 import torch
 
 import draftheads.decoding.calibration as calibration
-from helpers import tiny_llama
+from helpers import TINY_GRID, tiny_llama
 from draftheads.decoding import DraftHeadsModel, fingerprint
 from draftheads.decoding.calibration import CalibrationConfig, calibrate, calibration_key, calibration_path
 from draftheads.decoding.policy import AdaptivePolicy
 from draftheads.heads import HeadConfig, MedusaHeads
 
-TINY_GRID = CalibrationConfig(batch_sizes=(1, 2), nodes=(1, 2, 4), contexts=(8, 16), max_tokens=4, reps=1)
 MODEL = tiny_llama(0, max_pos=64)
 
 

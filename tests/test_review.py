@@ -10,8 +10,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from helpers import FAMILIES, left_pad, tiny_llama
-from test_families import random_heads
+from helpers import FAMILIES, TINY_GRID, left_pad, random_heads, tiny_heads, tiny_llama
 from draftheads.decoding import DraftHeadsModel, tree_from_paths
 from draftheads.decoding.cost import LINEAR_COST
 from draftheads.decoding.drafters import (DraftState, MergedDrafter, WidthChooser, build_drafter,
@@ -219,7 +218,6 @@ def test_batched_bench_runs_lookup_strategies_end_to_end(tmp_path, monkeypatch):
     import draftheads.decoding.calibration as calibration
     import draftheads.prompts as prompts_module
     from draftheads.bench import run_batch_bench
-    from test_policy import TINY_GRID, tiny_heads
 
     monkeypatch.setenv("DRAFTHEADS_CACHE", str(tmp_path / "cache"))
     real_calibrate = calibration.calibrate
