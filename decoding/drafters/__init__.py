@@ -18,7 +18,7 @@ from .choice import (DRAFT_SOURCES, STORE_NAME, auto_drafts, build_drafter, chec
 from .heads_drafter import HeadsDrafter, head_trie
 from .lookup import LOOKUP_SOURCES, LookupConfig, LookupSources
 from .merged import LookupDrafter, MergedDrafter, cap_depth
-from .protocol import Drafter, DraftState, LookupSource, plain_drafts
+from .interface import Drafter, DraftState, LookupSource, plain_drafts
 from .review import review
 from .width import WidthChooser
 from .stats import BigramTable, StatsConfig, StatsSource

@@ -13,7 +13,7 @@ from .context_source import ContextConfig
 from .heads_drafter import HeadsDrafter
 from .lookup import LookupConfig, LookupSources
 from .merged import MergedDrafter
-from .protocol import Drafter
+from .interface import Drafter
 from .stats import StatsConfig
 from .store import ModelStore, StoreConfig, StoreError, tokenizer_identity
 from .width import WidthChooser

@@ -8,7 +8,7 @@ from ...heads import DraftHeads
 from ..tree import Tree
 from .candidates import Candidates
 from .drafts import Drafts
-from .protocol import DraftState, plain_drafts
+from .interface import DraftState, plain_drafts
 
 if TYPE_CHECKING:
     from ..accept import Acceptance

@@ -1,5 +1,5 @@
 """All lookup sources of a batch behind one object (:class:`LookupSources`): per-row context /
-store / stats sources (each a :class:`~.protocol.LookupSource`), one shared :class:`HitRate`,
+store / stats sources (each a :class:`~.interface.LookupSource`), one shared :class:`HitRate`,
 and the merge — what the merged drafter (:mod:`.merged`) wraps.
 
 Rows are keyed by the caller's ids (a row keeps its id while others finish), so nothing here

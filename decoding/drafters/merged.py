@@ -19,7 +19,7 @@ from .candidates import Candidates, merge
 from .drafts import Drafts
 from .heads_drafter import head_trie
 from .lookup import LookupConfig, LookupSources
-from .protocol import DraftState
+from .interface import DraftState
 from .review import review
 from .width import WidthChooser
 
@@ -143,7 +143,7 @@ class MergedDrafter:
 
 
 class LookupDrafter(MergedDrafter):
-    """The lookup sources alone as a :class:`~.protocol.Drafter`: a merged drafter without heads
+    """The lookup sources alone as a :class:`~.interface.Drafter`: a merged drafter without heads
     (``store``/``config``/``sources`` as :class:`~.lookup.LookupSources`)."""
 
     def __init__(self, store=None, config: LookupConfig = LookupConfig(), sources: Sequence[str] | None = None,

@@ -9,7 +9,7 @@ import torch
 from ...heads import DraftHeads
 from .candidates import Candidates
 from .hitrate import HitRate, reviewed_bucket
-from .protocol import DraftState
+from .interface import DraftState
 
 
 def review(heads: DraftHeads, state: DraftState, tries: Sequence[Candidates], hitrate: HitRate) -> list[Candidates]:
