@@ -8,14 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import tiny_llama
+from helpers import REPO, tiny_llama
 from draftheads import __version__
 from draftheads.decoding import DraftHeadsModel, fingerprint
 from draftheads.heads import CheckpointError, HeadConfig, HydraHeads, MedusaHeads, load_heads, read_config
 from draftheads.heads import protocol
 from draftheads.heads.protocol import current_umask
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 def random_heads(model, seed: int = 0) -> MedusaHeads:
