@@ -41,7 +41,7 @@ they depend on the prefix only. (The same argument covers any draft tokens, samp
 long as they are independent of the acceptance uniforms: condition on them.) The price of
 point masses: a node accepts with probability Σ_i p(x_i), the mass its children cover.
 
-Trees that mix head drafts and lookup drafts (:class:`~.drafter.MergedDrafter`). A lookup
+Trees that mix head drafts and lookup drafts (:class:`~.drafters.MergedDrafter`). A lookup
 node (a context match, a store continuation, a bigram chain) is a token fixed by the row's
 history, as a head's top-k candidate is; after the merge a node's children are distinct
 tokens, whichever source proposed each, in an order fixed before the walk. Their union is

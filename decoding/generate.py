@@ -68,7 +68,7 @@ class DraftHeadsModel:
         if tree is None:
             tree = default_tree(heads, base.dtype)
         self.policy: TreePolicy = as_policy(tree)
-        #: who fills the trees; None: the heads alone (:class:`~.drafter.HeadsDrafter` over ``self.heads``)
+        #: who fills the trees; None: the heads alone (:class:`~.drafters.HeadsDrafter` over ``self.heads``)
         self.drafter: Drafter | None = None
         #: the sources ``drafter`` merges (("heads",) for the heads alone), named in reports
         self.draft_sources: tuple[str, ...] = ("heads",) if heads is not None else ()
@@ -96,7 +96,7 @@ class DraftHeadsModel:
         :meth:`use_drafts`); ``lookup_store``: the model store for "store"/"stats" (default: the
         one shipped beside the heads; a store named is opened and checked even when unused);
         ``review``: the heads review lookup drafts (see :meth:`use_drafts`); ``calibration``: the
-        grid ``tree="adaptive"`` measures on first use (default: :class:`~.policy.CalibrationConfig`).
+        grid ``tree="adaptive"`` measures on first use (default: :class:`~.calibration.CalibrationConfig`).
         ``tree=None`` (default): the stored tree this machine's quick calibration prices best
         (:meth:`calibrate_defaults`; seconds, once per machine, cached)."""
         tree = parse_tree_option(tree)  # every argument is checked before anything loads
@@ -147,7 +147,7 @@ class DraftHeadsModel:
         and lookup sources — "context" (suffix matches in the prompt and the answer so far),
         "store" (matches in the base's own answers, a file shipped beside the heads), "stats"
         (bigram chains from the store) — merged into one tree per row under the cost model
-        (:class:`~.drafter.MergedDrafter`). ``lookup_store``: the store file (default:
+        (:class:`~.drafters.MergedDrafter`). ``lookup_store``: the store file (default:
         ``lookup_store.safetensors`` beside the heads). ``review=True`` (the vertical cascade): the
         heads rescore each lookup draft within their depth before it takes a verification slot
         (their probability of its token joins its calibrated hit rate)."""

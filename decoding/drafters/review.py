@@ -19,7 +19,7 @@ def review(heads: DraftHeads, state: DraftState, tries: Sequence[Candidates], hi
     the heads' depth: a path to each node at depth K or to a shallower leaf covers its
     ancestors) and give each node within that depth the probability they would draft its
     token with; that probability's bin joins the node's hit-rate bucket
-    (:func:`~.drafters.hitrate.reviewed_bucket`) and the trie is rescored. Deeper nodes keep
+    (:func:`~.hitrate.reviewed_bucket`) and the trie is rescored. Deeper nodes keep
     their bucket (their path's product still carries the reviewed ancestors). Same nodes,
     same order: only the scores move."""
     depth_cap = heads.num_heads
