@@ -101,7 +101,7 @@ def greedy_accept(tokens: torch.Tensor, parent: torch.Tensor, depth: torch.Tenso
                   predicted: torch.Tensor, valid: torch.Tensor | None = None) -> Acceptance:
     """tokens, predicted (B, N): drafted tokens and the base's argmax per slot; parent, depth
     (N,) or (B, N); path_slots (N, D+1) or (B, N, D+1); valid (B, N) masks the padding slots of
-    per-row trees (:class:`~.drafts.Drafts`)."""
+    per-row trees (:class:`~.drafters.Drafts`)."""
     batch, nodes = tokens.shape
     parent, depth, path_slots = _per_row(batch, nodes, parent, depth, path_slots)
     parent_safe = parent.clamp(min=0)
