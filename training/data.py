@@ -50,7 +50,7 @@ DATA_OPTIONS = ("use a local JSON-lines file or datasets folder (e.g. a self-dis
 
 #: columns each data kind needs, and where such data comes from (for the error message)
 REQUIRED_COLUMNS = {
-    "selfdistill": (("prompt", "response_ids"), "self-distilled answers (python -m draftheads.training.data)"),
+    "selfdistill": (("prompt", "response_ids"), "self-distilled answers (python -m draftheads.training.self_distillation)"),
     "conversations": (("messages",), "chat records with messages=[{role, content}, ...], e.g. train_conversations.jsonl"),
     "tokens": (("input_ids",), "pre-tokenized records with input_ids (and optionally response_start)"),
     "prompts": (("prompt",), "prompt records, e.g. train_prompts.jsonl"),
