@@ -1,11 +1,14 @@
 """Tree speculative decoding: base wrapper, trees, acceptance, KV bookkeeping, the loop."""
 from .accept import Acceptance, greedy_accept
 from .base import BaseFingerprint, fingerprint, load_base
-from .context import HeadContext
-from .generate import DecodingStats, DraftHeadsModel, FixedTree, TreePolicy, default_tree, tree_for_budget
-from .policy import AdaptivePolicy, calibrate, load_cost_surface
+from .head_context import HeadContext
+from .generate import DraftHeadsModel
+from .calibration import calibrate
+from .cost import CostModel, load_cost_surface
+from .loop import DecodingStats
+from .policy import AdaptivePolicy, FixedTree, TreePolicy, default_tree, tree_for_budget
 from .tree import Tree, chain_tree, tree_from_paths, tree_from_ranks
 
-__all__ = ["Acceptance", "AdaptivePolicy", "BaseFingerprint", "DecodingStats", "DraftHeadsModel", "FixedTree",
+__all__ = ["Acceptance", "AdaptivePolicy", "BaseFingerprint", "CostModel", "DecodingStats", "DraftHeadsModel", "FixedTree",
            "HeadContext", "Tree", "TreePolicy", "calibrate", "chain_tree", "default_tree", "fingerprint", "greedy_accept", "load_base", "load_cost_surface", "tree_for_budget",
            "tree_from_paths", "tree_from_ranks"]

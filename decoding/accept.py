@@ -41,7 +41,7 @@ they depend on the prefix only. (The same argument covers any draft tokens, samp
 long as they are independent of the acceptance uniforms: condition on them.) The price of
 point masses: a node accepts with probability Σ_i p(x_i), the mass its children cover.
 
-Trees that mix head drafts and lookup drafts (:class:`~.drafter.MergedDrafter`). A lookup
+Trees that mix head drafts and lookup drafts (:class:`~.drafters.MergedDrafter`). A lookup
 node (a context match, a store continuation, a bigram chain) is a token fixed by the row's
 history, as a head's top-k candidate is; after the merge a node's children are distinct
 tokens, whichever source proposed each, in an order fixed before the walk. Their union is
@@ -71,8 +71,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .drafts import Drafts, children_table
-from .processors import history_ids, logits_processors, processed_scores, uses_history
+from .drafters.drafts import Drafts, children_table
+from .processors import logits_processors, processed_scores, uses_history
+from .sequences import Sequences
 
 
 @dataclass
@@ -100,7 +101,7 @@ def greedy_accept(tokens: torch.Tensor, parent: torch.Tensor, depth: torch.Tenso
                   predicted: torch.Tensor, valid: torch.Tensor | None = None) -> Acceptance:
     """tokens, predicted (B, N): drafted tokens and the base's argmax per slot; parent, depth
     (N,) or (B, N); path_slots (N, D+1) or (B, N, D+1); valid (B, N) masks the padding slots of
-    per-row trees (:class:`~.drafts.Drafts`)."""
+    per-row trees (:class:`~.drafters.Drafts`)."""
     batch, nodes = tokens.shape
     parent, depth, path_slots = _per_row(batch, nodes, parent, depth, path_slots)
     parent_safe = parent.clamp(min=0)
@@ -264,15 +265,15 @@ def default_generator(device: torch.device | str = "cpu") -> torch.Generator:
 class Acceptor:
     """What ``generate`` asks at each step: the first token after the prompt, then which tree
     path each row keeps plus its bonus token. Holds the processors, the generator and (for the
-    repetition penalty) references to the prompt and the per-row generated lists."""
+    repetition penalty) the call's :class:`~.sequences.Sequences`, which it only reads."""
 
-    def __init__(self, config, mode: str | Typical, vocab: int, input_ids: torch.Tensor,
-                 attention_mask: torch.Tensor, generated: list[list[int]], generator: torch.Generator | None = None):
+    def __init__(self, config, mode: str | Typical, vocab: int, sequences: Sequences,
+                 generator: torch.Generator | None = None):
         self.mode = mode
         self.vocab = vocab
         self.processors = logits_processors(config)
         self.history = uses_history(self.processors)
-        self.input_ids, self.attention_mask, self.generated = input_ids, attention_mask, generated
+        self.sequences = sequences
         self.generator = None
         if mode != "greedy":
             self.generator = generator if generator is not None else default_generator()
@@ -286,7 +287,7 @@ class Acceptor:
     def _scores(self, logits: torch.Tensor, rows: torch.Tensor, tokens=None, path_slots=None) -> torch.Tensor:
         history = None
         if self.history:
-            history = history_ids(self.input_ids, self.attention_mask, self.generated, rows.cpu(), self.vocab)
+            history = self.sequences.history(rows.cpu(), self.vocab)
             if tokens is None:  # the first token: "so far" is the prompt itself
                 tokens = torch.full((rows.numel(), 1), self.vocab, dtype=torch.long, device=logits.device)
                 path_slots = torch.zeros(1, 1, dtype=torch.long)

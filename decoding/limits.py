@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ..heads.errors import DraftheadsError, MissingPathError
+from ..heads.hardware import available_ram_bytes
 from .tree import Tree
 
 
@@ -169,3 +170,92 @@ def warn_context_cut(wanted: int, limits: list[int], context: int) -> None:
                       f"would pass the model's context limit (max_position_embeddings={context}), and draftheads "
                       "stops there (transformers would go on past it). Shorten the prompt to get all of them.",
                       UserWarning, stacklevel=4)  # → generate → torch.no_grad's wrapper → the caller
+
+
+def check_inputs(input_ids, attention_mask, base, pad: int | None, eos: list[int], pad_given: bool = True):
+    input_ids, attention_mask = check_input_tensors(input_ids, attention_mask, base)
+    if input_ids.shape[1] == 0:
+        raise InputError("generate(): the prompt is empty; pass at least one token.")
+    batched = input_ids.shape[0] > 1
+    if attention_mask is None and batched and not pad_given and eos:
+        warnings.warn("generate(): the attention mask and the pad token id were not set, with a batched input; "
+                      f"padding falls back to EOS id {pad} as in transformers, so padding cannot be told from text. "
+                      "Pass the tokenizer's attention_mask.", UserWarning, stacklevel=3)
+    if attention_mask is None and batched and pad is not None and bool((input_ids[:, -1] == pad).any()):
+        # the same warning transformers gives (the pad id may equal EOS, so it cannot be sure)
+        warnings.warn("generate(): a decoder-only architecture is being used, but right-padding was detected! "
+                      "For correct generation results, please set `padding_side='left'` when initializing the "
+                      "tokenizer (and pass its attention_mask).", UserWarning, stacklevel=3)
+    if attention_mask is None:
+        # transformers' rule: infer padding from pad_token_id unless pad is also an EOS token
+        infer = pad is not None and bool((input_ids == pad).any()) and pad not in eos
+        attention_mask = (input_ids != pad).long() if infer else torch.ones_like(input_ids)
+    if attention_mask.shape != input_ids.shape:
+        raise InputError(f"generate(): attention_mask shape {tuple(attention_mask.shape)} != input_ids shape "
+                         f"{tuple(input_ids.shape)}.")
+    if bool((attention_mask.sum(1) == 0).any()):
+        raise InputError("generate(): a prompt in the batch is empty (all padding).")
+    if bool((attention_mask[:, -1] == 0).any()):
+        raise InputError("generate(): the batch is right-padded; decoder-only generation needs left padding "
+                         "(tokenizer.padding_side = 'left').")
+    limit = base.config.max_position_embeddings
+    if int(attention_mask.sum(1).max()) >= limit:
+        raise InputError(f"generate(): the prompt has {int(attention_mask.sum(1).max())} tokens, at or over the "
+                         f"model's context limit of {limit}; shorten it.")
+    return input_ids, attention_mask
+
+
+def available_memory_bytes(device: torch.device) -> int | None:
+    """Free memory where the cache will live (None when it cannot be told)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    if device.type == "cpu":
+        return available_ram_bytes()
+    return None
+
+
+def decode_memory_bytes(config, batch: int, width: int, new_tokens: int, tree_nodes: int,
+                        bytes_per_value: int) -> dict[str, int]:
+    """Upper estimate of what decoding a batch allocates, from the model config alone: the KV
+    cache at its longest (prompt + new tokens + one tree per row), the prefill's activations
+    (hidden states, MLP, the 4D mask and attention scores of a width × width prompt) and the
+    verification logits (tree nodes × vocabulary per row)."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    inter = getattr(config, "intermediate_size", None) or 4 * config.hidden_size
+    kv = 2 * config.num_hidden_layers * kv_heads * head_dim * batch * (width + new_tokens + tree_nodes) * bytes_per_value
+    prefill_act = batch * width * (4 * config.hidden_size + 3 * inter) * bytes_per_value \
+        + batch * (heads + 1) * width * width * bytes_per_value
+    verify_act = batch * tree_nodes * (config.vocab_size + 4 * config.hidden_size + 3 * inter) * bytes_per_value
+    return {"kv_cache": kv, "activations": max(prefill_act, verify_act), "total": kv + max(prefill_act, verify_act)}
+
+
+def check_memory(base, batch: int, width: int, new_tokens: int, tree_nodes: int) -> None:
+    """Refuse, before any work, a batch whose estimated footprint exceeds the free memory."""
+    param = next(base.parameters())
+    free = available_memory_bytes(param.device)
+    if free is None:
+        return
+    need = decode_memory_bytes(base.config, batch, width, new_tokens, tree_nodes, param.element_size())
+    if need["total"] > 0.9 * free:
+        per_row = max(1, need["total"] // batch)
+        gib = 1 << 30
+        raise MemoryError(
+            f"generate(): a batch of {batch} × {width}-token prompts with {new_tokens} new tokens needs about "
+            f"{need['total'] / gib:.1f} GiB (KV cache {need['kv_cache'] / gib:.1f} GiB + activations "
+            f"{need['activations'] / gib:.1f} GiB) but only {free / gib:.1f} GiB is free on {param.device}; "
+            f"split it into batches of at most {max(1, int(0.9 * free) // per_row)} rows or lower max_new_tokens.")
+
+
+def wanted_new_tokens(config, prompt_len: int) -> int:
+    """``max_new_tokens``, else ``max_length`` minus the (padded) prompt width, as transformers."""
+    if config.max_new_tokens is not None:
+        if config.max_new_tokens <= 0:
+            raise InputError(f"generate(): max_new_tokens must be positive, got {config.max_new_tokens}.")
+        return config.max_new_tokens
+    wanted = config.max_length - prompt_len
+    if wanted <= 0:
+        raise InputError(f"generate(): max_length={config.max_length} leaves no room after a {prompt_len}-token "
+                         "prompt; set max_new_tokens.")
+    return wanted

@@ -3,35 +3,37 @@ stopping exactly where transformers stops, streaming, the per-token scores, and 
 sequences / ``GenerateDecoderOnlyOutput``.
 
 The loop only says "row b emitted these tokens (the first ``drafted`` were accepted drafts)";
-:class:`Emitter` decides where each row stops and keeps what the return value needs.
+:class:`Emitter` decides where each row stops, writes the tokens into the call's
+:class:`~.sequences.Sequences` (their one writer) and keeps what the return value needs.
 """
 from __future__ import annotations
 
 import torch
 
 from .base import forward_all
+from .sequences import Sequences
 
 
 class Emitter:
     """Per-row output of one ``generate`` call.
 
-    input_ids (B, L) the prompts (left-padded); ``limits`` each row's ``max_new_tokens`` after
-    the context cut; ``eos`` the EOS ids; ``want_scores``: keep one score row per token."""
+    ``sequences`` the call's prompts and generated tokens (this emitter appends to them);
+    ``limits`` each row's ``max_new_tokens`` after the context cut; ``eos`` the EOS ids;
+    ``want_scores``: keep one score row per token."""
 
-    def __init__(self, input_ids: torch.Tensor, limits: list[int], eos: list[int], stopping_criteria=None,
+    def __init__(self, sequences: Sequences, limits: list[int], eos: list[int], stopping_criteria=None,
                  streamer=None, want_scores: bool = False):
-        batch = input_ids.shape[0]
-        self.input_ids = input_ids
+        batch = sequences.batch
+        self.seqs = sequences
         self.limits = limits
         self.eos = set(eos)
         self.stopping_criteria = stopping_criteria
         self.streamer = streamer
         self.want_scores = want_scores
-        self.generated: list[list[int]] = [[] for _ in range(batch)]  # the acceptor reads these (history)
         self.scores: list[list[torch.Tensor]] = [[] for _ in range(batch)]
         self.done = torch.zeros(batch, dtype=torch.bool)
         if streamer is not None:
-            streamer.put(input_ids.cpu())
+            streamer.put(sequences.input_ids.cpu())
 
     # -- during decoding -------------------------------------------------------------------------
     def running(self, rows: torch.Tensor) -> torch.Tensor:
@@ -44,7 +46,7 @@ class Emitter:
 
     def rooms(self, rows: torch.Tensor) -> list[int]:
         """Tokens each of ``rows`` may still emit (0 for a finished row)."""
-        return [0 if bool(self.done[b]) else self.limits[b] - len(self.generated[b]) for b in rows.tolist()]
+        return [0 if bool(self.done[b]) else self.limits[b] - self.seqs.count(b) for b in rows.tolist()]
 
     def emit(self, row: int, new: list[int], new_scores=None, drafted: int = 0) -> None:
         """Append tokens one by one, stopping exactly where transformers would: after an EOS,
@@ -52,9 +54,9 @@ class Emitter:
         ``new`` are accepted drafts: a streamer with ``put_step`` is told so (colouring)."""
         if bool(self.done[row]):
             return
-        generated, emitted = self.generated[row], []
+        emitted = []
         for i, token in enumerate(new):
-            generated.append(token)
+            self.seqs.append(row, token)
             emitted.append(token)
             if new_scores is not None:
                 self.scores[row].append(new_scores[i])
@@ -64,12 +66,11 @@ class Emitter:
         self._stream(emitted, drafted)
 
     def _stops(self, row: int, token: int, score: torch.Tensor | None) -> bool:
-        if token in self.eos or len(self.generated[row]) >= self.limits[row]:
+        if token in self.eos or self.seqs.count(row) >= self.limits[row]:
             return True
         if self.stopping_criteria is None:
             return False
-        so_far = torch.cat([self.input_ids[row], torch.tensor(self.generated[row], dtype=self.input_ids.dtype)])[None]
-        return bool(self.stopping_criteria(so_far, score[None] if score is not None else None).any())
+        return bool(self.stopping_criteria(self.seqs.so_far(row), score[None] if score is not None else None).any())
 
     def _stream(self, emitted: list[int], drafted: int) -> None:
         if self.streamer is None or not emitted:
@@ -95,19 +96,11 @@ class Emitter:
             self.emit(b, new, scores, drafted=a)
 
     # -- after decoding --------------------------------------------------------------------------
-    @property
-    def new_tokens(self) -> int:
-        return sum(len(g) for g in self.generated)
-
-    def sequences(self, pad: int) -> torch.Tensor:
-        """(B, L + T) prompts then each row's tokens, right-filled with ``pad`` (transformers' shape)."""
+    def finish(self, pad: int) -> torch.Tensor:
+        """End the stream; (B, L + T) the assembled sequences (:meth:`Sequences.assembled`)."""
         if self.streamer is not None:
             self.streamer.end()
-        width = max(len(g) for g in self.generated)
-        out = torch.full((self.input_ids.shape[0], width), pad, dtype=self.input_ids.dtype)
-        for row, tokens in enumerate(self.generated):
-            out[row, : len(tokens)] = torch.tensor(tokens, dtype=self.input_ids.dtype)
-        return torch.cat([self.input_ids, out.to(self.input_ids.device)], dim=1)
+        return self.seqs.assembled(pad)
 
     def dict_output(self, base, sequences: torch.Tensor, attention_mask: torch.Tensor, config, kv, acceptor, vocab: int):
         """``GenerateDecoderOnlyOutput`` as transformers returns it: scores/logits float32, one
@@ -116,7 +109,7 @@ class Emitter:
         transformers feeds it, gives both (equal up to float rounding)."""
         from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-        prompt_len = self.input_ids.shape[1]
+        prompt_len = self.seqs.prompt_len
         steps = sequences.shape[1] - prompt_len
         early = self.want_scores and any(len(row) < steps for row in self.scores)
         cache_out = None

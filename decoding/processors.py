@@ -8,7 +8,6 @@ acceptance, caches or drafters.
 """
 from __future__ import annotations
 
-from typing import Sequence
 
 import torch
 
@@ -36,7 +35,7 @@ def logits_processors(config):
     when sampling, temperature, top-k, top-p. Built from the public classes.
 
     Left padding: transformers tells the repetition penalty to skip each row's pad prefix; we
-    replace pad positions by an out-of-vocabulary id instead (see :func:`history_ids`), which
+    replace pad positions by an out-of-vocabulary id instead (see :meth:`~.sequences.Sequences.history`), which
     the processor drops by design."""
     from transformers.generation.logits_process import (LogitsProcessorList, RepetitionPenaltyLogitsProcessor,
                                                         TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
@@ -59,19 +58,6 @@ def uses_history(processors) -> bool:
     from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
     return any(isinstance(p, RepetitionPenaltyLogitsProcessor) for p in processors)
-
-
-def history_ids(input_ids: torch.Tensor, attention_mask: torch.Tensor, generated: Sequence[Sequence[int]],
-                rows: torch.Tensor, vocab: int) -> torch.Tensor:
-    """(R, L) the tokens so far of the given original rows: prompt (pad positions → ``vocab``,
-    an id every processor ignores) then the generated tokens, right-filled with ``vocab``."""
-    rows_list = rows.tolist()
-    prompt = input_ids[rows].masked_fill(attention_mask[rows] == 0, vocab)
-    width = max((len(generated[r]) for r in rows_list), default=0)
-    tail = torch.full((len(rows_list), width), vocab, dtype=prompt.dtype)
-    for i, r in enumerate(rows_list):
-        tail[i, : len(generated[r])] = torch.tensor(generated[r], dtype=prompt.dtype)
-    return torch.cat([prompt, tail.to(prompt.device)], dim=1)
 
 
 def processed_scores(processors, logits: torch.Tensor, history: torch.Tensor | None = None,

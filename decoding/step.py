@@ -6,7 +6,7 @@
             what each row accepted)
 
 A step never emits tokens or decides stopping: that is the loop's business
-(:mod:`.generate`). It returns what the loop needs to do so (:class:`StepResult`).
+(:mod:`.loop`). It returns what the loop needs to do so (:class:`StepResult`).
 """
 from __future__ import annotations
 
@@ -21,9 +21,8 @@ from ..heads.linear import packed_linears
 from .accept import Acceptance
 from .base import lm_logits, verify
 from .cache import KVState
-from .context import HeadContext
-from .drafter import Drafter, DraftState
-from .drafts import Drafts
+from .drafters import Drafter, Drafts, DraftState
+from .head_context import HeadContext
 from .tree import Tree
 
 #: the phases of a step, in order (the profiler's table rows)
@@ -77,7 +76,7 @@ def decode_step(base, drafter: Drafter, acceptor, kv: KVState, context: HeadCont
     """One verification step for the live batch.
 
     ``state``: each live row's root token, head input, caller row index and room (see
-    :class:`~.drafter.DraftState`); ``tree``: the policy's choice (its size is the node budget;
+    :class:`~.drafters.DraftState`); ``tree``: the policy's choice (its size is the node budget;
     a 1-node tree is a plain decoding step). The drafter returns a tree per row; the base
     verifies them in one forward; the cache in ``kv`` and the heads' ``context`` advance by each
     row's accepted slots; the drafter hears what each row accepted."""

@@ -111,7 +111,7 @@ def cmd_import_medusa(args) -> int:
 
 def fit_imported_trees(heads, base, tokenizer, args) -> None:
     """Trees + expected τ from the heads' ranks on the base's greedy answers to ``--trees-from``."""
-    from .evaluation import answer_features, base_answers
+    from .head_scoring import answer_features, base_answers
     from .tree_fit import fit_trees, prompt_records
 
     records = base_answers(base, tokenizer, prompt_records(args.trees_from, args.limit), args.max_new_tokens)

@@ -52,7 +52,7 @@ def load_model(args):
 
 def check_review_option(review: bool, drafts) -> None:
     """``--review`` needs ``--drafts`` mixing heads and lookups: one error line, before any model loads."""
-    from .decoding.drafter import check_review
+    from .decoding.drafters import check_review
 
     try:
         check_review(review, drafts or ("heads",))

@@ -29,7 +29,7 @@ import torch
 from transformers import StoppingCriteriaList
 
 from .decoding import DraftHeadsModel
-from .decoding.drafter import parse_drafts
+from .decoding.drafters import parse_drafts
 from .decoding.limits import InputError, parse_tree_option
 
 #: transformers' own stopping criteria, which it adds from the generation config; the decoder

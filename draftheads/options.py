@@ -28,7 +28,7 @@ def tree_argument(value: str) -> str | int:
 
 def drafts_argument(value: str) -> tuple[str, ...]:
     """``--drafts``: a comma-separated subset of heads, context, store, stats (or ``all``)."""
-    from .decoding.drafter import parse_drafts
+    from .decoding.drafters import parse_drafts
 
     try:
         return parse_drafts(value)

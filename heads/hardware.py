@@ -50,17 +50,35 @@ def native_cpu_dtypes() -> set[torch.dtype]:
         {torch.float16} if fp16_native() else set())
 
 
+def proc_field(path: str, name: str) -> str | None:
+    """The value of the first ``name: value`` line of a Linux ``/proc`` file (``/proc/cpuinfo``,
+    ``/proc/meminfo``, ``/proc/self/status``), stripped; None where the file or the line is missing."""
+    try:
+        with open(path, encoding="ascii", errors="replace") as handle:
+            for line in handle:
+                key, colon, value = line.partition(":")
+                if colon and key.strip() == name:
+                    return value.strip()
+    except OSError:
+        return None
+    return None
+
+
+def proc_kib(path: str, name: str) -> int | None:
+    """A ``/proc`` field counted in kB (``MemAvailable``, ``VmRSS``...) in bytes, or None."""
+    value = proc_field(path, name)
+    return int(value.split()[0]) * 1024 if value else None
+
+
+def available_ram_bytes() -> int | None:
+    """Memory the OS can give this process now (``MemAvailable``); None where /proc does not say."""
+    return proc_kib("/proc/meminfo", "MemAvailable")
+
+
 @functools.lru_cache(maxsize=1)
 def cpu_model() -> str:
     """The CPU's model name (a measurement from another CPU model is never reused)."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as handle:
-            for line in handle:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "cpu"
+    return proc_field("/proc/cpuinfo", "model name") or platform.processor() or platform.machine() or "cpu"
 
 
 def isa_limits() -> dict[str, str]:

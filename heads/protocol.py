@@ -11,8 +11,6 @@ This module is the ground floor of the package: it imports nothing from ``decodi
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +21,7 @@ from torch import nn
 
 from .config import (CARD_NAME, CONFIG_NAME, DRAFTHEADS_VERSION, FORMAT_VERSION, PROMOTED_FROM_EXTRA, REGISTRY,
                      WEIGHTS_NAME, CheckpointError, HeadConfig, display_name, read_config, register)
+from .atomic import atomic_directory, check_output_dir, current_umask, write_text_atomic  # noqa: F401 (their old home)
 from .card import basic_card
 from .errors import cannot_write
 from .hub import resolve_checkpoint, upload_checkpoint
@@ -259,88 +258,6 @@ class DraftHeads(nn.Module):
         with tempfile.TemporaryDirectory(prefix="draftheads-push-") as tmp:
             folder = self.save_pretrained(Path(tmp) / "checkpoint", dtype=dtype, card=card, files=files)
             return upload_checkpoint(folder, repo_id, **hub_kwargs)
-
-
-def current_umask() -> int:
-    """The process umask (read by setting it and putting it back)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return umask
-
-
-class atomic_directory:
-    """``with atomic_directory(target) as tmp:`` write into ``tmp``; on success it replaces
-    ``target`` (files only the old folder had are carried over), on error it is deleted. A
-    destination that cannot be written is one :class:`~.errors.UnwritablePathError` naming it."""
-
-    def __init__(self, target: Path):
-        self.target = Path(target)
-
-    def __enter__(self) -> Path:
-        if self.target.is_file():
-            raise CheckpointError(f"{self.target} is a file; a checkpoint is a directory: choose another path.")
-        try:
-            self.target.parent.mkdir(parents=True, exist_ok=True)
-            self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.target.name}.tmp-", dir=self.target.parent))
-        except OSError as err:
-            raise cannot_write(self.target, err) from None
-        return self.tmp
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is not None:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            return
-        try:
-            self._replace()
-        except OSError as err:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            raise cannot_write(self.target, err) from None
-
-    def _replace(self) -> None:
-        os.chmod(self.tmp, 0o777 & ~current_umask())  # mkdtemp makes it private; a checkpoint is not
-        for item in self.tmp.iterdir():
-            os.chmod(item, 0o666 & ~current_umask())
-        if not self.target.exists():
-            os.rename(self.tmp, self.target)
-            return
-        old = Path(tempfile.mkdtemp(prefix=f".{self.target.name}.old-", dir=self.target.parent))
-        os.rename(self.target, old / "checkpoint")
-        for item in (old / "checkpoint").iterdir():
-            if not (self.tmp / item.name).exists():
-                os.rename(item, self.tmp / item.name)
-        os.rename(self.tmp, self.target)
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def write_text_atomic(path: str | Path, text: str) -> None:
-    """Replace a file in one rename, so a reader never sees half of it (a card, a training
-    report, a cached calibration); a destination that cannot be written is one
-    :class:`~.errors.UnwritablePathError` naming it."""
-    path = Path(path)
-    tmp = None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp makes it private
-        os.replace(tmp, path)
-    except OSError as err:
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
-        raise cannot_write(path, err) from None
-
-
-def check_output_dir(out: str | Path, source: str | Path | None) -> None:
-    """Refuse to write a converted checkpoint over its own source or inside it: the source's
-    files would be overwritten (its config.json) or mixed with the output's."""
-    if source is None:
-        return
-    out_path, source_path = Path(out).resolve(), Path(source).resolve()
-    if out_path == source_path or source_path in out_path.parents:
-        where = "is" if out_path == source_path else "is inside"
-        raise CheckpointError(f"the output folder {out} {where} the source {source}: writing there would overwrite "
-                              "or mix with the source's files; choose another output folder.")
 
 
 def cartesian_tokens(candidates: torch.Tensor, roots: torch.Tensor, tree: TreeSpec) -> torch.Tensor:

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from draftheads.decoding.drafters import (BigramTable, Candidates, ContextConfig, ContextSource, HitRate, LookupConfig,
-                                          LookupDrafter, ModelStore, NgramIndex, Source, StatsConfig, StatsSource,
+                                          LookupSources, ModelStore, NgramIndex, Source, StatsConfig, StatsSource,
                                           StoreConfig, StoreSource, SuffixAutomaton, default_q, tokenizer_identity)
 from draftheads.training.features import read_jsonl
 
@@ -80,7 +80,7 @@ def spec_bench_answers(path: str, per_category: int, max_new_tokens: int) -> dic
     """The base's greedy answers to the first ``per_category`` prompts of each Spec-Bench
     category (the model is loaded only here, never for timing; answers cached)."""
     from draftheads.decoding.base import load_base, dtype_name
-    from draftheads.evaluation import answers_cache_path, base_answers
+    from draftheads.head_scoring import answers_cache_path, base_answers
     from draftheads.prompts import read_prompts
 
     prompts = [p for p in read_prompts(f"{path}@{per_category}") if p["category"] in SPEC_BENCH_CATEGORIES]
@@ -93,9 +93,9 @@ def spec_bench_answers(path: str, per_category: int, max_new_tokens: int) -> dic
 
 
 class RowView:
-    """One row of a :class:`LookupDrafter` with a single source's extend/propose calls."""
+    """One row of a :class:`LookupSources` with a single source's extend/propose calls."""
 
-    def __init__(self, drafter: LookupDrafter, prompt):
+    def __init__(self, drafter: LookupSources, prompt):
         self.drafter = drafter
         drafter.start(0, prompt)
 
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         "context_source_propose_automaton": lambda p: ContextSource(p, AUTOMATON),
         "store_source_propose": lambda p: StoreSource(store, p, LOOKUP.store),
         "stats_source_propose": lambda p: StatsSource(table, p, LOOKUP.stats),
-        "merged_three_rescored": lambda p: RowView(LookupDrafter(store, LOOKUP), p),
+        "merged_three_rescored": lambda p: RowView(LookupSources(store, LOOKUP), p),
     }
     cost = {}
     long_streams = streams(held + kept, args.context + args.steps, args.streams)
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         "context_automaton": lambda p: ContextSource(p, AUTOMATON),
         "store": lambda p: StoreSource(store, p, LOOKUP.store),
         "stats": lambda p: StatsSource(table, p, LOOKUP.stats),
-        "merged": lambda p: RowView(LookupDrafter(store, LOOKUP, shared_hitrate), p),
+        "merged": lambda p: RowView(LookupSources(store, LOOKUP, shared_hitrate), p),
     }
 
     def hit_rates(groups: dict[str, list[dict]]) -> dict:

@@ -7,7 +7,7 @@
 Per checkpoint:
 
 * accuracy: per-head top-1/top-5, teacher-forced on the base's own greedy answers to held-out
-  prompts (MT-Bench, via :mod:`draftheads.evaluation`, the same scoring as eval_heads.py),
+  prompts (MT-Bench, via :mod:`draftheads.head_scoring`, the same scoring as eval_heads.py),
   next to the held-out accuracy its training_report.json records;
 * speed: τ and wall-clock speedup at batch size 1, greedy, against HF ``generate`` in the same
   dtype, on MT-Bench and on each Spec-Bench category. The HF baseline runs once per prompt and
@@ -36,7 +36,7 @@ from draftheads.bench import hf_greedy, summarize, timed_draftheads, timed_hf
 from draftheads.prompts import chat_input, read_prompts
 from draftheads.decoding import DraftHeadsModel, Tree, fingerprint, load_base
 from draftheads.decoding.step import PhaseTimer
-from draftheads.evaluation import answer_features, answers_cache_path, base_answers, score_heads
+from draftheads.head_scoring import answer_features, answers_cache_path, base_answers, score_heads
 from draftheads.heads import HeadConfig, display_name, load_heads, read_config
 from draftheads.plots import plot_chart
 from draftheads.training.adversarial import koala_label

@@ -22,7 +22,8 @@ import torch
 
 from draftheads.decoding import DraftHeadsModel
 from draftheads.decoding.base import dtype_name, parse_dtype
-from draftheads.decoding.policy import CalibrationConfig, best_budget, calibrate
+from draftheads.decoding.calibration import CalibrationConfig, calibrate
+from draftheads.decoding.policy import best_budget
 
 #: batch size 1 at the context the default is chosen for, best of 30 runs per point (a bs-1
 #: forward is ~40 ms here: one slow spell of a shared machine must not decide the default)

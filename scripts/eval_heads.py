@@ -20,7 +20,7 @@ import torch
 
 from draftheads.prompts import read_prompts
 from draftheads.decoding.base import fingerprint, load_base
-from draftheads.evaluation import answer_features, answers_cache_path, base_answers, score_heads
+from draftheads.head_scoring import answer_features, answers_cache_path, base_answers, score_heads
 from draftheads.heads import load_heads
 
 

@@ -33,16 +33,16 @@ import torch
 
 from draftheads.bench import left_pad
 from draftheads.decoding import DraftHeadsModel, tree_for_budget
+from draftheads.heads.hardware import proc_kib
 from draftheads.prompts import read_prompts
 
 
 def rss_mib() -> float:
     """Resident set size of this process (Linux /proc), MiB."""
-    with open("/proc/self/status", encoding="ascii") as handle:
-        for line in handle:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
+    rss = proc_kib("/proc/self/status", "VmRSS")
+    if rss is None:
+        raise RuntimeError("no VmRSS in /proc/self/status")
+    return rss / 2**20
 
 
 def tiny_model(store_dir: Path) -> tuple[DraftHeadsModel, list[list[int]], Path, int]:

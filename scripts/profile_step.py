@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from draftheads.bench import hf_greedy, timed
+from draftheads.bench.summary import run_tau
 from draftheads.options import find_heads, tree_argument
 from draftheads.prompts import chat_input, read_prompts
 from draftheads.decoding import DraftHeadsModel
@@ -43,7 +44,7 @@ def profile(model, prompts: list[dict], max_new_tokens: int) -> dict:
     return {"steps": timer.steps, "phases_ms": {k: round(v, 3) for k, v in phases.items()},
             "hf_ms_per_token": round(hf_per_token, 3), "step_vs_hf_token": round(phases["total"] / hf_per_token, 3),
             "draftheads_ms_per_token": round(ours_ms / ours_tokens, 3),
-            "tau": round((ours_tokens - len(prompts)) / max(1, timer.steps), 4),
+            "tau": run_tau(ours_tokens, len(prompts), timer.steps),
             "speedup": round((ours_tokens / ours_ms) / (hf_tokens / hf_ms), 4),
             "hf_tokens": hf_tokens, "draftheads_tokens": ours_tokens}
 

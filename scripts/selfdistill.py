@@ -11,7 +11,7 @@ On this machine the first 3,072 prompts of the local train_prompts.jsonl are alr
 selfdistill_smollm2.jsonl beside it; ``--skip 3072`` starts after them. Re-running the same
 command resumes at the first unfinished shard.
 """
-from draftheads.training.data import main
+from draftheads.training.self_distillation import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -15,6 +15,7 @@ from draftheads.bench import timed
 from draftheads.options import find_heads
 from draftheads.prompts import chat_input, read_prompts
 from draftheads.decoding import DraftHeadsModel, tree_for_budget
+from draftheads.decoding.loop import tau
 
 
 def main() -> int:
@@ -52,7 +53,7 @@ def main() -> int:
         row = rows[budget]
         tps = row["tokens"] / row["seconds"]
         summary["budgets"][budget] = {"tokens_per_second": round(tps, 2), "speedup": round(tps / hf_tps, 3),
-                                      "tau": round((row["accepted"] + row["steps"]) / max(1, row["steps"]), 3)}
+                                      "tau": round(tau(row["accepted"], row["steps"]), 3)}
         print(f"budget {budget:>3}: {tps:6.2f} tok/s  speedup {tps / hf_tps:.2f}x  τ {summary['budgets'][budget]['tau']:.2f}")
     print(f"HF generate: {hf_tps:.2f} tok/s")
     out_dir = Path(args.out)

@@ -16,7 +16,10 @@ from hypothesis import strategies as st
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from draftheads.heads import REGISTRY, DraftHeads, HeadConfig, TreeSpec
+from draftheads.decoding.request import left_pad  # noqa: F401 (tests pad batches by the package's one rule)
+from draftheads.decoding.base import fingerprint
+from draftheads.decoding.calibration import CalibrationConfig
+from draftheads.heads import REGISTRY, DraftHeads, HeadConfig, MedusaHeads, TreeSpec, build_heads
 from draftheads.training.recipe import load_recipe
 
 
@@ -52,17 +55,6 @@ def save_tiny_base(folder: Path, seed: int = 0) -> LlamaForCausalLM:
                                "{% if add_generation_prompt %}w4{% endif %}")
     tokenizer.save_pretrained(folder)
     return model
-
-
-def left_pad(prompts: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """A left-padded batch and its attention mask, as a tokenizer with padding_side='left' gives."""
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad)
-    mask = torch.zeros_like(ids)
-    for row, p in enumerate(prompts):
-        ids[row, width - len(p):] = torch.tensor(p)
-        mask[row, width - len(p):] = 1
-    return ids, mask
 
 
 class OracleHeads(DraftHeads):
@@ -134,9 +126,7 @@ FAMILIES = sorted(f for f in REGISTRY if not f.endswith("-test"))
 
 
 # -- from test_train_framework -------------------------------------------------------------------
-ROOT = Path(__file__).resolve().parents[1]
-
-RECIPES = ROOT / "recipes"
+RECIPES = REPO / "recipes"
 
 def tiny_recipe(root: Path, run: str, **over) -> Path:
     recipe = {
@@ -170,7 +160,7 @@ def final_weights(run_dir: Path) -> dict:
     return load_file(str(run_dir / "final" / "model.safetensors"))
 
 def subprocess_env() -> dict:
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "tests"), TQDM_DISABLE="1", OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=str(REPO / "tests"), TQDM_DISABLE="1", OMP_NUM_THREADS="1")
     env.pop("WANDB_API_KEY", None)
     return env
 
@@ -215,7 +205,7 @@ def launch_two_processes(cwd: Path, recipe: Path, run_dir: Path, port: int) -> d
     return json.loads((run_dir / "final" / "training_report.json").read_text())
 
 
-# -- from test_export ----------------------------------------------------------------------------
+# -- from test_vllm_export ---------------------------------------------------------------------------
 def vllm_medusa_reference(folder, hidden: torch.Tensor) -> torch.Tensor:
     """hidden (B, d) → (B, K, V) as vLLM's Medusa computes it from the folder's files."""
     config = json.loads((folder / "config.json").read_text())
@@ -300,3 +290,29 @@ def saved_tree_heads(folder, model):
         torch.nn.init.normal_(p, std=0.3)
     heads.save_pretrained(folder, dtype=torch.float32)
     return folder
+
+
+# -- heads and a calibration grid several test modules use ------------------------------------------
+def random_heads(family: str, model, seed: int = 0, draft_vocab: int = 0, num_layers: int = 1):
+    """Heads with random (non-zero) weights so drafts are diverse and mostly wrong."""
+    cfg = model.config
+    heads = build_heads(HeadConfig(family=family, num_heads=3, num_layers=num_layers, hidden_size=cfg.hidden_size,
+                                   vocab_size=cfg.vocab_size, draft_vocab_size=draft_vocab,
+                                   base_fingerprint=fingerprint(model).to_dict()))
+    torch.manual_seed(seed)
+    for p in heads.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    if draft_vocab:
+        heads.vocab_ids.copy_(torch.randperm(cfg.vocab_size)[:draft_vocab].sort().values)
+    return heads.to(model.dtype).bind(model.lm_head.weight, model.get_input_embeddings().weight)
+
+
+#: a calibration grid small enough for a test (seconds)
+TINY_GRID = CalibrationConfig(batch_sizes=(1, 2), nodes=(1, 2, 4), contexts=(8, 16), max_tokens=4, reps=1)
+
+
+def tiny_heads() -> MedusaHeads:
+    config = HeadConfig(num_heads=2, hidden_size=32, vocab_size=96, trees={"1": [[0]], "3": [[0], [1], [0, 0]]},
+                        expected_tau={"1": 1.4, "3": 1.7})
+    heads = MedusaHeads(config).to(torch.float64)
+    return heads

@@ -3,17 +3,15 @@ tree drafting, checkpoints, option errors, and a few training steps through the 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
-from helpers import tiny_llama
+from helpers import REPO, tiny_llama
 from draftheads.decoding import DraftHeadsModel, fingerprint, tree_from_paths
 from draftheads.heads import REGISTRY, AmphistaHeads, HeadConfig, build_heads, load_heads
 
-ROOT = Path(__file__).resolve().parents[1]
 TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 1, 0], [1, 0, 0], [0, 0, 0, 0], [3], [3, 0], [3, 0, 0], [3, 0, 0, 1]]
 
 
@@ -181,7 +179,7 @@ def test_fresh_and_random_heads_decode_token_identically():
 def test_shipped_recipe_validates():
     from draftheads.training.recipe import load_recipe
 
-    recipe = load_recipe(ROOT / "recipes" / "amphista-smollm2.yaml")
+    recipe = load_recipe(REPO / "recipes" / "amphista-smollm2.yaml")
     assert recipe.name == "amphista-smollm2" and recipe.heads.family == "amphista"
     build_heads(HeadConfig(family="amphista", num_heads=recipe.heads.num_heads, num_layers=recipe.heads.num_layers,
                            hidden_size=576, vocab_size=49152, draft_vocab_size=recipe.heads.draft_vocab_size,

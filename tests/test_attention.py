@@ -11,7 +11,7 @@ from helpers import left_pad, tiny_llama
 from draftheads.decoding.attention import PACKED_SDPA, use_packed_sdpa
 from draftheads.decoding.base import prefill, tree_attention_mask, verify
 from draftheads.decoding.generate import DraftHeadsModel
-from draftheads.decoding.policy import _synthetic_cache
+from draftheads.decoding.calibration import _synthetic_cache
 
 
 def _verify_states(model, bs: int, q: int, ctx: int, seed: int = 0) -> torch.Tensor:

@@ -10,7 +10,7 @@ import torch
 
 from helpers import tiny_llama
 from draftheads.decoding import DraftHeadsModel, tree_from_paths
-from draftheads.decoding.generate import decode_memory_bytes
+from draftheads.decoding.limits import decode_memory_bytes
 from draftheads.heads import HeadConfig, MedusaHeads
 
 MODEL = tiny_llama(0)  # pad 0, eos 2
@@ -86,12 +86,12 @@ def test_memory_estimate_grows_with_the_batch():
 
 
 def test_batch_larger_than_memory_is_refused_before_any_work(monkeypatch):
-    monkeypatch.setattr("draftheads.decoding.generate._available_memory_bytes", lambda device: 4 << 20)
+    monkeypatch.setattr("draftheads.decoding.limits.available_memory_bytes", lambda device: 4 << 20)
 
     def no_prefill(*_args, **_kwargs):
         raise AssertionError("work started before the memory check")
 
-    monkeypatch.setattr("draftheads.decoding.generate.prefill", no_prefill)
+    monkeypatch.setattr("draftheads.decoding.loop.prefill", no_prefill)
     ids = torch.randint(3, 96, (64, 200))
     with pytest.raises(MemoryError, match=r"batch of 64 × 200-token prompts.*GiB is free on cpu; split it into "
                                           r"batches of at most \d+ rows"):

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import tiny_llama
+from helpers import REPO, tiny_llama
 from draftheads.cli import main
 from draftheads.decoding import fingerprint
 from draftheads.heads import HeadConfig, HydraHeads, load_heads
@@ -19,7 +19,6 @@ from draftheads.heads.protocol import current_umask
 from helpers import draftheads_full_logits, vllm_medusa_reference
 from helpers import reference_heads, write_medusa
 
-REPO = Path(__file__).resolve().parents[1]
 SHIPPED = sorted(p for p in (REPO / "checkpoints").iterdir() if (p / "config.json").is_file())
 
 

@@ -8,14 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import tiny_llama
+from helpers import REPO, tiny_llama
 from draftheads import __version__
 from draftheads.decoding import DraftHeadsModel, fingerprint
 from draftheads.heads import CheckpointError, HeadConfig, HydraHeads, MedusaHeads, load_heads, read_config
-from draftheads.heads import protocol
+from draftheads.heads import atomic, protocol
 from draftheads.heads.protocol import current_umask
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 def random_heads(model, seed: int = 0) -> MedusaHeads:
@@ -64,7 +63,7 @@ def test_interrupted_save_never_leaves_a_loadable_folder(tmp_path, monkeypatch):
     """A process killed during the save leaves only its temporary folder, which has no config.json
     (written last) and so does not load; the target name never appears."""
     model = tiny_llama(0)
-    monkeypatch.setattr(protocol.shutil, "rmtree", lambda *a, **k: None)  # as if killed: no cleanup runs
+    monkeypatch.setattr(atomic.shutil, "rmtree", lambda *a, **k: None)  # as if killed: no cleanup runs
     original = Path.write_text
 
     def killed_on_config(self, text, *args, **kwargs):

@@ -210,12 +210,12 @@ def test_card_errors_are_one_line(files, capsys, argv, message):
 
 def test_card_into_an_unwritable_checkpoint_is_one_line(files, capsys, monkeypatch):
     """A read-only checkpoint folder (refused directly: the tests may run as root)."""
-    import draftheads.heads.protocol as protocol
+    import draftheads.heads.atomic as atomic
 
     def refuse(*_args, **_kwargs):
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(protocol.tempfile, "mkstemp", refuse)
+    monkeypatch.setattr(atomic.tempfile, "mkstemp", refuse)
     line = run_cli(["card", str(files["root"] / "heads")], capsys)
     assert f"cannot write to {files['root'] / 'heads' / 'README.md'} (Permission denied)" in line
 

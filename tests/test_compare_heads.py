@@ -10,11 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import tiny_llama
+from helpers import REPO, tiny_llama
 from draftheads.decoding import fingerprint
 from draftheads.heads import HeadConfig, build_heads
 
-REPO = Path(__file__).resolve().parents[1]
 TREES = {"1": [[0]], "4": [[0], [1], [0, 0], [0, 0, 0]],
          "8": [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1]]}
 PROMPTS = [{"id": 1, "category": "writing", "prompt": "Write a short poem about the sea."},

@@ -1,5 +1,5 @@
-"""The best drafting by default (decoding/generate.py: auto_drafts, calibrate_defaults;
-decoding/drafter.py: MergedDrafter skips the heads where a lookup match carries the step), and
+"""The best drafting by default (decoding/drafters/choice.py: auto_drafts; decoding/generate.py: calibrate_defaults;
+decoding/drafters/merged.py: MergedDrafter skips the heads where a lookup match carries the step), and
 ``draftheads env``."""
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import torch
 
 from draftheads.cli import drafting_line, main as cli_main
 from draftheads.decoding import DraftHeadsModel
-from draftheads.decoding.drafter import STORE_NAME, HeadsDrafter, MergedDrafter, TableCost, WidthChooser
-from draftheads.decoding.drafters import Candidates, LookupDrafter
+from draftheads.decoding.cost import CostModel
+from draftheads.decoding.drafters import STORE_NAME, Candidates, HeadsDrafter, LookupSources, MergedDrafter, WidthChooser
 from draftheads.decoding.drafters.candidates import Source
-from draftheads.decoding.generate import auto_drafts
+from draftheads.decoding.drafters import auto_drafts
 from helpers import OracleHeads, saved_tree_heads, tiny_llama
 
 
@@ -61,7 +61,7 @@ def chain(scores):
 
 
 def merged(ms: float | None, gain: float | None) -> MergedDrafter:
-    drafter = MergedDrafter(object(), LookupDrafter(None, sources=("context",)), WidthChooser(TableCost((1, 33), (10.0, 20.0))))
+    drafter = MergedDrafter(object(), LookupSources(None, sources=("context",)), WidthChooser(CostModel.from_table((1, 33), (10.0, 20.0))))
     drafter._heads_ms, drafter._heads_gain = ms, gain
     return drafter
 

@@ -4,25 +4,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import FAMILIES, tiny_llama
+from helpers import FAMILIES, random_heads, tiny_llama
 from draftheads.decoding import DraftHeadsModel, fingerprint, tree_from_paths
-from draftheads.heads import HeadConfig, build_heads, load_heads
+from draftheads.heads import load_heads
 
 TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 1, 0], [1, 0, 0]]
-
-
-def random_heads(family: str, model, seed: int = 0, draft_vocab: int = 0, num_layers: int = 1):
-    """Heads with random (non-zero) weights so drafts are diverse and mostly wrong."""
-    cfg = model.config
-    heads = build_heads(HeadConfig(family=family, num_heads=3, num_layers=num_layers, hidden_size=cfg.hidden_size,
-                                   vocab_size=cfg.vocab_size, draft_vocab_size=draft_vocab,
-                                   base_fingerprint=fingerprint(model).to_dict()))
-    torch.manual_seed(seed)
-    for p in heads.parameters():
-        torch.nn.init.normal_(p, std=0.3)
-    if draft_vocab:
-        heads.vocab_ids.copy_(torch.randperm(cfg.vocab_size)[:draft_vocab].sort().values)
-    return heads.to(model.dtype).bind(model.lm_head.weight, model.get_input_embeddings().weight)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -103,7 +89,7 @@ def test_prefix_layer_cache_matches_a_full_pass():
     from transformers import DynamicCache
 
     from draftheads.decoding.accept import Acceptance
-    from draftheads.decoding.context import HeadContext
+    from draftheads.decoding.head_context import HeadContext
 
     model = tiny_llama(0)
     heads = random_heads("hydra++", model)

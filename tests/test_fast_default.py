@@ -15,7 +15,7 @@ from draftheads.decoding import base as base_module
 from draftheads.decoding.accept import greedy_tokens
 from draftheads.decoding.base import choose_dtype, lm_logits, native_dtype, prefill, use_packed_linears
 from draftheads.heads.linear import PackedLinear, packed_linears, packing_available
-from draftheads.decoding.generate import default_budget
+from draftheads.decoding.policy import default_budget
 from draftheads.decoding.limits import DtypeError, InputTypeError, parse_dtype
 from draftheads.decoding.step import PHASES, PhaseTimer
 from draftheads.streamer import DRAFT_COLOUR, RESET, DraftColourStreamer
@@ -202,15 +202,15 @@ def test_generate_tells_the_streamer_which_tokens_were_drafts():
 
 # -- calibration caches are per dtype and per machine ------------------------------------------------
 def test_calibration_cache_is_never_shared_across_dtypes_or_cpus(monkeypatch):
-    from draftheads.decoding import policy
-    from draftheads.decoding.policy import CalibrationConfig, calibration_key, calibration_path
+    from draftheads.decoding import calibration
+    from draftheads.decoding.calibration import CalibrationConfig, calibration_key, calibration_path
 
     config = CalibrationConfig()
     fp64, fp32 = tiny_llama(4), tiny_llama(4, dtype=torch.float32)
     key64, key32 = calibration_key(fp64), calibration_key(fp32)
     assert key64["dtype"] != key32["dtype"]
     assert calibration_path(key64, config) != calibration_path(key32, config)
-    monkeypatch.setattr(policy, "cpu_model", lambda: "Some Other CPU")
+    monkeypatch.setattr(calibration, "cpu_model", lambda: "Some Other CPU")
     other = calibration_key(fp32)
     assert "Some Other CPU" in other["device"]
     assert calibration_path(other, config) != calibration_path(key32, config)

@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-from helpers import final_weights, kill_then_resume, launch_two_processes, run_inprocess, tiny_llama, tiny_recipe
+from helpers import REPO, final_weights, kill_then_resume, launch_two_processes, run_inprocess, tiny_llama, tiny_recipe
 from draftheads.heads import HeadConfig, build_heads
 from draftheads.training.adversarial import (Adversary, Discriminator, adversarial_weight, expected_embedding,
                                              koala_label)
@@ -24,7 +24,6 @@ from draftheads.training.recipe import AdversarialSection, RecipeError, load_rec
 from draftheads.training.objective import head_labels
 from draftheads.training.sources import head_logits
 
-ROOT = Path(__file__).resolve().parents[1]
 LOG2 = math.log(2.0)
 
 
@@ -101,8 +100,8 @@ def test_discriminator_init_is_seeded_and_leaves_the_global_rng_alone():
 # -- recipes -------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("family", ["medusa", "hydra"])
 def test_shipped_koala_recipes_validate(family):
-    recipe = load_recipe(ROOT / "recipes" / f"koala-{family}-smollm2.yaml")
-    plain = load_recipe(ROOT / "recipes" / f"{family}-smollm2.yaml")
+    recipe = load_recipe(REPO / "recipes" / f"koala-{family}-smollm2.yaml")
+    plain = load_recipe(REPO / "recipes" / f"{family}-smollm2.yaml")
     assert recipe.heads.family == family and recipe.heads.num_layers == 2
     assert recipe.adversarial.enabled and 0 < recipe.adversarial.weight and recipe.adversarial.warmup_steps > 0
     # the data the shipped KOALA heads were trained on (the plain recipes moved on to more data)

@@ -70,8 +70,8 @@ def test_hidden_size_mismatch_and_bad_files_are_named(tmp_path):
 def test_imported_heads_get_trees_and_decode_with_the_adaptive_policy(tmp_path, monkeypatch):
     """Imported checkpoints carry no trees: fit_trees runs training's tree search on the heads'
     ranks over the base's outputs, after which tree=<budget> and the calibrated adaptive policy work."""
-    from draftheads.decoding.generate import resolve_tree
-    from draftheads.decoding.policy import AdaptivePolicy, CalibrationConfig
+    from draftheads.decoding.calibration import CalibrationConfig
+    from draftheads.decoding.policy import AdaptivePolicy, resolve_tree
     from draftheads.training.features import Example, extract_features, load_shards
     from draftheads.tree_fit import fit_trees
 

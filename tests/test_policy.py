@@ -8,13 +8,12 @@ import json
 import pytest
 import torch
 
-from helpers import OracleHeads, left_pad, tiny_llama
+from helpers import TINY_GRID, OracleHeads, left_pad, tiny_heads, tiny_llama
 from draftheads.decoding import DraftHeadsModel, chain_tree, tree_from_paths
-from draftheads.decoding.generate import FixedTree, resolve_tree
 from draftheads.decoding.limits import InputError
-from draftheads.decoding.policy import (AdaptivePolicy, CalibrationConfig, Candidate, CostModel, LatencyTable,
-                                        calibrate, calibration_key, calibration_path, candidates_from_heads, interp1,
-                                        load_cost_surface)
+from draftheads.decoding.calibration import calibrate, calibration_key, calibration_path
+from draftheads.decoding.cost import CostModel, LatencyTable, interp1, load_cost_surface
+from draftheads.decoding.policy import AdaptivePolicy, Candidate, FixedTree, candidates_from_heads, resolve_tree
 from draftheads.heads import HeadConfig, MedusaHeads
 from draftheads.prompts import DATA_DIR
 
@@ -142,16 +141,6 @@ def test_resolve_tree_arguments():
 
 
 # -- calibration -----------------------------------------------------------------------------
-TINY_GRID = CalibrationConfig(batch_sizes=(1, 2), nodes=(1, 2, 4), contexts=(8, 16), max_tokens=4, reps=1)
-
-
-def tiny_heads() -> MedusaHeads:
-    config = HeadConfig(num_heads=2, hidden_size=32, vocab_size=96, trees={"1": [[0]], "3": [[0], [1], [0, 0]]},
-                        expected_tau={"1": 1.4, "3": 1.7})
-    heads = MedusaHeads(config).to(torch.float64)
-    return heads
-
-
 def test_calibration_is_cached_per_model_dtype_and_heads(tmp_path, monkeypatch):
     monkeypatch.setenv("DRAFTHEADS_CACHE", str(tmp_path))
     model = tiny_llama(0, max_pos=64)
@@ -171,7 +160,7 @@ def test_calibration_is_cached_per_model_dtype_and_heads(tmp_path, monkeypatch):
     def no_measuring(*_args, **_kwargs):
         raise AssertionError("a cached calibration was measured again")
 
-    monkeypatch.setattr("draftheads.decoding.policy.run_calibration", no_measuring)
+    monkeypatch.setattr("draftheads.decoding.calibration.run_calibration", no_measuring)
     again = calibrate(model, heads, TINY_GRID)
     assert again.step_ms(2, 3, 12, 3) == pytest.approx(cost.step_ms(2, 3, 12, 3), rel=1e-3)
     # another dtype (or other heads, or another grid) is another entry
@@ -321,7 +310,7 @@ def test_batched_bench_rotates_strategies_and_keeps_the_fastest_repeat():
 
 
 def test_monotone_envelope_removes_spikes_from_other_jobs():
-    from draftheads.decoding.policy import monotone_envelope
+    from draftheads.decoding.calibration import monotone_envelope
 
     rows = [{"bs": 1, "q": q, "ctx": 64, "ms": ms} for q, ms in [(1, 50.0), (2, 600.0), (4, 70.0)]]
     rows += [{"bs": 2, "q": 1, "ctx": 64, "ms": 55.0}, {"bs": 2, "q": 4, "ctx": 64, "ms": 90.0}]

@@ -415,7 +415,7 @@ MIXED = [TREES["d2w2"] + [(5,), (5, 0), (5, 0, 0)], TREES["d1w4"] + [(5,), (5, 0
 
 def mixed_shapes():
     """One padded Drafts with a row per shape (its tables are indexed by each draw's shape)."""
-    from draftheads.decoding.drafts import Drafts
+    from draftheads.decoding.drafters.drafts import Drafts
 
     trees_ = [tree_from_paths(paths) for paths in MIXED]
     parents = [(t.parent[1:] - 1).tolist() for t in trees_]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from helpers import FIXTURES, REPO, tiny_llama
-from draftheads.training import data
+from draftheads.training import data, self_distillation
 from draftheads.training.recipe import load_recipe
 from draftheads.training.train import preflight
 
@@ -31,10 +31,10 @@ def test_selfdistill_resumes_after_a_crash_without_dropping_or_duplicating(tmp_p
     model = tiny_llama(0, vocab=49152, dtype=torch.float32)  # answers are gibberish; the bookkeeping is the point
     prompts = data.load_records(FIXTURES / "train_prompts_sample.jsonl").select(range(10))
     config = dict(max_new_tokens=3, batch_size=3, shard_size=4)
-    whole = data.self_distill(model, smollm2_tokenizer, prompts,
-                              data.SelfDistillConfig(out=str(tmp_path / "whole"), **config), {"fp": 1})
+    whole = self_distillation.self_distill(model, smollm2_tokenizer, prompts,
+                              self_distillation.SelfDistillConfig(out=str(tmp_path / "whole"), **config), {"fp": 1})
 
-    calls, real = {"n": 0}, data.answer_batch
+    calls, real = {"n": 0}, self_distillation.answer_batch
 
     def crash_in_second_shard(*args, **kwargs):
         calls["n"] += 1
@@ -42,20 +42,20 @@ def test_selfdistill_resumes_after_a_crash_without_dropping_or_duplicating(tmp_p
             raise KeyboardInterrupt("killed")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(data, "answer_batch", crash_in_second_shard)
-    resumed_cfg = data.SelfDistillConfig(out=str(tmp_path / "resumed"), **config)
+    monkeypatch.setattr(self_distillation, "answer_batch", crash_in_second_shard)
+    resumed_cfg = self_distillation.SelfDistillConfig(out=str(tmp_path / "resumed"), **config)
     with pytest.raises(KeyboardInterrupt):
-        data.self_distill(model, smollm2_tokenizer, prompts, resumed_cfg, {"fp": 1})
+        self_distillation.self_distill(model, smollm2_tokenizer, prompts, resumed_cfg, {"fp": 1})
     assert sorted(p.name for p in (tmp_path / "resumed" / "shards").iterdir()) == ["shard-00000"]
-    monkeypatch.setattr(data, "answer_batch", real)
-    resumed = data.self_distill(model, smollm2_tokenizer, prompts, resumed_cfg, {"fp": 1})
+    monkeypatch.setattr(self_distillation, "answer_batch", real)
+    resumed = self_distillation.self_distill(model, smollm2_tokenizer, prompts, resumed_cfg, {"fp": 1})
     assert list(resumed["id"]) == list(prompts["id"]) == list(whole["id"])  # every prompt once, in order
     assert list(resumed["response_ids"]) == list(whole["response_ids"])
     reloaded = data.load_records(tmp_path / "resumed")  # the merged datasets dataset
     assert list(reloaded["id"]) == list(prompts["id"]) and '"max_new_tokens": 3' in reloaded.info.description
     with pytest.raises(data.DataError, match="max_new_tokens: 3 → 5"):
-        data.self_distill(model, smollm2_tokenizer, prompts,
-                          data.SelfDistillConfig(out=str(tmp_path / "resumed"), **(config | {"max_new_tokens": 5})),
+        self_distillation.self_distill(model, smollm2_tokenizer, prompts,
+                          self_distillation.SelfDistillConfig(out=str(tmp_path / "resumed"), **(config | {"max_new_tokens": 5})),
                           {"fp": 1})
 
 
@@ -80,19 +80,19 @@ def test_prompt_selection_skips_file_lines_then_filters_sources_then_limits():
     prompts = datasets.Dataset.from_list([{"id": i, "source": s, "prompt": f"p{i}"} for i, s in enumerate(sources)])
 
     def ids(**config):
-        return data.select_prompts(prompts, data.SelfDistillConfig(**config))["id"]
+        return self_distillation.select_prompts(prompts, self_distillation.SelfDistillConfig(**config))["id"]
 
     assert ids(skip=2, limit=3) == [2, 3, 4]
     assert ids(skip=2, sources=["gpteacher-roleplay", "self-instruct"]) == [3, 4, 6, 7]
     assert ids(skip=2, sources=["gpteacher-roleplay", "self-instruct"], limit=2) == [3, 4]
     assert ids(skip=1, exclude_sources=["gsm8k-train", "t0:a"]) == [1, 3, 4, 6, 7]
-    parsed = data.parse_selfdistill_args(["--prompts", "x.jsonl", "--source", "a", "--source", "b", "--skip", "5",
+    parsed = self_distillation.parse_selfdistill_args(["--prompts", "x.jsonl", "--source", "a", "--source", "b", "--skip", "5",
                                           "--columns", "question:prompt,idx:id"])
     assert parsed.sources == ["a", "b"] and parsed.columns == {"question": "prompt", "idx": "id"}
     with pytest.raises(SystemExit):  # no default prompt set: a clone carries none
-        data.parse_selfdistill_args(["--skip", "5"])
+        self_distillation.parse_selfdistill_args(["--skip", "5"])
     with pytest.raises(data.DataError, match="'source' column"):
-        data.select_prompts(datasets.Dataset.from_list([{"prompt": "x"}]), data.SelfDistillConfig(sources=["a"]))
+        self_distillation.select_prompts(datasets.Dataset.from_list([{"prompt": "x"}]), self_distillation.SelfDistillConfig(sources=["a"]))
 
 
 # -- data by path or by name --------------------------------------------------------------------

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from helpers import (RECIPES, ROOT, final_weights, kill_then_resume, launch_two_processes, run_inprocess,
+from helpers import (RECIPES, REPO, final_weights, kill_then_resume, launch_two_processes, run_inprocess,
                      tiny_llama, tiny_recipe)
 from draftheads.training.data import DataError, load_examples, shifted_rows
 from draftheads.training.losses import (IGNORE, head_cross_entropy, head_targets, head_weights, input_noise,
@@ -165,7 +165,7 @@ def test_accelerate_configs_are_valid(name):
     path = RECIPES / "accelerate" / f"{name}.yaml"
     config = ClusterConfig.from_yaml_file(str(path))
     if name.startswith("deepspeed"):
-        ds_file = ROOT / config.deepspeed_config["deepspeed_config_file"]
+        ds_file = REPO / config.deepspeed_config["deepspeed_config_file"]
         ds = json.loads(ds_file.read_text())
         assert ds["zero_optimization"]["stage"] == int(name[-1])
         assert ds["train_micro_batch_size_per_gpu"] == "auto" and ds["gradient_accumulation_steps"] == "auto"

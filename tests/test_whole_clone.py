@@ -15,7 +15,7 @@ import tomllib
 
 from helpers import FIXTURES, REPO
 from draftheads.prompts import DATA_DIR, PROMPT_SETS
-from draftheads.training.data import SelfDistillConfig
+from draftheads.training.self_distillation import SelfDistillConfig
 from draftheads.training.recipe import DataSection
 
 OUTSIDE = "sha" + "red"  # spelled apart so that this file does not match its own patterns

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
 from tqdm.auto import tqdm
+
+from ..heads.atomic import atomic_file
 
 MAX_TARGETS = 9  # future tokens stored per position: x_{t+1} (the root) + enough for up to 8 heads
 SHARD_EXAMPLES = 128  # examples per feature shard (the held-out split is counted in shards)
@@ -127,12 +128,10 @@ def write_shard(path: Path, hidden: torch.Tensor, targets: torch.Tensor, teacher
                 metadata: dict) -> None:
     from safetensors.torch import save_file
 
-    tmp = path.with_name(path.name + ".partial")
     tensors = {"hidden": hidden.contiguous(), "targets": targets.to(torch.int32).contiguous(),
                "teacher": teacher.to(torch.int32).contiguous()}
-    save_file(tensors, str(tmp),
-              metadata={k: json.dumps(v) for k, v in metadata.items()})
-    os.replace(tmp, path)
+    with atomic_file(path) as tmp:
+        save_file(tensors, str(tmp), metadata={k: json.dumps(v) for k, v in metadata.items()})
 
 
 def extract_features(model, examples: list[Example], directory: str | Path, fingerprint: dict,

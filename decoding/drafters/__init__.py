@@ -1,20 +1,35 @@
-"""Draft sources that propose per-row candidate tries, and their merge into one tree.
+"""Drafting, in one place: who fills each step's token trees.
 
-Pure: imports from ``heads/`` and numpy only, nothing from the decoding loop. Every per-row
-source has the same two calls — ``extend(accepted_tokens)`` after a step and
-``propose(budget) -> Candidates`` before the next — so the loop's ``Drafter`` protocol can
-wrap any of them; :func:`merge` fuses their tries under one node budget and
-:class:`HitRate` puts every source's scores on the scale of P(accepted).
+* the :class:`Drafter` protocol and its drafters (:class:`HeadsDrafter`, :class:`MergedDrafter`);
+* the lookup sources (context, model store, bigram statistics), each a :class:`LookupSource`,
+  :class:`LookupSources` holding them for a batch, and :class:`LookupDrafter` drafting with them alone;
+* the candidate trie (:class:`Candidates`), its merge, and the hit-rate calibration
+  (:class:`HitRate`) that puts every source's scores on the scale of P(accepted);
+* one step's padded trees (:class:`Drafts`), what the verifier and the acceptance rules read.
+
+Nothing here imports the loop's acceptance, cache or output at run time.
 """
 from .candidates import Candidates, Source, TrieBuilder, count_trie, merge, select
-from .context import ContextConfig, ContextSource, NgramIndex, SuffixAutomaton
+from .context_source import ContextConfig, ContextSource, NgramIndex, SuffixAutomaton
 from .hitrate import HitRate, HitRateConfig, default_q
-from .lookup import LOOKUP_SOURCES, LookupConfig, LookupDrafter
+from .drafts import Drafts, children_table
+from .choice import (DRAFT_SOURCES, STORE_NAME, auto_drafts, build_drafter, check_review, check_store_argument,
+                     open_store, parse_drafts)
+from .heads_drafter import HeadsDrafter, head_trie
+from .lookup import LOOKUP_SOURCES, LookupConfig, LookupSources
+from .merged import LookupDrafter, MergedDrafter, cap_depth
+from .interface import Drafter, DraftState, LookupSource, plain_drafts
+from .review import review
+from .width import WidthChooser
 from .stats import BigramTable, StatsConfig, StatsSource
 from .store import (ModelStore, StoreConfig, StoreError, StoreHeader, StoreSource, TokenizerIdentity, build_arrays,
                     save_store, tokenizer_identity)
 
-__all__ = ["LOOKUP_SOURCES", "BigramTable", "Candidates", "ContextConfig", "ContextSource", "HitRate", "HitRateConfig", "LookupConfig", "LookupDrafter", "ModelStore",
-           "NgramIndex", "Source", "StatsConfig", "StatsSource", "StoreConfig", "StoreError", "StoreHeader",
-           "StoreSource", "SuffixAutomaton", "TokenizerIdentity", "TrieBuilder", "build_arrays", "count_trie",
-           "default_q", "merge", "save_store", "select", "tokenizer_identity"]
+__all__ = ["DRAFT_SOURCES", "LOOKUP_SOURCES", "STORE_NAME", "auto_drafts", "BigramTable", "build_arrays",
+           "build_drafter", "Candidates", "cap_depth", "check_review", "check_store_argument", "children_table",
+           "ContextConfig", "ContextSource", "count_trie", "default_q", "Drafter", "Drafts", "DraftState",
+           "head_trie", "HeadsDrafter", "HitRate", "HitRateConfig", "LookupConfig", "LookupDrafter", "LookupSource",
+           "LookupSources", "merge", "MergedDrafter", "ModelStore", "NgramIndex", "open_store", "parse_drafts",
+           "plain_drafts", "review", "save_store", "select", "Source", "StatsConfig", "StatsSource", "StoreConfig",
+           "StoreError", "StoreHeader", "StoreSource", "SuffixAutomaton", "tokenizer_identity", "TokenizerIdentity",
+           "TrieBuilder", "WidthChooser"]

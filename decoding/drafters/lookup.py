@@ -1,5 +1,6 @@
-"""All lookup sources of a batch behind one object: per-row context / store / stats sources,
-one shared :class:`HitRate`, and the merge — what the loop's ``Drafter`` will wrap.
+"""All lookup sources of a batch behind one object (:class:`LookupSources`): per-row context /
+store / stats sources (each a :class:`~.interface.LookupSource`), one shared :class:`HitRate`,
+and the merge — what the merged drafter (:mod:`.merged`) wraps.
 
 Rows are keyed by the caller's ids (a row keeps its id while others finish), so nothing here
 depends on the batch layout. Each step: :meth:`propose` a trie per row, verify, then
@@ -11,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from .candidates import Candidates, merge
-from .context import ContextConfig, ContextSource
+from .context_source import ContextConfig, ContextSource
 from .hitrate import HitRate
 from .stats import BigramTable, StatsConfig, StatsSource
 from .store import ModelStore, StoreConfig, StoreSource
@@ -45,7 +46,7 @@ class SourceRecord:
 LOOKUP_SOURCES = ("context", "store", "stats")
 
 
-class LookupDrafter:
+class LookupSources:
     """The chosen ``sources`` (default: context, plus store and bigram statistics when a store
     is given); "store" and "stats" need the store (the bigram table is read from it)."""
 

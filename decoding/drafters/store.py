@@ -19,14 +19,15 @@ import json
 import mmap
 import os
 import struct
-import tempfile
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
+from ...heads.atomic import atomic_file
 from ...heads.errors import DraftheadsError
+from ...heads.hardware import available_ram_bytes
 from .candidates import Candidates, Source, count_trie, select
 from .hitrate import default_q
 
@@ -159,30 +160,16 @@ def save_store(path: str | Path, arrays: dict[str, np.ndarray], header: StoreHea
         offset += arr.nbytes
     blob = json.dumps(meta).encode()
     blob += b" " * (-len(blob) % 8)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".tmp-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as out:
-            out.write(struct.pack("<Q", len(blob)) + blob)
-            for arr in arrays.values():
-                out.write(np.ascontiguousarray(arr).tobytes())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(path) as tmp, open(tmp, "wb") as out:
+        out.write(struct.pack("<Q", len(blob)) + blob)
+        for arr in arrays.values():
+            out.write(np.ascontiguousarray(arr).tobytes())
     return path
 
 
 def available_memory() -> int:
     """Bytes the OS can give us now (MemAvailable), or total RAM where /proc is missing."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return available_ram_bytes() or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 ARRAYS = ("tokens", "keys", "positions", "bigram_next", "bigram_prob")

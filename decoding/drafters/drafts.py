@@ -18,7 +18,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .tree import Tree
+from ..tree import Tree
 
 @dataclass(eq=False)
 class Drafts:

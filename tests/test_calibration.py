@@ -11,14 +11,13 @@ import warnings
 import pytest
 import torch
 
-import draftheads.decoding.policy as policy
-from helpers import tiny_llama
+import draftheads.decoding.calibration as calibration
+from helpers import TINY_GRID, tiny_llama
 from draftheads.decoding import DraftHeadsModel, fingerprint
-from draftheads.decoding.policy import (AdaptivePolicy, CalibrationConfig, calibrate, calibration_key,
-                                        calibration_path)
+from draftheads.decoding.calibration import CalibrationConfig, calibrate, calibration_key, calibration_path
+from draftheads.decoding.policy import AdaptivePolicy
 from draftheads.heads import HeadConfig, MedusaHeads
 
-TINY_GRID = CalibrationConfig(batch_sizes=(1, 2), nodes=(1, 2, 4), contexts=(8, 16), max_tokens=4, reps=1)
 MODEL = tiny_llama(0, max_pos=64)
 
 
@@ -33,22 +32,22 @@ def tiny_heads(model=MODEL) -> MedusaHeads:
 @pytest.fixture(autouse=True)
 def fresh_memory():
     """Each test starts with no calibration kept in memory by an earlier one."""
-    policy._IN_MEMORY.clear()
+    calibration._IN_MEMORY.clear()
     yield
-    policy._IN_MEMORY.clear()
+    calibration._IN_MEMORY.clear()
 
 
 @pytest.fixture
 def measured(monkeypatch):
     """Counts real calibrations (run_calibration calls)."""
     calls = []
-    real = policy.run_calibration
+    real = calibration.run_calibration
 
     def counting(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(policy, "run_calibration", counting)
+    monkeypatch.setattr(calibration, "run_calibration", counting)
     return calls
 
 
@@ -110,12 +109,12 @@ def test_an_unusable_cache_file_is_reported_by_name_and_measured_again(tmp_path,
 def read_only(tmp_path, monkeypatch):
     """A cache whose files cannot be created (as a read-only folder refuses them; the tests may
     run as root, whom chmod does not stop, so the refusal is made directly)."""
-    import draftheads.heads.protocol as protocol
+    import draftheads.heads.atomic as atomic
 
     def refuse(*_args, **_kwargs):
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(protocol.tempfile, "mkstemp", refuse)
+    monkeypatch.setattr(atomic.tempfile, "mkstemp", refuse)
     return tmp_path / "read-only"
 
 
@@ -144,12 +143,12 @@ def test_cli_generate_adaptive_on_a_fresh_machine(tmp_path, monkeypatch, capsys,
     """``draftheads generate --tree adaptive`` with an empty cache calibrates once and answers;
     a second run reuses the cache; a corrupted cache file is measured again with a warning
     naming it (a tiny grid stands in for the default one)."""
-    import draftheads.decoding.generate as generate
+    import draftheads.decoding.policy as policy
     from draftheads.cli import main
     from helpers import save_tiny_base
 
     monkeypatch.setenv("DRAFTHEADS_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(generate, "CalibrationConfig", lambda: TINY_GRID)
+    monkeypatch.setattr(policy, "CalibrationConfig", lambda: TINY_GRID)
     base = save_tiny_base(tmp_path / "base")
     tiny_heads(base).save_pretrained(tmp_path / "heads", dtype=None)
     argv = ["generate", "--base", str(tmp_path / "base"), "--heads", str(tmp_path / "heads"), "--tree", "adaptive",

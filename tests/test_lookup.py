@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from draftheads.decoding.drafters import (BigramTable, Candidates, ContextConfig, ContextSource, HitRate, LookupConfig,
-                                          LookupDrafter, ModelStore,
+                                          LookupSources, ModelStore,
                                           NgramIndex, Source, StatsSource, StoreConfig, StoreError, StoreHeader,
                                           StoreSource, SuffixAutomaton, TokenizerIdentity, build_arrays, count_trie,
                                           merge, save_store, tokenizer_identity)
@@ -306,10 +306,10 @@ def test_candidates_reject_children_before_parents():
 
 
 def test_lookup_drafter_merges_rows_sources_and_learns(tmp_path):
-    from draftheads.decoding.drafters import LookupDrafter
+    from draftheads.decoding.drafters import LookupSources
 
     write_store(tmp_path / "s.safetensors")
-    drafter = LookupDrafter(ModelStore.open(tmp_path / "s.safetensors"))
+    drafter = LookupSources(ModelStore.open(tmp_path / "s.safetensors"))
     drafter.start(7, [6, 7, 8, 1, 6, 7])
     trie = drafter.propose(7, 6)
     check_trie(trie)
@@ -321,7 +321,7 @@ def test_lookup_drafter_merges_rows_sources_and_learns(tmp_path):
     assert drafter.rows[7][0].index.tokens[-3:] == [8, 1, 2] and drafter.rows[7][1].tail[-1] == 2
     drafter.drop(7)
     assert 7 not in drafter.rows
-    only_context = LookupDrafter()
+    only_context = LookupSources()
     only_context.start(0, [1, 2, 1])
     assert set(only_context.propose(0, 4).source.tolist()) == {Source.CONTEXT}
 
@@ -363,7 +363,7 @@ def test_static_sources_that_never_hit_in_a_request_are_muted_for_that_row(tmp_p
     request starts afresh."""
     write_store(tmp_path / "s.safetensors")
     store = ModelStore.open(tmp_path / "s.safetensors")
-    lookup = LookupDrafter(store, LookupConfig(mute_after=4), sources=("context", "store", "stats"))
+    lookup = LookupSources(store, LookupConfig(mute_after=4), sources=("context", "store", "stats"))
     lookup.start(0, [6, 7])
     lookup.start(1, [6, 7])
     for step in range(4):

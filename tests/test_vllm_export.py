@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import draftheads_full_logits, tiny_llama, vllm_medusa_reference
+from helpers import REPO, draftheads_full_logits, tiny_llama, vllm_medusa_reference
 from draftheads.decoding import fingerprint
 from draftheads.heads import HeadConfig, HydraHeads, MedusaHeads
 from draftheads.heads.vllm_export import ExportError, export_heads
@@ -76,12 +76,11 @@ def test_unrepresentable_exports_are_refused_with_the_reason(tmp_path):
 @pytest.mark.parametrize("share", [False, True])
 def test_shipped_medusa_checkpoint_exports_for_vllm(tmp_path, smollm2, share):
     """The shipped SmolLM2 Medusa heads (8,192-token draft vocabulary → vLLM's token_map)."""
-    from pathlib import Path
 
     from draftheads.heads import load_heads
 
     base, _ = smollm2
-    checkpoint = Path(__file__).resolve().parents[1] / "checkpoints" / "smollm2-135m-medusa"
+    checkpoint = REPO / "checkpoints" / "smollm2-135m-medusa"
     heads = load_heads(checkpoint, expected_fingerprint=fingerprint(base).to_dict()).bind(base.lm_head.weight)
     out = export_heads(heads, "vllm-medusa", tmp_path / "vllm", base.lm_head.weight, share_lm_head=share)
     hidden = torch.randn(4, base.config.hidden_size)

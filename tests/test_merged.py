@@ -10,10 +10,10 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from helpers import OracleHeads, left_pad, tiny_llama, trees
 from draftheads.decoding import DraftHeadsModel, tree_from_paths
-from draftheads.decoding.drafter import (LINEAR_COST, DraftState, HeadsDrafter, MergedDrafter, TableCost,
-                                         WidthChooser, build_drafter, cap_depth, parse_drafts)
-from draftheads.decoding.drafters import Candidates, ContextConfig, LookupConfig, LookupDrafter
-from draftheads.decoding.drafts import Drafts
+from draftheads.decoding.cost import LINEAR_COST, CostModel
+from draftheads.decoding.drafters import (DraftState, HeadsDrafter, MergedDrafter, WidthChooser, build_drafter, cap_depth, parse_drafts)
+from draftheads.decoding.drafters import Candidates, ContextConfig, LookupConfig, LookupSources
+from draftheads.decoding.drafters.drafts import Drafts
 
 MODELS = {seed: tiny_llama(seed) for seed in range(2)}
 PAD = 0
@@ -29,7 +29,7 @@ def repetitive_prompts(draw_lists, gen: torch.Generator) -> list[list[int]]:
 
 def merged(model, heads, tree, lookup_nodes: int = 12, eos: int | None = None) -> DraftHeadsModel:
     decoder = DraftHeadsModel(model, heads, tree=tree)
-    lookup = LookupDrafter(None, LookupConfig(ContextConfig(eos_token_id=eos)), sources=("context",))
+    lookup = LookupSources(None, LookupConfig(ContextConfig(eos_token_id=eos)), sources=("context",))
     decoder.drafter = MergedDrafter(heads, lookup, WidthChooser(LINEAR_COST), lookup_nodes=lookup_nodes)
     return decoder
 
@@ -116,9 +116,9 @@ def test_width_chooser_weighs_expected_tokens_against_step_time():
     import numpy as np
 
     scores = [np.array([0.9, 0.8, 0.7, 0.1, 0.05])]
-    assert WidthChooser(TableCost((1, 33), (10.0, 10.5))).choose(scores, 0) == 6  # nearly free: keep all
-    assert WidthChooser(TableCost((1, 2, 33), (10.0, 30.0, 100.0))).choose(scores, 0) == 1  # dear: plain step
-    steep = TableCost.from_ranked([{"nodes": 1, "step_ms": 10}, {"nodes": 4, "step_ms": 12}, {"nodes": 5, "step_ms": 11},
+    assert WidthChooser(CostModel.from_table((1, 33), (10.0, 10.5))).choose(scores, 0) == 6  # nearly free: keep all
+    assert WidthChooser(CostModel.from_table((1, 2, 33), (10.0, 30.0, 100.0))).choose(scores, 0) == 1  # dear: plain step
+    steep = CostModel.from_ranked([{"nodes": 1, "step_ms": 10}, {"nodes": 4, "step_ms": 12}, {"nodes": 5, "step_ms": 11},
                                    {"nodes": 8, "step_ms": 20}])
     assert steep.step_ms(1, 4, 0) == 11  # lowered to the cheaper larger tree (monotone)
     assert WidthChooser(steep).choose(scores, 0) == 5  # 4 drafts cost what 3 do; the 0.05 node costs 3 ms
@@ -145,3 +145,18 @@ def test_draft_sources_are_checked_with_clear_errors():
     assert isinstance(build_drafter(("heads",), OracleHeads([[1]], vocab=96)), HeadsDrafter)
     drafter = build_drafter(("context",), None)
     assert isinstance(drafter, MergedDrafter) and drafter.heads is None
+
+
+def test_the_lookup_drafter_is_a_drafter_the_loop_runs():
+    """``LookupDrafter`` (the lookup sources alone) implements the whole ``Drafter`` contract:
+    the loop drafts with it and the output is HF's greedy batch."""
+    from draftheads.decoding.drafters import Drafter, LookupDrafter
+
+    model = MODELS[0]
+    ids, mask = left_pad([[5, 6, 7] * 5, [9, 10, 11, 12] * 3])
+    reference = model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=PAD)
+    decoder = DraftHeadsModel(model, None)
+    decoder.drafter = LookupDrafter(sources=("context",))
+    assert all(callable(getattr(decoder.drafter, name)) for name in Drafter.__dict__ if name in
+               ("start", "propose", "observe"))
+    assert decoder.generate(ids, attention_mask=mask, max_new_tokens=16, pad_token_id=PAD).tolist() == reference.tolist()

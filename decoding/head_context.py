@@ -13,7 +13,7 @@ import torch
 from ..heads import DraftHeads
 from .accept import Acceptance
 from .cache import KVState
-from .drafts import Drafts
+from .drafters.drafts import Drafts
 
 
 class HeadContext:

@@ -10,13 +10,14 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from helpers import FAMILIES, left_pad, tiny_llama
-from test_families import random_heads
+from helpers import FAMILIES, TINY_GRID, left_pad, random_heads, tiny_heads, tiny_llama
 from draftheads.decoding import DraftHeadsModel, tree_from_paths
-from draftheads.decoding.drafter import (LINEAR_COST, DraftState, MergedDrafter, WidthChooser, build_drafter,
+from draftheads.decoding.cost import LINEAR_COST
+from draftheads.decoding.drafters import (DraftState, MergedDrafter, WidthChooser, build_drafter,
                                          check_review, review)
-from draftheads.decoding.drafters import Candidates, ContextConfig, HitRate, LookupConfig, LookupDrafter
-from draftheads.decoding.drafters.candidates import BUCKET_STRIDE
+from draftheads.decoding.drafters import Candidates, ContextConfig, HitRate, LookupConfig, LookupSources
+from draftheads.decoding.drafters.candidates import BUCKET_STRIDE, Source
+from draftheads.decoding.drafters.hitrate import default_q
 from draftheads.decoding.drafters.hitrate import REVIEW_EDGES, reviewed_bucket
 from draftheads.decoding.tree import chain_tree
 
@@ -107,12 +108,20 @@ def test_review_rescores_each_lookup_node_by_the_heads_opinion(family, seed, cha
         bins = reference_bins(heads, hidden, roots, trie, b)
         assert [int(x) // BUCKET_STRIDE if bin_ is not None else None for x, bin_ in zip(scored.bucket, bins)] == bins
         assert all(int(x) % BUCKET_STRIDE == 3 for x in scored.bucket)
-        np.testing.assert_allclose(scored.score, hitrate.rescore(scored).score)
+        # each node's score, computed here from the counts set above: Π along its path of
+        # min(1, q), q the top bin's smoothed rate (50 accepted of 50) or the prior elsewhere
+        k, prior = hitrate.config.strength, default_q(Source(1), min(3, hitrate.config.max_bucket))
+        expected: list[float] = []
+        for i, bin_ in enumerate(bins):
+            q = (50.0 + k * prior) / (50.0 + k) if bin_ == 5 else prior
+            parent = int(trie.parent[i])
+            expected.append(min(1.0, q) * (1.0 if parent < 0 else expected[parent]))
+        np.testing.assert_allclose(scored.score, expected, rtol=1e-12)
 
 
 def reviewed_decoder(model, heads, tree) -> DraftHeadsModel:
     decoder = DraftHeadsModel(model, heads, tree=tree)
-    lookup = LookupDrafter(None, LookupConfig(ContextConfig()), sources=("context",))
+    lookup = LookupSources(None, LookupConfig(ContextConfig()), sources=("context",))
     decoder.drafter = MergedDrafter(heads, lookup, WidthChooser(LINEAR_COST), lookup_nodes=12, review=True)
     return decoder
 
@@ -206,22 +215,25 @@ def test_batched_bench_runs_lookup_strategies_end_to_end(tmp_path, monkeypatch):
     recorded and the figure written."""
     import json
 
-    import draftheads.decoding.policy as policy
+    import draftheads.decoding.calibration as calibration
     import draftheads.prompts as prompts_module
     from draftheads.bench import run_batch_bench
-    from test_policy import TINY_GRID, tiny_heads
 
     monkeypatch.setenv("DRAFTHEADS_CACHE", str(tmp_path / "cache"))
-    real_calibrate = policy.calibrate
-    monkeypatch.setattr(policy, "calibrate", lambda model, heads, **kw: real_calibrate(model, heads, TINY_GRID, **kw))
+    real_calibrate = calibration.calibrate
+    monkeypatch.setattr(calibration, "calibrate", lambda model, heads, **kw: real_calibrate(model, heads, TINY_GRID, **kw))
     # "prompts" are token ids written as text: repetitive, so the context source finds matches
     monkeypatch.setattr(prompts_module, "chat_input", lambda _tok, text: torch.tensor([[int(t) for t in text.split()]]))
     model = tiny_llama(0, max_pos=128)
     decoder = DraftHeadsModel(model, tiny_heads(), tree=tree_from_paths([(0,)]))
     motifs = [[5, 6, 7], [9, 10, 11, 12], [20, 21], [30, 31, 32, 33, 34]]
     prompts = [{"prompt": " ".join(map(str, (m * 6)[: 12 + i])), "category": f"c{i % 2}"} for i, m in enumerate(motifs)]
+    before = (decoder.policy, decoder.drafter, decoder.draft_sources)
     payload = run_batch_bench(decoder, prompts, [1, 2], [0, 1, 3], 12, tmp_path / "out", max_batches=2,
                               drafts=("heads", "context"), review=True, log=lambda *_: None)
+    # the bench set policies, drafters and finished-row handling per strategy; all are back
+    assert (decoder.policy, decoder.drafter, decoder.draft_sources) == before
+    assert "finished_rows" not in vars(decoder) and decoder.finished_rows == "shrink"
     for bs in ("1", "2"):
         strategies = payload["results"][bs]["strategies"]
         assert list(strategies) == ["hf", "adaptive", "adaptive+context", "adaptive+heads+context",

@@ -1,0 +1,209 @@
+"""What one decoding step costs: the one cost model the adaptive policy and the merged
+drafter's width chooser both read.
+
+Why a cost model: verifying N tree nodes is almost free while a forward is memory-bound (small
+batch, one token per row), but once batch·N tokens make it compute-bound every extra node costs
+time for every row, so the best tree shrinks as the batch grows, down to plain decoding
+(Su, Giannoula, Pekhimenko, arXiv 2310.18813). Where the cross-over lies depends on the
+hardware, the dtype and the base, so it is measured (:mod:`.calibration`), not guessed:
+
+    step_ms(bs, nodes, ctx, budget) = forward_ms(bs, nodes, ctx) + overhead_ms(bs, nodes) + draft_ms(bs, budget)
+
+A :class:`CostModel` prices a step from a calibrated surface (bs × query tokens × context), or
+from a batch-size-1 table priced by query tokens (``per_token``: bs rows of n nodes cost what
+bs·n nodes cost one row; a CPU forward is bound by its query tokens) — the checkpoint's stored
+table, this machine's quick calibration, or :data:`LINEAR_COST` when nothing was measured.
+"""
+from __future__ import annotations
+
+import bisect
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from ..heads.errors import DraftheadsError
+
+Row = dict  # {"bs", "q", "ctx", "ms"}: one measured point
+
+
+# -- interpolation ---------------------------------------------------------------------------
+def interp1(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    """Piecewise-linear through (xs, ys) (xs sorted, distinct); linear extrapolation from the two
+    end points outside, because latency keeps growing linearly once compute-bound. One point:
+    constant."""
+    if len(xs) == 1:
+        return float(ys[0])
+    i = bisect.bisect_left(xs, x)
+    i = min(max(i, 1), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return float(y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+@dataclass(frozen=True)
+class LatencyTable:
+    """Milliseconds measured at (bs, q, ctx) points, interpolated piecewise-linearly in q, then
+    bs, then ctx. Each (ctx, bs) keeps its own q list, so coarse or capped grids (large bs × large
+    q left out of the calibration, the GPU files' sparse ctx-2048 grid) need no filling."""
+
+    points: dict[int, dict[int, tuple[tuple[int, float], ...]]]  # ctx -> bs -> ((q, ms), ...)
+
+    @classmethod
+    def from_rows(cls, rows: Iterable[Row]) -> "LatencyTable":
+        grid: dict[int, dict[int, dict[int, float]]] = {}
+        for row in rows:
+            grid.setdefault(int(row["ctx"]), {}).setdefault(int(row["bs"]), {})[int(row["q"])] = float(row["ms"])
+        if not grid:
+            raise ValueError("A latency table needs at least one measured point.")
+        return cls({c: {b: tuple(sorted(qs.items())) for b, qs in sorted(bss.items())} for c, bss in sorted(grid.items())})
+
+    def ms(self, bs: int, q: int, ctx: int) -> float:
+        contexts = list(self.points)
+        per_ctx = []
+        for c in contexts:
+            batches = list(self.points[c])
+            per_bs = [interp1([p[0] for p in self.points[c][b]], [p[1] for p in self.points[c][b]], q) for b in batches]
+            per_ctx.append(interp1(batches, per_bs, bs))
+        return max(interp1(contexts, per_ctx, ctx), 1e-6)
+
+    def rows(self) -> list[Row]:
+        return [{"bs": b, "q": q, "ctx": c, "ms": round(ms, 4)}
+                for c, bss in self.points.items() for b, qs in bss.items() for q, ms in qs]
+
+
+# -- the cost model --------------------------------------------------------------------------
+@dataclass
+class CostModel:
+    """Time of one decoding step. ``forward``: base forward over bs × nodes query tokens at
+    context ctx, LM head and argmax included; ``overhead``: the loop's own work per step (greedy
+    acceptance, KV compaction, emitting tokens), by (bs, nodes); ``draft``: ``heads.propose``
+    by (bs, budget). Surfaces measured elsewhere (the GPU files) have no overhead/draft table:
+    those terms count as zero, which favours speculation, so say so when quoting them."""
+
+    forward: LatencyTable
+    overhead: LatencyTable | None = None
+    draft: LatencyTable | None = None
+    meta: dict = field(default_factory=dict)
+    #: ``forward`` is a batch-size-1 table priced by query tokens: bs × nodes rows cost what
+    #: bs·nodes nodes cost one row (:meth:`from_table`)
+    per_token: bool = False
+
+    @classmethod
+    def from_table(cls, nodes: Sequence[int], ms: Sequence[float]) -> "CostModel":
+        """A bs-1 step-time table {nodes: ms} (forward and overhead together) priced by query
+        tokens, for any batch. One point is a cost per node (a line through the origin)."""
+        points = tuple(zip((int(n) for n in nodes), (float(t) for t in ms)))
+        if len(points) == 1:
+            points = ((0, 0.0), (points[0][0], points[0][1] * points[0][0]))
+        return cls(LatencyTable({0: {1: points}}), per_token=True)
+
+    @classmethod
+    def from_ranked(cls, ranked: Sequence[dict]) -> "CostModel":
+        """The table of ``HeadConfig.default_budget_by_dtype[...]["ranked"]`` ({"nodes", "step_ms"}
+        per stored tree), made monotone: a larger tree never counts as cheaper than a smaller one."""
+        points = sorted((int(r["nodes"]), float(r["step_ms"])) for r in ranked)
+        nodes, ms, best = [], [], float("inf")
+        for n, t in reversed(points):  # lower every point to the cheapest larger tree
+            best = min(best, t)
+            nodes.append(n)
+            ms.append(best)
+        return cls.from_table(nodes[::-1], ms[::-1])
+
+    def per_token_table(self, ctx: int) -> "CostModel":
+        """This model's bs-1 step times at ``ctx`` at every node count it measured (forward + the
+        loop's overhead), as a table priced by query tokens (:meth:`from_ranked`)."""
+        nodes = sorted({int(r["q"]) for r in self.forward.rows() if int(r["bs"]) == 1})
+        return CostModel.from_ranked([{"nodes": n, "step_ms": self.step_ms(1, n, ctx)} for n in nodes])
+
+    def step_ms(self, bs: int, nodes: int, ctx: int, budget: int = 0) -> float:
+        """One step of ``bs`` rows × ``nodes`` tree slots at context ``ctx``, drafting a
+        ``budget``-node tree (0: no drafting cost counted)."""
+        if self.per_token:
+            return self.forward.ms(1, bs * nodes, ctx)
+        ms = self.forward.ms(bs, nodes, ctx)
+        if self.overhead is not None:
+            ms += self.overhead.ms(bs, nodes, 0)
+        if budget > 0 and self.draft is not None:
+            ms += self.draft.ms(bs, budget, 0)
+        return ms
+
+    def to_dict(self) -> dict:
+        return {"meta": self.meta, "rows": self.forward.rows(),
+                "overhead_rows": self.overhead.rows() if self.overhead else [],
+                "draft_rows": [{"bs": r["bs"], "budget": r["q"], "ms": r["ms"]} for r in self.draft.rows()]
+                if self.draft else []}
+
+    @classmethod
+    def from_dict(cls, data: dict, mode: str = "tree") -> "CostModel":
+        """Reads both the calibration JSON and the GPU files the package ships (``draftheads/data/cost_surfaces``)
+        (rows with ``ms_median`` and a ``mode``: only ``mode`` rows are used, since the decoder
+        verifies with a 4D tree mask), after :func:`check_cost_surface`."""
+        check_cost_surface(data)
+        rows = [{"bs": r["bs"], "q": r["q"], "ctx": r.get("ctx", data.get("meta", {}).get("ctx", 0)),
+                 "ms": r["ms"] if "ms" in r else r["ms_median"]}
+                for r in data.get("rows", []) if r.get("mode", mode) == mode]
+        if not rows:
+            raise ValueError(f"No latency rows with mode={mode!r} in this cost surface.")
+        overhead = data.get("overhead_rows") or []
+        draft = [{"bs": r["bs"], "q": r["budget"], "ctx": 0, "ms": r["ms"]} for r in data.get("draft_rows") or []]
+        return cls(LatencyTable.from_rows(rows), LatencyTable.from_rows(overhead) if overhead else None,
+                   LatencyTable.from_rows(draft) if draft else None, dict(data.get("meta", {})))
+
+
+class CostSurfaceError(DraftheadsError, ValueError):
+    """A cost surface (a cached calibration, a GPU surface file) that cannot be used."""
+
+
+def _plausible_rows(rows, size_keys: tuple[str, ...], where: str) -> None:
+    """Each row an object whose sizes are integers ≥ 0 and whose time is a finite number > 0."""
+    if not isinstance(rows, list):
+        raise CostSurfaceError(f"'{where}' is a {type(rows).__name__}, not a list of measured points")
+    for row in rows:
+        if not isinstance(row, dict):
+            raise CostSurfaceError(f"'{where}' holds a {type(row).__name__}, not a measured point")
+        ms = row.get("ms", row.get("ms_median"))
+        for key in size_keys:
+            value = row.get(key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise CostSurfaceError(f"a point of '{where}' has {key}={value!r}, not a count")
+        if isinstance(ms, bool) or not isinstance(ms, (int, float)) or not math.isfinite(ms) or ms <= 0:
+            raise CostSurfaceError(f"a point of '{where}' has time {ms!r} ms, not a finite positive number")
+
+
+def check_cost_surface(data) -> None:
+    """Everything :meth:`CostModel.from_dict` reads, checked: an object with a non-empty list of
+    forward points and optional overhead/draft lists, every size a count and every time a
+    finite positive number (a NaN or negative time would make the policy's choice garbage)."""
+    if not isinstance(data, dict):
+        raise CostSurfaceError(f"it is a JSON {type(data).__name__}, not an object with 'rows'")
+    if not isinstance(data.get("meta", {}), dict):
+        raise CostSurfaceError("its 'meta' is not an object")
+    rows = data.get("rows")
+    if not rows:
+        raise CostSurfaceError("it holds no measured points ('rows' is missing or empty)")
+    _plausible_rows(rows, ("bs", "q"), "rows")
+    _plausible_rows(data.get("overhead_rows") or [], ("bs", "q", "ctx"), "overhead_rows")
+    _plausible_rows(data.get("draft_rows") or [], ("bs", "budget"), "draft_rows")
+
+
+def load_cost_surface(path: str | Path, mode: str = "tree") -> CostModel:
+    """A cost surface JSON file: a cached calibration or one of the measured GPU surfaces;
+    anything unreadable or implausible is a :class:`CostSurfaceError` naming the file."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = json.load(handle)
+        return CostModel.from_dict(data, mode=mode)
+    except OSError as err:
+        raise CostSurfaceError(f"{path} cannot be read ({err.strerror or err})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CostSurfaceError(f"{path} is not valid JSON ({type(err).__name__})") from None
+    except CostSurfaceError as err:
+        raise CostSurfaceError(f"{path} is not a usable cost surface: {err}") from None
+    except ValueError as err:  # no rows of this mode
+        raise CostSurfaceError(f"{path}: {err}") from None
+
+
+#: without a measured table: a step of n nodes costs 1 + 3 % per extra node, relative (this
+#: CPU's bs-1 bf16 table grows about 3 % per node between 1 and 33 nodes)
+LINEAR_COST = CostModel.from_table((1, 33), (1.0, 1.96))

@@ -1,0 +1,99 @@
+"""Which drafter a model uses: the source names (``drafts=``), the store file beside the heads,
+and the drafter built from them.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+from ...heads import DraftHeads
+from ..cost import LINEAR_COST, CostModel
+from ..limits import InputError, InputTypeError
+from .context_source import ContextConfig
+from .heads_drafter import HeadsDrafter
+from .lookup import LookupConfig, LookupSources
+from .merged import MergedDrafter
+from .interface import Drafter
+from .stats import StatsConfig
+from .store import ModelStore, StoreConfig, StoreError, tokenizer_identity
+from .width import WidthChooser
+
+
+#: every draft source ``generate`` can merge: the heads, then the lookups most local first
+DRAFT_SOURCES = ("heads", "context", "store", "stats")
+#: the store file a head checkpoint ships beside its weights (``scripts/build_store.py``)
+STORE_NAME = "lookup_store.safetensors"
+
+
+def parse_drafts(drafts: str | Sequence[str]) -> tuple[str, ...]:
+    """``"heads,context"`` / ``["heads", "context"]`` / ``"all"`` → the source names, checked."""
+    if not isinstance(drafts, (str, list, tuple)) or any(not isinstance(n, str) for n in
+                                                          ([] if isinstance(drafts, str) else drafts)):
+        raise InputTypeError(f"drafts must be a str such as 'heads,context' (or 'all') or a list/tuple of such names, "
+                             f"got {type(drafts).__name__} {drafts!r}; the sources are {', '.join(DRAFT_SOURCES)}.")
+    names = drafts.split(",") if isinstance(drafts, str) else list(drafts)
+    names = [n.strip().lower() for n in names if n.strip()]
+    if names == ["all"]:
+        return DRAFT_SOURCES
+    unknown = [n for n in names if n not in DRAFT_SOURCES]
+    if unknown or not names:
+        raise InputError(f"drafts={drafts!r}: expected a comma-separated subset of {', '.join(DRAFT_SOURCES)} "
+                         "(or 'all').")
+    return tuple(n for n in DRAFT_SOURCES if n in names)
+
+
+def check_review(review: bool, sources: Sequence[str]) -> None:
+    """The vertical cascade needs the heads (the reviewers) and a lookup source (the reviewed)."""
+    if not isinstance(review, bool):
+        raise InputError(f"review={review!r}: expected True (the heads rescore lookup drafts) or False.")
+    if review and ("heads" not in sources or not [s for s in sources if s != "heads"]):
+        raise InputError(f"review=True: the heads review lookup drafts, so drafts must include 'heads' and at "
+                         f"least one of context, store, stats (got {','.join(sources)}).")
+
+
+def build_drafter(sources: Sequence[str], heads: DraftHeads | None, store=None, cost: CostModel | None = None,
+                  eos_token_id: int | None = None, review: bool = False) -> Drafter:
+    """The drafter for ``sources`` (:func:`parse_drafts`): the heads alone → :class:`HeadsDrafter`;
+    any lookup → :class:`MergedDrafter` (with the heads when "heads" is among them)."""
+    if "heads" in sources and heads is None:
+        raise InputError("drafts include 'heads' but no head checkpoint was loaded: pass heads_path, or draft "
+                         "with lookups only (drafts='context,store,stats').")
+    check_review(review, sources)
+    lookups = [s for s in sources if s != "heads"]
+    if not lookups:
+        return HeadsDrafter(heads)
+    config = LookupConfig(ContextConfig(eos_token_id=eos_token_id), StoreConfig(eos_token_id=eos_token_id),
+                          StatsConfig(eos_token_id=eos_token_id))
+    return MergedDrafter(heads if "heads" in sources else None, LookupSources(store, config, sources=lookups),
+                         WidthChooser(cost if cost is not None else LINEAR_COST),
+                         review=review)
+
+
+def check_store_argument(lookup_store) -> None:
+    """``lookup_store=``: None (the store shipped beside the heads) or a path."""
+    if lookup_store is not None and not isinstance(lookup_store, (str, Path)):
+        raise InputTypeError(f"lookup_store must be a path to a lookup store file (str or Path) or None (the one "
+                             f"shipped beside the heads), got {type(lookup_store).__name__} {lookup_store!r}.")
+
+
+def open_store(path: str | Path | None, heads: DraftHeads | None, tokenizer, vocab: int | None = None):
+    """The model store at ``path`` (default: beside the heads), checked against the tokenizer
+    and every id against ``vocab`` (the base's embedding rows)."""
+    if path is None:
+        folder = getattr(heads, "source_dir", None)
+        if folder is None or not (Path(folder) / STORE_NAME).is_file():
+            raise StoreError(f"No {STORE_NAME} beside the heads ({folder}): build one with `python scripts/build_store.py "
+                             f"--data <the base's answers.jsonl> --out <heads dir>/{STORE_NAME}` or pass lookup_store=.")
+        path = Path(folder) / STORE_NAME
+    return ModelStore.open(path, expect=tokenizer_identity(tokenizer) if tokenizer is not None else None,
+                           vocab_limit=vocab)
+
+
+def auto_drafts(heads: DraftHeads | None, lookup_store: str | Path | None = None) -> tuple[str, ...]:
+    """``drafts="auto"``: the heads (when loaded), the context, and the store and its bigram
+    statistics when there is a store (``lookup_store``, or one shipped beside the heads).
+    Measured faster than the heads alone on every Spec-Bench category (README, Figures): the
+    merged tree spends each step's slots on whichever source is likelier to be accepted."""
+    has_store = lookup_store is not None or (
+        getattr(heads, "source_dir", None) is not None and (Path(heads.source_dir) / STORE_NAME).is_file())
+    return (("heads",) if heads is not None else ()) + ("context",) + (("store", "stats") if has_store else ())

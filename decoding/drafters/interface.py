@@ -1,0 +1,60 @@
+"""The drafting contract (transformers' ``CandidateGenerator`` idea, batch-first).
+
+A :class:`Drafter` sees each live row's state (:class:`DraftState`) and the policy's tree (its
+node budget, and the shape the heads fill) and returns one tree per row
+(:class:`~.drafts.Drafts`); after the verification it hears what each row accepted. A
+:class:`LookupSource` is one row's lookup source (context, store, statistics): it hears the
+row's new tokens and proposes a scored candidate trie.
+
+Every draft node is a fixed token given the row's history (a point mass), whoever proposed
+it, so the acceptance rules and their proof in :mod:`..accept` hold for every drafter.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, Sequence
+
+import torch
+
+from ..tree import Tree, chain_tree
+from .candidates import Candidates
+from .drafts import Drafts
+
+if TYPE_CHECKING:  # the acceptance rules read drafts (accept → drafters.drafts): no run-time import back
+    from ..accept import Acceptance
+
+
+@dataclass
+class DraftState:
+    """What a drafter may read about the live rows before a step."""
+
+    roots: torch.Tensor  # (B,) the token each row ends with (emitted, not yet in the cache)
+    hidden: torch.Tensor  # (B, d) what the heads read (HeadContext.hidden)
+    rows: list[int]  # (B,) each live row's index in the caller's batch
+    room: list[int]  # (B,) the deepest draft each row may still use (tokens left - 1)
+    context_length: int  # cache columns (the cost model's ctx)
+    generated: Sequence[Sequence[int]] = ()  # per caller row: its tokens emitted so far (root last)
+
+
+class Drafter(Protocol):
+    """``start`` with the prompts, then per step ``propose`` → verify → ``observe``."""
+
+    def start(self, prompts: Sequence[Sequence[int]]) -> None: ...
+
+    def propose(self, state: DraftState, tree: Tree) -> Drafts: ...
+
+    def observe(self, drafts: Drafts, result: Acceptance, rows: Sequence[int]) -> None: ...
+
+
+def plain_drafts(roots: torch.Tensor) -> Drafts:
+    """No drafts: a 1-node tree per row (a plain decoding step)."""
+    return Drafts.uniform(chain_tree(0), roots[:, None])
+
+
+class LookupSource(Protocol):
+    """One row's lookup source: seeded with the row's prompt, told every token the row emits
+    (``extend``), asked for a candidate trie of up to ``budget`` nodes (``propose``)."""
+
+    def extend(self, tokens: Sequence[int]) -> None: ...
+
+    def propose(self, budget: int, q: float | None = None) -> Candidates: ...

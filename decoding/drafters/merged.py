@@ -1,0 +1,152 @@
+"""The merged drafter: the heads' tree and the lookup sources (context, model store, bigram
+statistics) in one trie per row, ranked by calibrated P(accepted) (:class:`~.hitrate.HitRate`);
+each step keeps the width that maximizes expected tokens per millisecond under the cost model
+(:class:`~.width.WidthChooser`). Without heads it is a pure lookup drafter
+(:class:`~.lookup.LookupDrafter`; the Hierarchy Drafting order falls out of the ranking).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+
+from ...heads import DraftHeads
+from ..cost import LINEAR_COST
+from ..tree import Tree
+from .candidates import Candidates, merge
+from .drafts import Drafts
+from .heads_drafter import head_trie
+from .lookup import LookupConfig, LookupSources
+from .interface import DraftState
+from .review import review
+from .width import WidthChooser
+
+if TYPE_CHECKING:
+    from ..accept import Acceptance
+
+
+def moving_average(previous: float | None, value: float, weight: float = 0.2) -> float:
+    """An exponential moving average (the first value starts it)."""
+    return value if previous is None else (1.0 - weight) * previous + weight * value
+
+
+def cap_depth(trie: Candidates, max_depth: int) -> Candidates:
+    """The trie without nodes deeper than ``max_depth`` (a row near its token limit); still
+    prefix-closed and in order, since depth grows along every path."""
+    if len(trie) == 0 or int(trie.depth.max()) <= max_depth:
+        return trie
+    return trie.subset(np.flatnonzero(trie.depth <= max_depth))
+
+
+
+@dataclass
+class MergedDrafter:
+    """Heads (optional) + lookup sources in one tree per row (see the module docstring).
+
+    ``lookup_nodes``: the most draft nodes a row's lookup sources propose per step (prompt
+    lookup proposes 10, SuffixDecoding up to 24-64); the merged tree then keeps the width the
+    :class:`WidthChooser` finds best, at most the policy's tree size + ``lookup_nodes``.
+
+    ``review`` (the *vertical cascade* of CS Drafting, off by default): the heads review the
+    lookups' drafts before they take verification slots — each lookup node within the heads'
+    depth is scored again with the heads' probability of its token given the root and the path
+    before it (:meth:`~draftheads.heads.DraftHeads.path_probs`) as one more feature of its
+    calibrated hit rate (:func:`review`)."""
+
+    heads: DraftHeads | None
+    lookup: LookupSources
+    width: WidthChooser = field(default_factory=WidthChooser)
+    lookup_nodes: int = 16
+    review: bool = False
+    _seen: dict[int, int] = field(default_factory=dict)
+    _proposed: list[Candidates] = field(default_factory=list)
+    #: what the heads' proposal has been worth: ms per call and expected accepted drafts of
+    #: their own trie (Σ of its node scores), both moving averages (see :meth:`_heads_pay`)
+    _heads_ms: float | None = None
+    _heads_gain: float | None = None
+    #: steps this drafter proposed with and without the heads (reports and tests)
+    heads_steps: int = 0
+    skipped_heads_steps: int = 0
+    #: after this many skipped steps in a row the heads propose again, so their cost and worth
+    #: are measured afresh (a slow first call, or text that changed, never rules them out for good)
+    recheck_heads_every: int = 8
+    _skipped_in_a_row: int = 0
+
+    def start(self, prompts: Sequence[Sequence[int]]) -> None:
+        self.lookup.reset()
+        self._seen.clear()
+        for row, prompt in enumerate(prompts):
+            self.lookup.start(row, prompt)
+            self._seen[row] = 0
+
+    def propose(self, state: DraftState, tree: Tree) -> Drafts:
+        tree = tree.fitting(min(state.room))
+        budget = tree.num_nodes - 1 + self.lookup_nodes
+        lookups = []
+        for row in state.rows:
+            new = state.generated[row][self._seen[row]:]  # what the row emitted since it last drafted
+            if new:
+                self.lookup.extend(row, new)
+                self._seen[row] += len(new)
+            lookups.append(self.lookup.tries(row, self.lookup_nodes))
+        if self.review and self.heads is not None:
+            lookups = [[trie] for trie in review(self.heads, state, [merge(parts, self.lookup_nodes) for parts in lookups],
+                                                 self.lookup.hitrate)]
+        tries = [cap_depth(merge(parts, budget), room) for parts, room in zip(lookups, state.room)]
+        if self.heads is not None and tree.num_nodes > 1 and self._heads_pay(tries, state.context_length):
+            started = time.perf_counter()
+            tokens, probs = self.heads.propose(state.hidden, state.roots, tree.spec, with_probs=True)
+            head_tokens, head_probs = tokens.tolist(), probs.tolist()
+            heads = [self.lookup.hitrate.rescore(head_trie(tree, head_tokens[b], head_probs[b]))
+                     for b in range(len(tries))]
+            self._heads_ms = moving_average(self._heads_ms, (time.perf_counter() - started) * 1e3)
+            self._heads_gain = moving_average(self._heads_gain, float(np.mean([h.score.sum() for h in heads])))
+            tries = [cap_depth(merge(list(parts) + [h], budget), room)
+                     for parts, h, room in zip(lookups, heads, state.room)]
+            self.heads_steps += 1
+            self._skipped_in_a_row = 0
+        elif self.heads is not None and tree.num_nodes > 1:
+            self.skipped_heads_steps += 1
+            self._skipped_in_a_row += 1
+        width = self.width.choose([t.score for t in tries], state.context_length)
+        # best-first order: the first width−1 nodes of each trie are a prefix-closed tree
+        self._proposed = [t if len(t) < width else t.subset(range(width - 1)) for t in tries]
+        return Drafts.from_rows(state.roots, [t.parent.tolist() for t in self._proposed],
+                                [t.token.tolist() for t in self._proposed])
+
+    def _heads_pay(self, tries: Sequence[Candidates], ctx: int) -> bool:
+        """Whether the heads' proposal is worth its time this step, given the lookups' tries.
+
+        The heads draft below the root only, so where a lookup's first token is accepted with
+        probability s₁ their tree adds accepted tokens only in the other 1 − s₁ of cases: at most
+        G = Σ_rows (1 − s₁) · g, g the heads' own expected accepted drafts (their trie's Σ score,
+        averaged). Proposing costs p ms on a step of t ms that yields T expected tokens from the
+        lookups (the width chooser's step), so it pays when (T + G) / (t + p) > T / t, i.e.
+        G / T > p / t. Until both are measured (the first proposals), and again after
+        ``recheck_heads_every`` skipped steps, the heads propose."""
+        if (self._heads_ms is None or self._heads_gain is None or self.width.cost is LINEAR_COST
+                or self._skipped_in_a_row >= self.recheck_heads_every):
+            return True  # LINEAR_COST is relative, not ms: no step time to weigh the heads' ms against
+        first = [float(t.score[t.depth == 1].max()) if len(t) else 0.0 for t in tries]
+        width = self.width.choose([t.score for t in tries], ctx)
+        expected = sum(1.0 + float(t.score[: width - 1].sum()) for t in tries)
+        gain = sum(1.0 - s for s in first) * self._heads_gain
+        return gain * self.width.cost.step_ms(len(tries), width, ctx) > self._heads_ms * expected
+
+    def observe(self, drafts: Drafts, result: Acceptance, rows: Sequence[int]) -> None:
+        """Each row's accepted drafts calibrate the hit rates of the sources that proposed them."""
+        accepted = drafts.accepted_tokens(result.path, result.accepted)
+        for b, row in enumerate(rows):
+            self.lookup.observe(row, self._proposed[b], accepted[b])
+
+
+class LookupDrafter(MergedDrafter):
+    """The lookup sources alone as a :class:`~.interface.Drafter`: a merged drafter without heads
+    (``store``/``config``/``sources`` as :class:`~.lookup.LookupSources`)."""
+
+    def __init__(self, store=None, config: LookupConfig = LookupConfig(), sources: Sequence[str] | None = None,
+                 width: WidthChooser | None = None, lookup_nodes: int = 16):
+        super().__init__(None, LookupSources(store, config, sources=sources), width or WidthChooser(LINEAR_COST),
+                         lookup_nodes)

@@ -1,0 +1,148 @@
+"""The speculative loop, from a checked :class:`~.request.Request` to what ``generate`` returns:
+
+    prefill → root token per row
+    loop: tree ← policy ; decode_step (drafter.propose → base.verify → accept → cache.commit →
+          heads' context, drafter.observe) ; emit path + bonus per row ; finished rows leave
+    assemble the output
+
+and the plain path where the policy hands the whole call to the base's own ``generate``.
+What one call did is a :class:`DecodingStats` (τ, steps, trees by batch size).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .accept import Acceptor
+from .base import lm_logits, prefill
+from .cache import KVState
+from .drafters import Drafter, DraftState
+from .head_context import HeadContext
+from .output import Emitter, generated_counts
+from .request import Request
+from .sequences import Sequences
+from .step import PhaseTimer, decode_step
+
+
+def tau(accepted: int, steps: int) -> float:
+    """τ: the mean number of tokens a row's verification step emits — its accepted drafts + the
+    bonus token — from the accepted drafts summed over ``steps`` (row, step) pairs. The one
+    formula every report uses (a whole run's output-side count is ``bench.summary.run_tau``)."""
+    return (accepted + steps) / max(1, steps)
+
+
+@dataclass
+class DecodingStats:
+    """What one ``generate`` call did: τ is the mean number of tokens emitted per base
+    verification forward (accepted drafts + the bonus token)."""
+
+    new_tokens: int = 0
+    steps: int = 0
+    accepted: list[int] = field(default_factory=list)
+    seconds: float = 0.0
+    tree_nodes: list[int] = field(default_factory=list)
+    batch_sizes: list[int] = field(default_factory=list)  # rows verified per step (the policy's input)
+    delegated: bool = False  # the policy chose plain decoding and the base's own generate ran
+
+    @property
+    def tau(self) -> float:
+        return tau(sum(self.accepted), len(self.accepted))
+
+    def record(self, nodes: int, accepted: torch.Tensor, rows: int) -> None:
+        """One verification step: its slots per row, the live rows' accepted drafts (R,), rows verified."""
+        self.steps += 1
+        self.accepted.extend(accepted.tolist())
+        self.tree_nodes.append(nodes)
+        self.batch_sizes.append(rows)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds else 0.0
+
+    def to_dict(self) -> dict:
+        return {"new_tokens": self.new_tokens, "steps": self.steps, "tau": round(self.tau, 4),
+                "seconds": round(self.seconds, 4), "tokens_per_second": round(self.tokens_per_second, 3),
+                "mean_tree_nodes": round(sum(self.tree_nodes) / max(1, len(self.tree_nodes)), 2),
+                "trees_by_batch_size": self.trees_by_batch_size(), "delegated": self.delegated}
+
+    def trees_by_batch_size(self) -> dict[int, dict[int, int]]:
+        """{rows verified: {tree nodes: steps}}: what the policy chose as the batch shrank."""
+        table: dict[int, dict[int, int]] = {}
+        for rows, nodes in zip(self.batch_sizes, self.tree_nodes):
+            table.setdefault(rows, {}).setdefault(nodes, 0)
+            table[rows][nodes] += 1
+        return table
+
+
+def _rooms(out: Emitter, live: torch.Tensor) -> list[int]:
+    """Each live row's deepest usable draft (tokens it may still emit − 1); a finished row kept
+    in the batch (``finished_rows="mask"``) gets the live rows' smallest, so it never shrinks
+    their tree."""
+    rooms = out.rooms(live)
+    floor = min((r for r in rooms if r > 0), default=1)
+    return [max(r, floor) - 1 for r in rooms]
+
+
+def speculate(base, heads, policy, drafter: Drafter, request: Request, started: float, generator=None,
+              streamer=None, stopping_criteria=None, timer: PhaseTimer | None = None, shrink: bool = True):
+    """Prefill, the loop, the output: ``(what generate returns, DecodingStats)``. ``shrink``:
+    finished rows leave the batch (else their trees are verified and ignored)."""
+    sequences = Sequences(request.input_ids, request.attention_mask)  # the one owner of the tokens
+    out = Emitter(sequences, request.limits, request.eos, stopping_criteria, streamer, request.want_scores)
+    cache, hidden = prefill(base, request.input_ids, request.attention_mask)
+    kv = KVState.after_prefill(cache, request.attention_mask)
+    logits = lm_logits(base, hidden)  # (B, V)
+    acceptor = Acceptor(request.config, request.mode, logits.shape[-1], sequences, generator)
+    roots = acceptor.first(logits)
+    out.emit_first(roots, acceptor.reported(logits) if request.want_scores else None)
+    drafter.start(sequences.prompts())
+    stats = decode(base, policy, sequences, out, acceptor, drafter, kv, HeadContext(heads, hidden), roots, timer,
+                   shrink)
+    stats.new_tokens, stats.seconds = sequences.new_tokens, time.perf_counter() - started
+    assembled = out.finish(request.pad)
+    if not request.config.return_dict_in_generate:
+        return assembled, stats
+    return out.dict_output(base, assembled, request.attention_mask, request.config, kv, acceptor,
+                           logits.shape[-1]), stats
+
+
+def decode(base, policy, sequences: Sequences, out: Emitter, acceptor: Acceptor, drafter: Drafter, kv: KVState, context: HeadContext,
+           roots: torch.Tensor, timer: PhaseTimer | None = None, shrink: bool = True) -> DecodingStats:
+    """The loop: choose a tree for the live rows, run one :func:`decode_step`, emit what each
+    row accepted; finished rows leave the batch when ``shrink``. roots (B,)."""
+    stats, live, device = DecodingStats(), torch.arange(roots.shape[0]), roots.device
+    while bool((running := out.running(live)).any()):
+        if not bool(running.all()) and shrink:
+            keep = running.nonzero().squeeze(1)  # finished rows leave: no compute for their trees
+            live, roots = live[keep], roots[keep]
+            kv.select_rows(keep.to(device))
+            context.select_rows(keep.to(device))
+        active = out.running(live).to(device)  # all True when shrinking; finished rows masked otherwise
+        tree = policy.choose(live.numel(), kv.length)
+        state = DraftState(roots, context.hidden, live.tolist(), _rooms(out, live), kv.length,
+                           sequences.generated)
+        step = decode_step(base, drafter, acceptor, kv, context, state, tree, timer)
+        result = step.acceptance
+        policy.observe(step.drafts.shape, result.accepted[active])
+        stats.record(step.drafts.num_nodes, result.accepted[active], live.numel())
+        out.emit_step(live, step.tokens, result.path, result.accepted, result.bonus,
+                      acceptor.reported(step.logits) if out.want_scores else None)
+        roots = result.bonus
+    return stats
+
+
+def plain_generate(base, request: Request, started: float, streamer=None, stopping_criteria=None):
+    """The base's own ``generate`` with the same (already checked) arguments; its output is the
+    reference itself, so greedy identity and sampling's distribution hold trivially.
+    ``(what generate returns, DecodingStats)``."""
+    output = base.generate(request.input_ids, attention_mask=request.attention_mask,
+                           generation_config=request.config, streamer=streamer, stopping_criteria=stopping_criteria)
+    sequences = output if isinstance(output, torch.Tensor) else output.sequences
+    counts = generated_counts(sequences, request.prompt_len, set(request.eos))
+    steps = max(counts, default=0)
+    stats = DecodingStats(new_tokens=sum(counts), steps=steps, accepted=[0] * sum(counts),
+                          seconds=time.perf_counter() - started, tree_nodes=[1] * steps,
+                          batch_sizes=[request.batch] * steps, delegated=True)
+    return output, stats

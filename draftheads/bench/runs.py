@@ -1,0 +1,142 @@
+"""What every bench shares: timed runs of transformers and of draftheads, the drafting
+configurations, and :func:`model_state`, which puts back whatever a bench changed on the model."""
+from __future__ import annotations
+
+import platform
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from ..decoding.guarantee import first_divergence as divergence
+
+#: transformers' prompt lookup: the control for identity and the one-line peer for speed
+PROMPT_LOOKUP_TOKENS = 10
+
+
+def timed(fn):
+    """Run ``fn`` and return (its result, wall seconds)."""
+    start = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - start
+
+
+def hf_greedy(base, ids: torch.Tensor, max_new_tokens: int, **kwargs) -> torch.Tensor:
+    """The baseline every speedup is measured against: transformers' own greedy ``generate``
+    (``kwargs``: e.g. ``prompt_lookup_num_tokens`` for its prompt-lookup mode)."""
+    return base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                         **kwargs)
+
+
+def run_timing(new_tokens: int, seconds: float) -> dict:
+    return {"new_tokens": new_tokens, "seconds": round(seconds, 4), "tokens_per_second": round(new_tokens / seconds, 3)}
+
+
+def timed_hf(base, ids: torch.Tensor, max_new_tokens: int, **kwargs) -> tuple[torch.Tensor, dict]:
+    """HF greedy on one prompt: (its output, new tokens / seconds / tokens per second)."""
+    plain, seconds = timed(lambda: hf_greedy(base, ids, max_new_tokens, **kwargs))
+    return plain, run_timing(plain.shape[1] - ids.shape[1], seconds)
+
+
+def timed_draftheads(model, ids: torch.Tensor, plain: torch.Tensor, hf: dict, max_new_tokens: int) -> dict:
+    """draftheads on the prompt HF just answered (``plain``, timed in ``hf``): its timing, τ, verify
+    steps, speedup over HF and the first divergence from HF's tokens (None when identical)."""
+    ours, seconds = timed(lambda: model.generate(ids, max_new_tokens=max_new_tokens))
+    new = ours.shape[1] - ids.shape[1]
+    return {**run_timing(new, seconds), "tau": round(model.last_stats.tau, 4), "verify_steps": model.last_stats.steps,
+            "speedup": round((new / seconds) / (hf["new_tokens"] / hf["seconds"]), 4),
+            "mismatch": divergence(model.base, plain, ours, ids.shape[1])}
+
+
+
+def eos_ids(base) -> list[int]:
+    from ..decoding.request import eos_token_ids
+
+    return eos_token_ids(base.generation_config)
+
+
+def draft_configs(model, sources: tuple[str, ...], review: bool = False) -> dict[str, object]:
+    """The bench's drafting configurations for ``sources`` (``--drafts``): each source alone, the
+    lookups together (the Hierarchy Drafting hierarchy), with ``review`` every source merged
+    under the vertical cascade, and every source merged (last: the headline). name → a drafter
+    for ``model.drafter`` (None: the heads alone)."""
+    from ..decoding.drafters import parse_drafts
+
+    sources = parse_drafts(sources)
+    lookups = tuple(s for s in sources if s != "heads")
+    wanted = [(s,) for s in sources]
+    if len(lookups) > 1:
+        wanted.append(lookups)
+    if len(sources) > 1:
+        wanted.append(sources)
+    if review:
+        wanted.insert(len(wanted) - 1, sources + ("review",))
+    with drafting(model, model.drafter):
+        return {"+".join(combo): config_drafter(model, combo) for combo in wanted}
+
+
+def config_drafter(model, combo: tuple[str, ...]):
+    """The drafter of one bench configuration: source names, a trailing "review" for the
+    vertical cascade. Sets ``model.drafter`` (callers restore theirs with :func:`drafting`)."""
+    reviewed = combo[-1] == "review"
+    model.use_drafts(combo[:-1] if reviewed else combo, review=reviewed)
+    return model.drafter
+
+
+@contextmanager
+def drafting(model, drafter) -> Iterator[None]:
+    """``model`` drafts with ``drafter`` inside the block; its own drafter is back afterwards."""
+    own, model.drafter = model.drafter, drafter
+    try:
+        yield
+    finally:
+        model.drafter = own
+
+
+
+#: what a bench may change on a model (tree policy, drafter, its sources, finished-row handling)
+MODEL_STATE = ("policy", "drafter", "draft_sources", "finished_rows")
+
+
+@contextmanager
+def model_state(model) -> Iterator[None]:
+    """Whatever the block changes on ``model`` among :data:`MODEL_STATE` is back as it was
+    afterwards, however the block ends (an attribute the model only inherited from its class
+    is inherited again)."""
+    own = vars(model)
+    saved = {name: own[name] for name in MODEL_STATE if name in own}
+    try:
+        yield
+    finally:
+        for name in MODEL_STATE:
+            if name in saved:
+                setattr(model, name, saved[name])
+            else:
+                own.pop(name, None)
+
+
+def rotated(names: list[str], shift: int) -> list[str]:
+    """The strategies in batch ``shift``'s order: each batch starts one strategy later, so a slow
+    spell of a shared machine (measured here: 10-15 % for tens of seconds) does not always hit
+    the same strategy."""
+    k = shift % len(names)
+    return names[k:] + names[:k]
+
+
+def keep_fastest(best: dict, name: str, result: tuple) -> None:
+    """Keep ``name``'s fastest (output, seconds) run. Greedy output does not depend on timing, so
+    repeating a batch only filters the host's slow spells: the fastest run is the estimate least
+    disturbed by other load (timeit's rule)."""
+    if name not in best or result[1] < best[name][1]:
+        best[name] = result
+
+
+
+
+def run_meta(meta: dict | None, base, **fields) -> dict:
+    """A results file's ``meta``: the caller's (anything not JSON-plain as its string), then
+    ``fields``, then the machine: torch, threads, CPU, the base's dtype."""
+    plain = {k: (v if isinstance(v, (int, float, str, bool, type(None))) else str(v)) for k, v in (meta or {}).items()}
+    return {**plain, **fields, "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "machine": platform.processor() or platform.machine(), "dtype": str(base.dtype)}

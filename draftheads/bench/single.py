@@ -1,0 +1,161 @@
+"""Benchmark: plain transformers greedy ``generate`` vs draftheads on the same prompts, in one
+run, interleaved per prompt so both see the same machine state. Writes ``results.json`` and
+``results.png``.
+
+Identity is judged per dtype (:mod:`draftheads.decoding.guarantee`): every first divergence
+from HF's tokens is located, its top-1/top-2 logit gap measured in ulps of the dtype, and
+checked against the dtype's band. The control is transformers against itself: its prompt
+lookup mode (``prompt_lookup_num_tokens``) on the same prompt, which rounds in another order
+just as a tree verification does; its divergence rate is what "no higher than transformers
+itself" is measured against, and its speed is the one-argument peer draftheads must beat."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..decoding.guarantee import first_divergence as divergence
+from ..decoding.output import generated_counts
+from ..decoding.request import left_pad
+from ..plots import plot, plot_drafts
+from .runs import PROMPT_LOOKUP_TOKENS, draft_configs, drafting, eos_ids, hf_greedy, model_state, run_meta, timed_draftheads, timed_hf
+from .summary import group, summarize
+
+
+def padded_pair(base, first: torch.Tensor, second: torch.Tensor, max_new_tokens: int, pad: int) -> list[torch.Tensor]:
+    """transformers' greedy ``generate`` on two prompts (1, L) as one left-padded batch; each
+    row back as (1, prompt + new tokens up to its first EOS): the same prompts computed in
+    another batch shape, the control for "how often does transformers differ from itself"."""
+    ids, mask = left_pad([first[0].tolist(), second[0].tolist()], pad)
+    out = base.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+    counts = generated_counts(out, ids.shape[1], set(eos_ids(base)))
+    return [torch.cat([prompt, out[r:r + 1, ids.shape[1]: ids.shape[1] + counts[r]]], dim=1)
+            for r, prompt in enumerate((first, second))]
+
+
+
+def bench_prompt(model, ids: torch.Tensor, max_new_tokens: int, control: bool = True,
+                 configs: dict[str, object] | None = None) -> tuple[dict, torch.Tensor]:
+    """One prompt, interleaved: HF plain, draftheads under each drafting configuration (default:
+    the model's own drafter), then (``control``) HF prompt lookup, the one-argument peer.
+    Returns the row and HF's plain output (the reference). The last configuration is the
+    row's headline ``draftheads`` entry."""
+    plain, hf = timed_hf(model.base, ids, max_new_tokens)
+    runs = {}
+    for name, drafter in (configs or {"draftheads": model.drafter}).items():
+        with drafting(model, drafter):
+            runs[name] = timed_draftheads(model, ids, plain, hf, max_new_tokens)
+    ours = runs[list(runs)[-1]]
+    row = {"prompt_tokens": ids.shape[1], "hf": hf,
+           "draftheads": {k: ours[k] for k in ("new_tokens", "seconds", "tokens_per_second", "tau", "verify_steps")},
+           "speedup": ours["speedup"], "mismatch": ours["mismatch"]}
+    if configs:
+        row["drafts"] = runs
+    if control:
+        lookup, timing = timed_hf(model.base, ids, max_new_tokens, prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS)
+        row["prompt_lookup"] = {**timing, "speedup": round(timing["tokens_per_second"] / hf["tokens_per_second"], 4),
+                                "mismatch": divergence(model.base, plain, lookup, ids.shape[1])}
+    return row, plain
+
+
+def second_turns(model, prompts: list[dict], max_new_tokens: int) -> list[dict]:
+    """MT-Bench second turns: for each prompt with a later turn, the conversation (turn 1, the
+    base's own greedy answer to it, turn 2) as one more bench item of category ``mt_bench_turn2``."""
+    from ..prompts import chat_input
+
+    items = []
+    for item in prompts:
+        if not item.get("later_turns"):
+            continue
+        ids = chat_input(model.tokenizer, item["prompt"])
+        answer = hf_greedy(model.base, ids, max_new_tokens)[0, ids.shape[1]:]
+        text = model.tokenizer.decode(answer, skip_special_tokens=True)
+        items.append({"id": f"{item['id']}-turn2", "category": "mt_bench_turn2", "prompt": item["prompt"],
+                      "conversation": ([item["prompt"], item["later_turns"][0]], [text])})
+    return items
+
+
+
+def warm_up(model, configs: dict[str, object] | None, control: bool) -> None:
+    """One short answer through every configuration the run times (first calls pay for allocation)."""
+    from ..prompts import chat_input
+
+    warm = chat_input(model.tokenizer, "Hello!")
+    hf_greedy(model.base, warm, 8)
+    for drafter in (configs or {"own": model.drafter}).values():
+        with drafting(model, drafter):
+            model.generate(warm, max_new_tokens=8)
+    if control:
+        hf_greedy(model.base, warm, 8, prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS)
+
+
+def prompt_ids(tokenizer, item: dict) -> torch.Tensor:
+    """A bench item's input ids: its conversation (a second turn) or its one prompt, chat-formatted."""
+    from ..prompts import chat_input, conversation_input
+
+    return conversation_input(tokenizer, *item["conversation"]) if "conversation" in item \
+        else chat_input(tokenizer, item["prompt"])
+
+
+def log_row(log, row: dict, index: int, total: int, control: bool) -> None:
+    lookup = f"  lookup {row['prompt_lookup']['speedup']:.2f}x" if control else ""
+    each = "".join(f"  {name} {r['speedup']:.2f}x τ={r['tau']:.2f}" for name, r in row.get("drafts", {}).items())
+    log(f"[{index}/{total}] id={row['id']} {row['category']} "
+        f"hf {row['hf']['tokens_per_second']:.1f} tok/s  ours {row['draftheads']['tokens_per_second']:.1f} "
+        f"tok/s  τ={row['draftheads']['tau']:.2f}  speedup {row['speedup']:.2f}x{lookup}{each}"
+        f"{'  DIVERGED' if row['mismatch'] else ''}", flush=True)
+
+
+def bench_pair(model, pair: list[dict], max_new_tokens: int, control: bool, configs, pad: int, log, first: int,
+               total: int) -> list[dict]:
+    """Each prompt of ``pair`` alone (:func:`bench_prompt`), then (``control``, two prompts) the
+    pair once more as one padded batch of 2 through HF plain."""
+    rows, encoded, references = [], [], []
+    for offset, item in enumerate(pair):
+        ids = prompt_ids(model.tokenizer, item)
+        result, plain = bench_prompt(model, ids, max_new_tokens, control, configs)
+        row = {"id": item["id"], "category": item["category"], **result}
+        rows.append(row)
+        encoded.append(ids)
+        references.append(plain)
+        log_row(log, row, first + offset + 1, total, control)
+    if control and len(pair) == 2:
+        batched = padded_pair(model.base, encoded[0], encoded[1], max_new_tokens, pad)
+        for offset in range(2):
+            rows[offset]["padded_batch"] = {
+                "mismatch": divergence(model.base, references[offset], batched[offset], encoded[offset].shape[1])}
+    return rows
+
+
+def run_bench(model, prompts: list[dict], max_new_tokens: int, out_dir: Path, meta: dict | None = None,
+              control: bool = True, log=print, drafts: tuple[str, ...] | None = None,
+              turn2: bool = False, review: bool = False) -> dict:
+    """Prompts in pairs: each prompt alone through HF plain, draftheads (under each ``drafts``
+    configuration, see :func:`~.runs.draft_configs`) and HF prompt lookup, then (``control``) the
+    pair once more as one padded batch of 2 through HF plain. ``turn2``: MT-Bench second turns
+    too. The model's drafter and sources are as they were afterwards."""
+    base = model.base
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with model_state(model):
+        configs = draft_configs(model, drafts, review) if drafts else None
+        warm_up(model, configs, control)
+        if turn2:
+            prompts = prompts + second_turns(model, prompts, max_new_tokens)
+        pad = base.generation_config.pad_token_id if base.generation_config.pad_token_id is not None else eos_ids(base)[0]
+        rows: list[dict] = []
+        for start in range(0, len(prompts), 2):
+            rows += bench_pair(model, prompts[start: start + 2], max_new_tokens, control, configs, pad, log, start,
+                               len(prompts))
+        tree_nodes = model.policy.choose(1, 0).num_nodes
+    overall = summarize(rows)
+    by_category = {c: summarize([r for r in rows if group(r) == c]) for c in dict.fromkeys(group(r) for r in rows)}
+    results = {"meta": run_meta(meta, base, max_new_tokens=max_new_tokens, prompts=len(rows),
+                                cpu_capability=torch.backends.cpu.get_cpu_capability(), tree_nodes=tree_nodes,
+                                default_drafts=list(model.draft_sources), drafts=list(configs) if configs else None),
+               "overall": overall, "by_category": by_category, "per_prompt": rows}
+    (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    plot(rows, overall, out_dir / "results.png")
+    if configs:
+        plot_drafts(results, out_dir / "drafts.png")
+    return results

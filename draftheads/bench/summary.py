@@ -1,0 +1,174 @@
+"""Totals of a bench run: tokens/s, speedups, τ and identity per configuration, for the
+bs-1 bench (:func:`summarize`) and the batched one (:func:`strategy_table`)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..decoding.loop import tau
+
+
+def group(row: dict) -> str:
+    from ..prompts import group_of
+
+    return group_of(row["category"])
+
+
+def _speed(rows: list[dict], key: str) -> tuple[int, float]:
+    return sum(r[key]["new_tokens"] for r in rows), sum(r[key]["seconds"] for r in rows)
+
+
+def run_tau(new_tokens: int, prompts: int, steps: int) -> float:
+    """τ over a whole run from its output: the tokens after each prompt's prefill token, per
+    verification forward (bs 1: :func:`~draftheads.decoding.loop.tau` but for a last step cut short)."""
+    return round((new_tokens - prompts) / max(1, steps), 4)
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Totals over ``rows``: tokens/s (all tokens over all seconds), speedups, τ, and identity
+    under the dtype's guarantee — divergences, each one's gap in ulps, those outside the band
+    (must be 0) — and the controls: transformers against itself, the same prompts in a padded
+    batch of 2 and in prompt-lookup mode (their divergence rates and gaps)."""
+    hf_tokens, hf_seconds = _speed(rows, "hf")
+    our_tokens, our_seconds = _speed(rows, "draftheads")
+    steps = sum(r["draftheads"]["verify_steps"] for r in rows)
+    mismatches = [{"id": r["id"], **r["mismatch"]} for r in rows if r["mismatch"]]
+    hf_tps, our_tps = hf_tokens / hf_seconds, our_tokens / our_seconds
+    summary = {"prompts": len(rows), "hf_new_tokens": hf_tokens, "hf_seconds": round(hf_seconds, 2),
+               "hf_tokens_per_second": round(hf_tps, 3), "draftheads_new_tokens": our_tokens,
+               "draftheads_seconds": round(our_seconds, 2), "draftheads_tokens_per_second": round(our_tps, 3),
+               "speedup": round(our_tps / hf_tps, 4),
+               "tau": run_tau(our_tokens, len(rows), steps), "verify_steps": steps,
+               "identical_prompts": len(rows) - len(mismatches), "mismatching_prompts": len(mismatches),
+               "divergence_gaps_ulps": [m["gap_ulps"] for m in mismatches],
+               "divergences_outside_band": sum(not m["within_band"] for m in mismatches), "mismatches": mismatches}
+    paired = [r for r in rows if "padded_batch" in r]
+    if paired:
+        control = [r["padded_batch"]["mismatch"] for r in paired if r["padded_batch"]["mismatch"]]
+        summary["control_padded_batch"] = {
+            "prompts": len(paired), "mismatching_prompts": len(control),
+            "divergence_gaps_ulps": [m["gap_ulps"] for m in control],
+            "divergences_outside_band": sum(not m["within_band"] for m in control),
+            "draftheads_mismatching_on_same_prompts": sum(bool(r["mismatch"]) for r in paired)}
+    if rows and all("prompt_lookup" in r for r in rows):
+        lookup_tokens, lookup_seconds = _speed(rows, "prompt_lookup")
+        control = [r["prompt_lookup"]["mismatch"] for r in rows if r["prompt_lookup"]["mismatch"]]
+        summary["prompt_lookup"] = {
+            "tokens_per_second": round(lookup_tokens / lookup_seconds, 3),
+            "speedup": round(lookup_tokens / lookup_seconds / hf_tps, 4),
+            "draftheads_vs_prompt_lookup": round(our_tps / (lookup_tokens / lookup_seconds), 4),
+            "mismatching_prompts": len(control), "divergence_gaps_ulps": [m["gap_ulps"] for m in control],
+            "divergences_outside_band": sum(not m["within_band"] for m in control)}
+    if rows and all("drafts" in r for r in rows):
+        summary["drafts"] = {name: drafts_summary(rows, name, hf_tps, summary.get("prompt_lookup"))
+                             for name in rows[0]["drafts"]}
+    return summary
+
+
+def drafts_summary(rows: list[dict], name: str, hf_tps: float, lookup: dict | None) -> dict:
+    """One drafting configuration over ``rows``: tokens/s, speedup over HF plain and over HF's
+    prompt lookup, τ, and divergences (with those outside the dtype's band)."""
+    runs = [r["drafts"][name] for r in rows]
+    tokens, seconds = sum(x["new_tokens"] for x in runs), sum(x["seconds"] for x in runs)
+    steps = sum(x["verify_steps"] for x in runs)
+    diverged = [x["mismatch"] for x in runs if x["mismatch"]]
+    tps = tokens / seconds
+    out = {"tokens_per_second": round(tps, 3), "speedup": round(tps / hf_tps, 4),
+           "tau": run_tau(tokens, len(runs), steps), "mismatching_prompts": len(diverged),
+           "divergences_outside_band": sum(not m["within_band"] for m in diverged)}
+    if lookup:
+        out["vs_prompt_lookup"] = round(tps / lookup["tokens_per_second"], 4)
+    return out
+
+
+def policy_on_surfaces(heads, paths: list[Path], batch_sizes=(1, 2, 4, 8, 16, 32, 64)) -> dict:
+    """What the adaptive policy would choose on measured GPU forward costs (no drafting or loop
+    overhead in those files, checkpoint τ): predicted speedups over plain decoding, not measured."""
+    from ..decoding.cost import load_cost_surface
+    from ..decoding.policy import AdaptivePolicy
+
+    out = {}
+    for path in paths:
+        cost = load_cost_surface(path)
+        policy = AdaptivePolicy.from_heads(heads, cost, learn=False)
+        ctx = int(cost.meta.get("ctx", 512))
+        rows = {}
+        for bs in batch_sizes:
+            ranked = policy.rank(bs, ctx)
+            plain = next(c for c in ranked if c.budget == 0)
+            rows[str(bs)] = {"budget": ranked[0].budget, "predicted_speedup_vs_plain":
+                             round(ranked[0].tokens_per_second / plain.tokens_per_second, 3)}
+        out[Path(path).name] = {"model": cost.meta.get("model"), "device": cost.meta.get("device"), "ctx": ctx,
+                                "choice": rows}
+    return out
+
+
+def asdict_choice(choice) -> dict:
+    return {"budget": choice.budget, "nodes": choice.nodes, "tau": round(choice.tau, 4),
+            "step_ms": round(choice.step_ms, 2), "tokens_per_second": round(choice.tokens_per_second, 2)}
+
+
+def new_tally() -> dict:
+    """One strategy's running totals over a batch size's batches (see :func:`tally`)."""
+    return {"new_tokens": 0, "seconds": 0.0, "accepted": 0, "steps_rows": 0, "steps": 0, "trees": {}, "mismatching_rows": 0,
+            "mismatches": [], "delegated": 0, "seconds_all_runs": 0.0}
+
+
+def tally(totals: dict, new_tokens: int, seconds: float, stats=None, diverged: list[dict] = (), batch: int = 0) -> None:
+    """Add one batch's fastest run: its new tokens and seconds, and for draftheads (``stats``,
+    a ``DecodingStats``) the accepted drafts, steps, trees by live rows and the rows that
+    diverged from transformers' (``diverged``, see ``batch_divergences``)."""
+    totals["new_tokens"] += new_tokens
+    totals["seconds"] += seconds
+    if stats is None:
+        return
+    totals["accepted"] += sum(stats.accepted)
+    totals["steps_rows"] += len(stats.accepted)
+    totals["steps"] += stats.steps
+    totals["delegated"] += int(stats.delegated)
+    for live, nodes in stats.trees_by_batch_size().items():
+        for n, count in nodes.items():
+            key = f"{live}:{n}"
+            totals["trees"][key] = totals["trees"].get(key, 0) + count
+    totals["mismatching_rows"] += len(diverged)
+    totals["mismatches"] += [{"batch": batch, **d} for d in diverged]
+
+
+def strategy_table(totals: dict[str, dict], repeats: int) -> dict[str, dict]:
+    """Per strategy: tokens/s (fastest runs, and the mean of all runs), speedup over HF; for
+    draftheads τ, steps, trees by live rows, divergences; and each lookup configuration's gain
+    over the adaptive policy with the heads alone."""
+    table = {}
+    for name, a in totals.items():
+        entry = {"new_tokens": a["new_tokens"], "seconds": round(a["seconds"], 3),
+                 "tokens_per_second": round(a["new_tokens"] / a["seconds"], 3),
+                 "tokens_per_second_mean_of_runs": round(a["new_tokens"] * repeats / a["seconds_all_runs"], 3)}
+        if name != "hf":
+            entry.update({"tau": round(tau(a["accepted"], a["steps_rows"]), 4), "verify_steps": a["steps"],
+                          "trees_live_rows_to_nodes": dict(sorted(a["trees"].items(),
+                                                                  key=lambda kv: tuple(map(int, kv[0].split(":"))))),
+                          "batches_run_by_base_generate": a["delegated"],
+                          "mismatching_rows": a["mismatching_rows"],
+                          "divergences_outside_band": sum(not m.get("within_band", False) for m in a["mismatches"]),
+                          "mismatches": a["mismatches"]})
+        table[name] = entry
+    hf_tps = table["hf"]["tokens_per_second"]
+    for entry in table.values():
+        entry["speedup_vs_hf"] = round(entry["tokens_per_second"] / hf_tps, 4)
+    for name in table:
+        if name.startswith("adaptive+"):
+            table[name]["vs_adaptive_heads"] = round(table[name]["tokens_per_second"]
+                                                     / table["adaptive"]["tokens_per_second"], 4)
+    return table
+
+
+def batch_size_result(table: dict[str, dict], batches: list[list[list[int]]], max_new_tokens: int, adaptive) -> dict:
+    """One batch size's entry: the strategy table, the best of HF and the fixed trees, the
+    adaptive policy against it, and what the policy predicted at the batches' mean context."""
+    bs = len(batches[0])
+    best_fixed = max((n for n in table if n.startswith("fixed:") or n == "hf"), key=lambda n: table[n]["tokens_per_second"])
+    ctx = int(sum(len(r) for b in batches for r in b) / sum(len(b) for b in batches)) + max_new_tokens // 2
+    return {"batches": len(batches), "prompts": len(batches) * bs, "strategies": table,
+            "best_of_fixed_and_hf": best_fixed,
+            "adaptive_vs_best": round(table["adaptive"]["tokens_per_second"] / table[best_fixed]["tokens_per_second"], 4),
+            "policy_prediction": {"context": ctx, "tau_scale": round(adaptive.scale, 4),
+                                  "ranked": [asdict_choice(c) for c in adaptive.rank(bs, ctx)]}}
