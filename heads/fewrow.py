@@ -29,11 +29,12 @@ import hashlib
 import os
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
+from .atomic import atomic_file
+from .errors import DraftheadsError
 from .hardware import is_x86
 
 SOURCE = Path(__file__).with_name("fewrow.c")
@@ -65,33 +66,14 @@ def unsupported_reason() -> str | None:
     return None
 
 
-def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-
-
-def _library_path(folder: Path, compiler: str) -> Path:
-    """One file per (source, compiler, flags): an edited source or another compiler never reuses it."""
-    try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        version = compiler
-    digest = hashlib.sha256(SOURCE.read_bytes() + version.encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
-    return folder / f"fewrow-{digest}.so"
-
-
 def _compile(compiler: str, target: Path) -> None:
-    """Build into a temporary file, then rename: a reader never sees half a library."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    handle, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
-    os.close(handle)
-    try:
-        result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=120)
+    """Build into a temporary file renamed over ``target`` (:func:`~.atomic.atomic_file`): a
+    reader never sees half a library."""
+    with atomic_file(target) as tmp:
+        result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(tmp)], capture_output=True, text=True,
+                                timeout=120)
         if result.returncode != 0:
-            raise OSError((result.stderr or result.stdout).strip().splitlines()[-1:] or ["compiler failed"])
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+            raise OSError(((result.stderr or result.stdout).strip().splitlines() or ["compiler failed"])[-1])
 
 
 def _bind(path: Path):
@@ -138,7 +120,7 @@ def load_kernel(folder: Path) -> bool:
                 _state["lib"], _state["status"] = lib, f"on ({path})"
                 return True
             reason = "it disagreed with F.linear"
-        except (OSError, AttributeError, subprocess.SubprocessError) as err:
+        except (OSError, AttributeError, subprocess.SubprocessError, DraftheadsError) as err:
             reason = f"{type(err).__name__}: {err}"
     _state["status"] = f"off: {reason}"
     return False

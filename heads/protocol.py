@@ -171,7 +171,7 @@ class DraftHeads(nn.Module):
         """hidden (B, d) of the last position in the cache, roots (B,) the token the base just
         produced; returns tree tokens (B, N) with column 0 = roots. ``with_probs``: also each
         node's draft probability given its parent (B, N) float32 (1 at the root), which a
-        merged tree ranks head drafts by (:mod:`draftheads.decoding.drafter`)."""
+        merged tree ranks head drafts by (:mod:`draftheads.decoding.drafters.merged`)."""
         raise NotImplementedError
 
     def path_logits(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -185,7 +185,7 @@ class DraftHeads(nn.Module):
         """hidden (P, d), tokens (P, L+1) = a root then L ≤ K drafted tokens → (P, L) float32:
         the heads' probability of each draft given the root and the drafts before it (0 for a
         token outside the draft vocabulary). Someone else's drafts, reviewed by the heads: the
-        vertical cascade (:class:`draftheads.decoding.drafter.MergedDrafter`) reads it."""
+        vertical cascade (:class:`draftheads.decoding.drafters.merged.MergedDrafter`) reads it."""
         paths, length = tokens.shape[0], tokens.shape[1] - 1
         if not 0 <= length <= self.num_heads:
             raise ValueError(f"path_probs reviews at most {self.num_heads} drafts per path (the heads' depth), "
