@@ -66,6 +66,20 @@ def unsupported_reason() -> str | None:
     return None
 
 
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _library_path(folder: Path, compiler: str) -> Path:
+    """One file per (source, compiler, flags): an edited source or another compiler never reuses it."""
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        version = compiler
+    digest = hashlib.sha256(SOURCE.read_bytes() + version.encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    return folder / f"fewrow-{digest}.so"
+
+
 def _compile(compiler: str, target: Path) -> None:
     """Build into a temporary file renamed over ``target`` (:func:`~.atomic.atomic_file`): a
     reader never sees half a library."""
