@@ -15,7 +15,8 @@ from ..heads import DraftHeads, load_heads
 from ..heads.hardware import bf16_native
 from .accept import Typical
 from .attention import use_packed_sdpa
-from .base import dtype_name, fingerprint, load_base, plan_packing, use_packed_linears
+from .base import dtype_name, load_base, plan_packing, use_packed_linears
+from .fingerprint import fingerprint
 from .calibration import CalibrationConfig, calibrate
 from .cost import CostModel
 from .drafters import Drafter, HeadsDrafter, auto_drafts, build_drafter, check_review, check_store_argument, open_store, parse_drafts

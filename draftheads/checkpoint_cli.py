@@ -41,7 +41,7 @@ def base_label(name: str | None) -> str:
 
 
 def cmd_export(args) -> int:
-    from .decoding.base import fingerprint
+    from .decoding.fingerprint import fingerprint
     from .heads import load_heads
     from .heads.protocol import check_base, check_output_dir
     from .heads.vllm_export import check_exportable, export_heads
@@ -86,7 +86,7 @@ def export_custom_generate(heads, out: str, source: str | None) -> int:
 
 
 def cmd_import_medusa(args) -> int:
-    from .decoding.base import fingerprint
+    from .decoding.fingerprint import fingerprint
     from .heads.hub import resolve_checkpoint
     from .heads.medusa_import import import_medusa
     from .heads.protocol import check_output_dir

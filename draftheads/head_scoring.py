@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from .bench import hf_greedy
-from .decoding.base import fingerprint
+from .decoding.fingerprint import fingerprint
 from .decoding.tree import tree_from_paths
 from .heads import DraftHeads
 from .prompts import PROMPT_SETS

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from draftheads.decoding.base import fingerprint, load_base
+from draftheads.decoding.base import load_base
+from draftheads.decoding.fingerprint import fingerprint
 from draftheads.heads.protocol import CONFIG_NAME, fingerprint_diffs
 
 

@@ -24,6 +24,19 @@ def setup(tmp_path, monkeypatch):
     return model, saved_tree_heads(tmp_path / "heads", model)
 
 
+class Collect:
+    """A streamer that records what it is given (``end`` as a marker)."""
+
+    def __init__(self):
+        self.tokens = []
+
+    def put(self, value):
+        self.tokens += value.flatten().tolist()
+
+    def end(self):
+        self.tokens.append("end")
+
+
 def test_the_callable_equals_the_models_own_greedy_generate(setup):
     model, heads = setup
     fn = custom_generate(heads, drafts="heads,context", tree=3)
@@ -128,16 +141,6 @@ def test_the_folder_form_in_a_checkpoint(setup):
     assert (folder / "requirements.txt").read_text().startswith("draftheads")
     assert repr(str(heads.resolve())) in (folder / "generate.py").read_text()
 
-    class Collect:
-        def __init__(self):
-            self.tokens = []
-
-        def put(self, value):
-            self.tokens += value.flatten().tolist()
-
-        def end(self):
-            self.tokens.append("end")
-
     ids = torch.tensor([[5, 17, 33, 8, 9, 5, 17, 33]])
     theirs, ours = Collect(), Collect()
     reference = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
@@ -222,16 +225,6 @@ def test_the_callable_streams(setup):
     """transformers hands a callable no streamer; draftheads reads it from the generate call, so
     ``streamer=`` streams the same tokens as the model's own generate."""
     model, heads = setup
-
-    class Collect:
-        def __init__(self):
-            self.tokens = []
-
-        def put(self, value):
-            self.tokens += value.flatten().tolist()
-
-        def end(self):
-            self.tokens.append("end")
 
     ids = torch.tensor([[5, 17, 33, 8, 9, 5, 17, 33]])
     theirs, ours = Collect(), Collect()

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from ..heads.errors import MissingPathError
-from ..decoding.base import fingerprint, load_base
+from ..decoding.base import load_base
+from ..decoding.fingerprint import fingerprint
 from ..decoding.limits import DTYPES
 
 
