@@ -144,6 +144,8 @@ def cmd_bench(args) -> int:
 
     read_prompts(args.prompts, args.limit)  # a bad prompt file fails before the model loads
     check_review_option(args.review, args.drafts)
+    if args.parts and (args.drafts or args.batch_sizes):
+        raise InputError("--parts compares the default with its parts in the bs-1 bench: drop --drafts/--batch-sizes.")
     model = load_model(args)
     if args.batch_sizes:
         if min(args.batch_sizes) < 1:
@@ -171,7 +173,7 @@ def cmd_bench(args) -> int:
     prompts = read_prompts(args.prompts, args.limit)
     results = run_bench(model, prompts, args.max_new_tokens, Path(args.out), meta=vars(args),
                         control=not args.no_control, drafts=args.drafts, turn2=args.turn2,
-                        review=args.review)
+                        review=args.review, parts=args.parts)
     print(bench_table(results))
     return 0
 
@@ -198,12 +200,16 @@ def bench_table(results: dict) -> str:
             f"{lookup.get('mismatching_prompts', '-')} |")
     names = results["meta"].get("drafts") or []
     if names:
-        lines += ["", "speedup over HF generate (τ) per drafting configuration; last column: HF prompt lookup",
-                  "| category | " + " | ".join(names) + " | prompt lookup |", "|---" * (len(names) + 2) + "|"]
+        parts = "default_vs_best_part" in results["overall"]
+        lines += ["", "speedup over HF generate (τ) per drafting configuration; then HF prompt lookup"
+                  + ("; last: the default over the better of its parts" if parts else ""),
+                  "| category | " + " | ".join(names) + " | prompt lookup |" + (" default / best part |" if parts else ""),
+                  "|---" * (len(names) + 2 + parts) + "|"]
         for name, s in [*results["by_category"].items(), ("overall", results["overall"])]:
             cells = [f"{s['drafts'][n]['speedup']:.2f}x ({s['drafts'][n]['tau']:.2f})" for n in names]
             lookup = s.get("prompt_lookup", {}).get("speedup")
-            lines.append(f"| {name} | " + " | ".join(cells) + f" | {times(lookup)} |")
+            versus = f" {s['default_vs_best_part']:.2f}× |" if "default_vs_best_part" in s else ""
+            lines.append(f"| {name} | " + " | ".join(cells) + f" | {times(lookup)} |" + versus)
     return "\n".join(lines)
 
 
@@ -275,6 +281,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="compare draft sources: a comma-separated subset of heads,context,store,stats (or "
                             "'all'); runs each alone, the lookups together and all merged, beside HF prompt lookup; "
                             "with --batch-sizes: the adaptive policy with the heads alone vs with the lookups")
+    bench.add_argument("--parts", action="store_true",
+                       help="time the default drafting beside its parts, the heads alone and the lookups alone, "
+                            "and report the default against the better of them per category")
     bench.add_argument("--turn2", action="store_true",
                        help="also bench MT-Bench second turns (turn 1 and the base's own answer in context)")
     bench.add_argument("--out", default="results/bench")

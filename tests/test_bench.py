@@ -39,3 +39,47 @@ def test_tau_is_tokens_per_verification():
     assert tau(3, 3) == pytest.approx(2.0)  # (3 accepted + 3 bonus) / 3 steps
     assert tau(0, 0) == 0.0
     assert run_tau(new_tokens=13, prompts=1, steps=4) == 3.0  # after the prefill token
+
+
+def test_parts_bench_times_the_default_beside_its_parts(tmp_path, monkeypatch):
+    """``draftheads bench --parts``: every prompt through the heads alone, the lookups alone and
+    the default (last, the headline), each identical to HF in float64; the summary's
+    ``default_vs_best_part`` is the default's tokens/s over the faster part's, per category."""
+    import json
+
+    from draftheads.cli import main
+    from draftheads.decoding import fingerprint
+    from draftheads.heads import HeadConfig, MedusaHeads
+    from helpers import save_tiny_base
+
+    monkeypatch.setenv("DRAFTHEADS_CACHE", str(tmp_path / "cache"))
+    base = save_tiny_base(tmp_path / "base")
+    heads = MedusaHeads(HeadConfig(num_heads=2, hidden_size=32, vocab_size=96, trees={"3": [[0], [1], [0, 0]]},
+                                   expected_tau={"3": 1.7}, base_fingerprint=fingerprint(base).to_dict()))
+    heads.double().save_pretrained(tmp_path / "heads", dtype=None)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p, "category": c}) + "\n"
+                               for p, c in (("w5 w6 w7 w5 w6", "a"), ("w9 w8 w9 w8", "b"), ("w11 w12", "a"))))
+    out = tmp_path / "bench"
+    assert main(["bench", "--prompts", str(prompts), "--base", str(tmp_path / "base"), "--heads", str(tmp_path / "heads"),
+                 "--dtype", "float64", "--tree", "3", "--max-new-tokens", "12", "--parts", "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["meta"]["drafts"] == ["heads", "context", "default"]
+    for row in results["per_prompt"]:
+        assert list(row["drafts"]) == ["heads", "context", "default"]
+        assert all(run["mismatch"] is None for run in row["drafts"].values())
+    for summary in [*results["by_category"].values(), results["overall"]]:
+        speeds = {name: d["tokens_per_second"] for name, d in summary["drafts"].items()}
+        expected = speeds["default"] / max(speeds["heads"], speeds["context"])
+        assert summary["default_vs_best_part"] == pytest.approx(expected, rel=1e-3)
+    assert (out / "drafts.png").is_file()
+
+
+def test_parts_is_refused_beside_another_comparison(capsys):
+    from draftheads.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--prompts", "mt-bench@1", "--parts", "--drafts", "all"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: --parts compares the default with its parts in the bs-1 bench: drop --drafts/--batch-sizes."]

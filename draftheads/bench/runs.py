@@ -76,6 +76,19 @@ def draft_configs(model, sources: tuple[str, ...], review: bool = False) -> dict
         return {"+".join(combo): config_drafter(model, combo) for combo in wanted}
 
 
+def part_configs(model) -> dict[str, object]:
+    """The default drafting beside its parts (``--parts``): the heads alone, the lookups alone
+    (together) and the model's own drafter, last (the headline). What the default must show:
+    it is never much slower than the better of its parts."""
+    sources = tuple(model.draft_sources)
+    lookups = tuple(s for s in sources if s != "heads")
+    own = model.drafter
+    with drafting(model, own):
+        configs = {"+".join(combo): config_drafter(model, combo) for combo in (("heads",), lookups)
+                   if combo and combo != sources}
+    return {**configs, "default": own}
+
+
 def config_drafter(model, combo: tuple[str, ...]):
     """The drafter of one bench configuration: source names, a trailing "review" for the
     vertical cascade. Sets ``model.drafter`` (callers restore theirs with :func:`drafting`)."""
