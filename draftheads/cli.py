@@ -72,24 +72,15 @@ def identity_status(diff: dict | None, dtype: torch.dtype) -> str:
     return f"{where}: OUTSIDE {name} rounding — please report this as a bug"
 
 
-#: ``draftheads generate`` warms both paths up with this many tokens of an answer to this prompt
-WARM_UP_PROMPT, WARM_UP_TOKENS = "Hello! What can you do?", 32
-
-
 def cmd_generate(args) -> int:
-    from .bench import hf_greedy, timed
+    from .bench import hf_greedy, timed, warm_up_paths
     from .decoding.guarantee import first_divergence
     from .streamer import DraftColourStreamer
 
     check_review_option(args.review, args.draft_sources)
     model = load_model(args)
     ids = chat_input(model.tokenizer, args.prompt)
-    # warm both paths up on another prompt, so the timing compares steady states: first calls
-    # allocate, and oneDNN builds a kernel per new row count, which a tree step meets by the dozen
-    warm = chat_input(model.tokenizer, WARM_UP_PROMPT)
-    if not args.no_baseline:
-        hf_greedy(model.base, warm, WARM_UP_TOKENS)
-    model.generate(warm, max_new_tokens=WARM_UP_TOKENS)
+    warm_up_paths(model, baseline=not args.no_baseline)
     streamer = DraftColourStreamer(model.tokenizer)
     ours, seconds = timed(lambda: model.generate(ids, max_new_tokens=args.max_new_tokens, streamer=streamer))
     stats = model.last_stats

@@ -237,15 +237,14 @@ def cmd_demo(args) -> int:
         raise InputError("draftheads demo needs Gradio: pip install 'draftheads[demo]' (or pip install gradio).") \
             from None
     check_port(args.host, args.port)
+    from .bench import warm_up_paths
     from .decoding import DraftHeadsModel
     from .options import find_heads
 
     heads = find_heads(args.heads)
     model = DraftHeadsModel.from_pretrained(heads, base_name_or_path=args.base, dtype=args.dtype, tree=args.tree,
                                             drafts=args.draft_sources or "auto", review=args.review)
-    ids = torch.tensor([[model.tokenizer.bos_token_id or 0] * 2]).to(model.base.device)
-    model.generate(ids, max_new_tokens=2)  # first calls allocate: warm both paths before the page counts
-    model.base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False)
+    warm_up_paths(model)  # before the page counts anything
     sources = " + ".join(model.draft_sources) or "none (plain decoding)"
     title = (f"base `{args.base or 'SmolLM2-135M-Instruct (embedded)'}` · heads `{heads}` · "
              f"{str(model.base.dtype).removeprefix('torch.')} · drafting {sources} · "

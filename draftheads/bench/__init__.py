@@ -6,7 +6,7 @@ from ..decoding.request import left_pad
 from ..plots import plot, plot_drafts, plot_surface, plot_throughput
 from .batched import BatchBench, batch_divergences, batch_draft_combos, prompt_label, run_batch_bench, strategy_names
 from .runs import (PROMPT_LOOKUP_TOKENS, config_drafter, draft_configs, drafting, eos_ids, hf_greedy, keep_fastest,
-                   model_state, rotated, run_timing, timed, timed_draftheads, timed_hf)
+                   model_state, rotated, run_timing, timed, timed_draftheads, timed_hf, warm_up_paths)
 from .single import bench_prompt, padded_pair, run_bench, second_turns
 from .summary import asdict_choice, drafts_summary, group, policy_on_surfaces, summarize
 
@@ -15,4 +15,4 @@ __all__ = ["PROMPT_LOOKUP_TOKENS", "BatchBench", "asdict_choice", "batch_diverge
            "hf_greedy", "keep_fastest", "left_pad", "model_state", "padded_pair", "plot", "plot_drafts",
            "plot_surface", "plot_throughput", "policy_on_surfaces", "prompt_label", "rotated", "run_batch_bench",
            "run_bench", "run_timing", "second_turns", "strategy_names", "summarize", "timed", "timed_draftheads",
-           "timed_hf"]
+           "timed_hf", "warm_up_paths"]

@@ -29,6 +29,23 @@ def hf_greedy(base, ids: torch.Tensor, max_new_tokens: int, **kwargs) -> torch.T
                          **kwargs)
 
 
+#: what :func:`warm_up_paths` answers, and how many tokens of it
+WARM_UP_PROMPT, WARM_UP_TOKENS = "Hello! What can you do?", 32
+
+
+def warm_up_paths(model, baseline: bool = True, tokens: int = WARM_UP_TOKENS) -> None:
+    """Answer :data:`WARM_UP_PROMPT` for ``tokens`` tokens through draftheads and (``baseline``)
+    transformers' plain ``generate``, so what a user times next compares steady states: first
+    calls allocate, and oneDNN builds a kernel per new row count, which tree steps meet by the
+    dozen (``draftheads generate`` and ``draftheads demo`` call it before they time anything)."""
+    from ..prompts import chat_input
+
+    warm = chat_input(model.tokenizer, WARM_UP_PROMPT).to(model.base.device)
+    if baseline:
+        hf_greedy(model.base, warm, tokens)
+    model.generate(warm, max_new_tokens=tokens)
+
+
 def run_timing(new_tokens: int, seconds: float) -> dict:
     return {"new_tokens": new_tokens, "seconds": round(seconds, 4), "tokens_per_second": round(new_tokens / seconds, 3)}
 
