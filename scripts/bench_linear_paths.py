@@ -4,7 +4,7 @@ base (SmolLM2-135M) and the shipped heads' draft vocabulary, at the row counts a
 step uses. The same measurement the decoder makes at load (``heads.linear.measure_shape``:
 interleaved, best of ``--reps``), saved as JSON + PNG.
 
-    python scripts/bench_linear_paths.py --out results/avx2/linear_paths
+    python scripts/bench_linear_paths.py --out results/cpu_classes/linear_paths_avx512
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from draftheads.decoding.base import cache_root
+from draftheads.heads.atomic import write_text_atomic
 from draftheads.heads.fewrow import kernel_status, load_kernel
 from draftheads.heads.hardware import cpu_key
 from draftheads.heads.linear import ROW_BUCKETS, fastest_paths, measure_shape
@@ -69,7 +70,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"dtype": args.dtype, "reps": args.reps, "rows": list(ROW_BUCKETS), "machine": cpu_key(),
             "kernel": kernel_status(), "python": platform.python_version()}
-    (args.out / "linear_paths.json").write_text(json.dumps({"meta": meta, "shapes": results}, indent=1))
+    write_text_atomic(args.out / "linear_paths.json", json.dumps({"meta": meta, "shapes": results}, indent=1))
     plot(results, args.out / "linear_paths.png",
          f"{args.dtype}, {meta['machine']['cpu']} ({meta['machine']['capability']}), {meta['machine']['threads']} threads")
     print(f"wrote {args.out}/linear_paths.json and .png")

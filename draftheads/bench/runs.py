@@ -93,6 +93,10 @@ def draft_configs(model, sources: tuple[str, ...], review: bool = False) -> dict
         return {"+".join(combo): config_drafter(model, combo) for combo in wanted}
 
 
+#: the name ``--parts`` gives the model's own drafting (the summary compares it with the others)
+DEFAULT_CONFIG = "default"
+
+
 def part_configs(model) -> dict[str, object]:
     """The default drafting beside its parts (``--parts``): the heads alone, the lookups alone
     (together) and the model's own drafter, last (the headline). What the default must show:
@@ -103,7 +107,7 @@ def part_configs(model) -> dict[str, object]:
     with drafting(model, own):
         configs = {"+".join(combo): config_drafter(model, combo) for combo in (("heads",), lookups)
                    if combo and combo != sources}
-    return {**configs, "default": own}
+    return {**configs, DEFAULT_CONFIG: own}
 
 
 def config_drafter(model, combo: tuple[str, ...]):

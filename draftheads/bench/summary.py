@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..decoding.loop import tau
+from .runs import DEFAULT_CONFIG
 
 
 def group(row: dict) -> str:
@@ -61,9 +62,9 @@ def summarize(rows: list[dict]) -> dict:
     if rows and all("drafts" in r for r in rows):
         summary["drafts"] = {name: drafts_summary(rows, name, hf_tps, summary.get("prompt_lookup"))
                              for name in rows[0]["drafts"]}
-        parts = [d["tokens_per_second"] for name, d in summary["drafts"].items() if name != "default"]
-        if "default" in summary["drafts"] and parts:
-            summary["default_vs_best_part"] = round(summary["drafts"]["default"]["tokens_per_second"] / max(parts), 4)
+        parts = [d["tokens_per_second"] for name, d in summary["drafts"].items() if name != DEFAULT_CONFIG]
+        if DEFAULT_CONFIG in summary["drafts"] and parts:
+            summary["default_vs_best_part"] = round(summary["drafts"][DEFAULT_CONFIG]["tokens_per_second"] / max(parts), 4)
     return summary
 
 
