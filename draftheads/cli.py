@@ -104,9 +104,11 @@ def cmd_generate(args) -> int:
 def drafting_line(model) -> str:
     """What filled the trees, in words: the sources, the tree, and how often the heads proposed."""
     sources = " + ".join(model.draft_sources) or "none (plain decoding)"
-    tree = model.policy.tree.num_nodes if hasattr(model.policy, "tree") else "adaptive"
-    line = f"{sources}; heads' tree {tree} nodes"
     drafter = model.drafter
+    offer = getattr(drafter, "heads_tree", None)  # the merged drafter's larger offer (MERGED_OFFER_SCALE)
+    tree = offer.num_nodes if offer is not None else (model.policy.tree.num_nodes if hasattr(model.policy, "tree")
+                                                      else "adaptive")
+    line = f"{sources}; heads' tree {tree} nodes"
     if getattr(drafter, "heads", None) is not None and hasattr(drafter, "skipped_heads_steps"):
         line += (f"; the heads proposed on {drafter.heads_steps} of "
                  f"{drafter.heads_steps + drafter.skipped_heads_steps} steps (skipped where a lookup match carried the step)")

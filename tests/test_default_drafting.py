@@ -123,3 +123,34 @@ def test_env_under_an_avx2_limit():
     assert "- native CPU dtypes: float32\n" in out
     assert "- oneDNN packing, bfloat16: off" in out
     assert "ATEN_CPU_CAPABILITY=avx2" in out
+
+
+def test_merged_default_offers_the_heads_a_larger_tree_and_keeps_the_output(tmp_path, monkeypatch):
+    """With lookups merged in, the default model's heads fill the stored tree for
+    MERGED_OFFER_SCALE × the heads-alone budget (the width chooser verifies what pays of it); the
+    policy keeps the heads-alone tree, drafts="heads" gets no offer, a pinned tree none either,
+    and the output is still the base's own (float64)."""
+    import draftheads.decoding.generate as generate
+    from draftheads.decoding.policy import tree_for_budget
+
+    monkeypatch.setenv("DRAFTHEADS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(generate, "MERGED_OFFER_SCALE", 3)
+    base = tiny_llama(0)
+    folder = saved_tree_heads(tmp_path / "heads", base)
+    model = DraftHeadsModel.from_pretrained(folder, base=base, drafts="heads,context")
+    model.default_budget = 1  # as if this machine's calibration had chosen the 1-node tree
+    model.use_drafts("heads,context")
+    assert model.drafter.heads_tree.num_nodes == tree_for_budget(model.heads, 3).num_nodes == 4
+    assert model.policy.tree.num_nodes in (1, 2, 4)
+    filled = []
+    propose = model.heads.propose
+    model.heads.propose = lambda hidden, roots, tree, **kw: filled.append(tree.num_nodes) or propose(hidden, roots, tree, **kw)
+    prompt = torch.tensor([[5, 17, 33, 8, 9, 5, 17, 33, 8]])
+    reference = base.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=30, do_sample=False)
+    assert model.generate(prompt, max_new_tokens=30).tolist() == reference.tolist()
+    assert filled and max(filled) == 4
+    assert "heads' tree 4 nodes" in drafting_line(model)
+    model.use_drafts("heads")
+    assert not hasattr(model.drafter, "heads_tree") or model.drafter.heads_tree is None
+    pinned = DraftHeadsModel.from_pretrained(folder, base=base, drafts="heads,context", tree=1)
+    assert pinned.default_budget is None and pinned.drafter.heads_tree is None

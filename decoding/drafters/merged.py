@@ -7,6 +7,7 @@ each step keeps the width that maximizes expected tokens per millisecond under t
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
@@ -40,6 +41,9 @@ def cap_depth(trie: Candidates, max_depth: int) -> Candidates:
     return trie.subset(np.flatnonzero(trie.depth <= max_depth))
 
 
+#: how many of the heads' latest proposal times their cost estimate is the median of
+HEADS_MS_WINDOW = 9
+
 
 @dataclass
 class MergedDrafter:
@@ -62,10 +66,13 @@ class MergedDrafter:
     review: bool = False
     _seen: dict[int, int] = field(default_factory=dict)
     _proposed: list[Candidates] = field(default_factory=list)
-    #: what the heads' proposal has been worth: ms per call and expected accepted drafts of
-    #: their own trie (Σ of its node scores), both moving averages (see :meth:`_heads_pay`)
+    #: what the heads' proposal has been worth: ms per call — the median of the last
+    #: ``HEADS_MS_WINDOW`` calls, so a cold first call (oneDNN builds a kernel per new row count:
+    #: 20-50 ms against ~3 warm) cannot price the heads out for dozens of steps — and the expected
+    #: accepted drafts of their own trie (Σ of its node scores, a moving average); see :meth:`_heads_pay`
     _heads_ms: float | None = None
     _heads_gain: float | None = None
+    _heads_times: deque = field(default_factory=lambda: deque(maxlen=HEADS_MS_WINDOW))
     #: steps this drafter proposed with and without the heads (reports and tests)
     heads_steps: int = 0
     skipped_heads_steps: int = 0
@@ -73,6 +80,10 @@ class MergedDrafter:
     #: are measured afresh (a slow first call, or text that changed, never rules them out for good)
     recheck_heads_every: int = 8
     _skipped_in_a_row: int = 0
+    #: the tree the heads fill in place of the policy's (None: the policy's). The default model
+    #: sets a larger one than the heads-alone default (``MERGED_OFFER_SCALE`` in
+    #: :mod:`draftheads.decoding.generate`): the width chooser verifies only what pays of it
+    heads_tree: Tree | None = None
 
     def start(self, prompts: Sequence[Sequence[int]]) -> None:
         self.lookup.reset()
@@ -82,6 +93,8 @@ class MergedDrafter:
             self._seen[row] = 0
 
     def propose(self, state: DraftState, tree: Tree) -> Drafts:
+        if self.heads_tree is not None and tree.num_nodes > 1:  # a plain step stays plain
+            tree = self.heads_tree
         tree = tree.fitting(min(state.room))
         budget = tree.num_nodes - 1 + self.lookup_nodes
         lookups = []
@@ -101,7 +114,8 @@ class MergedDrafter:
             head_tokens, head_probs = tokens.tolist(), probs.tolist()
             heads = [self.lookup.hitrate.rescore(head_trie(tree, head_tokens[b], head_probs[b]))
                      for b in range(len(tries))]
-            self._heads_ms = moving_average(self._heads_ms, (time.perf_counter() - started) * 1e3)
+            self._heads_times.append((time.perf_counter() - started) * 1e3)
+            self._heads_ms = float(np.median(self._heads_times))
             self._heads_gain = moving_average(self._heads_gain, float(np.mean([h.score.sum() for h in heads])))
             tries = [cap_depth(merge(list(parts) + [h], budget), room)
                      for parts, h, room in zip(lookups, heads, state.room)]
