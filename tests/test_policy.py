@@ -249,10 +249,15 @@ def test_plain_choice_hands_the_batch_to_the_base_generate():
     assert all(torch.equal(a, b) for a, b in zip(ours.scores, reference.scores))
     stats = drafter.last_stats
     assert stats.delegated and stats.tau == 1.0 and set(stats.tree_nodes) == {1}
+    # the prefill is timed there too (a logits processor that notes the first call, scores untouched above)
+    assert 0 < stats.prefill_seconds < stats.seconds and stats.first_tokens == 5
     assert stats.new_tokens == sum(16 if 2 not in row else row.index(2) + 1
                                    for row in reference.sequences[:, ids.shape[1]:].tolist())
     alone = drafter.generate(ids[4:, -6:], attention_mask=mask[4:, -6:], max_new_tokens=16, pad_token_id=PAD)
     assert not drafter.last_stats.delegated and max(drafter.last_stats.tree_nodes) == 10
+    loop = drafter.last_stats
+    assert 0 < loop.prefill_seconds < loop.seconds and loop.first_tokens == 1
+    assert loop.decode_tokens_per_second == pytest.approx((loop.new_tokens - 1) / (loop.seconds - loop.prefill_seconds))
     assert alone.tolist() == MODEL.generate(ids[4:, -6:], attention_mask=mask[4:, -6:], max_new_tokens=16,
                                             do_sample=False, pad_token_id=PAD).tolist()
     drafter.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=PAD, do_sample=True,

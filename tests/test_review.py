@@ -249,6 +249,13 @@ def test_batched_bench_runs_lookup_strategies_end_to_end(tmp_path, monkeypatch):
                 assert entry["mismatching_rows"] == 0, (bs, name, entry["mismatches"])
             if name.startswith("adaptive+"):
                 assert entry["vs_adaptive_heads"] > 0 and entry["tau"] > 1.0  # the lookups get accepted
+                assert entry["decode_vs_adaptive_heads"] > 0
+            # the phases: a prefill that took time, and the decode phase's own rate (tokens after
+            # each row's first, over the seconds after the prefill)
+            assert 0 < entry["prefill_seconds"] < entry["seconds"], (bs, name)
+            rows = int(bs) * payload["results"][bs]["batches"]
+            assert entry["decode_tokens_per_second"] == pytest.approx(
+                (entry["new_tokens"] - rows) / (entry["seconds"] - entry["prefill_seconds"]), rel=0.05)
     assert (tmp_path / "out" / "throughput.png").stat().st_size > 0
     assert json.loads((tmp_path / "out" / "results.json").read_text())["results"]["2"]["batches"] == 2
     assert decoder.drafter is None  # the bench leaves the model's own drafter in place

@@ -4,6 +4,7 @@ it with lookups), on the same left-padded batches, strategies interleaved per ba
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 import torch
 
 from ..decoding.guarantee import first_divergence as divergence
+from ..decoding.loop import FirstTokenClock, decode_rate
 from ..decoding.output import generated_counts
 from ..decoding.request import left_pad
 from ..plots import plot_surface, plot_throughput
@@ -101,16 +103,18 @@ class BatchBench:
         return cls(model, pad, eos, cost, adaptive, policies, drafters, names)
 
     def run(self, name: str, ids: torch.Tensor, mask: torch.Tensor, new: int):
-        """One strategy on one batch: (its output, its DecodingStats; None for HF)."""
+        """One strategy on one batch: (its output, its DecodingStats (None for HF), its prefill seconds)."""
         model = self.model
         if name == "hf":
-            return model.base.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
-                                       pad_token_id=self.pad), None
+            clock, started = FirstTokenClock(), time.perf_counter()
+            out = model.base.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
+                                      pad_token_id=self.pad, logits_processor=[clock])
+            return out, None, clock.since(started)
         model.policy = self.policies.get(name, self.adaptive)
         model.finished_rows = "mask" if name.endswith(":mask") else "shrink"
         with drafting(model, self.drafters.get(name.removeprefix("adaptive+"))):  # None: the heads alone
             out = model.generate(ids, attention_mask=mask, max_new_tokens=new, pad_token_id=self.pad)
-        return out, model.last_stats
+        return out, model.last_stats, model.last_stats.prefill_seconds
 
     def warm_up(self, rows: list[list[int]]) -> None:
         ids, mask = left_pad(rows, self.pad)
@@ -138,11 +142,15 @@ class BatchBench:
             runs = self.fastest_runs(ids, mask, max_new_tokens, bi, repeats, totals)
             reference = runs["hf"][0][0]
             for name in self.names:
-                (out, stats), seconds = runs[name]
+                (out, stats, prefill), seconds = runs[name]
                 diverged = [] if stats is None else batch_divergences(self.model.base, reference, out, mask)
-                tally(totals[name], sum(generated_counts(out, ids.shape[1], self.eos)), seconds, stats, diverged, bi)
+                tally(totals[name], sum(generated_counts(out, ids.shape[1], self.eos)), seconds, stats, diverged, bi,
+                      prefill, len(rows))
             log(f"bs {len(rows)} batch {bi + 1}/{len(batches)}: " + "  ".join(
-                f"{n} {totals[n]['new_tokens'] / max(totals[n]['seconds'], 1e-9):.1f}" for n in self.names) + " tok/s")
+                f"{n} {totals[n]['new_tokens'] / max(totals[n]['seconds'], 1e-9):.1f}" for n in self.names)
+                + " tok/s; decode phase " + "  ".join(
+                f"{n} {decode_rate(t['new_tokens'], t['first_tokens'], t['seconds'], t['prefill_seconds']):.1f}"
+                for n, t in totals.items()) + " tok/s")
         return batch_size_result(strategy_table(totals, repeats), batches, max_new_tokens, self.adaptive)
 
 

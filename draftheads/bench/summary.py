@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..decoding.loop import tau
+from ..decoding.loop import decode_rate, tau
 from .runs import DEFAULT_CONFIG
 
 
@@ -111,18 +111,27 @@ def asdict_choice(choice) -> dict:
             "step_ms": round(choice.step_ms, 2), "tokens_per_second": round(choice.tokens_per_second, 2)}
 
 
+def ratio(a: float, b: float) -> float | None:
+    """a / b to 4 places; None where b is 0 (no decode phase to compare)."""
+    return round(a / b, 4) if b else None
+
+
 def new_tally() -> dict:
     """One strategy's running totals over a batch size's batches (see :func:`tally`)."""
     return {"new_tokens": 0, "seconds": 0.0, "accepted": 0, "steps_rows": 0, "steps": 0, "trees": {}, "mismatching_rows": 0,
-            "mismatches": [], "delegated": 0, "seconds_all_runs": 0.0}
+            "mismatches": [], "delegated": 0, "seconds_all_runs": 0.0, "prefill_seconds": 0.0, "first_tokens": 0}
 
 
-def tally(totals: dict, new_tokens: int, seconds: float, stats=None, diverged: list[dict] = (), batch: int = 0) -> None:
-    """Add one batch's fastest run: its new tokens and seconds, and for draftheads (``stats``,
-    a ``DecodingStats``) the accepted drafts, steps, trees by live rows and the rows that
-    diverged from transformers' (``diverged``, see ``batch_divergences``)."""
+def tally(totals: dict, new_tokens: int, seconds: float, stats=None, diverged: list[dict] = (), batch: int = 0,
+          prefill_seconds: float = 0.0, rows: int = 0) -> None:
+    """Add one batch's fastest run: its new tokens and seconds, its prefill seconds and the
+    ``rows`` first tokens that phase produced, and for draftheads (``stats``, a ``DecodingStats``)
+    the accepted drafts, steps, trees by live rows and the rows that diverged from transformers'
+    (``diverged``, see ``batch_divergences``)."""
     totals["new_tokens"] += new_tokens
     totals["seconds"] += seconds
+    totals["prefill_seconds"] += prefill_seconds
+    totals["first_tokens"] += rows
     if stats is None:
         return
     totals["accepted"] += sum(stats.accepted)
@@ -145,7 +154,10 @@ def strategy_table(totals: dict[str, dict], repeats: int) -> dict[str, dict]:
     for name, a in totals.items():
         entry = {"new_tokens": a["new_tokens"], "seconds": round(a["seconds"], 3),
                  "tokens_per_second": round(a["new_tokens"] / a["seconds"], 3),
-                 "tokens_per_second_mean_of_runs": round(a["new_tokens"] * repeats / a["seconds_all_runs"], 3)}
+                 "tokens_per_second_mean_of_runs": round(a["new_tokens"] * repeats / a["seconds_all_runs"], 3),
+                 "prefill_seconds": round(a["prefill_seconds"], 4),
+                 "decode_tokens_per_second": round(decode_rate(a["new_tokens"], a["first_tokens"], a["seconds"],
+                                                               a["prefill_seconds"]), 3)}
         if name != "hf":
             entry.update({"tau": round(tau(a["accepted"], a["steps_rows"]), 4), "verify_steps": a["steps"],
                           "trees_live_rows_to_nodes": dict(sorted(a["trees"].items(),
@@ -155,13 +167,16 @@ def strategy_table(totals: dict[str, dict], repeats: int) -> dict[str, dict]:
                           "divergences_outside_band": sum(not m.get("within_band", False) for m in a["mismatches"]),
                           "mismatches": a["mismatches"]})
         table[name] = entry
-    hf_tps = table["hf"]["tokens_per_second"]
+    hf = table["hf"]
     for entry in table.values():
-        entry["speedup_vs_hf"] = round(entry["tokens_per_second"] / hf_tps, 4)
+        entry["speedup_vs_hf"] = round(entry["tokens_per_second"] / hf["tokens_per_second"], 4)
+        entry["decode_speedup_vs_hf"] = ratio(entry["decode_tokens_per_second"], hf["decode_tokens_per_second"])
     for name in table:
         if name.startswith("adaptive+"):
-            table[name]["vs_adaptive_heads"] = round(table[name]["tokens_per_second"]
-                                                     / table["adaptive"]["tokens_per_second"], 4)
+            heads = table["adaptive"]
+            table[name]["vs_adaptive_heads"] = round(table[name]["tokens_per_second"] / heads["tokens_per_second"], 4)
+            table[name]["decode_vs_adaptive_heads"] = ratio(table[name]["decode_tokens_per_second"],
+                                                            heads["decode_tokens_per_second"])
     return table
 
 
