@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
 
+import numpy as np
+
 from ..heads.errors import DraftheadsError
 
 Row = dict  # {"bs", "q", "ctx", "ms"}: one measured point
@@ -39,6 +41,25 @@ def interp1(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
     i = min(max(i, 1), len(xs) - 1)
     x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
     return float(y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+def interp_many(xs: np.ndarray, ys: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """:func:`interp1` at every point of ``x`` (vectorized; same end-point extrapolation)."""
+    if len(xs) == 1:
+        return np.full(x.shape, float(ys[0]))
+    i = np.clip(np.searchsorted(xs, x, side="left"), 1, len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+def bracket(xs: np.ndarray, x: float) -> list[tuple[int, float]]:
+    """The measured points around ``x`` and their weights, as :func:`interp1` combines them
+    (linear extrapolation past the ends; one point: itself)."""
+    if len(xs) == 1:
+        return [(0, 1.0)]
+    i = int(min(max(bisect.bisect_left(xs.tolist(), x), 1), len(xs) - 1))
+    w = float((x - xs[i - 1]) / (xs[i] - xs[i - 1]))
+    return [(i - 1, 1.0 - w), (i, w)]
 
 
 @dataclass(frozen=True)
@@ -58,14 +79,28 @@ class LatencyTable:
             raise ValueError("A latency table needs at least one measured point.")
         return cls({c: {b: tuple(sorted(qs.items())) for b, qs in sorted(bss.items())} for c, bss in sorted(grid.items())})
 
+    def __post_init__(self):
+        # the interpolation grids as arrays, built once: the width chooser prices every width of
+        # every step (a few thousand calls a second at bs 16), so nothing is rebuilt per call
+        grids = {c: (np.array(list(bss), dtype=np.float64),
+                     [(np.array([p[0] for p in qs], dtype=np.float64), np.array([p[1] for p in qs], dtype=np.float64))
+                      for qs in bss.values()]) for c, bss in self.points.items()}
+        object.__setattr__(self, "_grids", grids)
+        object.__setattr__(self, "_contexts", np.array(list(self.points), dtype=np.float64))
+
     def ms(self, bs: int, q: int, ctx: int) -> float:
-        contexts = list(self.points)
-        per_ctx = []
-        for c in contexts:
-            batches = list(self.points[c])
-            per_bs = [interp1([p[0] for p in self.points[c][b]], [p[1] for p in self.points[c][b]], q) for b in batches]
-            per_ctx.append(interp1(batches, per_bs, bs))
-        return max(interp1(contexts, per_ctx, ctx), 1e-6)
+        return float(self.ms_many(bs, np.array([q], dtype=np.float64), ctx)[0])
+
+    def ms_many(self, bs: int, qs: np.ndarray, ctx: int) -> np.ndarray:
+        """:meth:`ms` at several query counts ``qs`` (Q,) at once → (Q,). Only the two measured
+        contexts and batch sizes around (ctx, bs) are interpolated (the others carry no weight)."""
+        contexts = list(self._grids)
+        total = np.zeros(len(qs))
+        for ci, cw in bracket(self._contexts, ctx):
+            batches, curves = self._grids[contexts[ci]]
+            for bi, bw in bracket(batches, bs):
+                total += (cw * bw) * interp_many(*curves[bi], qs)
+        return np.maximum(total, 1e-6)
 
     def rows(self) -> list[Row]:
         return [{"bs": b, "q": q, "ctx": c, "ms": round(ms, 4)}
@@ -115,6 +150,16 @@ class CostModel:
         loop's overhead), as a table priced by query tokens (:meth:`from_ranked`)."""
         nodes = sorted({int(r["q"]) for r in self.forward.rows() if int(r["bs"]) == 1})
         return CostModel.from_ranked([{"nodes": n, "step_ms": self.step_ms(1, n, ctx)} for n in nodes])
+
+    def step_ms_many(self, bs: int, widths: np.ndarray, ctx: int) -> np.ndarray:
+        """:meth:`step_ms` (no drafting cost) at every node count of ``widths`` (W,) → (W,)."""
+        widths = np.asarray(widths, dtype=np.float64)
+        if self.per_token:
+            return self.forward.ms_many(1, bs * widths, ctx)
+        ms = self.forward.ms_many(bs, widths, ctx)
+        if self.overhead is not None:
+            ms = ms + self.overhead.ms_many(bs, widths, 0)
+        return ms
 
     def step_ms(self, bs: int, nodes: int, ctx: int, budget: int = 0) -> float:
         """One step of ``bs`` rows × ``nodes`` tree slots at context ``ctx``, drafting a

@@ -85,6 +85,7 @@ class DraftHeadsModel:
         #: the heads-alone node budget this machine's quick calibration chose (None: the tree was
         #: given); :meth:`use_drafts` offers ``MERGED_OFFER_SCALE`` times it when lookups join
         self.default_budget: int | None = None
+        self._default_policy: TreePolicy | None = None
         self._stores: dict = {}  # lookup_store argument → the opened (read-only, mapped) store
         self.last_stats = DecodingStats()
 
@@ -150,7 +151,7 @@ class DraftHeadsModel:
         self.step_table = cost.per_token_table(QUICK_CONTEXT)
         if self.heads is not None and self.heads.config.trees and self.heads.config.expected_tau:
             self.default_budget = best_budget(self.heads, cost, 1, QUICK_CONTEXT, DEFAULT_TAU_SCALE)[0].budget
-            self.policy = FixedTree(tree_for_budget(self.heads, self.default_budget))
+            self.policy = self._default_policy = FixedTree(tree_for_budget(self.heads, self.default_budget))
 
     def use_drafts(self, drafts: str | Sequence[str], lookup_store: str | Path | None = None,
                    review: bool = False) -> None:
@@ -176,8 +177,14 @@ class DraftHeadsModel:
             store = self._stores[key] if uses_store else None
         eos = eos_token_ids(self.base.generation_config)
         self.drafter = build_drafter(sources, self.heads, store, self.step_cost(), eos[0] if eos else None, review)
-        if self.default_budget and isinstance(self.drafter, MergedDrafter) and self.drafter.heads is not None:
+        if self.offers_larger_tree() and isinstance(self.drafter, MergedDrafter) and self.drafter.heads is not None:
             self.drafter.heads_tree = tree_for_budget(self.heads, self.default_budget * MERGED_OFFER_SCALE)
+
+    def offers_larger_tree(self) -> bool:
+        """Whether merged drafting offers the heads' larger tree (``MERGED_OFFER_SCALE``): only
+        while the policy is the default fixed tree this machine's calibration chose — a pinned
+        tree or an adaptive policy (which sizes trees per batch) is followed as it is."""
+        return bool(self.default_budget) and self.policy is self._default_policy
 
     def step_cost(self):
         """The step-time model the merged drafter sizes trees with: the adaptive policy's

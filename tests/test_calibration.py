@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -187,3 +188,30 @@ def test_smollm2_adaptive_with_a_file_valued_cache(tmp_path, monkeypatch, measur
     ids = model.tokenizer("The sky is", return_tensors="pt")["input_ids"]
     assert model.generate(ids, max_new_tokens=12).tolist() == model.base.generate(
         ids, max_new_tokens=12, do_sample=False).tolist()
+
+
+def test_vectorized_prices_equal_the_nested_interpolation():
+    """LatencyTable.ms (array grids, only the bracketing points weighted) equals interpolating
+    q, then bs, then ctx with interp1 over every measured point, inside and past the grid; and
+    CostModel.step_ms_many equals step_ms width by width."""
+    from draftheads.decoding.cost import CostModel, LatencyTable, interp1
+
+    rows = [{"bs": bs, "q": q, "ctx": ctx, "ms": 5 + 0.3 * bs * q ** 1.2 + ctx / 100 + (q % 3)}
+            for ctx in (64, 256, 1024) for bs in (1, 4, 16) for q in ((1, 2, 5, 9, 17) if bs < 16 else (1, 3))]
+    table = LatencyTable.from_rows(rows)
+
+    def nested(bs, q, ctx):
+        per_ctx = []
+        for c, bss in table.points.items():
+            per_bs = [interp1([p[0] for p in pts], [p[1] for p in pts], q) for pts in bss.values()]
+            per_ctx.append(interp1(list(bss), per_bs, bs))
+        return max(interp1(list(table.points), per_ctx, ctx), 1e-6)
+
+    for bs in (1, 2, 4, 9, 16, 40):
+        for ctx in (0, 64, 100, 1024, 4000):
+            for q in (1, 3, 8, 17, 33):
+                assert table.ms(bs, q, ctx) == pytest.approx(nested(bs, q, ctx), rel=1e-12)
+    cost = CostModel(table, overhead=LatencyTable.from_rows([{"bs": b, "q": q, "ctx": 0, "ms": 0.1 * b + 0.01 * q}
+                                                             for b in (1, 16) for q in (1, 5)]))
+    widths = np.arange(1, 34)
+    assert cost.step_ms_many(7, widths, 300).tolist() == pytest.approx([cost.step_ms(7, int(w), 300) for w in widths])

@@ -131,7 +131,7 @@ def test_merged_default_offers_the_heads_a_larger_tree_and_keeps_the_output(tmp_
     policy keeps the heads-alone tree, drafts="heads" gets no offer, a pinned tree none either,
     and the output is still the base's own (float64)."""
     import draftheads.decoding.generate as generate
-    from draftheads.decoding.policy import tree_for_budget
+    from draftheads.decoding.policy import FixedTree, tree_for_budget
 
     monkeypatch.setenv("DRAFTHEADS_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(generate, "MERGED_OFFER_SCALE", 3)
@@ -154,3 +154,6 @@ def test_merged_default_offers_the_heads_a_larger_tree_and_keeps_the_output(tmp_
     assert not hasattr(model.drafter, "heads_tree") or model.drafter.heads_tree is None
     pinned = DraftHeadsModel.from_pretrained(folder, base=base, drafts="heads,context", tree=1)
     assert pinned.default_budget is None and pinned.drafter.heads_tree is None
+    model.policy = FixedTree(tree_for_budget(model.heads, 1))  # a policy set later (the batched bench's) is followed
+    model.use_drafts("heads,context")
+    assert model.drafter.heads_tree is None

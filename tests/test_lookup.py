@@ -16,6 +16,7 @@ from draftheads.decoding.drafters import (BigramTable, Candidates, ContextConfig
                                           StoreSource, SuffixAutomaton, TokenizerIdentity, build_arrays, count_trie,
                                           merge, save_store, tokenizer_identity)
 from draftheads.decoding.drafters.store import FORMAT_VERSION, key_bits
+from draftheads.decoding.drafters.candidates import select, select_by_heap
 
 REPO = Path(__file__).resolve().parents[1]
 tokens_st = st.lists(st.integers(0, 3), max_size=60)
@@ -112,6 +113,23 @@ def test_merge_keeps_budget_prefix_closure_and_shared_prefixes(a_chains, b_chain
     again = merge([b, a], budget)
     assert {p: merged.score[i] for p, i in kept.items()} == {p: again.score[i] for p, i in again.paths().items()}
     assert merge([a, b], budget).token.tolist() == merged.token.tolist()
+
+
+@settings(max_examples=200, deadline=None)
+@given(chains_st, st.integers(0, 12))
+def test_select_by_one_sort_keeps_what_the_best_first_walk_keeps(chains, budget):
+    """The sort-based selection and the heap walk from the root keep equally good nodes (the
+    same scores; which of two equal-score nodes is kept may differ), both prefix-closed."""
+    trie = as_trie(chains, Source.CONTEXT)
+    by_sort, by_heap = select(trie, budget), select_by_heap(trie, budget)
+    check_trie(by_sort)
+    assert sorted(by_sort.score.tolist()) == pytest.approx(sorted(by_heap.score.tolist()))
+
+
+def test_select_walks_a_trie_whose_scores_grow_along_a_path():
+    grows = Candidates.from_lists([-1, 0, -1], [4, 5, 6], [0.1, 0.9, 0.5], [Source.CONTEXT] * 3, [1] * 3, [1.0] * 3)
+    assert list(select(grows, 2).paths()) == [(6,), (4,)]  # (4, 5) scores 0.9 but needs (4,) first
+    assert list(select(grows, 3).paths()) == [(6,), (4,), (4, 5)]
 
 
 def test_merge_takes_the_winning_source_and_budget_one_keeps_the_best_root_child():

@@ -104,12 +104,17 @@ class Candidates:
 
     def subset(self, kept: Sequence[int]) -> "Candidates":
         """The nodes ``kept`` (indices, each node's parent kept before it), in that order, parents
-        renumbered: what selection, depth caps and width cuts keep of a trie."""
-        kept = [int(i) for i in kept]
-        index = {old: new for new, old in enumerate(kept)}
-        parent = [-1 if self.parent[i] < 0 else index[int(self.parent[i])] for i in kept]
-        return Candidates.from_lists(parent, self.token[kept].tolist(), self.score[kept].tolist(),
-                                     self.source[kept].tolist(), self.bucket[kept].tolist(), self.share[kept].tolist())
+        renumbered: what selection, depth caps and width cuts keep of a trie. Array operations
+        only: it runs for every row of every step."""
+        kept = np.asarray(kept, dtype=np.int64).reshape(-1)
+        renumber = np.full(len(self), -1, dtype=np.int64)
+        renumber[kept] = np.arange(kept.size)
+        old_parent = self.parent[kept].astype(np.int64)
+        parent = np.where(old_parent < 0, -1, renumber[np.maximum(old_parent, 0)])
+        if bool(((old_parent >= 0) & ((parent < 0) | (parent >= np.arange(kept.size)))).any()):
+            raise ValueError("Candidates.subset: every kept node's parent must be kept before it.")
+        return Candidates(parent.astype(np.int32), self.token[kept], self.depth[kept], self.score[kept],
+                          self.source[kept], self.bucket[kept], self.share[kept])
 
 
 class TrieBuilder:
@@ -175,7 +180,26 @@ def merge(tries: Sequence[Candidates], budget: int) -> Candidates:
 
 
 def select(trie: Candidates, budget: int) -> Candidates:
-    """Best-first, prefix-closed top-``budget`` of one trie (see :func:`merge`)."""
+    """Best-first, prefix-closed top-``budget`` of one trie (see :func:`merge`).
+
+    Scores never grow along a path (each is a product of conditional rates ≤ 1, or a max of
+    such), and a child is deeper than its parent, so ordering every node by (score descending,
+    depth, source, token, parent's token) puts each parent before its children: the first
+    ``budget`` nodes of that one sort are the best-first selection, without a heap walk per
+    node. A trie whose scores do grow somewhere (hand-made) takes the heap walk."""
+    if budget <= 0 or len(trie) == 0:
+        return trie.subset([])
+    has_parent = trie.parent >= 0
+    parent = np.maximum(trie.parent, 0)
+    if bool((has_parent & (trie.score > trie.score[parent])).any()):
+        return select_by_heap(trie, budget)
+    parent_token = np.where(has_parent, trie.token[parent], -1)
+    order = np.lexsort((parent_token, trie.token, trie.source, trie.depth, -trie.score))
+    return trie.subset(order[:budget])
+
+
+def select_by_heap(trie: Candidates, budget: int) -> Candidates:
+    """Best-first selection by a walk from the root: keep the best node whose parent is kept."""
     children: dict[int, list[int]] = {}
     for i in range(len(trie)):
         children.setdefault(int(trie.parent[i]), []).append(i)

@@ -117,8 +117,9 @@ class MergedDrafter:
             self._heads_times.append((time.perf_counter() - started) * 1e3)
             self._heads_ms = float(np.median(self._heads_times))
             self._heads_gain = moving_average(self._heads_gain, float(np.mean([h.score.sum() for h in heads])))
-            tries = [cap_depth(merge(list(parts) + [h], budget), room)
-                     for parts, h, room in zip(lookups, heads, state.room)]
+            # the lookups' tries are merged already: the best ``budget`` of (their union + the
+            # heads') are among (their best ``budget``) + the heads' (a node never outranks its parent)
+            tries = [cap_depth(merge([t, h], budget), room) for t, h, room in zip(tries, heads, state.room)]
             self.heads_steps += 1
             self._skipped_in_a_row = 0
         elif self.heads is not None and tree.num_nodes > 1:

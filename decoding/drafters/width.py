@@ -22,9 +22,11 @@ class WidthChooser:
     def choose(self, scores: Sequence[np.ndarray], ctx: int) -> int:
         batch = len(scores)
         widest = min(self.max_nodes, 1 + max((len(s) for s in scores), default=0))
-        gain = np.zeros(widest)  # gain[w-1] = Σ_b Σ_{i<w-1} s_b,i
-        for s in scores:
-            cum = np.concatenate([[0.0], np.cumsum(s[: widest - 1])])
-            gain += np.pad(cum, (0, widest - len(cum)), mode="edge")
-        rate = [(batch + gain[w - 1]) / self.cost.step_ms(batch, w, ctx) for w in range(1, widest + 1)]
+        # gain[w-1] = Σ_b Σ_{i<w-1} s_b,i: every row's scores padded to one (B, widest−1) block
+        block = np.zeros((batch, widest - 1))
+        for b, s in enumerate(scores):
+            head = s[: widest - 1]
+            block[b, : len(head)] = head
+        gain = np.concatenate([[0.0], np.cumsum(block.sum(0))])
+        rate = (batch + gain) / self.cost.step_ms_many(batch, np.arange(1, widest + 1), ctx)
         return 1 + int(np.argmax(rate))
