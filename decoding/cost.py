@@ -16,7 +16,6 @@ table, this machine's quick calibration, or :data:`LINEAR_COST` when nothing was
 """
 from __future__ import annotations
 
-import bisect
 import json
 import math
 from dataclasses import dataclass, field
@@ -34,13 +33,8 @@ Row = dict  # {"bs", "q", "ctx", "ms"}: one measured point
 def interp1(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
     """Piecewise-linear through (xs, ys) (xs sorted, distinct); linear extrapolation from the two
     end points outside, because latency keeps growing linearly once compute-bound. One point:
-    constant."""
-    if len(xs) == 1:
-        return float(ys[0])
-    i = bisect.bisect_left(xs, x)
-    i = min(max(i, 1), len(xs) - 1)
-    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-    return float(y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+    constant. (The rule is :func:`bracket`'s; :func:`interp_many` is its vectorized form.)"""
+    return float(sum(w * ys[i] for i, w in bracket(np.asarray(xs, dtype=np.float64), x)))
 
 
 def interp_many(xs: np.ndarray, ys: np.ndarray, x: np.ndarray) -> np.ndarray:
@@ -57,7 +51,7 @@ def bracket(xs: np.ndarray, x: float) -> list[tuple[int, float]]:
     (linear extrapolation past the ends; one point: itself)."""
     if len(xs) == 1:
         return [(0, 1.0)]
-    i = int(min(max(bisect.bisect_left(xs.tolist(), x), 1), len(xs) - 1))
+    i = int(min(max(np.searchsorted(xs, x, side="left"), 1), len(xs) - 1))
     w = float((x - xs[i - 1]) / (xs[i] - xs[i - 1]))
     return [(i - 1, 1.0 - w), (i, w)]
 

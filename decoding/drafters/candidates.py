@@ -184,7 +184,7 @@ def select(trie: Candidates, budget: int) -> Candidates:
 
     Scores never grow along a path (each is a product of conditional rates ≤ 1, or a max of
     such), and a child is deeper than its parent, so ordering every node by (score descending,
-    depth, source, token, parent's token) puts each parent before its children: the first
+    depth, source, parent's rank, token) puts each parent before its children: the first
     ``budget`` nodes of that one sort are the best-first selection, without a heap walk per
     node. A trie whose scores do grow somewhere (hand-made) takes the heap walk."""
     if budget <= 0 or len(trie) == 0:
@@ -193,8 +193,18 @@ def select(trie: Candidates, budget: int) -> Candidates:
     parent = np.maximum(trie.parent, 0)
     if bool((has_parent & (trie.score > trie.score[parent])).any()):
         return select_by_heap(trie, budget)
-    parent_token = np.where(has_parent, trie.token[parent], -1)
-    order = np.lexsort((parent_token, trie.token, trie.source, trie.depth, -trie.score))
+    # the heap walk's key (score, depth, source, parent's rank, token) is unique and independent
+    # of input order; a parent's rank depends only on shallower nodes, so re-sorting with the
+    # ranks of the previous sort reaches it within depth + 1 sorts (2 when no tie needs it)
+    parent_rank = np.full(len(trie), -1, dtype=np.int64)
+    for _ in range(int(trie.depth.max()) + 1):
+        order = np.lexsort((trie.token, parent_rank, trie.source, trie.depth, -trie.score))
+        rank = np.empty(len(trie), dtype=np.int64)
+        rank[order] = np.arange(len(trie))
+        ranked = np.where(has_parent, rank[parent], -1)
+        if np.array_equal(ranked, parent_rank):
+            break
+        parent_rank = ranked
     return trie.subset(order[:budget])
 
 
