@@ -195,8 +195,13 @@ def select(trie: Candidates, budget: int) -> Candidates:
         return select_by_heap(trie, budget)
     # the heap walk's key (score, depth, source, parent's rank, token) is unique and independent
     # of input order; a parent's rank depends only on shallower nodes, so re-sorting with the
-    # ranks of the previous sort reaches it within depth + 1 sorts (2 when no tie needs it)
+    # ranks of the previous sort reaches it within depth + 1 sorts (one when no two nodes tie on score, depth and source)
     parent_rank = np.full(len(trie), -1, dtype=np.int64)
+    order = np.lexsort((trie.token, trie.source, trie.depth, -trie.score))
+    same = ((np.diff(trie.score[order]) == 0) & (np.diff(trie.depth[order]) == 0)
+            & (np.diff(trie.source[order]) == 0))
+    if not bool(same.any()):  # no two nodes tie before the parent's rank: this order is the walk's
+        return trie.subset(order[:budget])
     for _ in range(int(trie.depth.max()) + 1):
         order = np.lexsort((trie.token, parent_rank, trie.source, trie.depth, -trie.score))
         rank = np.empty(len(trie), dtype=np.int64)
