@@ -24,7 +24,7 @@ import torch
 from ..heads.errors import MissingPathError, UnwritablePathError, cannot_write
 from ..heads.hardware import cpu_key, native_cpu_dtypes
 from ..heads.linear import PLAN, PackedWeight, can_pack, measure_shape, packed_linears, packed_matmul, packs
-from ..heads.linear import shape_key, valid_timings
+from ..heads.linear import fuse_siblings, shape_key, valid_timings
 from ..heads.fewrow import load_kernel
 from ..heads.linear import use_packed_linears as wrap_linears
 from ..heads.protocol import write_text_atomic
@@ -253,10 +253,10 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
 def forward_all(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
     """The base over whole sequences into a fresh cache: (cache, hidden states (B, T, d)),
     positions as transformers' ``generate`` numbers them (cumulative sum of the mask)."""
-    from transformers import DynamicCache
+    from .cache import reserved_cache  # cache.py builds on this module
 
     position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
-    cache = DynamicCache(config=model.config)
+    cache = reserved_cache(model.config)
     with _packing(model):
         out = model.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                           use_cache=True, **cache_kwargs(model, cache), **_pack_kwargs(model))
@@ -308,8 +308,10 @@ def use_packed_linears(model) -> bool:
     if not can_pack(lm_head_weight(model)):
         return False
     wrap_linears(model.model)
+    products = fuse_siblings(model.model)
     _PACKED_BASES[model] = PackedWeight()
-    plan_packing([lm_head_weight(model)] + [p for p in model.model.parameters() if p.dim() == 2])
+    plan_packing([lm_head_weight(model)] + [p for p in model.model.parameters() if p.dim() == 2]
+                 + [product.shape for product in products])
     return True
 
 

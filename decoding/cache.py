@@ -14,6 +14,73 @@ import torch
 
 from .base import tree_attention_mask
 
+#: room a cache layer keeps past its length: at least this many slots, or this fraction of it
+RESERVE_SLOTS, RESERVE_FRACTION = 256, 0.25
+
+
+def _append(view: torch.Tensor | None, buffer: torch.Tensor | None, new: torch.Tensor):
+    """view (B, H, T, D) — the layer's tensor, a prefix of ``buffer`` or not — plus new
+    (B, H, q, D) → (view (B, H, T+q, D), buffer): written in place into the buffer when the view
+    is its prefix and it has room, else into a new buffer with room to spare."""
+    length = 0 if view is None or view.dim() != 4 else view.shape[-2]
+    fits = (buffer is not None and length > 0 and view.data_ptr() == buffer.data_ptr()
+            and view.stride() == buffer.stride() and view.shape[:2] == new.shape[:2]
+            and buffer.shape[-2] >= length + new.shape[-2] and buffer.dtype == new.dtype)
+    if not fits:
+        needed = length + new.shape[-2]
+        capacity = needed + max(RESERVE_SLOTS, int(needed * RESERVE_FRACTION))
+        buffer = new.new_empty(new.shape[0], new.shape[1], capacity, new.shape[3])
+        if length:
+            buffer[:, :, :length].copy_(view)
+    buffer[:, :, length:length + new.shape[-2]].copy_(new)
+    return buffer[:, :, :length + new.shape[-2]], buffer
+
+
+def reserved_layer_class():
+    """transformers' ``DynamicLayer`` with room reserved ahead (built on first use: transformers
+    is imported lazily). Why: ``DynamicLayer.update`` concatenates, copying the whole layer at
+    every step (~15 µs per layer-call at 1,600 tokens, ~1 ms a SmolLM2 step); here a step writes
+    its q new slots into the reserve and the layer's tensors stay views of one buffer, which
+    ``crop`` and the decoder's in-place commit keep. Anything that replaces the tensors
+    (``batch_select_indices``) simply starts a new buffer at the next update."""
+    global _RESERVED
+    if _RESERVED is None:
+        from transformers.cache_utils import DynamicLayer
+
+        class ReservedLayer(DynamicLayer):
+            _key_buffer = _value_buffer = None
+
+            def update(self, key_states, value_states, *args, **kwargs):
+                if not self.is_initialized:
+                    self.lazy_initialization(key_states, value_states)
+                self.keys, self._key_buffer = _append(self.keys, self._key_buffer, key_states)
+                self.values, self._value_buffer = _append(self.values, self._value_buffer, value_states)
+                return self.keys, self.values
+
+            def reset(self) -> None:
+                self._key_buffer = self._value_buffer = None
+                super().reset()
+
+        _RESERVED = ReservedLayer
+    return _RESERVED
+
+
+_RESERVED = None
+
+
+def reserved_cache(config):
+    """A ``DynamicCache`` for ``config`` whose full-attention layers reserve room ahead
+    (:func:`reserved_layer_class`); sliding-window and other layers are transformers' own."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    cache = DynamicCache(config=config)
+    reserved = reserved_layer_class()
+    cache.layers = [reserved() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    if getattr(cache, "layer_class_to_replicate", None) is DynamicLayer:  # no config: layers made on first use
+        cache.layer_class_to_replicate = reserved
+    return cache
+
 
 @dataclass
 class KVState:

@@ -86,13 +86,13 @@ def calibration_path(key: dict, config: CalibrationConfig) -> Path:
 def _synthetic_cache(model, bs: int, ctx: int):
     """A cache of ``ctx`` random keys/values per row: costs are independent of the values, and
     this skips a prefill of bs × ctx tokens (the slowest part of a naive calibration)."""
-    from transformers import DynamicCache
+    from .cache import reserved_cache
 
     cfg = model.config
     param = next(model.parameters())
     heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    cache = DynamicCache(config=cfg)
+    cache = reserved_cache(cfg)
     for layer in range(cfg.num_hidden_layers):
         kv = torch.randn(bs, heads, ctx, dim, dtype=param.dtype, device=param.device)
         cache.update(kv, kv.clone(), layer)

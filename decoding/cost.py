@@ -139,11 +139,17 @@ class CostModel:
             ms.append(best)
         return cls.from_table(nodes[::-1], ms[::-1])
 
-    def per_token_table(self, ctx: int) -> "CostModel":
-        """This model's bs-1 step times at ``ctx`` at every node count it measured (forward + the
-        loop's overhead), as a table priced by query tokens (:meth:`from_ranked`)."""
+    def per_token_table(self, contexts: Sequence[int]) -> "CostModel":
+        """This model's bs-1 step times at each of ``contexts`` at every node count it measured
+        (forward + the loop's overhead), as a table priced by query tokens, monotone in nodes at
+        each context (:meth:`from_ranked`) and interpolated between contexts. Why more than one
+        context: a tree node's attention grows with the KV length (SmolLM2, bf16: ~0.45 ms a node
+        a step at 1,600 tokens), so a table measured at a short context under-prices the nodes
+        of a long prompt (RAG, summarization) and the width chooser verifies too many."""
         nodes = sorted({int(r["q"]) for r in self.forward.rows() if int(r["bs"]) == 1})
-        return CostModel.from_ranked([{"nodes": n, "step_ms": self.step_ms(1, n, ctx)} for n in nodes])
+        points = {int(ctx): CostModel.from_ranked([{"nodes": n, "step_ms": self.step_ms(1, n, ctx)} for n in nodes])
+                  .forward.points[0] for ctx in contexts}
+        return CostModel(LatencyTable(points), per_token=True)
 
     def step_ms_many(self, bs: int, widths: np.ndarray, ctx: int) -> np.ndarray:
         """:meth:`step_ms` (no drafting cost) at every node count of ``widths`` (W,) → (W,)."""

@@ -29,9 +29,12 @@ from .tree import Tree
 
 
 #: the quick calibration behind the defaults (:meth:`DraftHeadsModel.calibrate_defaults`):
-#: batch size 1 at one context, the stored trees' sizes and the merged drafter's widths
+#: batch size 1, the stored trees' sizes and the merged drafter's widths, at a short context
+#: (where the default tree is chosen) and a long one (so the width chooser prices the nodes of
+#: a long prompt by its KV length, :meth:`~.cost.CostModel.per_token_table`)
 QUICK_CONTEXT = 256
-QUICK_CALIBRATION = CalibrationConfig(batch_sizes=(1,), contexts=(QUICK_CONTEXT,), reps=3,
+QUICK_CONTEXTS = (QUICK_CONTEXT, 1024)
+QUICK_CALIBRATION = CalibrationConfig(batch_sizes=(1,), contexts=QUICK_CONTEXTS, reps=3,
                                       extra_nodes=(3, 5, 9, 17, 33))
 #: the share of the checkpoint's expected drafted tokens that open-ended prompts reach (its τ
 #: is measured on held-out self-distilled text; on MT-Bench the accepted part measured 0.66-0.88)
@@ -148,7 +151,7 @@ class DraftHeadsModel:
         drafter's width model. Without heads, or with stored trees lacking an expected τ, the
         checkpoint's stored default stays."""
         cost = calibrate(self.base, self.heads, config or QUICK_CALIBRATION)
-        self.step_table = cost.per_token_table(QUICK_CONTEXT)
+        self.step_table = cost.per_token_table(sorted({int(r['ctx']) for r in cost.forward.rows()}))
         if self.heads is not None and self.heads.config.trees and self.heads.config.expected_tau:
             self.default_budget = best_budget(self.heads, cost, 1, QUICK_CONTEXT, DEFAULT_TAU_SCALE)[0].budget
             self.policy = self._default_policy = FixedTree(tree_for_budget(self.heads, self.default_budget))

@@ -219,12 +219,18 @@ def decode_memory_bytes(config, batch: int, width: int, new_tokens: int, tree_no
     """Upper estimate of what decoding a batch allocates, from the model config alone: the KV
     cache at its longest (prompt + new tokens + one tree per row), the prefill's activations
     (hidden states, MLP, the 4D mask and attention scores of a width × width prompt) and the
-    verification logits (tree nodes × vocabulary per row)."""
+    verification logits (tree nodes × vocabulary per row). The cache keeps room ahead
+    (:func:`~draftheads.decoding.cache.reserved_layer_class`), and a layer that outgrows its
+    room holds its old buffer until the copy is done."""
+    from .cache import RESERVE_FRACTION, RESERVE_SLOTS  # cache.py imports this module's users
+
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     inter = getattr(config, "intermediate_size", None) or 4 * config.hidden_size
-    kv = 2 * config.num_hidden_layers * kv_heads * head_dim * batch * (width + new_tokens + tree_nodes) * bytes_per_value
+    longest = width + new_tokens + tree_nodes
+    per_slot = 2 * kv_heads * head_dim * batch * bytes_per_value
+    kv = per_slot * (config.num_hidden_layers * (longest + max(RESERVE_SLOTS, int(longest * RESERVE_FRACTION))) + longest)
     prefill_act = batch * width * (4 * config.hidden_size + 3 * inter) * bytes_per_value \
         + batch * (heads + 1) * width * width * bytes_per_value
     verify_act = batch * tree_nodes * (config.vocab_size + 4 * config.hidden_size + 3 * inter) * bytes_per_value

@@ -90,3 +90,19 @@ def test_base_generate_is_untouched_and_only_grouped_sdpa_bases_switch():
     assert kept.config._attn_implementation == "sdpa"
     DraftHeadsModel.from_pretrained(None, base=kept)
     assert kept.config._attn_implementation == PACKED_SDPA
+
+
+def test_the_mask_is_repeated_once_per_forward_and_redone_when_it_changes():
+    """Every layer gets the same 4D mask tensor: its repetition is made once and reused; a new
+    mask, an in-place change or another group size repeat it again."""
+    from draftheads.decoding.attention import repeated_mask
+
+    mask = torch.rand(2, 1, 3, 7) > 0.5
+    first = repeated_mask(mask, 3)
+    assert torch.equal(first, mask.repeat(1, 1, 3, 1))
+    assert repeated_mask(mask, 3) is first
+    assert torch.equal(repeated_mask(mask, 2), mask.repeat(1, 1, 2, 1))
+    mask[0, 0, 0, 0] = ~mask[0, 0, 0, 0]
+    assert torch.equal(repeated_mask(mask, 2), mask.repeat(1, 1, 2, 1))
+    other = mask.clone()
+    assert repeated_mask(other, 2) is not repeated_mask(mask, 2)

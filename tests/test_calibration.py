@@ -215,3 +215,24 @@ def test_vectorized_prices_equal_the_nested_interpolation():
                                                              for b in (1, 16) for q in (1, 5)]))
     widths = np.arange(1, 34)
     assert cost.step_ms_many(7, widths, 300).tolist() == pytest.approx([cost.step_ms(7, int(w), 300) for w in widths])
+
+
+def test_the_width_chooser_prices_nodes_by_the_context_they_attend_to():
+    """The merged drafter's step table keeps every calibrated context: a node costs more at a
+    long context than at a short one when the calibration says so, prices between two contexts
+    are interpolated, each context's table never counts a larger tree as cheaper, and one
+    context still gives a context-free table."""
+    from draftheads.decoding.cost import CostModel, LatencyTable
+
+    rows = [{"bs": 1, "q": q, "ctx": ctx, "ms": 30 + q * (0.5 + ctx / 1000) + (8 if (q, ctx) == (5, 256) else 0)}
+            for ctx in (256, 1024) for q in (1, 3, 5, 9, 17)]
+    cost = CostModel(LatencyTable.from_rows(rows), overhead=LatencyTable.from_rows(
+        [{"bs": 1, "q": q, "ctx": 0, "ms": 1.0} for q in (1, 17)]))
+    table = cost.per_token_table([256, 1024])
+    per_node = {ctx: table.step_ms(1, 17, ctx) - table.step_ms(1, 1, ctx) for ctx in (256, 640, 1024)}
+    assert per_node[256] == pytest.approx(16 * 0.756) and per_node[1024] == pytest.approx(16 * 1.524)
+    assert per_node[640] == pytest.approx((per_node[256] + per_node[1024]) / 2)
+    assert table.step_ms(1, 5, 256) == pytest.approx(table.step_ms(1, 9, 256))  # (5, 256) measured slow: lowered
+    assert table.step_ms(2, 4, 1024) == pytest.approx(table.step_ms(1, 8, 1024))  # priced by query tokens
+    single = cost.per_token_table([256])
+    assert single.step_ms(1, 9, 5000) == pytest.approx(single.step_ms(1, 9, 256)) == pytest.approx(table.step_ms(1, 9, 256))

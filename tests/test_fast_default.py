@@ -1,5 +1,6 @@
 """Fast by default: the dtype chosen from the base and the hardware, the cheaper step's pieces
-(float32 few-row LM head, greedy argmax) equal to what they replace, the per-dtype default tree,
+(float32 few-row LM head, greedy argmax, sibling projections stacked into one product) equal to
+what they replace, the per-dtype default tree,
 and the streamer that colours accepted drafts."""
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from draftheads.decoding import DraftHeadsModel, tree_from_paths
 from draftheads.decoding import base as base_module
 from draftheads.decoding.accept import greedy_tokens
 from draftheads.decoding.base import choose_dtype, lm_logits, native_dtype, prefill, use_packed_linears
+from draftheads.heads import linear as linear_module
 from draftheads.heads.linear import PackedLinear, packed_linears, packing_available
 from draftheads.decoding.policy import default_budget
 from draftheads.decoding.limits import DtypeError, InputTypeError, parse_dtype
@@ -214,3 +216,72 @@ def test_calibration_cache_is_never_shared_across_dtypes_or_cpus(monkeypatch):
     other = calibration_key(fp32)
     assert "Some Other CPU" in other["device"]
     assert calibration_path(other, config) != calibration_path(key32, config)
+
+
+# -- sibling projections stacked into one product ---------------------------------------------
+@needs_bf16_packing
+@pytest.mark.parametrize("rows", [1, 5, 17])
+def test_stacked_siblings_are_bit_identical_in_bfloat16(monkeypatch, rows):
+    """q/k/v and gate/up computed as one product each (forced on, whatever the plan measured)
+    leave the verify forward's hidden states bit-identical, and the stacked product did run."""
+    stacked = tiny_llama(1, dtype=torch.bfloat16)
+    use_packed_linears(stacked)
+    products = {m.siblings[0] for m in stacked.modules() if getattr(m, "siblings", None)}
+    assert len(products) == 2 * stacked.config.num_hidden_layers
+    calls = []
+    real_output = linear_module.SiblingProduct.output
+    monkeypatch.setattr(linear_module.SiblingProduct, "output",
+                        lambda self, index, x: calls.append(index) or real_output(self, index, x))
+    ids = torch.randint(3, 96, (2, rows))
+    monkeypatch.setattr(linear_module.PLAN, "fusion_pays", lambda *a: False)
+    _, hidden_plain = prefill(stacked, ids, torch.ones_like(ids))
+    assert not calls
+    monkeypatch.setattr(linear_module.PLAN, "fusion_pays", lambda *a: True)
+    _, hidden_stacked = prefill(stacked, ids, torch.ones_like(ids))
+    assert torch.equal(hidden_plain, hidden_stacked)
+    assert sorted(set(calls)) == [0, 1, 2] and len(calls) == 5 * stacked.config.num_hidden_layers
+
+
+@needs_fp32_packing
+def test_a_sibling_takes_its_slice_once_and_only_for_the_same_input(monkeypatch):
+    """The stacked product is reused only by a sibling called with the very tensor the first
+    sibling saw, unchanged; another tensor, an in-place change or a second call recompute."""
+    monkeypatch.setattr(linear_module, "STACKED_DTYPES", (torch.float32,))
+    monkeypatch.setattr(linear_module.PLAN, "fusion_pays", lambda *a: True)
+    monkeypatch.setattr(linear_module.SiblingProduct, "pays", lambda self, rows: True)
+    parent = torch.nn.Module()
+    for name, out in (("q_proj", 6), ("k_proj", 2), ("v_proj", 2)):
+        parent.add_module(name, torch.nn.Linear(8, out, bias=False))
+    linear_module.use_packed_linears(parent)
+    (product,) = linear_module.fuse_siblings(parent)
+    computed = []
+    real_matmul = linear_module.packed_matmul
+    monkeypatch.setattr(linear_module, "packed_matmul", lambda *a, **k: computed.append(1) or real_matmul(*a, **k))
+    x, other = torch.randn(3, 8), torch.randn(3, 8)
+    with packed_linears():
+        q, k = parent.q_proj(x), parent.k_proj(x)
+        assert len(computed) == 1
+        k_other = parent.k_proj(other)
+        assert len(computed) == 2
+        x.mul_(2)
+        v = parent.v_proj(x)
+        assert len(computed) == 3
+        again = parent.v_proj(x)
+        assert len(computed) == 4
+    for got, linear, inp in ((q, parent.q_proj, x / 2), (k, parent.k_proj, x / 2), (k_other, parent.k_proj, other),
+                             (v, parent.v_proj, x), (again, parent.v_proj, x)):
+        torch.testing.assert_close(got, torch.nn.functional.linear(inp, linear.weight), rtol=1e-5, atol=1e-6)
+    assert product._input is None or product._outputs.count(None) < 3
+
+
+def test_float32_siblings_stay_separate_and_groups_need_one_input_size():
+    """Stacking is for 16-bit weights (in float32 it measured no faster); siblings of different
+    input sizes are never grouped."""
+    model = tiny_llama(1, dtype=torch.float32)
+    use_packed_linears(model)
+    assert linear_module.fuse_siblings(model.model) == []
+    parent = torch.nn.Module()
+    parent.gate_proj, parent.up_proj = torch.nn.Linear(8, 4).to(torch.bfloat16), torch.nn.Linear(6, 4).to(torch.bfloat16)
+    parent.gate_proj = linear_module.PackedLinear(parent.gate_proj)
+    parent.up_proj = linear_module.PackedLinear(parent.up_proj)
+    assert linear_module.sibling_groups(parent) == []

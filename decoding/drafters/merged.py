@@ -41,6 +41,17 @@ def cap_depth(trie: Candidates, max_depth: int) -> Candidates:
     return trie.subset(np.flatnonzero(trie.depth <= max_depth))
 
 
+def first_score(trie: Candidates) -> float:
+    """The best depth-1 node's calibrated P(accepted) (0 for an empty trie)."""
+    return float(trie.score[trie.depth == 1].max()) if len(trie) else 0.0
+
+
+def expected_tokens(tries: Sequence[Candidates], width: int) -> float:
+    """Expected tokens of a step that verifies each trie's first ``width`` − 1 nodes (best-first
+    order), the root's token included: Σ_rows 1 + Σ kept scores."""
+    return sum(1.0 + float(t.score[: width - 1].sum()) for t in tries)
+
+
 #: how many of the heads' latest proposal times their cost estimate is the median of
 HEADS_MS_WINDOW = 9
 
@@ -66,12 +77,14 @@ class MergedDrafter:
     review: bool = False
     _seen: dict[int, int] = field(default_factory=dict)
     _proposed: list[Candidates] = field(default_factory=list)
-    #: what the heads' proposal has been worth: ms per call — the median of the last
-    #: ``HEADS_MS_WINDOW`` calls, so a cold first call (oneDNN builds a kernel per new row count:
-    #: 20-50 ms against ~3 warm) cannot price the heads out for dozens of steps — and the expected
-    #: accepted drafts of their own trie (Σ of its node scores, a moving average); see :meth:`_heads_pay`
+    #: what the heads' proposal has been worth (see :meth:`_heads_pay`): ms per call — the median
+    #: of the last ``HEADS_MS_WINDOW`` calls, so a cold first call (oneDNN builds a kernel per new
+    #: row count: 20-50 ms against ~3 warm) cannot price the heads out for dozens of steps; the
+    #: expected accepted drafts they added to the verified tree per unit of the lookups' first-token
+    #: miss rate, and the verification ms their extra nodes cost (moving averages)
     _heads_ms: float | None = None
     _heads_gain: float | None = None
+    _heads_extra_ms: float | None = None
     _heads_times: deque = field(default_factory=lambda: deque(maxlen=HEADS_MS_WINDOW))
     #: steps this drafter proposed with and without the heads (reports and tests)
     heads_steps: int = 0
@@ -108,7 +121,9 @@ class MergedDrafter:
             lookups = [[trie] for trie in review(self.heads, state, [merge(parts, self.lookup_nodes) for parts in lookups],
                                                  self.lookup.hitrate)]
         tries = [cap_depth(merge(parts, budget), room) for parts, room in zip(lookups, state.room)]
-        if self.heads is not None and tree.num_nodes > 1 and self._heads_pay(tries, state.context_length):
+        ctx = state.context_length
+        width = None
+        if self.heads is not None and tree.num_nodes > 1 and self._heads_pay(tries, ctx):
             started = time.perf_counter()
             tokens, probs = self.heads.propose(state.hidden, state.roots, tree.spec, with_probs=True)
             head_tokens, head_probs = tokens.tolist(), probs.tolist()
@@ -116,39 +131,59 @@ class MergedDrafter:
                      for b in range(len(tries))]
             self._heads_times.append((time.perf_counter() - started) * 1e3)
             self._heads_ms = float(np.median(self._heads_times))
-            self._heads_gain = moving_average(self._heads_gain, float(np.mean([h.score.sum() for h in heads])))
+            alone = tries
             # the lookups' tries are merged already: the best ``budget`` of (their union + the
             # heads') are among (their best ``budget``) + the heads' (a node never outranks its parent)
             tries = [cap_depth(merge([t, h], budget), room) for t, h, room in zip(tries, heads, state.room)]
+            width = self.width.choose([t.score for t in tries], ctx)
+            self._learn_heads_worth(alone, tries, width, ctx)
             self.heads_steps += 1
             self._skipped_in_a_row = 0
         elif self.heads is not None and tree.num_nodes > 1:
             self.skipped_heads_steps += 1
             self._skipped_in_a_row += 1
-        width = self.width.choose([t.score for t in tries], state.context_length)
+        if width is None:
+            width = self.width.choose([t.score for t in tries], ctx)
         # best-first order: the first width−1 nodes of each trie are a prefix-closed tree
         self._proposed = [t if len(t) < width else t.subset(range(width - 1)) for t in tries]
         return Drafts.from_rows(state.roots, [t.parent.tolist() for t in self._proposed],
                                 [t.token.tolist() for t in self._proposed])
 
+    def _lookups_step(self, tries: Sequence[Candidates], ctx: int) -> tuple[int, float, float]:
+        """The step the lookups' tries alone would make: (width, expected tokens, ms)."""
+        width = self.width.choose([t.score for t in tries], ctx)
+        return width, expected_tokens(tries, width), self.width.cost.step_ms(len(tries), width, ctx)
+
+    def _learn_heads_worth(self, alone: Sequence[Candidates], merged: Sequence[Candidates], width: int, ctx: int) -> None:
+        """After a step the heads proposed in: what they added to the verified tree (expected
+        tokens of the merged step over the lookups' own step, per unit of the lookups' first-token
+        miss rate) and what their extra nodes cost to verify (ms), into the moving averages."""
+        if self.width.cost is LINEAR_COST:
+            return
+        alone_width, alone_tokens, alone_ms = self._lookups_step(alone, ctx)
+        misses = max(sum(1.0 - first_score(t) for t in alone), 1e-3)
+        added = max(0.0, expected_tokens(merged, width) - alone_tokens)
+        self._heads_gain = moving_average(self._heads_gain, added / misses)
+        extra_ms = self.width.cost.step_ms(len(merged), width, ctx) - alone_ms
+        self._heads_extra_ms = moving_average(self._heads_extra_ms, max(0.0, extra_ms))
+
     def _heads_pay(self, tries: Sequence[Candidates], ctx: int) -> bool:
         """Whether the heads' proposal is worth its time this step, given the lookups' tries.
 
         The heads draft below the root only, so where a lookup's first token is accepted with
-        probability s₁ their tree adds accepted tokens only in the other 1 − s₁ of cases: at most
-        G = Σ_rows (1 − s₁) · g, g the heads' own expected accepted drafts (their trie's Σ score,
-        averaged). Proposing costs p ms on a step of t ms that yields T expected tokens from the
-        lookups (the width chooser's step), so it pays when (T + G) / (t + p) > T / t, i.e.
-        G / T > p / t. Until both are measured (the first proposals), and again after
+        probability s₁ their tree adds accepted tokens only in the other 1 − s₁ of cases: the
+        gain is G = Σ_rows (1 − s₁) · g, g what they added to the *verified* tree (after the
+        width cut) per unit of that miss rate on the steps they proposed in. It costs p ms to
+        propose plus v ms to verify their extra nodes, on a step of t ms that yields T expected
+        tokens from the lookups alone (the width chooser's step), so it pays when
+        (T + G) / (t + p + v) > T / t. Until measured (the first proposals), and again after
         ``recheck_heads_every`` skipped steps, the heads propose."""
         if (self._heads_ms is None or self._heads_gain is None or self.width.cost is LINEAR_COST
                 or self._skipped_in_a_row >= self.recheck_heads_every):
             return True  # LINEAR_COST is relative, not ms: no step time to weigh the heads' ms against
-        first = [float(t.score[t.depth == 1].max()) if len(t) else 0.0 for t in tries]
-        width = self.width.choose([t.score for t in tries], ctx)
-        expected = sum(1.0 + float(t.score[: width - 1].sum()) for t in tries)
-        gain = sum(1.0 - s for s in first) * self._heads_gain
-        return gain * self.width.cost.step_ms(len(tries), width, ctx) > self._heads_ms * expected
+        _, expected, step_ms = self._lookups_step(tries, ctx)
+        gain = sum(1.0 - first_score(t) for t in tries) * self._heads_gain
+        return (expected + gain) * step_ms > expected * (step_ms + self._heads_ms + (self._heads_extra_ms or 0.0))
 
     def observe(self, drafts: Drafts, result: Acceptance, rows: Sequence[int]) -> None:
         """Each row's accepted drafts calibrate the hit rates of the sources that proposed them."""
