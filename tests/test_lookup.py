@@ -399,3 +399,4 @@ def test_static_sources_that_never_hit_in_a_request_are_muted_for_that_row(tmp_p
     lookup.reset()
     lookup.start(0, [6, 7])
     assert lookup.muted(0) == [] and all(len(t) for t in lookup.tries(0, 8)[1:])
+

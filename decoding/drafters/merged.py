@@ -16,7 +16,7 @@ import numpy as np
 from ...heads import DraftHeads
 from ..cost import LINEAR_COST
 from ..tree import Tree
-from .candidates import Candidates, merge
+from .candidates import Candidates, Source, merge
 from .drafts import Drafts
 from .heads_drafter import head_trie
 from .lookup import LookupConfig, LookupSources
@@ -85,6 +85,7 @@ class MergedDrafter:
     _heads_ms: float | None = None
     _heads_gain: float | None = None
     _heads_extra_ms: float | None = None
+    _misses: float = 0.0  # the lookups' first-token miss rate summed over rows, on the step the heads proposed in
     _heads_times: deque = field(default_factory=lambda: deque(maxlen=HEADS_MS_WINDOW))
     #: steps this drafter proposed with and without the heads (reports and tests)
     heads_steps: int = 0
@@ -122,7 +123,7 @@ class MergedDrafter:
                                                  self.lookup.hitrate)]
         tries = [cap_depth(merge(parts, budget), room) for parts, room in zip(lookups, state.room)]
         ctx = state.context_length
-        width = None
+        width, self._misses = None, 0.0
         if self.heads is not None and tree.num_nodes > 1 and self._heads_pay(tries, ctx):
             started = time.perf_counter()
             tokens, probs = self.heads.propose(state.hidden, state.roots, tree.spec, with_probs=True)
@@ -155,15 +156,13 @@ class MergedDrafter:
         return width, expected_tokens(tries, width), self.width.cost.step_ms(len(tries), width, ctx)
 
     def _learn_heads_worth(self, alone: Sequence[Candidates], merged: Sequence[Candidates], width: int, ctx: int) -> None:
-        """After a step the heads proposed in: what they added to the verified tree (expected
-        tokens of the merged step over the lookups' own step, per unit of the lookups' first-token
-        miss rate) and what their extra nodes cost to verify (ms), into the moving averages."""
+        """On a step the heads propose in: what their extra nodes cost to verify (ms, a moving
+        average), and the lookups' first-token miss rate their gain is counted against once the
+        base has verified the step (:meth:`observe`)."""
         if self.width.cost is LINEAR_COST:
             return
-        alone_width, alone_tokens, alone_ms = self._lookups_step(alone, ctx)
-        misses = max(sum(1.0 - first_score(t) for t in alone), 1e-3)
-        added = max(0.0, expected_tokens(merged, width) - alone_tokens)
-        self._heads_gain = moving_average(self._heads_gain, added / misses)
+        _, _, alone_ms = self._lookups_step(alone, ctx)
+        self._misses = max(sum(1.0 - first_score(t) for t in alone), 1e-3)
         extra_ms = self.width.cost.step_ms(len(merged), width, ctx) - alone_ms
         self._heads_extra_ms = moving_average(self._heads_extra_ms, max(0.0, extra_ms))
 
@@ -172,8 +171,9 @@ class MergedDrafter:
 
         The heads draft below the root only, so where a lookup's first token is accepted with
         probability s₁ their tree adds accepted tokens only in the other 1 − s₁ of cases: the
-        gain is G = Σ_rows (1 − s₁) · g, g what they added to the *verified* tree (after the
-        width cut) per unit of that miss rate on the steps they proposed in. It costs p ms to
+        gain is G = Σ_rows (1 − s₁) · g, g the tokens the base *accepted* from the heads' nodes
+        per unit of that miss rate on the steps they proposed in (measured, not their calibrated
+        scores: the scores are estimates, the accepted tokens are what the heads bought). It costs p ms to
         propose plus v ms to verify their extra nodes, on a step of t ms that yields T expected
         tokens from the lookups alone (the width chooser's step), so it pays when
         (T + G) / (t + p + v) > T / t. Until measured (the first proposals), and again after
@@ -190,6 +190,11 @@ class MergedDrafter:
         accepted = drafts.accepted_tokens(result.path, result.accepted)
         for b, row in enumerate(rows):
             self.lookup.observe(row, self._proposed[b], accepted[b])
+        if self._misses > 0:  # the heads proposed in this step: count what the base took from them
+            slots = result.path.tolist()
+            bought = sum(int((self._proposed[b].source[[s - 1 for s in slots[b][1: 1 + n]]] == Source.HEADS).sum())
+                         for b, n in enumerate(result.accepted.tolist()) if n)
+            self._heads_gain = moving_average(self._heads_gain, bought / self._misses)
 
 
 class LookupDrafter(MergedDrafter):
