@@ -29,6 +29,7 @@ from ..heads.fewrow import load_kernel
 from ..heads.linear import use_packed_linears as wrap_linears
 from ..heads.protocol import write_text_atomic
 from .attention import PACK_FLAG, PACKED_SDPA
+from .cache import reserved_cache
 from .fingerprint import file_sha256, lm_head_weight
 from .limits import DTYPES, DtypeError, check_base_path, parse_dtype
 
@@ -253,23 +254,12 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
 def forward_all(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
     """The base over whole sequences into a fresh cache: (cache, hidden states (B, T, d)),
     positions as transformers' ``generate`` numbers them (cumulative sum of the mask)."""
-    from .cache import reserved_cache  # cache.py builds on this module
-
     position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
     cache = reserved_cache(model.config)
     with _packing(model):
         out = model.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                           use_cache=True, **cache_kwargs(model, cache), **_pack_kwargs(model))
     return cache, out.last_hidden_state
-
-
-def tree_attention_mask(kv_valid: torch.Tensor, ancestor: torch.Tensor) -> torch.Tensor:
-    """(B, T) real cache slots + (B or 1, N, N) tree ancestry → (B, 1, N, T+N) boolean mask
-    (True = may attend): each tree slot sees the row's real past and its own ancestors."""
-    batch, nodes = kv_valid.shape[0], ancestor.shape[-1]
-    past = kv_valid[:, None, None, :].expand(batch, 1, nodes, kv_valid.shape[1])
-    tree = ancestor.expand(batch, nodes, nodes)[:, None]
-    return torch.cat([past, tree], dim=-1)
 
 
 @torch.no_grad()

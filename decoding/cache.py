@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import tree_attention_mask
 
 #: room a cache layer keeps past its length: at least this many slots, or this fraction of it
 RESERVE_SLOTS, RESERVE_FRACTION = 256, 0.25
@@ -80,6 +79,15 @@ def reserved_cache(config):
     if getattr(cache, "layer_class_to_replicate", None) is DynamicLayer:  # no config: layers made on first use
         cache.layer_class_to_replicate = reserved
     return cache
+
+
+def tree_attention_mask(kv_valid: torch.Tensor, ancestor: torch.Tensor) -> torch.Tensor:
+    """(B, T) real cache slots + (B or 1, N, N) tree ancestry → (B, 1, N, T+N) boolean mask
+    (True = may attend): each tree slot sees the row's real past and its own ancestors."""
+    batch, nodes = kv_valid.shape[0], ancestor.shape[-1]
+    past = kv_valid[:, None, None, :].expand(batch, 1, nodes, kv_valid.shape[1])
+    tree = ancestor.expand(batch, nodes, nodes)[:, None]
+    return torch.cat([past, tree], dim=-1)
 
 
 @dataclass

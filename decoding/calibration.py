@@ -18,7 +18,8 @@ from ..heads.errors import UnwritablePathError
 from ..heads.hardware import cpu_model, isa_limits
 from ..heads.protocol import write_text_atomic
 from .accept import greedy_tokens
-from .base import cache_root, lm_logits, tree_attention_mask, verify
+from .base import cache_root, lm_logits, verify
+from .cache import tree_attention_mask
 from .fingerprint import fingerprint
 from .cost import CostModel, CostSurfaceError, LatencyTable, Row, load_cost_surface
 from .tree import Tree, chain_tree, tree_from_paths

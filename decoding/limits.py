@@ -15,6 +15,7 @@ import torch
 
 from ..heads.errors import DraftheadsError, MissingPathError
 from ..heads.hardware import available_ram_bytes
+from .cache import RESERVE_FRACTION, RESERVE_SLOTS
 from .tree import Tree
 
 
@@ -222,8 +223,6 @@ def decode_memory_bytes(config, batch: int, width: int, new_tokens: int, tree_no
     verification logits (tree nodes × vocabulary per row). The cache keeps room ahead
     (:func:`~draftheads.decoding.cache.reserved_layer_class`), and a layer that outgrows its
     room holds its old buffer until the copy is done."""
-    from .cache import RESERVE_FRACTION, RESERVE_SLOTS  # cache.py imports this module's users
-
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads

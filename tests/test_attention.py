@@ -9,7 +9,8 @@ import torch
 
 from helpers import left_pad, tiny_llama
 from draftheads.decoding.attention import PACKED_SDPA, use_packed_sdpa
-from draftheads.decoding.base import prefill, tree_attention_mask, verify
+from draftheads.decoding.base import prefill, verify
+from draftheads.decoding.cache import tree_attention_mask
 from draftheads.decoding.generate import DraftHeadsModel
 from draftheads.decoding.calibration import _synthetic_cache
 

@@ -81,8 +81,9 @@ def test_memory_estimate_grows_with_the_batch():
     one = decode_memory_bytes(MODEL.config, 1, 100, 50, 9, 8)
     eight = decode_memory_bytes(MODEL.config, 8, 100, 50, 9, 8)
     assert eight["kv_cache"] == 8 * one["kv_cache"] and eight["total"] == 8 * one["total"]
-    # KV: 2 (k, v) × 2 layers × 2 kv heads × 8 dims × (100 + 50 + 9) slots × 8 bytes
-    assert one["kv_cache"] == 2 * 2 * 2 * 8 * 159 * 8
+    # KV: 2 (k, v) × 2 kv heads × 8 dims × 8 bytes a slot, × (2 layers × (100 + 50 + 9 slots + the
+    # 256 each keeps ahead) + one layer's 159 held while it grows into a new buffer)
+    assert one["kv_cache"] == 2 * 2 * 8 * 8 * (2 * (159 + 256) + 159)
 
 
 def test_batch_larger_than_memory_is_refused_before_any_work(monkeypatch):

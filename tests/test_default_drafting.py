@@ -157,3 +157,4 @@ def test_merged_default_offers_the_heads_a_larger_tree_and_keeps_the_output(tmp_
     model.policy = FixedTree(tree_for_budget(model.heads, 1))  # a policy set later (the batched bench's) is followed
     model.use_drafts("heads,context")
     assert model.drafter.heads_tree is None
+
