@@ -13,7 +13,7 @@ import torch
 from .decoding.base import cache_root, packing_cache_path, read_packing_cache
 from .heads.hardware import bf16_native, cpu_model, fp16_native, isa_limits
 from .heads.fewrow import kernel_status, load_kernel
-from .heads.linear import PACKED_DTYPES, PATHS, fastest_paths, packing_available
+from .heads.linear import PACKED_DTYPES, PATHS, STACKED_DTYPES, fastest_paths, packing_available
 
 PACKAGES = ("draftheads", "torch", "transformers", "accelerate", "datasets", "huggingface_hub", "safetensors", "numpy")
 
@@ -23,6 +23,14 @@ def version(package: str) -> str:
         return importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:
         return "not installed"
+
+
+def stacking_report() -> str:
+    """The dtypes whose sibling projections may run as one product here (they pack, and stacking
+    is tried for them); each shape and row count still needs a measured win and a bit-identical probe."""
+    dtypes = [str(d).removeprefix("torch.") for d in STACKED_DTYPES if packing_available(d)]
+    return (", ".join(dtypes) + " (where the stacked shape measured faster and a probe finds it bit-identical)"
+            if dtypes else "off (no 16-bit dtype packs here)")
 
 
 def packing_report() -> dict[str, str]:
@@ -61,6 +69,7 @@ def collect() -> dict:
         "ISA limits": ", ".join(f"{k}={v}" for k, v in isa_limits().items()) or "none",
         "native CPU dtypes": ", ".join(native),
         **{f"oneDNN packing, {k}": v for k, v in packing_report().items()},
+        "stacked q/k/v and gate/up products": stacking_report(),
         "few-row float32 kernel": kernel_status(),
         "torch threads": torch.get_num_threads(),
         "cache (DRAFTHEADS_CACHE)": str(cache_root()),

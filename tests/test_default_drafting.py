@@ -17,6 +17,7 @@ from draftheads.decoding.cost import CostModel
 from draftheads.decoding.drafters import STORE_NAME, Candidates, HeadsDrafter, LookupSources, MergedDrafter, WidthChooser
 from draftheads.decoding.drafters.candidates import Source
 from draftheads.decoding.drafters import auto_drafts
+from draftheads.heads.linear import packing_available
 from helpers import OracleHeads, saved_tree_heads, tiny_llama
 
 
@@ -107,7 +108,8 @@ def test_env_reports_what_torch_runs_here(capsys):
     assert info["CPU capability (torch)"] == torch.backends.cpu.get_cpu_capability()
     assert info["torch version"] == torch.__version__
     assert set(info) >= {"oneDNN packing, float32", "oneDNN packing, bfloat16", "native CPU dtypes", "packing cache",
-                         "calibration cache", "GPU", "torch threads"}
+                         "calibration cache", "GPU", "torch threads", "stacked q/k/v and gate/up products"}
+    assert info["stacked q/k/v and gate/up products"].startswith("bfloat16") == packing_available(torch.bfloat16)
     assert "float32" in info["native CPU dtypes"]
 
 
