@@ -338,6 +338,7 @@ class SiblingProduct:
         self.shape = torch.empty((), dtype=first.dtype, device=first.device).expand(sum(self.widths), first.shape[1])
         self.key = shape_key(first.dtype, sum(self.widths), first.shape[1])
         self.member_keys = tuple(shape_key(first.dtype, *m.weight.shape) for m in members)
+        self.member_shapes = tuple(tuple(m.weight.shape) for m in members)
         self._copies = _StackedCopies(members)
         self._input: torch.Tensor | None = None
         self._version = -1
@@ -345,7 +346,7 @@ class SiblingProduct:
 
     def pays(self, rows: int) -> bool:
         return (PLAN.fusion_pays(self.key, self.member_keys, rows)
-                and stacking_exact(self.shape.dtype, tuple(tuple(m.weight.shape) for m in self.members))[row_bucket(rows)])
+                and stacking_exact(self.shape.dtype, self.member_shapes)[row_bucket(rows)])
 
     def bias(self) -> torch.Tensor | None:
         return None if self.members[0].bias is None else torch.cat([m.bias for m in self.members])

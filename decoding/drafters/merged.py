@@ -80,8 +80,8 @@ class MergedDrafter:
     #: what the heads' proposal has been worth (see :meth:`_heads_pay`): ms per call — the median
     #: of the last ``HEADS_MS_WINDOW`` calls, so a cold first call (oneDNN builds a kernel per new
     #: row count: 20-50 ms against ~3 warm) cannot price the heads out for dozens of steps; the
-    #: expected accepted drafts they added to the verified tree per unit of the lookups' first-token
-    #: miss rate, and the verification ms their extra nodes cost (moving averages)
+    #: tokens the base accepted from their nodes per unit of the lookups' first-token miss rate,
+    #: and the verification ms their extra nodes cost (moving averages)
     _heads_ms: float | None = None
     _heads_gain: float | None = None
     _heads_extra_ms: float | None = None
