@@ -14,7 +14,7 @@ import torch
 from draftheads.cli import drafting_line, main as cli_main
 from draftheads.decoding import DraftHeadsModel
 from draftheads.decoding.cost import CostModel
-from draftheads.decoding.drafters import STORE_NAME, Candidates, HeadsDrafter, LookupSources, MergedDrafter, WidthChooser
+from draftheads.decoding.drafters import STORE_NAME, CandidateBatch, Candidates, HeadsDrafter, LookupSources, MergedDrafter, WidthChooser
 from draftheads.decoding.drafters.candidates import Source
 from draftheads.decoding.drafters import auto_drafts
 from draftheads.heads.linear import packing_available
@@ -68,9 +68,9 @@ def merged(ms: float | None, gain: float | None) -> MergedDrafter:
 
 
 def test_the_heads_are_skipped_only_where_a_lookup_match_carries_the_step():
-    confident = [chain([0.97, 0.95, 0.93, 0.9, 0.88, 0.85])]
-    nothing = [Candidates.empty()]
-    weak = [chain([0.2, 0.05])]
+    confident = CandidateBatch.from_rows([chain([0.97, 0.95, 0.93, 0.9, 0.88, 0.85])])
+    nothing = CandidateBatch.from_rows([Candidates.empty()])
+    weak = CandidateBatch.from_rows([chain([0.2, 0.05])])
     assert merged(None, None)._heads_pay(confident, 64)  # not measured yet: the heads propose
     assert not merged(1.0, 1.0)._heads_pay(confident, 64)  # 0.03 of a chain to gain, 1 ms to pay
     assert merged(1.0, 1.0)._heads_pay(nothing, 64)  # the heads are all there is

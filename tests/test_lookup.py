@@ -16,7 +16,7 @@ from draftheads.decoding.drafters import (BigramTable, Candidates, ContextConfig
                                           StoreSource, SuffixAutomaton, TokenizerIdentity, build_arrays, count_trie,
                                           merge, save_store, tokenizer_identity)
 from draftheads.decoding.drafters.store import FORMAT_VERSION, key_bits
-from draftheads.decoding.drafters.candidates import select, select_by_heap
+from draftheads.decoding.drafters.tries import select, select_by_heap
 
 REPO = Path(__file__).resolve().parents[1]
 tokens_st = st.lists(st.integers(0, 3), max_size=60)

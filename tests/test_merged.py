@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from helpers import OracleHeads, left_pad, tiny_llama, trees
 from draftheads.decoding import DraftHeadsModel, tree_from_paths
 from draftheads.decoding.cost import LINEAR_COST, CostModel
-from draftheads.decoding.drafters import (DraftState, HeadsDrafter, MergedDrafter, WidthChooser, build_drafter, cap_depth, parse_drafts)
+from draftheads.decoding.drafters import (DraftState, HeadsDrafter, MergedDrafter, WidthChooser, build_drafter, CandidateBatch, parse_drafts)
 from draftheads.decoding.drafters import Candidates, ContextConfig, LookupConfig, LookupSources
 from draftheads.decoding.drafters.drafts import Drafts
 
@@ -127,9 +127,11 @@ def test_width_chooser_weighs_expected_tokens_against_step_time():
 def test_cap_depth_keeps_a_prefix_closed_trie():
     trie = Candidates.from_lists([-1, 0, 1, -1, 3], [5, 6, 7, 8, 9], [0.9, 0.8, 0.7, 0.6, 0.5], [1] * 5, [2] * 5,
                                  [1.0] * 5)
-    capped = cap_depth(trie, 1)
-    assert capped.token.tolist() == [5, 8] and capped.parent.tolist() == [-1, -1]
-    assert cap_depth(trie, 3) is trie
+    batch = CandidateBatch.from_rows([trie, trie])
+    capped = batch.cap_depth([1, 2]).split()
+    assert capped[0].token.tolist() == [5, 8] and capped[0].parent.tolist() == [-1, -1]
+    assert capped[1].token.tolist() == [5, 6, 8, 9] and capped[1].parent.tolist() == [-1, 0, -1, 2]
+    assert batch.cap_depth([3, 3]) is batch
 
 
 def test_draft_sources_are_checked_with_clear_errors():

@@ -1,5 +1,6 @@
-"""One row's draft candidates as a flat trie, and the merge of several sources into one trie
-under a node budget.
+"""Draft candidates as flat tries: one row's (:class:`Candidates`) and every row's of a step
+at once (:class:`CandidateBatch`). The operations on them — counting continuations into a
+trie, rescoring, merging sources, best-first selection — are in :mod:`.tries`.
 
 Every source (heads, context suffix matches, the model-generated store, the bigram table)
 speaks this format, so the verifier sees one tree whatever proposed it. A node's ``score`` is
@@ -10,8 +11,8 @@ best-first is the same as Medusa's greedy tree search over expected accepted len
 """
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
+from functools import cached_property
 from enum import IntEnum
 from typing import Sequence
 
@@ -117,147 +118,132 @@ class Candidates:
                           self.source[kept], self.bucket[kept], self.share[kept])
 
 
-class TrieBuilder:
-    """Accumulates nodes keyed by (parent, token); used by every source and by :func:`merge`."""
-
-    def __init__(self) -> None:
-        self.index: dict[tuple[int, int], int] = {}
-        self.parent: list[int] = []
-        self.token: list[int] = []
-        self.score: list[float] = []
-        self.source: list[int] = []
-        self.bucket: list[int] = []
-        self.share: list[float] = []
-
-    def add(self, parent: int, token: int, score: float, source: int, bucket: int, share: float) -> int:
-        """Insert or update a node; an existing node keeps the higher score (ties: lower source)."""
-        key = (parent, token)
-        node = self.index.get(key)
-        if node is None:
-            node = len(self.token)
-            self.index[key] = node
-            self.parent.append(parent)
-            self.token.append(token)
-            self.score.append(score)
-            self.source.append(source)
-            self.bucket.append(bucket)
-            self.share.append(share)
-        elif (score, -source) > (self.score[node], -self.source[node]):
-            self.score[node], self.source[node] = score, source
-            self.bucket[node], self.share[node] = bucket, share
-        return node
-
-    def build(self) -> Candidates:
-        return Candidates.from_lists(self.parent, self.token, self.score, self.source, self.bucket, self.share)
+def path_products(c: np.ndarray, parent: np.ndarray, depth: np.ndarray) -> np.ndarray:
+    """(N,) the product of ``c`` (N,) along each root→node path, nodes parents-first (``parent``
+    (N,), -1 = child of the root; ``depth`` (N,)). One array step per depth level, the same
+    multiplications in the same order as a walk from the root (score = c × parent's score)."""
+    score = np.array(c, dtype=np.float64)
+    if score.size == 0 or int(depth.max()) <= 1:
+        return score
+    order = np.argsort(depth, kind="stable")
+    bounds = np.searchsorted(depth[order], np.arange(2, int(depth.max()) + 2))
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        level = order[lo:hi]
+        score[level] = score[level] * score[parent[level]]
+    return score
 
 
-def merge(tries: Sequence[Candidates], budget: int) -> Candidates:
-    """Fuse candidates from several sources into one trie and keep the ``budget`` best nodes.
+@dataclass(frozen=True, eq=False)
+class CandidateBatch:
+    """Every row's candidates of one step as one set of flat arrays, so a step's drafting costs
+    a few array operations however many rows it has (issue: per-row Python drafting ate the
+    steps a large batch's extra τ saved). Nodes are grouped by row (``row`` non-decreasing) and
+    parents-first within a row; ``parent`` indexes this batch. The fields mean what they mean in
+    :class:`Candidates`."""
 
-    Shared prefixes appear once. A node proposed by several sources takes the **maximum** of
-    their scores (and that source's id): each score already estimates the same event (this
-    path is accepted), and the sources are far from independent (the store and the bigram
-    table come from the same answers, a context match often repeats a store match), so a
-    noisy-OR would count the same evidence twice; the max is also still non-increasing along
-    a path, which keeps best-first selection exact.
+    rows: int
+    row: np.ndarray  # (N,) int64, non-decreasing
+    parent: np.ndarray  # (N,) int64, index in this batch (same row, earlier), -1 = child of the root
+    token: np.ndarray  # (N,) int64
+    depth: np.ndarray  # (N,) int32
+    score: np.ndarray  # (N,) float64
+    source: np.ndarray  # (N,) int8
+    bucket: np.ndarray  # (N,) int16
+    share: np.ndarray  # (N,) float64
 
-    Selection is best-first from the root (Medusa's greedy tree search): repeatedly keep the
-    highest-scoring node whose parent is kept, so the result is prefix-closed. Ties break by
-    (depth, source, parent's rank, token) — shallower, more local, earlier parent, smaller id
-    first — so the output is deterministic and independent of the order of ``tries``.
-    The kept nodes come out in selection order (parents first).
-    """
-    if budget < 0:
-        raise ValueError(f"merge: budget must be >= 0, got {budget}.")
-    union = TrieBuilder()
-    for trie in tries:
-        remap = np.empty(len(trie), dtype=np.int64)
-        for i in range(len(trie)):
-            p = int(trie.parent[i])
-            remap[i] = union.add(-1 if p < 0 else int(remap[p]), int(trie.token[i]), float(trie.score[i]),
-                                 int(trie.source[i]), int(trie.bucket[i]), float(trie.share[i]))
-    return select(union.build(), budget)
+    def __len__(self) -> int:
+        return int(self.token.shape[0])
 
+    @classmethod
+    def empty(cls, rows: int) -> "CandidateBatch":
+        none = np.zeros(0, dtype=np.int64)
+        return cls(rows, none, none, none, none.astype(np.int32), none.astype(np.float64), none.astype(np.int8),
+                   none.astype(np.int16), none.astype(np.float64))
 
-def select(trie: Candidates, budget: int) -> Candidates:
-    """Best-first, prefix-closed top-``budget`` of one trie (see :func:`merge`).
+    @classmethod
+    def from_rows(cls, tries: Sequence[Candidates]) -> "CandidateBatch":
+        """One batch from per-row tries (row b = ``tries[b]``)."""
+        sizes = np.array([len(t) for t in tries], dtype=np.int64)
+        offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        row = np.repeat(np.arange(len(tries), dtype=np.int64), sizes)
 
-    Scores never grow along a path (each is a product of conditional rates ≤ 1, or a max of
-    such), and a child is deeper than its parent, so ordering every node by (score descending,
-    depth, source, parent's rank, token) puts each parent before its children: the first
-    ``budget`` nodes of that one sort are the best-first selection, without a heap walk per
-    node. A trie whose scores do grow somewhere (hand-made) takes the heap walk."""
-    if budget <= 0 or len(trie) == 0:
-        return trie.subset([])
-    has_parent = trie.parent >= 0
-    parent = np.maximum(trie.parent, 0)
-    if bool((has_parent & (trie.score > trie.score[parent])).any()):
-        return select_by_heap(trie, budget)
-    # the heap walk's key (score, depth, source, parent's rank, token) is unique and independent
-    # of input order; a parent's rank depends only on shallower nodes, so re-sorting with the
-    # ranks of the previous sort reaches it within depth + 1 sorts (one when no two nodes tie on score, depth and source)
-    parent_rank = np.full(len(trie), -1, dtype=np.int64)
-    order = np.lexsort((trie.token, trie.source, trie.depth, -trie.score))
-    same = ((np.diff(trie.score[order]) == 0) & (np.diff(trie.depth[order]) == 0)
-            & (np.diff(trie.source[order]) == 0))
-    if not bool(same.any()):  # no two nodes tie before the parent's rank: this order is the walk's
-        return trie.subset(order[:budget])
-    for _ in range(int(trie.depth.max()) + 1):
-        order = np.lexsort((trie.token, parent_rank, trie.source, trie.depth, -trie.score))
-        rank = np.empty(len(trie), dtype=np.int64)
-        rank[order] = np.arange(len(trie))
-        ranked = np.where(has_parent, rank[parent], -1)
-        if np.array_equal(ranked, parent_rank):
-            break
-        parent_rank = ranked
-    return trie.subset(order[:budget])
+        def cat(name, dtype):
+            parts = [getattr(t, name) for t in tries]
+            return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype=dtype)
 
+        local = cat("parent", np.int64)
+        parent = np.where(local >= 0, local + offsets[row], -1)
+        return cls(len(tries), row, parent, cat("token", np.int64), cat("depth", np.int32), cat("score", np.float64),
+                   cat("source", np.int8), cat("bucket", np.int16), cat("share", np.float64))
 
-def select_by_heap(trie: Candidates, budget: int) -> Candidates:
-    """Best-first selection by a walk from the root: keep the best node whose parent is kept."""
-    children: dict[int, list[int]] = {}
-    for i in range(len(trie)):
-        children.setdefault(int(trie.parent[i]), []).append(i)
+    def starts(self) -> np.ndarray:
+        """(rows,) index of each row's first node."""
+        return self._layout[0]
 
-    def entry(i: int, parent_rank: int) -> tuple:
-        # (parent's selection rank, token) is unique in a trie and independent of input order
-        return (-float(trie.score[i]), int(trie.depth[i]), int(trie.source[i]), parent_rank, int(trie.token[i]), i)
+    def sizes(self) -> np.ndarray:
+        """(rows,) nodes per row."""
+        return self._layout[1]
 
-    frontier = [entry(i, -1) for i in children.get(-1, [])]
-    heapq.heapify(frontier)
-    kept: list[int] = []
-    while frontier and len(kept) < budget:
-        node = heapq.heappop(frontier)[-1]
-        kept.append(node)
-        for child in children.get(node, []):
-            heapq.heappush(frontier, entry(child, len(kept) - 1))
-    return trie.subset(kept)
+    @cached_property
+    def _layout(self) -> tuple[np.ndarray, np.ndarray]:
+        sizes = np.bincount(self.row, minlength=self.rows).astype(np.int64)
+        return np.cumsum(sizes) - sizes, sizes
 
+    def split(self) -> list[Candidates]:
+        """The per-row tries (views of these arrays, parents renumbered within the row)."""
+        starts, sizes = self.starts(), self.sizes()
+        local = np.where(self.parent >= 0, self.parent - starts[self.row], -1).astype(np.int32)
+        out = []
+        for s, n in zip(starts.tolist(), sizes.tolist()):
+            cut = slice(s, s + n)
+            out.append(Candidates(local[cut], self.token[cut], self.depth[cut], self.score[cut], self.source[cut],
+                                  self.bucket[cut], self.share[cut]))
+        return out
 
-def count_trie(continuations: Sequence[Sequence[int]], source: int, bucket: int, q: float) -> Candidates:
-    """A trie of empirical continuations. A node's share = count(node) / count(parent); its
-    score = Π over its path of (q × share), ``q`` ≈ P(a top-share token is accepted | its parent
-    was) for this source and match length (see :mod:`.hitrate`). One dict probe per token:
-    O(Σ lengths), nodes in first-seen order (deterministic for a given input order)."""
-    index: dict[tuple[int, int], int] = {}
-    parent: list[int] = []
-    token: list[int] = []
-    count: list[int] = []
-    for seq in continuations:
-        node = -1
-        for t in seq:
-            child = index.get((node, t))
-            if child is None:
-                child = index[(node, t)] = len(token)
-                parent.append(node)
-                token.append(t)
-                count.append(0)
-            count[child] += 1
-            node = child
-    total = len(continuations)
-    share = [c / (total if p < 0 else count[p]) for p, c in zip(parent, count)]
-    score: list[float] = []
-    for p, s in zip(parent, share):
-        score.append((1.0 if p < 0 else score[p]) * q * s)
-    n = len(token)
-    return Candidates.from_lists(parent, token, score, [source] * n, [min(bucket, BUCKET_STRIDE - 1)] * n, share)
+    def with_scores(self, score: np.ndarray) -> "CandidateBatch":
+        return CandidateBatch(self.rows, self.row, self.parent, self.token, self.depth,
+                              np.asarray(score, dtype=np.float64), self.source, self.bucket, self.share)
+
+    def take(self, kept: np.ndarray) -> "CandidateBatch":
+        """The nodes ``kept`` (indices grouped by row, each node's parent kept before it), in that
+        order, parents renumbered (:meth:`Candidates.subset` for every row at once)."""
+        kept = np.asarray(kept, dtype=np.int64).reshape(-1)
+        renumber = np.full(len(self), -1, dtype=np.int64)
+        renumber[kept] = np.arange(kept.size)
+        old_parent = self.parent[kept]
+        parent = np.where(old_parent < 0, -1, renumber[np.maximum(old_parent, 0)])
+        if bool(((old_parent >= 0) & ((parent < 0) | (parent >= np.arange(kept.size)))).any()):
+            raise ValueError("CandidateBatch.take: every kept node's parent must be kept before it.")
+        return CandidateBatch(self.rows, self.row[kept], parent, self.token[kept], self.depth[kept], self.score[kept],
+                              self.source[kept], self.bucket[kept], self.share[kept])
+
+    def rank_in_row(self) -> np.ndarray:
+        """(N,) each node's position within its row."""
+        return np.arange(len(self), dtype=np.int64) - self.starts()[self.row]
+
+    def first(self, count: np.ndarray | int) -> "CandidateBatch":
+        """Each row's first ``count`` (scalar or (rows,)) nodes: in best-first order, the best."""
+        count = np.broadcast_to(np.asarray(count, dtype=np.int64), (self.rows,))
+        return self.take(np.flatnonzero(self.rank_in_row() < count[self.row]))
+
+    def cap_depth(self, room: Sequence[int]) -> "CandidateBatch":
+        """Without the nodes deeper than their row's ``room`` (rows near their token limit)."""
+        room = np.asarray(room, dtype=np.int64)
+        if len(self) == 0 or bool((self.depth <= room[self.row]).all()):
+            return self
+        return self.take(np.flatnonzero(self.depth <= room[self.row]))
+
+    def first_scores(self) -> np.ndarray:
+        """(rows,) each row's best depth-1 score (0 where a row has none)."""
+        best = np.zeros(self.rows)
+        top = self.depth == 1
+        np.maximum.at(best, self.row[top], self.score[top])
+        return best
+
+    def score_block(self, width: int) -> np.ndarray:
+        """(rows, width) each row's first ``width`` scores, zero-padded (what the width chooser reads)."""
+        block = np.zeros((self.rows, width))
+        rank = self.rank_in_row()
+        keep = rank < width
+        block[self.row[keep], rank[keep]] = self.score[keep]
+        return block

@@ -24,8 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from .candidates import Candidates, Source, count_trie, select
-from .hitrate import default_q
+from .candidates import CandidateBatch, Candidates, Source
+from .tries import continuation_tries
 
 
 @dataclass(frozen=True)
@@ -152,14 +152,23 @@ class ContextSource:
     def extend(self, tokens: Sequence[int]) -> None:
         self.index.extend(tokens)
 
+    def continuations(self, budget: int) -> tuple[int, list[list[int]]]:
+        """(match length, the continuations of the most recent occurrences of the longest match),
+        each at most ``budget`` tokens: a chain deeper than the budget could never be kept whole."""
+        n, starts = self.index.match()
+        if n == 0 or budget <= 0:
+            return 0, []
+        cfg = self.config
+        return n, continuations(self.index.tokens, starts[:cfg.max_occurrences], min(cfg.max_depth, budget),
+                                cfg.eos_token_id)
+
     def propose(self, budget: int, q: float | None = None) -> Candidates:
         """Up to ``budget`` nodes: branches from the most recent occurrences of the longest
         match; ``q`` = per-token calibration for this match length (default: the prior)."""
-        n, starts = self.index.match()
-        if n == 0 or budget <= 0:
-            return Candidates.empty()
-        cfg = self.config
-        # a chain deeper than the budget could never be kept whole: do not build it
-        seqs = continuations(self.index.tokens, starts[:cfg.max_occurrences], min(cfg.max_depth, budget),
-                             cfg.eos_token_id)
-        return select(count_trie(seqs, Source.CONTEXT, n, default_q(Source.CONTEXT, n) if q is None else q), budget)
+        return ContextSource.propose_rows([self], budget, q).split()[0]
+
+    @staticmethod
+    def propose_rows(sources: Sequence["ContextSource | None"], budget: int, q: float | None = None) -> CandidateBatch:
+        """Every row's :meth:`propose` at once (``None``: a row that does not ask this source)."""
+        found = [(row, *s.continuations(budget)) for row, s in enumerate(sources) if s is not None]
+        return continuation_tries(found, len(sources), Source.CONTEXT, budget, q)

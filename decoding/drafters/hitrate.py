@@ -17,7 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .candidates import BUCKET_STRIDE, Candidates, Source
+from .candidates import BUCKET_STRIDE, CandidateBatch, Candidates, Source, path_products
 
 
 def default_q(source: Source, bucket: int) -> float:
@@ -80,7 +80,7 @@ class HitRate:
         k = self.config.strength
         return float((self.accepted[source, b] + k * self.prior[source, b]) / (self.proposed[source, b] + k))
 
-    def conditional(self, trie: Candidates) -> np.ndarray:
+    def conditional(self, trie: Candidates | CandidateBatch) -> np.ndarray:
         """(N,) c per node = min(1, q × share)."""
         b = self.key(trie.bucket)
         s = trie.source.astype(np.int64)
@@ -88,33 +88,36 @@ class HitRate:
         q = (self.accepted[s, b] + k * self.prior[s, b]) / (self.proposed[s, b] + k)
         return np.minimum(1.0, q * trie.share)
 
-    def rescore(self, trie: Candidates) -> Candidates:
-        """The same trie with score = Π c along each path (parents come first)."""
-        c = self.conditional(trie)
-        score = np.empty(len(trie))
-        for i in range(len(trie)):
-            p = int(trie.parent[i])
-            score[i] = c[i] * (1.0 if p < 0 else score[p])
-        return trie.with_scores(score)
+    def rescore(self, trie: Candidates | CandidateBatch) -> Candidates | CandidateBatch:
+        """The same trie (or every row's) with score = Π c along each path."""
+        return trie.with_scores(path_products(self.conditional(trie), trie.parent, trie.depth))
 
     def observe(self, row: int, proposed: Candidates, accepted_tokens: Sequence[int]) -> int:
-        """Update from one verification: ``accepted_tokens`` are the draft tokens the base
-        accepted this step, root-side first (the bonus token excluded). Returns how many of
-        the proposed nodes lie on the accepted path."""
-        accepted = np.zeros(len(proposed), dtype=bool)
-        keys = self.key(proposed.bucket).tolist()
-        hits = 0
-        for i in range(len(proposed)):
-            p = int(proposed.parent[i])
-            if p >= 0 and not accepted[p]:
-                continue  # not eligible: its parent was rejected
-            d = int(proposed.depth[i])
-            s, b = int(proposed.source[i]), keys[i]
-            self.proposed[s, b] += float(proposed.share[i])
-            if d <= len(accepted_tokens) and int(proposed.token[i]) == int(accepted_tokens[d - 1]):
-                accepted[i] = True
-                self.accepted[s, b] += 1.0
-                hits += 1
-        self.row_steps[row] = self.row_steps.get(row, 0) + 1
-        self.row_accepted[row] = self.row_accepted.get(row, 0) + hits
+        """One row's :meth:`observe_rows`."""
+        return int(self.observe_rows([row], CandidateBatch.from_rows([proposed]), [accepted_tokens])[0])
+
+    def observe_rows(self, rows: Sequence[int], proposed: CandidateBatch,
+                     accepted_tokens: Sequence[Sequence[int]]) -> np.ndarray:
+        """Update from one verification of every row: ``accepted_tokens[b]`` are the draft tokens
+        the base accepted in row b (the caller's ``rows[b]``), root-side first (the bonus token
+        excluded). A node counts when it was *eligible* (its parent accepted): Σ share proposed,
+        and 1 accepted when its token is the accepted one at its depth. Returns (B,) how many of
+        each row's proposed nodes lie on the accepted path."""
+        longest = max((len(a) for a in accepted_tokens), default=0)
+        taken = np.full((proposed.rows, longest + 1), -1, dtype=np.int64)  # a last column of -1: past the path
+        for b, tokens in enumerate(accepted_tokens):
+            taken[b, : len(tokens)] = tokens
+        depth = np.minimum(proposed.depth.astype(np.int64), longest + 1) - 1
+        match = (proposed.token == taken[proposed.row, depth]) & (proposed.depth <= longest)
+        on_path = path_products(match.astype(np.float64), proposed.parent, proposed.depth) > 0
+        has_parent = proposed.parent >= 0
+        eligible = ~has_parent | on_path[np.maximum(proposed.parent, 0)]
+        source = proposed.source.astype(np.int64)
+        keys = self.key(proposed.bucket)
+        np.add.at(self.proposed, (source[eligible], keys[eligible]), proposed.share[eligible])
+        np.add.at(self.accepted, (source[on_path], keys[on_path]), 1.0)
+        hits = np.bincount(proposed.row[on_path], minlength=proposed.rows)
+        for row, n in zip(rows, hits.tolist()):
+            self.row_steps[row] = self.row_steps.get(row, 0) + 1
+            self.row_accepted[row] = self.row_accepted.get(row, 0) + n
         return hits

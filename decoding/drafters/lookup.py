@@ -3,19 +3,23 @@ store / stats sources (each a :class:`~.interface.LookupSource`), one shared :cl
 and the merge — what the merged drafter (:mod:`.merged`) wraps.
 
 Rows are keyed by the caller's ids (a row keeps its id while others finish), so nothing here
-depends on the batch layout. Each step: :meth:`propose` a trie per row, verify, then
-:meth:`observe` the accepted draft tokens and :meth:`extend` with everything emitted.
+depends on the batch layout. Each step: :meth:`tries_rows` (every source's tries for every live
+row at once, one :class:`~.candidates.CandidateBatch` per source), verify, then
+:meth:`observe_rows` the accepted draft tokens and :meth:`extend` with everything emitted.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from .candidates import Candidates, merge
+import numpy as np
+
+from .candidates import CandidateBatch, Candidates
 from .context_source import ContextConfig, ContextSource
 from .hitrate import HitRate
 from .stats import BigramTable, StatsConfig, StatsSource
 from .store import ModelStore, StoreConfig, StoreSource
+from .tries import merge
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,8 @@ class SourceRecord:
 
 #: the lookup sources, most local first (Hierarchy Drafting's order)
 LOOKUP_SOURCES = ("context", "store", "stats")
+#: each source's class: its ``propose_rows`` drafts for every row of a step at once
+SOURCE_CLASSES = {"context": ContextSource, "store": StoreSource, "stats": StatsSource}
 
 
 class LookupSources:
@@ -66,13 +72,13 @@ class LookupSources:
         self.hitrate = hitrate if hitrate is not None else HitRate()
         self.rows: dict[int, list] = {}
         self.records: dict[int, list[SourceRecord]] = {}  # per row, per source: steps proposed, steps hit
-        self._last: dict[int, list[Candidates]] = {}  # per row: each source's trie of the last step
+        self._last: tuple[list[int], list[CandidateBatch]] = ([], [])  # the last step's rows and each source's tries
 
     def reset(self) -> None:
         """Forget every row (a new request)."""
         self.rows.clear()
         self.records.clear()
-        self._last.clear()
+        self._last = ([], [])
 
     def start(self, row: int, prompt: Sequence[int]) -> None:
         """Seed a row with its prompt (each source indexes it once)."""
@@ -82,7 +88,6 @@ class LookupSources:
                 "stats": lambda: StatsSource(self.table, prompt, cfg.stats)}
         self.rows[row] = [make[name]() for name in self.sources]
         self.records[row] = [SourceRecord() for _ in self.sources]
-        self._last[row] = []
 
     def extend(self, row: int, tokens: Sequence[int]) -> None:
         for source in self.rows[row]:
@@ -94,28 +99,52 @@ class LookupSources:
         return [name for name, record in zip(self.sources, self.records[row])
                 if limit and name in STATIC_SOURCES and record.steps >= limit and record.hits == 0]
 
+    def tries_rows(self, rows: Sequence[int], budget: int) -> list[CandidateBatch]:
+        """Each source's tries for ``rows`` (up to ``budget`` nodes a row), every row at once and
+        rescored on the P(accepted) scale; a muted source proposes nothing for that row (and
+        costs nothing)."""
+        muted = {row: self.muted(row) for row in rows}
+        batches = []
+        for k, name in enumerate(self.sources):
+            asked = [None if name in muted[row] else self.rows[row][k] for row in rows]
+            batches.append(self.hitrate.rescore(SOURCE_CLASSES[name].propose_rows(asked, budget)))
+        self._last = (list(rows), batches)
+        return batches
+
     def tries(self, row: int, budget: int) -> list[Candidates]:
-        """Each source's trie (up to ``budget`` nodes) rescored on the P(accepted) scale; a
-        muted source proposes nothing (and costs nothing)."""
-        muted = self.muted(row)
-        self._last[row] = [Candidates.empty() if name in muted else self.hitrate.rescore(s.propose(budget))
-                           for name, s in zip(self.sources, self.rows[row])]
-        return self._last[row]
+        """One row's :meth:`tries_rows`: each source's trie."""
+        return [batch.split()[0] for batch in self.tries_rows([row], budget)]
 
     def propose(self, row: int, budget: int) -> Candidates:
         """The sources' tries merged to ``budget`` nodes."""
         return merge(self.tries(row, budget), budget)
 
+    def observe_rows(self, rows: Sequence[int], proposed: CandidateBatch,
+                     accepted_tokens: Sequence[Sequence[int]]) -> np.ndarray:
+        """Calibrate the hit rates on what each row's tree proposed (``proposed`` row b is the
+        caller's ``rows[b]``); count, per source and row, the steps it proposed on and those its
+        own trie held the first accepted draft. Returns (B,) each row's accepted proposed nodes."""
+        step_rows, batches = self._last
+        index = {row: b for b, row in enumerate(step_rows)}
+        first = np.full(len(step_rows), -1, dtype=np.int64)
+        for row, tokens in zip(rows, accepted_tokens):
+            if tokens and row in index:
+                first[index[row]] = int(tokens[0])
+        observed = [index[row] for row in rows if row in index]
+        for k, batch in enumerate(batches):
+            hit = (batch.depth == 1) & (batch.token == first[batch.row])
+            steps = batch.sizes()[observed] > 0
+            hits = np.bincount(batch.row[hit], minlength=len(step_rows))[observed] > 0
+            for b, stepped, held in zip(observed, steps.tolist(), hits.tolist()):
+                record = self.records[step_rows[b]][k]
+                record.steps += stepped
+                record.hits += held
+        return self.hitrate.observe_rows(rows, proposed, accepted_tokens)
+
     def observe(self, row: int, proposed: Candidates, accepted_tokens: Sequence[int]) -> int:
-        """Calibrate the hit rates on what the tree proposed; count, per source, the steps it
-        proposed on and those its own trie held the first accepted draft."""
-        for trie, record in zip(self._last.get(row, []), self.records.get(row, [])):
-            if len(trie):
-                record.steps += 1
-                record.hits += bool(accepted_tokens) and bool((trie.token[trie.depth == 1] == accepted_tokens[0]).any())
-        return self.hitrate.observe(row, proposed, accepted_tokens)
+        """One row's :meth:`observe_rows`."""
+        return int(self.observe_rows([row], CandidateBatch.from_rows([proposed]), [accepted_tokens])[0])
 
     def drop(self, row: int) -> None:
         self.rows.pop(row, None)
         self.records.pop(row, None)
-        self._last.pop(row, None)

@@ -16,12 +16,13 @@ import numpy as np
 from ...heads import DraftHeads
 from ..cost import LINEAR_COST
 from ..tree import Tree
-from .candidates import Candidates, Source, merge
+from .candidates import CandidateBatch, Candidates, Source
 from .drafts import Drafts
-from .heads_drafter import head_trie
+from .heads_drafter import heads_batch
 from .lookup import LookupConfig, LookupSources
 from .interface import DraftState
 from .review import review
+from .tries import merge_rows
 from .width import WidthChooser
 
 if TYPE_CHECKING:
@@ -33,23 +34,15 @@ def moving_average(previous: float | None, value: float, weight: float = 0.2) ->
     return value if previous is None else (1.0 - weight) * previous + weight * value
 
 
-def cap_depth(trie: Candidates, max_depth: int) -> Candidates:
-    """The trie without nodes deeper than ``max_depth`` (a row near its token limit); still
-    prefix-closed and in order, since depth grows along every path."""
-    if len(trie) == 0 or int(trie.depth.max()) <= max_depth:
-        return trie
-    return trie.subset(np.flatnonzero(trie.depth <= max_depth))
-
-
-def first_score(trie: Candidates) -> float:
-    """The best depth-1 node's calibrated P(accepted) (0 for an empty trie)."""
-    return float(trie.score[trie.depth == 1].max()) if len(trie) else 0.0
-
-
-def expected_tokens(tries: Sequence[Candidates], width: int) -> float:
-    """Expected tokens of a step that verifies each trie's first ``width`` − 1 nodes (best-first
+def expected_tokens(tries: CandidateBatch, width: int) -> float:
+    """Expected tokens of a step that verifies each row's first ``width`` − 1 nodes (best-first
     order), the root's token included: Σ_rows 1 + Σ kept scores."""
-    return sum(1.0 + float(t.score[: width - 1].sum()) for t in tries)
+    return tries.rows + float(tries.score_block(width - 1).sum())
+
+
+def width_scores(tries: CandidateBatch) -> np.ndarray:
+    """(B, K) the rows' best-first scores as the width chooser reads them."""
+    return tries.score_block(int(tries.sizes().max(initial=0)))
 
 
 #: how many of the heads' latest proposal times their cost estimate is the median of
@@ -76,7 +69,8 @@ class MergedDrafter:
     lookup_nodes: int = 16
     review: bool = False
     _seen: dict[int, int] = field(default_factory=dict)
-    _proposed: list[Candidates] = field(default_factory=list)
+    _proposed: list[Candidates] = field(default_factory=list)  # the last step's tries, per row
+    _proposed_rows: CandidateBatch | None = None  # the same, as one batch
     #: what the heads' proposal has been worth (see :meth:`_heads_pay`): ms per call — the median
     #: of the last ``HEADS_MS_WINDOW`` calls, so a cold first call (oneDNN builds a kernel per new
     #: row count: 20-50 ms against ~3 warm) cannot price the heads out for dozens of steps; the
@@ -98,6 +92,7 @@ class MergedDrafter:
     #: sets a larger one than the heads-alone default (``MERGED_OFFER_SCALE`` in
     #: :mod:`draftheads.decoding.generate`): the width chooser verifies only what pays of it
     heads_tree: Tree | None = None
+    _alone_step: tuple | None = None  # (tries, ctx, (width, expected tokens, ms)) of :meth:`_lookups_step`
 
     def start(self, prompts: Sequence[Sequence[int]]) -> None:
         self.lookup.reset()
@@ -111,62 +106,66 @@ class MergedDrafter:
             tree = self.heads_tree
         tree = tree.fitting(min(state.room))
         budget = tree.num_nodes - 1 + self.lookup_nodes
-        lookups = []
         for row in state.rows:
             new = state.generated[row][self._seen[row]:]  # what the row emitted since it last drafted
             if new:
                 self.lookup.extend(row, new)
                 self._seen[row] += len(new)
-            lookups.append(self.lookup.tries(row, self.lookup_nodes))
+        parts = self.lookup.tries_rows(state.rows, self.lookup_nodes)
         if self.review and self.heads is not None:
-            lookups = [[trie] for trie in review(self.heads, state, [merge(parts, self.lookup_nodes) for parts in lookups],
-                                                 self.lookup.hitrate)]
-        tries = [cap_depth(merge(parts, budget), room) for parts, room in zip(lookups, state.room)]
+            reviewed = review(self.heads, state, merge_rows(parts, self.lookup_nodes).split(), self.lookup.hitrate)
+            parts = [CandidateBatch.from_rows(reviewed)]
+        tries = merge_rows(parts, budget).cap_depth(state.room)
         ctx = state.context_length
         width, self._misses = None, 0.0
         if self.heads is not None and tree.num_nodes > 1 and self._heads_pay(tries, ctx):
             started = time.perf_counter()
             tokens, probs = self.heads.propose(state.hidden, state.roots, tree.spec, with_probs=True)
-            head_tokens, head_probs = tokens.tolist(), probs.tolist()
-            heads = [self.lookup.hitrate.rescore(head_trie(tree, head_tokens[b], head_probs[b]))
-                     for b in range(len(tries))]
+            heads = self.lookup.hitrate.rescore(heads_batch(tree, tokens, probs))
             self._heads_times.append((time.perf_counter() - started) * 1e3)
             self._heads_ms = float(np.median(self._heads_times))
             alone = tries
             # the lookups' tries are merged already: the best ``budget`` of (their union + the
             # heads') are among (their best ``budget``) + the heads' (a node never outranks its parent)
-            tries = [cap_depth(merge([t, h], budget), room) for t, h, room in zip(tries, heads, state.room)]
-            width = self.width.choose([t.score for t in tries], ctx)
+            tries = merge_rows([tries, heads], budget).cap_depth(state.room)
+            width = self.width.choose(width_scores(tries), ctx)
             self._learn_heads_worth(alone, tries, width, ctx)
             self.heads_steps += 1
             self._skipped_in_a_row = 0
         elif self.heads is not None and tree.num_nodes > 1:
             self.skipped_heads_steps += 1
             self._skipped_in_a_row += 1
-        if width is None:
-            width = self.width.choose([t.score for t in tries], ctx)
+        if width is None:  # the lookups' own step, when :meth:`_heads_pay` priced it already
+            cached = self._alone_step is not None and self._alone_step[0] is tries and self._alone_step[1] == ctx
+            width = self._alone_step[2][0] if cached else self.width.choose(width_scores(tries), ctx)
         # best-first order: the first width−1 nodes of each trie are a prefix-closed tree
-        self._proposed = [t if len(t) < width else t.subset(range(width - 1)) for t in tries]
+        self._proposed_rows = tries.first(width - 1)
+        self._proposed = self._proposed_rows.split()
         return Drafts.from_rows(state.roots, [t.parent.tolist() for t in self._proposed],
                                 [t.token.tolist() for t in self._proposed])
 
-    def _lookups_step(self, tries: Sequence[Candidates], ctx: int) -> tuple[int, float, float]:
-        """The step the lookups' tries alone would make: (width, expected tokens, ms)."""
-        width = self.width.choose([t.score for t in tries], ctx)
-        return width, expected_tokens(tries, width), self.width.cost.step_ms(len(tries), width, ctx)
+    def _lookups_step(self, tries: CandidateBatch, ctx: int) -> tuple[int, float, float]:
+        """The step the lookups' tries alone would make: (width, expected tokens, ms); asked by
+        :meth:`_heads_pay` and again by :meth:`_learn_heads_worth` for the same tries, so kept."""
+        if self._alone_step is not None and self._alone_step[0] is tries and self._alone_step[1] == ctx:
+            return self._alone_step[2]
+        width = self.width.choose(width_scores(tries), ctx)
+        step = (width, expected_tokens(tries, width), self.width.cost.step_ms(tries.rows, width, ctx))
+        self._alone_step = (tries, ctx, step)
+        return step
 
-    def _learn_heads_worth(self, alone: Sequence[Candidates], merged: Sequence[Candidates], width: int, ctx: int) -> None:
+    def _learn_heads_worth(self, alone: CandidateBatch, merged: CandidateBatch, width: int, ctx: int) -> None:
         """On a step the heads propose in: what their extra nodes cost to verify (ms, a moving
         average), and the lookups' first-token miss rate their gain is counted against once the
         base has verified the step (:meth:`observe`)."""
         if self.width.cost is LINEAR_COST:
             return
         _, _, alone_ms = self._lookups_step(alone, ctx)
-        self._misses = max(sum(1.0 - first_score(t) for t in alone), 1e-3)
-        extra_ms = self.width.cost.step_ms(len(merged), width, ctx) - alone_ms
+        self._misses = max(float((1.0 - alone.first_scores()).sum()), 1e-3)
+        extra_ms = self.width.cost.step_ms(merged.rows, width, ctx) - alone_ms
         self._heads_extra_ms = moving_average(self._heads_extra_ms, max(0.0, extra_ms))
 
-    def _heads_pay(self, tries: Sequence[Candidates], ctx: int) -> bool:
+    def _heads_pay(self, tries: CandidateBatch, ctx: int) -> bool:
         """Whether the heads' proposal is worth its time this step, given the lookups' tries.
 
         The heads draft below the root only, so where a lookup's first token is accepted with
@@ -182,14 +181,13 @@ class MergedDrafter:
                 or self._skipped_in_a_row >= self.recheck_heads_every):
             return True  # LINEAR_COST is relative, not ms: no step time to weigh the heads' ms against
         _, expected, step_ms = self._lookups_step(tries, ctx)
-        gain = sum(1.0 - first_score(t) for t in tries) * self._heads_gain
+        gain = float((1.0 - tries.first_scores()).sum()) * self._heads_gain
         return (expected + gain) * step_ms > expected * (step_ms + self._heads_ms + (self._heads_extra_ms or 0.0))
 
     def observe(self, drafts: Drafts, result: Acceptance, rows: Sequence[int]) -> None:
         """Each row's accepted drafts calibrate the hit rates of the sources that proposed them."""
         accepted = drafts.accepted_tokens(result.path, result.accepted)
-        for b, row in enumerate(rows):
-            self.lookup.observe(row, self._proposed[b], accepted[b])
+        self.lookup.observe_rows(rows, self._proposed_rows, accepted)
         if self._misses > 0:  # the heads proposed in this step: count what the base took from them
             slots = result.path.tolist()
             bought = sum(int((self._proposed[b].source[[s - 1 for s in slots[b][1: 1 + n]]] == Source.HEADS).sum())

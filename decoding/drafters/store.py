@@ -28,8 +28,9 @@ import numpy as np
 from ...heads.atomic import atomic_file
 from ...heads.errors import DraftheadsError
 from ...heads.hardware import available_ram_bytes
-from .candidates import Candidates, Source, count_trie, select
+from .candidates import CandidateBatch, Candidates, Source
 from .hitrate import default_q
+from .tries import best_nodes, count_rows
 
 FORMAT = "draftheads-lookup-store"
 FORMAT_VERSION = 1
@@ -311,31 +312,59 @@ class ModelStore:
     def match(self, history: Sequence[int], min_match: int = 1) -> tuple[int, int, int]:
         """(m, lo, hi): the longest suffix of ``history`` (m ≤ n) present in the store and its
         key range; (0, 0, 0) if none or the history is shorter than ``min_match``."""
-        bits, n = self.header.bits, self.header.n
-        for m in range(min(n, len(history)), max(min_match, 1) - 1, -1):
-            shift = bits * (n - m)
-            prefix = pack_suffix(history, m, bits)
-            lo = int(np.searchsorted(self.keys, np.uint64(prefix << shift), side="left"))
-            hi = int(np.searchsorted(self.keys, np.uint64(((prefix + 1) << shift) - 1), side="right"))
-            if hi > lo:
-                return m, lo, hi
-        return 0, 0, 0
+        m, lo, hi = self.match_many([history], min_match)
+        return int(m[0]), int(lo[0]), int(hi[0])
 
-    def continuations(self, lo: int, hi: int, config: StoreConfig) -> list[list[int]]:
-        """Up to ``max_occurrences`` continuations, sampled evenly over the range so shares
-        estimate the whole range's frequencies."""
-        k = min(config.max_occurrences, hi - lo)
-        picks = np.unique(np.linspace(lo, hi - 1, k).round().astype(np.int64))
-        out = []
-        for start in self.positions[picks].tolist():
-            seq = self.tokens[start:start + config.max_depth].tolist()
-            if SEPARATOR in seq:
-                seq = seq[:seq.index(SEPARATOR)]
-            if config.eos_token_id is not None and config.eos_token_id in seq:
-                seq = seq[:seq.index(config.eos_token_id) + 1]
-            if seq:
-                out.append(seq)
+    def match_many(self, histories: Sequence[Sequence[int]], min_match: int = 1) -> tuple[np.ndarray, ...]:
+        """:meth:`match` for many histories: (R,) match lengths, (R,) lo, (R,) hi — every
+        candidate suffix of every history in two ``searchsorted`` calls."""
+        bits, n = self.header.bits, self.header.n
+        lo_keys, hi_keys, owner, length = [], [], [], []
+        for r, history in enumerate(histories):
+            for m in range(min(n, len(history)), max(min_match, 1) - 1, -1):  # longest first
+                shift = bits * (n - m)
+                prefix = pack_suffix(history, m, bits)
+                lo_keys.append(prefix << shift)
+                hi_keys.append(((prefix + 1) << shift) - 1)
+                owner.append(r)
+                length.append(m)
+        out = tuple(np.zeros(len(histories), dtype=np.int64) for _ in range(3))
+        if not owner:
+            return out
+        lo = np.searchsorted(self.keys, np.array(lo_keys, dtype=np.uint64), side="left")
+        hi = np.searchsorted(self.keys, np.array(hi_keys, dtype=np.uint64), side="right")
+        found = np.flatnonzero(hi > lo)
+        rows, first = np.unique(np.asarray(owner)[found], return_index=True)  # each history's longest match
+        best = found[first]
+        for array, values in zip(out, (np.asarray(length)[best], lo[best], hi[best])):
+            array[rows] = values
         return out
+
+    def continuations(self, lo: np.ndarray, hi: np.ndarray, config: StoreConfig) -> tuple[np.ndarray, ...]:
+        """Up to ``max_occurrences`` continuations of each key range (lo (R,), hi (R,); an empty
+        range gives none), sampled evenly over the range so shares estimate the whole range's
+        frequencies, each cut before its answer's end and after EOS: ((S, max_depth) tokens,
+        (S,) lengths ≥ 1, (S,) the range each came from)."""
+        lo, hi = np.asarray(lo, dtype=np.int64), np.asarray(hi, dtype=np.int64)
+        k = np.minimum(config.max_occurrences, np.maximum(hi - lo, 0))
+        owner = np.repeat(np.arange(k.size), k)
+        j = np.arange(owner.size) - np.repeat(np.cumsum(k) - k, k)
+        step = (hi - 1 - lo) / np.maximum(k - 1, 1)
+        picks = np.round(lo[owner] + j * step[owner]).astype(np.int64)
+        starts = self.positions[picks].astype(np.int64)
+        at = starts[:, None] + np.arange(config.max_depth)
+        window = np.where(at < self.tokens.size, self.tokens[np.minimum(at, self.tokens.size - 1)], SEPARATOR)
+        window = window.astype(np.int64)
+        length = first_true(window == SEPARATOR, config.max_depth)
+        if config.eos_token_id is not None:
+            length = np.minimum(length, first_true(window == config.eos_token_id, config.max_depth - 1) + 1)
+        keep = length > 0
+        return window[keep], length[keep], owner[keep]
+
+
+def first_true(mask: np.ndarray, default: int) -> np.ndarray:
+    """(S,) the first True column of each row of ``mask`` (S, D), ``default`` where none."""
+    return np.where(mask.any(axis=1), mask.argmax(axis=1), default) if mask.size else np.full(mask.shape[0], default)
 
 
 class StoreSource:
@@ -350,12 +379,24 @@ class StoreSource:
         self.tail = (self.tail + [int(t) for t in tokens])[-self.store.header.n:]
 
     def propose(self, budget: int, q: float | None = None) -> Candidates:
-        if budget <= 0:
-            return Candidates.empty()
-        m, lo, hi = self.store.match(self.tail, self.config.min_match)
-        if m == 0:
-            return Candidates.empty()
-        cfg = self.config
-        seqs = self.store.continuations(lo, hi, replace(cfg, max_depth=min(cfg.max_depth, budget)))
-        trie = count_trie(seqs, Source.STORE, m, default_q(Source.STORE, m) if q is None else q)
-        return select(trie, budget)
+        return StoreSource.propose_rows([self], budget, q).split()[0]
+
+    @staticmethod
+    def propose_rows(sources: Sequence["StoreSource | None"], budget: int, q: float | None = None) -> CandidateBatch:
+        """Every row's proposal at once (``None``: a row that does not ask the store): the
+        longest store match of each row's tail, its sampled continuations counted into a trie
+        (``q`` = the prior for the match length unless given), the ``budget`` best nodes kept.
+        The rows share one store and configuration."""
+        live = [(row, s) for row, s in enumerate(sources) if s is not None]
+        if budget <= 0 or not live:
+            return CandidateBatch.empty(len(sources))
+        store, cfg = live[0][1].store, live[0][1].config
+        m, lo, hi = store.match_many([s.tail for _, s in live], cfg.min_match)
+        seqs, lengths, owner = store.continuations(lo, hi, replace(cfg, max_depth=min(cfg.max_depth, budget)))
+        if not lengths.size:
+            return CandidateBatch.empty(len(sources))
+        rows = np.array([row for row, _ in live], dtype=np.int64)
+        bucket = np.zeros(len(sources), dtype=np.int64)
+        bucket[rows] = m
+        qs = np.array([default_q(Source.STORE, int(b)) if q is None else q for b in bucket.tolist()])
+        return best_nodes(count_rows(seqs, lengths, rows[owner], len(sources), Source.STORE, bucket, qs), budget)

@@ -3,8 +3,6 @@ millisecond under the cost model (:mod:`..cost`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
-
 import numpy as np
 
 from ..cost import LINEAR_COST, CostModel
@@ -19,14 +17,12 @@ class WidthChooser:
     cost: CostModel = field(default_factory=lambda: LINEAR_COST)
     max_nodes: int = 33
 
-    def choose(self, scores: Sequence[np.ndarray], ctx: int) -> int:
-        batch = len(scores)
-        widest = min(self.max_nodes, 1 + max((len(s) for s in scores), default=0))
-        # gain[w-1] = Σ_b Σ_{i<w-1} s_b,i: every row's scores padded to one (B, widest−1) block
-        block = np.zeros((batch, widest - 1))
-        for b, s in enumerate(scores):
-            head = s[: widest - 1]
-            block[b, : len(head)] = head
-        gain = np.concatenate([[0.0], np.cumsum(block.sum(0))])
+    def choose(self, scores: np.ndarray, ctx: int) -> int:
+        """scores (B, K): each row's best-first scores, zero-padded (:meth:`~.candidates.CandidateBatch.score_block`)."""
+        block = np.atleast_2d(np.asarray(scores, dtype=np.float64))
+        batch = block.shape[0]
+        widest = min(self.max_nodes, 1 + block.shape[1])
+        # gain[w-1] = Σ_b Σ_{i<w-1} s_b,i
+        gain = np.concatenate([[0.0], np.cumsum(block[:, : widest - 1].sum(0))])
         rate = (batch + gain) / self.cost.step_ms_many(batch, np.arange(1, widest + 1), ctx)
         return 1 + int(np.argmax(rate))
