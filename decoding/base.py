@@ -24,7 +24,7 @@ import torch
 from ..heads.errors import MissingPathError, UnwritablePathError, cannot_write
 from ..heads.hardware import cpu_key, native_cpu_dtypes
 from ..heads.linear import PLAN, PackedWeight, can_pack, measure_shape, packed_linears, packed_matmul, packs
-from ..heads.linear import fuse_siblings, shape_key, valid_timings
+from ..heads.linear import fuse_siblings, shape_key, subset_product, valid_timings
 from ..heads.fewrow import load_kernel
 from ..heads.linear import use_packed_linears as wrap_linears
 from ..heads.protocol import write_text_atomic
@@ -364,6 +364,10 @@ def _packing(model):
 def lm_logits(model, states: torch.Tensor) -> torch.Tensor:
     """states (B, N, d) → the base's logits (B, N, V) through its own LM head weight; through
     the packed copy when the base was prepared by :func:`use_packed_linears`."""
+    return subset_product(states, states.shape[-1], functools.partial(_lm_head, model))
+
+
+def _lm_head(model, states: torch.Tensor) -> torch.Tensor:
     packed = _PACKED_BASES.get(model)
     weight = lm_head_weight(model)
     if (packed is not None and states.dtype == weight.dtype and packs(weight, states.numel() // states.shape[-1])

@@ -17,7 +17,7 @@ from typing import Iterator
 
 import torch
 
-from ..heads.linear import packed_linears
+from ..heads.linear import computed_rows, packed_linears
 from .accept import Acceptance
 from .base import lm_logits, verify
 from .cache import KVState
@@ -87,9 +87,10 @@ def decode_step(base, drafter: Drafter, acceptor, kv: KVState, context: HeadCont
             drafts = drafter.propose(state, tree)
     with phase("tree_inputs", device):
         mask, positions, past = kv.tree_inputs(drafts.ancestor, drafts.depth)
-    with phase("forward", device):
+    rows = drafts.valid if drafts.skips_padding() else None  # padding slots are not computed
+    with phase("forward", device), computed_rows(rows):
         states = verify(base, drafts.tokens, positions, mask, kv.cache)  # (B, N, d)
-    with phase("lm_head", device):
+    with phase("lm_head", device), computed_rows(rows):
         logits = lm_logits(base, states)  # (B, N, V)
     with phase("accept", device):
         result = acceptor.accept(drafts, logits, torch.tensor(state.rows))

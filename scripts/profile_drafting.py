@@ -27,7 +27,8 @@ from draftheads.decoding.step import PhaseTimer
 from draftheads.prompts import chat_input, read_prompts, round_robin
 
 CONFIGS = {"heads": ("heads",), "lookups": ("context", "store", "stats"),
-           "heads+lookups": ("heads", "context", "store", "stats")}
+           "heads+lookups": ("heads", "context", "store", "stats"),
+           "heads+lookups:per-row": ("heads", "context", "store", "stats")}  # each row its own node count
 DEFAULT_PROMPTS = ["mt-bench@2", "spec-bench@4:translation,summarization,qa,math_reasoning,rag"]
 
 
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--prompts", nargs="+", default=DEFAULT_PROMPTS)
     parser.add_argument("--batch-sizes", default="1,4,16")
-    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {list(CONFIGS)}")
+    parser.add_argument("--configs", default="heads,lookups,heads+lookups", help=f"comma-separated, of {list(CONFIGS)}")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=300)
     parser.add_argument("--out", required=True, help="a folder for phases.json and phases.png")
@@ -78,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.configs.split(","):
         with drafting(model, model.drafter):
             drafters[name] = None if CONFIGS[name] == ("heads",) else config_drafter(model, CONFIGS[name])
+            if name.endswith(":per-row"):
+                drafters[name].width.per_row = True
     prompts = round_robin(read_prompts(args.prompts))
     rows = [chat_input(model.tokenizer, p["prompt"])[0].tolist()[-args.prompt_tokens:] for p in prompts]
     pad = model.tokenizer.pad_token_id if model.tokenizer.pad_token_id is not None else 0

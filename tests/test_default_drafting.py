@@ -140,7 +140,8 @@ def test_merged_default_offers_the_heads_a_larger_tree_and_keeps_the_output(tmp_
     base = tiny_llama(0)
     folder = saved_tree_heads(tmp_path / "heads", base)
     model = DraftHeadsModel.from_pretrained(folder, base=base, drafts="heads,context")
-    model.default_budget = 1  # as if this machine's calibration had chosen the 1-node tree
+    model.default_budget = 1  # as if this machine's calibration had chosen the 1-node tree (not timing's pick)
+    model.policy = model._default_policy = FixedTree(tree_for_budget(model.heads, 1))
     model.use_drafts("heads,context")
     assert model.drafter.heads_tree.num_nodes == tree_for_budget(model.heads, 3).num_nodes == 4
     assert model.policy.tree.num_nodes in (1, 2, 4)

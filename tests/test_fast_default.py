@@ -285,3 +285,32 @@ def test_float32_siblings_stay_separate_and_groups_need_one_input_size():
     parent.gate_proj = linear_module.PackedLinear(parent.gate_proj)
     parent.up_proj = linear_module.PackedLinear(parent.up_proj)
     assert linear_module.sibling_groups(parent) == []
+
+
+# -- padding slots left out of the linear layers ----------------------------------------------
+@needs_fp32_packing
+def test_linear_layers_compute_only_the_rows_asked_and_siblings_still_share_one_product(monkeypatch):
+    """Under ``computed_rows``: each wrapped linear (siblings stacked or not) returns its rows as
+    computed on the full input, zeros elsewhere; q/k/v still take their slices of one product."""
+    monkeypatch.setattr(linear_module, "STACKED_DTYPES", (torch.float32,))
+    monkeypatch.setattr(linear_module.SiblingProduct, "pays", lambda self, rows: True)
+    parent = torch.nn.Module()
+    for name, out in (("q_proj", 6), ("k_proj", 2), ("v_proj", 2), ("o_proj", 8)):
+        parent.add_module(name, torch.nn.Linear(8, out, bias=name == "o_proj"))
+    linear_module.use_packed_linears(parent)
+    (product,) = linear_module.fuse_siblings(parent)
+    computed = []
+    real_matmul = linear_module.packed_matmul
+    monkeypatch.setattr(linear_module, "packed_matmul", lambda x, *a, **k: computed.append(x.shape[0]) or real_matmul(x, *a, **k))
+    x = torch.randn(2, 5, 8)
+    valid = torch.tensor([[True, True, False, False, False], [True, True, True, True, False]])
+    with packed_linears(), linear_module.computed_rows(valid):
+        outs = {name: getattr(parent, name)(x) for name in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    assert computed[0] == int(valid.sum()) and len(computed) == 2  # one stacked q/k/v product, then o_proj
+    for name, got in outs.items():
+        linear = getattr(parent, name)
+        full = torch.nn.functional.linear(x, linear.weight, linear.bias)
+        torch.testing.assert_close(got[valid], full[valid], rtol=1e-5, atol=1e-6)
+        assert not got[~valid].any()
+    with linear_module.computed_rows(torch.ones(2, 5, dtype=torch.bool)):  # nothing to leave out: as outside
+        assert torch.equal(parent.o_proj(x), torch.nn.functional.linear(x, parent.o_proj.weight, parent.o_proj.bias))

@@ -13,6 +13,7 @@ from draftheads.decoding import DraftHeadsModel, tree_from_paths
 from draftheads.decoding.cost import LINEAR_COST, CostModel
 from draftheads.decoding.drafters import (DraftState, HeadsDrafter, MergedDrafter, WidthChooser, build_drafter, CandidateBatch, parse_drafts)
 from draftheads.decoding.drafters import Candidates, ContextConfig, LookupConfig, LookupSources
+from draftheads.decoding.drafters import drafts as drafts_module
 from draftheads.decoding.drafters.drafts import Drafts
 
 MODELS = {seed: tiny_llama(seed) for seed in range(2)}
@@ -38,8 +39,11 @@ def merged(model, heads, tree, lookup_nodes: int = 12, eos: int | None = None) -
 @given(seed=st.integers(0, 1), paths=trees(max_depth=4, max_nodes=8), max_new=st.integers(1, 24),
        eos_pick=st.integers(0, 60), error=st.sampled_from([0.0, 0.3, 1.0]), with_heads=st.booleans(),
        motifs=st.lists(st.tuples(st.lists(st.integers(3, 95), min_size=1, max_size=5), st.integers(1, 6)),
-                       min_size=1, max_size=6))
-def test_merged_per_row_trees_greedy_matches_hf(seed, paths, max_new, eos_pick, error, with_heads, motifs):
+                       min_size=1, max_size=6), per_row=st.booleans())
+def test_merged_per_row_trees_greedy_matches_hf(seed, paths, max_new, eos_pick, error, with_heads, motifs, per_row):
+    """``per_row``: each row its own node count under one batch budget (rows given none make a
+    plain step inside a tree step), with the padding slots left out of the linear layers and
+    the LM head on every step that has any."""
     model = MODELS[seed]
     prompts = repetitive_prompts(motifs, torch.Generator().manual_seed(seed))
     ids, mask = left_pad(prompts)
@@ -51,7 +55,12 @@ def test_merged_per_row_trees_greedy_matches_hf(seed, paths, max_new, eos_pick, 
                                pad_token_id=PAD, eos_token_id=eos)
     heads = OracleHeads(continuations, vocab=96, error=error, seed=seed) if with_heads else None
     decoder = merged(model, heads, tree_from_paths(paths) if with_heads else tree_from_paths([]))
-    ours = decoder.generate(ids, attention_mask=mask, max_new_tokens=max_new, pad_token_id=PAD, eos_token_id=eos)
+    decoder.drafter.width.per_row = per_row
+    threshold, drafts_module.SKIP_PADDING_SLOTS = drafts_module.SKIP_PADDING_SLOTS, 1 if per_row else drafts_module.SKIP_PADDING_SLOTS
+    try:
+        ours = decoder.generate(ids, attention_mask=mask, max_new_tokens=max_new, pad_token_id=PAD, eos_token_id=eos)
+    finally:
+        drafts_module.SKIP_PADDING_SLOTS = threshold
     assert ours.tolist() == reference.tolist()
 
 

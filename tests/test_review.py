@@ -210,7 +210,8 @@ def test_cli_refuses_review_without_heads_and_lookups(tmp_path, capsys):
 
 def test_batched_bench_runs_lookup_strategies_end_to_end(tmp_path, monkeypatch):
     """``run_batch_bench(..., drafts=..., review=True)`` on a tiny float64 model: the heads-only
-    adaptive policy and the same policy with lookups, the merged and the reviewed mix, all
+    adaptive policy and the same policy with lookups, the merged mix (one width, and each row its
+    own node count) and the reviewed mix, all
     token-identical to HF's batched greedy output, with their gain over the heads-only policy
     recorded and the figure written."""
     import json
@@ -243,7 +244,7 @@ def test_batched_bench_runs_lookup_strategies_end_to_end(tmp_path, monkeypatch):
     for bs in ("1", "2"):
         strategies = payload["results"][bs]["strategies"]
         assert list(strategies) == ["hf", "adaptive", "adaptive+context", "adaptive+heads+context",
-                                    "adaptive+heads+context+review"]
+                                    "adaptive+heads+context:per-row", "adaptive+heads+context+review"]
         for name, entry in strategies.items():
             if name != "hf":
                 assert entry["mismatching_rows"] == 0, (bs, name, entry["mismatches"])

@@ -20,6 +20,12 @@ import torch
 
 from ..tree import Tree
 
+#: a step leaves its padding slots out of the base's linear layers and LM head when at least
+#: this many of its slots are padding (:meth:`Drafts.skips_padding`): gathering and scattering
+#: the rows has its own cost, which a handful of padding slots does not repay
+SKIP_PADDING_SLOTS = 16
+
+
 @dataclass(eq=False)
 class Drafts:
     tokens: torch.Tensor  # (B, N) long; column 0 = the roots
@@ -110,6 +116,11 @@ class Drafts:
         out[:, 0] = roots
         return cls(out, torch.from_numpy(parent).to(device), torch.from_numpy(depth).to(device),
                    torch.from_numpy(path_slots).to(device), torch.from_numpy(valid).to(device))
+
+    def skips_padding(self) -> bool:
+        """Whether this step's padding slots (rows with fewer nodes than the widest) are worth
+        leaving out of the base's linear layers and LM head."""
+        return self.shape is None and self.valid.numel() - int(self.valid.sum()) >= SKIP_PADDING_SLOTS
 
     def accepted_tokens(self, path: torch.Tensor, accepted: torch.Tensor) -> list[list[int]]:
         """Per row, the draft tokens on its accepted path (the bonus excluded). path (B, D+1), accepted (B,)."""

@@ -81,7 +81,7 @@ class MergedDrafter:
     _heads_extra_ms: float | None = None
     _misses: float = 0.0  # the lookups' first-token miss rate summed over rows, on the step the heads proposed in
     _heads_times: deque = field(default_factory=lambda: deque(maxlen=HEADS_MS_WINDOW))
-    #: steps this drafter proposed with and without the heads (reports and tests)
+    #: steps of the current request this drafter proposed with and without the heads (reports, tests)
     heads_steps: int = 0
     skipped_heads_steps: int = 0
     #: after this many skipped steps in a row the heads propose again, so their cost and worth
@@ -92,11 +92,13 @@ class MergedDrafter:
     #: sets a larger one than the heads-alone default (``MERGED_OFFER_SCALE`` in
     #: :mod:`draftheads.decoding.generate`): the width chooser verifies only what pays of it
     heads_tree: Tree | None = None
+    _counts: np.ndarray | None = None  # per-row node counts of the step (``width.per_row``)
     _alone_step: tuple | None = None  # (tries, ctx, (width, expected tokens, ms)) of :meth:`_lookups_step`
 
     def start(self, prompts: Sequence[Sequence[int]]) -> None:
         self.lookup.reset()
         self._seen.clear()
+        self.heads_steps = self.skipped_heads_steps = 0  # what the heads learned (cost, worth) carries over
         for row, prompt in enumerate(prompts):
             self.lookup.start(row, prompt)
             self._seen[row] = 0
@@ -128,7 +130,7 @@ class MergedDrafter:
             # the lookups' tries are merged already: the best ``budget`` of (their union + the
             # heads') are among (their best ``budget``) + the heads' (a node never outranks its parent)
             tries = merge_rows([tries, heads], budget).cap_depth(state.room)
-            width = self.width.choose(width_scores(tries), ctx)
+            width = self._width(tries, ctx)
             self._learn_heads_worth(alone, tries, width, ctx)
             self.heads_steps += 1
             self._skipped_in_a_row = 0
@@ -137,12 +139,20 @@ class MergedDrafter:
             self._skipped_in_a_row += 1
         if width is None:  # the lookups' own step, when :meth:`_heads_pay` priced it already
             cached = self._alone_step is not None and self._alone_step[0] is tries and self._alone_step[1] == ctx
-            width = self._alone_step[2][0] if cached else self.width.choose(width_scores(tries), ctx)
-        # best-first order: the first width−1 nodes of each trie are a prefix-closed tree
-        self._proposed_rows = tries.first(width - 1)
+            width = self._alone_step[2][0] if cached and not self.width.per_row else self._width(tries, ctx)
+        # best-first order: each row's first nodes (width − 1, or its own count) are a prefix-closed tree
+        self._proposed_rows = tries.first(self._counts if self.width.per_row else width - 1)
         self._proposed = self._proposed_rows.split()
         return Drafts.from_rows(state.roots, [t.parent.tolist() for t in self._proposed],
                                 [t.token.tolist() for t in self._proposed])
+
+    def _width(self, tries: CandidateBatch, ctx: int) -> float:
+        """The step's width: the uniform one, or with per-row counts (kept in ``_counts``) their
+        mean slots per row, as the cost model prices them."""
+        if not self.width.per_row:
+            return self.width.choose(width_scores(tries), ctx)
+        self._counts = self.width.counts(tries, ctx)
+        return 1.0 + float(self._counts.sum()) / max(tries.rows, 1)
 
     def _lookups_step(self, tries: CandidateBatch, ctx: int) -> tuple[int, float, float]:
         """The step the lookups' tries alone would make: (width, expected tokens, ms); asked by

@@ -33,6 +33,10 @@ def batch_divergences(base, reference: torch.Tensor, ours: torch.Tensor, mask: t
     return out
 
 
+#: the suffix of a drafting strategy whose rows take their own node counts (``WidthChooser.per_row``)
+PER_ROW = ":per-row"
+
+
 def strategy_names(budgets: list[int], compare_mask: bool, drafted: Sequence[str] = ()) -> list[str]:
     """The batched bench's strategies: HF, each fixed tree, the adaptive policy (heads alone),
     its masked variant; with draft sources (``drafted``) HF, the adaptive policy with the heads
@@ -97,8 +101,13 @@ class BatchBench:
         policies = {f"fixed:{b}": FixedTree(tree_for_budget(model.heads, b)) for b in budgets}
         policies["adaptive"] = policies["adaptive:mask"] = adaptive
         model.policy = adaptive  # the drafters below size their trees with its cost model
+        drafters = {}
         with drafting(model, model.drafter):  # configuration name → its drafter
-            drafters = {"+".join(c): config_drafter(model, c) for c in (batch_draft_combos(drafts, review) if drafts else [])}
+            for combo in batch_draft_combos(drafts, review) if drafts else []:
+                drafters["+".join(combo)] = config_drafter(model, combo)
+                if "heads" in combo and combo[-1] != "review":  # the same drafting, each row its own node count
+                    drafters["+".join(combo) + PER_ROW] = config_drafter(model, combo)
+                    drafters["+".join(combo) + PER_ROW].width.per_row = True
         names = strategy_names(budgets, compare_mask and not drafts, list(drafters))
         return cls(model, pad, eos, cost, adaptive, policies, drafters, names)
 
