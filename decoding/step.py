@@ -87,11 +87,11 @@ def decode_step(base, drafter: Drafter, acceptor, kv: KVState, context: HeadCont
             drafts = drafter.propose(state, tree)
     with phase("tree_inputs", device):
         mask, positions, past = kv.tree_inputs(drafts.ancestor, drafts.depth)
-    rows = drafts.valid if drafts.skips_padding() else None  # padding slots are not computed
-    with phase("forward", device), computed_rows(rows):
-        states = verify(base, drafts.tokens, positions, mask, kv.cache)  # (B, N, d)
-    with phase("lm_head", device), computed_rows(rows):
-        logits = lm_logits(base, states)  # (B, N, V)
+    with computed_rows(drafts.valid if drafts.skips_padding() else None):  # padding slots are not computed
+        with phase("forward", device):
+            states = verify(base, drafts.tokens, positions, mask, kv.cache)  # (B, N, d)
+        with phase("lm_head", device):
+            logits = lm_logits(base, states)  # (B, N, V)
     with phase("accept", device):
         result = acceptor.accept(drafts, logits, torch.tensor(state.rows))
     with phase("commit", device):

@@ -92,6 +92,8 @@ def subset_product(x: torch.Tensor, width: int, product) -> torch.Tensor:
     if subset is not None and x.numel() == subset.total * width:
         return subset.scatter(product(subset.gather(x)), x)
     return product(x)
+
+
 PACKED_DTYPES = (torch.bfloat16, torch.float32)
 #: the row counts at which a shape's two paths are timed: powers of two, so a call's rows fall
 #: in the bucket of the largest one not above them (verification: bs × tree nodes, 1 to ~128)

@@ -14,7 +14,7 @@ from hypothesis import given, settings, strategies as st
 from draftheads.decoding.drafters import (BigramTable, CandidateBatch, Candidates, ContextConfig, ContextSource,
                                           HitRate, ModelStore, Source, StatsConfig, StatsSource, StoreConfig,
                                           StoreSource, count_trie, merge, merge_rows, select, select_rows)
-from draftheads.decoding.drafters.heads_drafter import head_trie, heads_batch
+from draftheads.decoding.drafters.heads_drafter import heads_batch
 from draftheads.decoding.drafters.tries import count_rows, padded, select_by_heap
 from draftheads.decoding.tree import tree_from_paths
 
@@ -104,12 +104,12 @@ def test_rescoring_a_batch_is_rescoring_each_row():
         same(est.rescore(alone), together)
 
 
-def test_the_heads_batch_is_each_rows_head_trie():
+def test_the_heads_batch_is_each_rows_trie_of_head_probabilities():
     tree = tree_from_paths([(0,), (1,), (0, 0), (0, 1), (0, 0, 0)])
     tokens = torch.tensor([[9, 1, 2, 3, 4, 5], [8, 6, 7, 1, 2, 3]])
     probs = torch.rand(2, 6)
     for b, got in enumerate(heads_batch(tree, tokens, probs).split()):
-        want = head_trie(tree, tokens[b].tolist(), probs[b].tolist())
+        want = Candidates.from_heads((tree.parent[1:] - 1).tolist(), tokens[b, 1:].tolist(), probs[b, 1:].tolist())
         for name in ("parent", "token", "depth", "source", "bucket", "share"):
             assert getattr(got, name).tolist() == getattr(want, name).tolist(), name
         assert got.score.tolist() == pytest.approx(want.score.tolist(), rel=1e-12)

@@ -17,7 +17,7 @@ from .hitrate import HitRate, HitRateConfig, default_q
 from .drafts import Drafts, children_table
 from .choice import (DRAFT_SOURCES, STORE_NAME, auto_drafts, build_drafter, check_review, check_store_argument,
                      open_store, parse_drafts)
-from .heads_drafter import HeadsDrafter, head_trie
+from .heads_drafter import HeadsDrafter, heads_batch
 from .lookup import LOOKUP_SOURCES, LookupConfig, LookupSources
 from .merged import LookupDrafter, MergedDrafter
 from .interface import Drafter, DraftState, LookupSource, plain_drafts
@@ -30,7 +30,7 @@ from .store import (ModelStore, StoreConfig, StoreError, StoreHeader, StoreSourc
 __all__ = ["DRAFT_SOURCES", "LOOKUP_SOURCES", "STORE_NAME", "auto_drafts", "BigramTable", "build_arrays",
            "build_drafter", "CandidateBatch", "Candidates", "check_review", "check_store_argument", "children_table",
            "ContextConfig", "ContextSource", "count_rows", "count_trie", "default_q", "Drafter", "Drafts", "DraftState",
-           "head_trie", "HeadsDrafter", "HitRate", "HitRateConfig", "LookupConfig", "LookupDrafter", "LookupSource",
+           "heads_batch", "HeadsDrafter", "HitRate", "HitRateConfig", "LookupConfig", "LookupDrafter", "LookupSource",
            "LookupSources", "merge", "merge_rows", "MergedDrafter", "ModelStore", "NgramIndex", "open_store", "parse_drafts",
            "plain_drafts", "review", "save_store", "select", "select_rows", "Source", "StatsConfig", "StatsSource", "StoreConfig",
            "StoreError", "StoreHeader", "StoreSource", "SuffixAutomaton", "tokenizer_identity", "TokenizerIdentity",

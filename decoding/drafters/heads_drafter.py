@@ -4,12 +4,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
-from ...heads import DraftHeads
-from ..tree import Tree
 import numpy as np
 import torch
 
-from .candidates import CandidateBatch, Candidates, Source, path_products
+from ...heads import DraftHeads
+from ..tree import Tree
+from .candidates import CandidateBatch, Source, path_products
 from .drafts import Drafts
 from .interface import DraftState, plain_drafts
 
@@ -36,20 +36,18 @@ class HeadsDrafter:
         """Nothing to learn: the policy observes acceptance itself."""
 
 
-def head_trie(tree: Tree, tokens: Sequence[int], probs: Sequence[float]) -> Candidates:
-    """One row of the heads' tree (slots 1..N−1) as candidates scored by draft probability."""
-    parent = (tree.parent[1:] - 1).tolist()  # slot → index among the drafts (root = -1)
-    return Candidates.from_heads(parent, list(tokens)[1:], list(probs)[1:])
-
-
 def heads_batch(tree: Tree, tokens: torch.Tensor, probs: torch.Tensor) -> CandidateBatch:
-    """Every row's heads' tree as candidates (:func:`head_trie` for all rows at once): tokens and
-    probs (B, N) over the tree's slots, slot 0 the root."""
+    """Every row's heads' tree as candidates: tokens and probs (B, N) over the tree's slots, slot
+    0 the root. A node's share is its head probability and its bucket its depth, so the hit rates
+    learn one calibration per head depth and head nodes compete with lookup nodes on the
+    P(accepted) scale (:meth:`~.candidates.Candidates.from_heads` for one row); scores start as
+    the product of probabilities along the path (rescore with a HitRate to calibrate)."""
     batch, slots = tokens.shape
     drafts = slots - 1
     local = (tree.parent[1:] - 1).cpu().numpy().astype(np.int64)  # slot → index among the drafts (root = -1)
     row = np.repeat(np.arange(batch, dtype=np.int64), drafts)
-    parent = np.where(np.tile(local, batch) >= 0, np.tile(local, batch) + row * drafts, -1)
+    local = np.tile(local, batch)
+    parent = np.where(local >= 0, local + row * drafts, -1)
     depth = np.tile(tree.depth[1:].cpu().numpy().astype(np.int32), batch)
     share = probs[:, 1:].float().cpu().numpy().astype(np.float64).reshape(-1)
     return CandidateBatch(batch, row, parent, tokens[:, 1:].cpu().numpy().astype(np.int64).reshape(-1), depth,

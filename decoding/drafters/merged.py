@@ -16,7 +16,7 @@ import numpy as np
 from ...heads import DraftHeads
 from ..cost import LINEAR_COST
 from ..tree import Tree
-from .candidates import CandidateBatch, Candidates, Source
+from .candidates import CandidateBatch, Source
 from .drafts import Drafts
 from .heads_drafter import heads_batch
 from .lookup import LookupConfig, LookupSources
@@ -69,8 +69,7 @@ class MergedDrafter:
     lookup_nodes: int = 16
     review: bool = False
     _seen: dict[int, int] = field(default_factory=dict)
-    _proposed: list[Candidates] = field(default_factory=list)  # the last step's tries, per row
-    _proposed_rows: CandidateBatch | None = None  # the same, as one batch
+    _proposed: CandidateBatch | None = None  # the last step's tries, every row
     #: what the heads' proposal has been worth (see :meth:`_heads_pay`): ms per call — the median
     #: of the last ``HEADS_MS_WINDOW`` calls, so a cold first call (oneDNN builds a kernel per new
     #: row count: 20-50 ms against ~3 warm) cannot price the heads out for dozens of steps; the
@@ -92,7 +91,6 @@ class MergedDrafter:
     #: sets a larger one than the heads-alone default (``MERGED_OFFER_SCALE`` in
     #: :mod:`draftheads.decoding.generate`): the width chooser verifies only what pays of it
     heads_tree: Tree | None = None
-    _counts: np.ndarray | None = None  # per-row node counts of the step (``width.per_row``)
     _alone_step: tuple | None = None  # (tries, ctx, (width, expected tokens, ms)) of :meth:`_lookups_step`
 
     def start(self, prompts: Sequence[Sequence[int]]) -> None:
@@ -130,35 +128,42 @@ class MergedDrafter:
             # the lookups' tries are merged already: the best ``budget`` of (their union + the
             # heads') are among (their best ``budget``) + the heads' (a node never outranks its parent)
             tries = merge_rows([tries, heads], budget).cap_depth(state.room)
-            width = self._width(tries, ctx)
+            width, keep = self._cut(tries, ctx)
             self._learn_heads_worth(alone, tries, width, ctx)
             self.heads_steps += 1
             self._skipped_in_a_row = 0
         elif self.heads is not None and tree.num_nodes > 1:
             self.skipped_heads_steps += 1
             self._skipped_in_a_row += 1
-        if width is None:  # the lookups' own step, when :meth:`_heads_pay` priced it already
-            cached = self._alone_step is not None and self._alone_step[0] is tries and self._alone_step[1] == ctx
-            width = self._alone_step[2][0] if cached and not self.width.per_row else self._width(tries, ctx)
+        if width is None:
+            priced = self._priced(tries, ctx)  # the lookups' own step, when :meth:`_heads_pay` priced it
+            width, keep = (priced[0], priced[0] - 1) if priced and not self.width.per_row else self._cut(tries, ctx)
         # best-first order: each row's first nodes (width − 1, or its own count) are a prefix-closed tree
-        self._proposed_rows = tries.first(self._counts if self.width.per_row else width - 1)
-        self._proposed = self._proposed_rows.split()
-        return Drafts.from_rows(state.roots, [t.parent.tolist() for t in self._proposed],
-                                [t.token.tolist() for t in self._proposed])
+        self._proposed = tries.first(keep)
+        rows = self._proposed.split()
+        return Drafts.from_rows(state.roots, [t.parent.tolist() for t in rows], [t.token.tolist() for t in rows])
 
-    def _width(self, tries: CandidateBatch, ctx: int) -> float:
-        """The step's width: the uniform one, or with per-row counts (kept in ``_counts``) their
-        mean slots per row, as the cost model prices them."""
+    def _cut(self, tries: CandidateBatch, ctx: int) -> tuple[float, int | np.ndarray]:
+        """The step's width as the cost model prices it, and the nodes each row keeps: one width
+        for every row (W, W − 1), or each row its own count (``width.per_row``: their mean slots
+        per row, the (B,) counts)."""
         if not self.width.per_row:
-            return self.width.choose(width_scores(tries), ctx)
-        self._counts = self.width.counts(tries, ctx)
-        return 1.0 + float(self._counts.sum()) / max(tries.rows, 1)
+            width = self.width.choose(width_scores(tries), ctx)
+            return width, width - 1
+        counts = self.width.counts(tries, ctx)
+        return 1.0 + float(counts.sum()) / max(tries.rows, 1), counts
+
+    def _priced(self, tries: CandidateBatch, ctx: int) -> tuple[int, float, float] | None:
+        """:meth:`_lookups_step`'s answer for these very tries, if it gave one this step."""
+        step = self._alone_step
+        return step[2] if step is not None and step[0] is tries and step[1] == ctx else None
 
     def _lookups_step(self, tries: CandidateBatch, ctx: int) -> tuple[int, float, float]:
         """The step the lookups' tries alone would make: (width, expected tokens, ms); asked by
         :meth:`_heads_pay` and again by :meth:`_learn_heads_worth` for the same tries, so kept."""
-        if self._alone_step is not None and self._alone_step[0] is tries and self._alone_step[1] == ctx:
-            return self._alone_step[2]
+        priced = self._priced(tries, ctx)
+        if priced is not None:
+            return priced
         width = self.width.choose(width_scores(tries), ctx)
         step = (width, expected_tokens(tries, width), self.width.cost.step_ms(tries.rows, width, ctx))
         self._alone_step = (tries, ctx, step)
@@ -197,11 +202,11 @@ class MergedDrafter:
     def observe(self, drafts: Drafts, result: Acceptance, rows: Sequence[int]) -> None:
         """Each row's accepted drafts calibrate the hit rates of the sources that proposed them."""
         accepted = drafts.accepted_tokens(result.path, result.accepted)
-        self.lookup.observe_rows(rows, self._proposed_rows, accepted)
+        self.lookup.observe_rows(rows, self._proposed, accepted)
         if self._misses > 0:  # the heads proposed in this step: count what the base took from them
-            slots = result.path.tolist()
-            bought = sum(int((self._proposed[b].source[[s - 1 for s in slots[b][1: 1 + n]]] == Source.HEADS).sum())
-                         for b, n in enumerate(result.accepted.tolist()) if n)
+            slots, starts = result.path.tolist(), self._proposed.starts()
+            taken = [starts[b] + s - 1 for b, n in enumerate(result.accepted.tolist()) for s in slots[b][1: 1 + n]]
+            bought = int((self._proposed.source[taken] == Source.HEADS).sum())
             self._heads_gain = moving_average(self._heads_gain, bought / self._misses)
 
 

@@ -29,8 +29,7 @@ from ...heads.atomic import atomic_file
 from ...heads.errors import DraftheadsError
 from ...heads.hardware import available_ram_bytes
 from .candidates import CandidateBatch, Candidates, Source
-from .hitrate import default_q
-from .tries import best_nodes, count_rows
+from .tries import counted_tries
 
 FORMAT = "draftheads-lookup-store"
 FORMAT_VERSION = 1
@@ -398,5 +397,4 @@ class StoreSource:
         rows = np.array([row for row, _ in live], dtype=np.int64)
         bucket = np.zeros(len(sources), dtype=np.int64)
         bucket[rows] = m
-        qs = np.array([default_q(Source.STORE, int(b)) if q is None else q for b in bucket.tolist()])
-        return best_nodes(count_rows(seqs, lengths, rows[owner], len(sources), Source.STORE, bucket, qs), budget)
+        return counted_tries(seqs, lengths, rows[owner], len(sources), Source.STORE, bucket, budget, q)

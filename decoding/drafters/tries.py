@@ -16,10 +16,6 @@ import numpy as np
 from .candidates import BUCKET_STRIDE, CandidateBatch, Candidates, Source
 from .hitrate import default_q
 
-#: a parent's id is shifted above every token id when (parent, token) is packed into one key
-TOKEN_BITS = 32
-
-
 def padded(seqs: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
     """Token lists → ((S, D) int64 block padded with -1, (S,) lengths)."""
     lengths = np.array([len(s) for s in seqs], dtype=np.int64)
@@ -86,8 +82,16 @@ def continuation_tries(found: Sequence[tuple[int, int, Sequence[Sequence[int]]]]
     if not seqs or budget <= 0:
         return CandidateBatch.empty(rows)
     block, lengths = padded(seqs)
+    return counted_tries(block, lengths, np.asarray(seq_row), rows, source, bucket, budget, q)
+
+
+def counted_tries(seqs: np.ndarray, lengths: np.ndarray, seq_row: np.ndarray, rows: int, source: Source,
+                  bucket: np.ndarray, budget: int, q: float | None = None) -> CandidateBatch:
+    """A lookup source's continuations (:func:`count_rows`'s arguments; bucket (rows,) each row's
+    match length) counted into tries, ``q`` the prior for each row's match length unless given,
+    cut to ``budget`` nodes a row (:func:`best_nodes`)."""
     qs = np.array([default_q(source, int(b)) if q is None else q for b in bucket.tolist()])
-    return best_nodes(count_rows(block, lengths, seq_row, rows, source, bucket, qs), budget)
+    return best_nodes(count_rows(seqs, lengths, seq_row, rows, source, bucket, qs), budget)
 
 
 def best_nodes(batch: CandidateBatch, budget: int) -> CandidateBatch:

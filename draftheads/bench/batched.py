@@ -104,10 +104,11 @@ class BatchBench:
         drafters = {}
         with drafting(model, model.drafter):  # configuration name → its drafter
             for combo in batch_draft_combos(drafts, review) if drafts else []:
-                drafters["+".join(combo)] = config_drafter(model, combo)
+                name = "+".join(combo)
+                drafters[name] = config_drafter(model, combo)
                 if "heads" in combo and combo[-1] != "review":  # the same drafting, each row its own node count
-                    drafters["+".join(combo) + PER_ROW] = config_drafter(model, combo)
-                    drafters["+".join(combo) + PER_ROW].width.per_row = True
+                    drafters[name + PER_ROW] = config_drafter(model, combo)
+                    drafters[name + PER_ROW].width.per_row = True
         names = strategy_names(budgets, compare_mask and not drafts, list(drafters))
         return cls(model, pad, eos, cost, adaptive, policies, drafters, names)
 
