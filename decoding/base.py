@@ -289,8 +289,9 @@ _PACKED_BASES: "weakref.WeakKeyDictionary[torch.nn.Module, PackedWeight]" = weak
 
 def use_packed_linears(model) -> bool:
     """Let the decoder's own forwards (:func:`prefill`, :func:`verify`, :func:`lm_logits`) run
-    the base's linear layers and LM head through oneDNN-packed weights (see
-    :mod:`draftheads.heads.linear`: bfloat16 bit-identical and 1.5-2× faster per layer; float32
+    the base's linear layers and LM head through oneDNN-packed weights or the few-row kernel,
+    whichever measured fastest per shape (see :mod:`draftheads.heads.linear`: packed bfloat16
+    bit-identical and 1.5-2× faster per layer, the kernel within one bf16 rounding; float32
     within float32 rounding). The base's own ``generate`` keeps computing ``F.linear``.
     Returns whether packing is available here."""
     if model in _PACKED_BASES:
@@ -335,10 +336,11 @@ def plan_packing(weights) -> None:
     """Decide, for every shape among ``weights`` that packs here, at which row counts the packed
     path is faster (:class:`~draftheads.heads.linear.PackingPlan`): from this machine's cache,
     else measured now (~0.1 s a shape, ~2 s for a 49k-row LM head) and cached. An unwritable
-    cache keeps the measurement in memory, with a warning. Float32 weights also get the few-row
-    kernel as a candidate (:mod:`draftheads.heads.fewrow`, compiled once per machine)."""
+    cache keeps the measurement in memory, with a warning. Float32 weights, and bfloat16 ones
+    where bf16 is native, also get the few-row kernel as a candidate
+    (:mod:`draftheads.heads.fewrow`, compiled once per machine)."""
     weights = list(weights)
-    if any(w.dtype == torch.float32 and w.device.type == "cpu" for w in weights):
+    if any(w.dtype in (torch.float32, torch.bfloat16) and w.device.type == "cpu" for w in weights):
         load_kernel(cache_root() / "kernels")
     path = packing_cache_path()
     if not PLAN.timings:

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from ..heads.errors import UnwritablePathError
+from ..heads.fewrow import kernel_identity
 from ..heads.hardware import cpu_model, isa_limits
 from ..heads.protocol import write_text_atomic
 from .accept import greedy_tokens
@@ -65,13 +66,15 @@ def device_name(device: torch.device) -> str:
 
 def calibration_key(model, heads=None) -> dict:
     """What the measured costs depend on: the base (fingerprint + the sizes that set its cost),
-    the device, the dtype, torch, the thread count, and the heads (their drafting cost)."""
+    the device, the dtype, torch, the thread count, the few-row kernel (its source and the dtypes
+    it runs here: a step through it costs less) and the heads (their drafting cost)."""
     param = next(model.parameters())
     cfg = model.config
     key = {"base": fingerprint(model).to_dict(), "layers": int(cfg.num_hidden_layers),
            "intermediate_size": int(getattr(cfg, "intermediate_size", 0)),
            "device": device_name(param.device), "dtype": str(param.dtype), "torch": torch.__version__,
-           "attention": str(getattr(cfg, "_attn_implementation", None))}
+           "attention": str(getattr(cfg, "_attn_implementation", None)),
+           "kernel": kernel_identity()}
     if heads is not None:
         hc = heads.config
         key["heads"] = {"family": hc.family, "num_heads": hc.num_heads, "num_layers": hc.num_layers,

@@ -70,7 +70,7 @@ def collect() -> dict:
         "native CPU dtypes": ", ".join(native),
         **{f"oneDNN packing, {k}": v for k, v in packing_report().items()},
         "stacked q/k/v and gate/up products": stacking_report(),
-        "few-row float32 kernel": kernel_status(),
+        "few-row kernel": kernel_status(),
         "torch threads": torch.get_num_threads(),
         "cache (DRAFTHEADS_CACHE)": str(cache_root()),
         "packing cache": str(packing_cache_path()),

@@ -5,8 +5,15 @@
  * so one block streams contiguously while up to 6 input rows accumulate into 12 AVX registers:
  * the weight is read once per call whatever the row count (up to 6; more rows re-read each
  * block from cache), which is what a verification step of a few tree nodes needs.
- * Threads: OpenMP over blocks, in the runtime torch already loaded (libgomp.so.1). */
+ * Threads: OpenMP over blocks, in the runtime torch already loaded (libgomp.so.1).
+ *
+ * The bfloat16 kernel (draftheads_fewrow_bf16, AVX512-BF16 only: fewrow.py calls it where torch
+ * reports native bf16) is the same idea with VDPBF16PS: the weight is blocked into 16 output
+ * features × pairs of inputs, one 64-byte load per pair of inputs, every product exact in float32
+ * and summed in one float32 chain per output (the order is the input's, whatever the output
+ * count), rounded to bf16 once at the end, to nearest even, as F.linear rounds. */
 #include <immintrin.h>
+#include <stdint.h>
 #include <string.h>
 
 void draftheads_block16(const float *w, float *blocked, long out, long in) {
@@ -54,4 +61,53 @@ void draftheads_fewrow(const float *x, const float *blocked, float *y, long rows
     for (long b = 0; b < blocks; b++)
         for (long m = 0; m < rows; m += 6)
             block_rows(x + m * in, blocked, y + m * out, rows - m < 6 ? rows - m : 6, in, out, b);
+}
+
+/* bf16 (as uint16) weight (out, in), in even → blocked[(b * in/2 + p) * 32 + 2j + e] = W[b*16 + j, 2p + e] */
+void draftheads_block16_bf16(const uint16_t *w, uint16_t *blocked, long out, long in) {
+    long blocks = (out + 15) / 16, pairs = in / 2;
+    memset(blocked, 0, sizeof(uint16_t) * blocks * 16 * in);
+    for (long o = 0; o < out; o++)
+        for (long k = 0; k < in; k++)
+            blocked[((o / 16) * pairs + k / 2) * 32 + (o % 16) * 2 + k % 2] = w[o * in + k];
+}
+
+#define BF16_BLOCKS 4  /* 16-feature blocks per tile: 4 weight loads feed 6 rows × 4 accumulators */
+
+/* rows (≤ 6) input rows (as pairs of bf16) against blocks b0 .. b0 + nb − 1 (nb ≤ BF16_BLOCKS) */
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+static void bf16_tile(const uint32_t *x, const uint16_t *blocked, uint16_t *y, long rows, long pairs, long out,
+                      long b0, long nb) {
+    __m512 acc[6][BF16_BLOCKS];
+    for (int m = 0; m < 6; m++)
+        for (int j = 0; j < BF16_BLOCKS; j++) acc[m][j] = _mm512_setzero_ps();
+    const uint16_t *tile = blocked + b0 * pairs * 32;
+    for (long p = 0; p < pairs; p++) {
+        __m512i w[BF16_BLOCKS];
+        for (int j = 0; j < BF16_BLOCKS; j++)
+            w[j] = j < nb ? _mm512_loadu_si512(tile + (j * pairs + p) * 32) : _mm512_setzero_si512();
+        for (int m = 0; m < 6 && m < rows; m++) {
+            __m512i xm = _mm512_set1_epi32((int)x[m * pairs + p]);
+            for (int j = 0; j < BF16_BLOCKS; j++) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], (__m512bh)xm, (__m512bh)w[j]);
+        }
+    }
+    for (long m = 0; m < rows; m++)
+        for (long j = 0; j < nb; j++) {
+            long b = b0 + j, width = out - b * 16 < 16 ? out - b * 16 : 16;
+            uint16_t rounded[16];
+            _mm256_storeu_si256((__m256i *)rounded, (__m256i)_mm512_cvtneps_pbh(acc[m][j]));
+            memcpy(y + m * out + b * 16, rounded, sizeof(uint16_t) * width);
+        }
+}
+
+void draftheads_fewrow_bf16(const uint16_t *x, const uint16_t *blocked, uint16_t *y, long rows, long in, long out,
+                            int threads) {
+    long blocks = (out + 15) / 16, pairs = in / 2, tiles = (blocks + BF16_BLOCKS - 1) / BF16_BLOCKS;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (long t = 0; t < tiles; t++) {
+        long nb = blocks - t * BF16_BLOCKS < BF16_BLOCKS ? blocks - t * BF16_BLOCKS : BF16_BLOCKS;
+        for (long m = 0; m < rows; m += 6)
+            bf16_tile((const uint32_t *)(x + m * in), blocked, y + m * out, rows - m < 6 ? rows - m : 6, pairs, out,
+                      t * BF16_BLOCKS, nb);
+    }
 }

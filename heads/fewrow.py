@@ -1,4 +1,4 @@
-"""A float32 kernel for products of a few rows, compiled on first use (``heads/fewrow.c``).
+"""Kernels for products of a few rows, float32 and bfloat16, compiled on first use (``heads/fewrow.c``).
 
 Why: tree verification multiplies every weight of the base by a handful of rows (the tree's
 nodes). On a CPU without AVX512 neither of torch's paths does that at the cost of one row:
@@ -10,17 +10,28 @@ weight once per call in 16-feature blocks while up to 6 rows accumulate in regis
 SmolLM2's 49,152 × 576 LM head at 5 rows 29,500 / 15,700 / 10,400; its 1,536 × 576 MLP
 projection 380 / 237 / 142; 576 × 576 143 / 109 / 52.
 
+Where bfloat16 is native (AVX512-BF16), oneDNN's packed bf16 product reads SmolLM2's layer
+weights at ~13 GB/s for a few rows, half of what this machine streams; the bf16 kernel
+(VDPBF16PS, the same blocking) reads them at ~26: the 30 layers' linear products
+(212 MB) at 1 / 8 / 12 rows took 15.1 / 13.3 / 13.7 ms packed and 7.9 / 9.3 / 10.2 ms through it
+(AMD EPYC with AVX512-BF16, 2 threads, each of the 30 layers' own weights, medians of 7). Its
+sums are float32 in input order, rounded to bf16 once as ``F.linear`` rounds: ~0.1 % of outputs
+land one bf16 ulp from ``F.linear``'s (a different summation order), which the bfloat16
+guarantee (a first divergence within the dtype's rounding) allows.
+
 Which path a (shape, row count) takes is decided by measurement on this machine
 (:class:`~.linear.PackingPlan`): the kernel is one more candidate beside ``F.linear`` and the
-packed product, never assumed faster. Results differ from ``F.linear`` by float32 rounding (one
-accumulation chain per output), which the float32 guarantee allows; the kernel is checked
-against ``F.linear`` before first use.
+packed product, never assumed faster. Float32 results differ from ``F.linear`` by float32
+rounding (one accumulation chain per output), which the float32 guarantee allows; each dtype's
+kernel is checked against ``F.linear`` before first use.
 
 It is compiled with the system C compiler (``CC``, else ``cc``/``gcc``; under a second) into the
 cache folder, keyed by the source, the compiler and the flags, loaded with ctypes, and linked to
 the OpenMP runtime torch has already loaded, so its threads are torch's. Where anything is
 missing (not x86, torch's CPU capability below AVX2, no compiler, a failed check) it is simply
-absent — :func:`kernel_status` says why — and the plan never picks it.
+absent — :func:`kernel_status` says why — and the plan never picks it. The bf16 kernel is only
+called where torch reports native bf16 with AVX512-BF16 (so ``ATEN_CPU_CAPABILITY=avx2`` or
+``ONEDNN_MAX_CPU_ISA=AVX2`` turn it off like oneDNN's own bf16 path).
 """
 from __future__ import annotations
 
@@ -35,13 +46,14 @@ import torch
 
 from .atomic import atomic_file
 from .errors import DraftheadsError
-from .hardware import is_x86
+from .hardware import bf16_native, is_x86
 
 SOURCE = Path(__file__).with_name("fewrow.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 BLOCK = 16  # output features per block (two AVX registers)
 
-_state: dict[str, object] = {"lib": None, "status": "not loaded (the decoder loads it with the base)"}
+_state: dict[str, object] = {"lib": None, "status": "not loaded (the decoder loads it with the base)",
+                             "dtypes": frozenset()}
 
 
 def kernel_status() -> str:
@@ -52,6 +64,26 @@ def kernel_status() -> str:
 def kernel():
     """The loaded kernel library, or None (see :func:`load_kernel`)."""
     return _state["lib"]
+
+
+def kernel_dtypes() -> frozenset:
+    """The dtypes the loaded kernel multiplies here: float32, and bfloat16 where it is native
+    with AVX512-BF16 and the bf16 kernel agreed with ``F.linear`` (empty when not loaded)."""
+    return _state["dtypes"]  # type: ignore[return-value]
+
+
+def kernel_identity() -> str | None:
+    """Which kernel this process multiplies with, for the keys of cached step costs: the source's
+    digest and the dtypes it runs here (None when not loaded)."""
+    if _state["lib"] is None:
+        return None
+    names = sorted(str(d).removeprefix("torch.") for d in kernel_dtypes())
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12] + ":" + "+".join(names)
+
+
+def bf16_kernel_supported() -> bool:
+    """Whether this CPU, as torch sees it (ISA limits honoured), runs the bf16 kernel's VDPBF16PS."""
+    return is_x86() and bf16_native() and bool(torch.cpu._is_avx512_bf16_supported())
 
 
 def unsupported_reason() -> str | None:
@@ -96,17 +128,29 @@ def _bind(path: Path):
     lib.draftheads_block16.restype = None
     lib.draftheads_fewrow.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [ctypes.c_int]
     lib.draftheads_fewrow.restype = None
+    lib.draftheads_block16_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long]
+    lib.draftheads_block16_bf16.restype = None
+    lib.draftheads_fewrow_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [ctypes.c_int]
+    lib.draftheads_fewrow_bf16.restype = None
     return lib
 
 
-def _agrees(lib) -> bool:
+#: how far each dtype's kernel may land from ``F.linear`` in the check: float32 rounding; for
+#: bfloat16 one bf16 rounding (relative 2^-8 either way, so 2^-7 between the two)
+AGREEMENT = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2.0 ** -7, 1e-3)}
+
+
+def _agrees(lib, dtype: torch.dtype) -> bool:
     """The kernel against ``F.linear`` on awkward shapes (a partial block, 1-13 rows)."""
     generator = torch.Generator().manual_seed(0)
-    weight = torch.randn(37, 29, generator=generator)
+    inp = 30 if dtype == torch.bfloat16 else 29  # the bf16 kernel reads inputs in pairs
+    weight = torch.randn(37, inp, generator=generator).to(dtype)
     blocked = _blocked(lib, weight)
+    rtol, atol = AGREEMENT[dtype]
     for rows in (1, 5, 6, 7, 13):
-        x = torch.randn(rows, 29, generator=generator)
-        if not torch.allclose(_run(lib, x, blocked, 37), torch.nn.functional.linear(x, weight), rtol=1e-5, atol=1e-5):
+        x = torch.randn(rows, inp, generator=generator).to(dtype)
+        ours, theirs = _run(lib, x, blocked, 37).float(), torch.nn.functional.linear(x, weight).float()
+        if not torch.allclose(ours, theirs, rtol=rtol, atol=atol):
             return False
     return True
 
@@ -130,8 +174,10 @@ def load_kernel(folder: Path) -> bool:
             if attempt or not path.is_file():
                 _compile(compiler, path)
             lib = _bind(path)
-            if _agrees(lib):
-                _state["lib"], _state["status"] = lib, f"on ({path})"
+            if _agrees(lib, torch.float32):
+                bf16 = bf16_kernel_supported() and _agrees(lib, torch.bfloat16)
+                _state["dtypes"] = frozenset({torch.float32, torch.bfloat16} if bf16 else {torch.float32})
+                _state["lib"], _state["status"] = lib, f"on ({path}; {'float32 and bfloat16' if bf16 else 'float32'})"
                 return True
             reason = "it disagreed with F.linear"
         except (OSError, AttributeError, subprocess.SubprocessError, DraftheadsError) as err:
@@ -143,8 +189,9 @@ def load_kernel(folder: Path) -> bool:
 def _blocked(lib, weight: torch.Tensor) -> torch.Tensor:
     weight = weight.detach().contiguous()
     out, inp = weight.shape
-    blocked = torch.empty(((out + BLOCK - 1) // BLOCK) * BLOCK * inp, dtype=torch.float32)
-    lib.draftheads_block16(weight.data_ptr(), blocked.data_ptr(), out, inp)
+    blocked = torch.empty(((out + BLOCK - 1) // BLOCK) * BLOCK * inp, dtype=weight.dtype)
+    block = lib.draftheads_block16_bf16 if weight.dtype == torch.bfloat16 else lib.draftheads_block16
+    block(weight.data_ptr(), blocked.data_ptr(), out, inp)
     return blocked
 
 
@@ -154,20 +201,22 @@ PARALLEL_WORK = 1 << 17
 
 def _run(lib, x: torch.Tensor, blocked: torch.Tensor, out_features: int) -> torch.Tensor:
     rows, inp = x.shape
-    y = torch.empty(rows, out_features, dtype=torch.float32)
+    y = torch.empty(rows, out_features, dtype=x.dtype)
     threads = torch.get_num_threads() if rows * inp * out_features >= PARALLEL_WORK else 1
-    lib.draftheads_fewrow(x.data_ptr(), blocked.data_ptr(), y.data_ptr(), rows, inp, out_features, threads)
+    run = lib.draftheads_fewrow_bf16 if x.dtype == torch.bfloat16 else lib.draftheads_fewrow
+    run(x.data_ptr(), blocked.data_ptr(), y.data_ptr(), rows, inp, out_features, threads)
     return y
 
 
 def block_weight(weight: torch.Tensor) -> torch.Tensor:
-    """weight (out, in) float32 → the kernel's blocked copy (flat); needs :func:`load_kernel`."""
+    """weight (out, in) float32, or bfloat16 with ``in`` even → the kernel's blocked copy (flat,
+    the weight's dtype); needs :func:`load_kernel` (and bfloat16 in :func:`kernel_dtypes`)."""
     return _blocked(kernel(), weight)
 
 
 def fewrow_linear(x: torch.Tensor, blocked: torch.Tensor, out_features: int,
                   bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (..., in) float32 · Wᵀ through W's blocked copy → (..., out_features)."""
+    """x (..., in) · Wᵀ through W's blocked copy (both in W's dtype) → (..., out_features)."""
     flat = x.reshape(-1, x.shape[-1]).contiguous()
     y = _run(kernel(), flat, blocked, out_features)
     if bias is not None:

@@ -4,9 +4,13 @@ Why: on a CPU, ``F.linear`` re-lays out the weight for oneDNN (bfloat16) or runs
 (float32, slow for 2-32 rows) on every call. Packing each weight once into oneDNN's blocked
 layout and calling its linear primitive directly measured 1.5-2× faster for bfloat16 at every
 row count (the 49,152 × 576 LM head: 8.4 vs 17.5 ms for 1 row, one thread) and 1.7-3× for
-float32 at 4-9 rows (AVX512 and AVX2 alike). bfloat16 results are bit-identical to ``F.linear``
-(same accumulation); float32 results differ by float32 rounding (~1e-5 on SmolLM2's logits),
-which the float32 guarantee (identical, or a first divergence at a near-tie) allows.
+float32 at 4-9 rows (AVX512 and AVX2 alike). Packed bfloat16 results are bit-identical to
+``F.linear`` (same accumulation); float32 results differ by float32 rounding (~1e-5 on
+SmolLM2's logits), which the float32 guarantee (identical, or a first divergence at a near-tie)
+allows. A third path, the few-row kernel (:mod:`.fewrow`: float32 on AVX2, bfloat16 on
+AVX512-BF16), reads each weight once for up to 6 rows; its bf16 sums land one bf16 ulp from
+``F.linear``'s on ~0.1 % of outputs, which the bfloat16 guarantee (a first divergence within the
+dtype's rounding) allows.
 
 Where packing pays is a property of the machine, the dtype, the weight's shape and the row
 count (on an AVX2 CPU a 1-row product can be faster through MKL), so it is decided **per
@@ -33,7 +37,7 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
-from .fewrow import block_weight, fewrow_linear, kernel
+from .fewrow import block_weight, fewrow_linear, kernel, kernel_dtypes
 from .hardware import bf16_native
 
 _ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("draftheads_packed_linears", default=False)
@@ -158,7 +162,7 @@ def _best_ms(fn, reps: int) -> float:
 
 
 def measure_shape(dtype: torch.dtype, out_features: int, in_features: int, reps: int = 3) -> dict[str, list[float]]:
-    """ms per call of ``F.linear``, of the packed product and (float32, where it is loaded) of the
+    """ms per call of ``F.linear``, of the packed product and (where it is loaded for the dtype) of the
     few-row kernel for a random weight of this shape at every row count of :data:`ROW_BUCKETS`,
     interleaved (one noisy spell hits every path alike)."""
     generator = torch.Generator().manual_seed(0)
@@ -218,8 +222,10 @@ def packed_wins(entry: dict[str, list[float]]) -> tuple[bool, ...]:
 
 
 def fewrow_applies(weight: torch.Tensor) -> bool:
-    """Whether the few-row kernel can multiply by ``weight``: float32 on the CPU, kernel loaded."""
-    return weight.dtype == torch.float32 and weight.device.type == "cpu" and kernel() is not None
+    """Whether the few-row kernel can multiply by ``weight``: on the CPU, in a dtype the loaded
+    kernel multiplies here (:func:`~.fewrow.kernel_dtypes`), bfloat16 with an even input width."""
+    return (weight.device.type == "cpu" and weight.dtype in kernel_dtypes()
+            and (weight.dtype != torch.bfloat16 or weight.shape[-1] % 2 == 0))
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """What a product of a few rows costs on this machine, per path: ``F.linear``, oneDNN's packed
-product and the few-row float32 kernel (heads/fewrow.py), for the weight shapes of the embedded
+product and the few-row kernel (heads/fewrow.py: float32, and bfloat16 where native), for the weight shapes of the embedded
 base (SmolLM2-135M) and the shipped heads' draft vocabulary, at the row counts a verification
 step uses. The same measurement the decoder makes at load (``heads.linear.measure_shape``:
 interleaved, best of ``--reps``), saved as JSON + PNG.

@@ -1,5 +1,5 @@
-"""The few-row float32 kernel (heads/fewrow.py): agreement with F.linear, how it is built and
-rebuilt, and how the packing plan picks it only where it measured fastest."""
+"""The few-row kernels (heads/fewrow.py), float32 and bfloat16: agreement with F.linear, how they
+are built and rebuilt, and how the packing plan picks them only where they measured fastest."""
 from __future__ import annotations
 
 import json
@@ -46,7 +46,7 @@ def test_batched_strided_input_and_bias(kernel_dir):
 
 
 def test_a_missing_compiler_turns_the_kernel_off_with_the_reason(monkeypatch, tmp_path):
-    monkeypatch.setattr(fewrow, "_state", {"lib": None, "status": "not loaded"})
+    monkeypatch.setattr(fewrow, "_state", {"lib": None, "status": "not loaded", "dtypes": frozenset()})
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     assert fewrow.load_kernel(tmp_path) is False
     assert fewrow.kernel() is None and fewrow.kernel_status().startswith("off: ")
@@ -56,13 +56,64 @@ def test_a_missing_compiler_turns_the_kernel_off_with_the_reason(monkeypatch, tm
 
 
 def test_a_damaged_cached_library_is_rebuilt_not_trusted(kernel_dir, monkeypatch, tmp_path):
-    monkeypatch.setattr(fewrow, "_state", {"lib": None, "status": "not loaded"})
+    monkeypatch.setattr(fewrow, "_state", {"lib": None, "status": "not loaded", "dtypes": frozenset()})
     compiler = fewrow._compiler()
     path = fewrow._library_path(tmp_path, compiler)
     path.write_bytes(b"\x7fELF not really a library")
     assert fewrow.load_kernel(tmp_path) is True
-    assert fewrow.kernel_status() == f"on ({path})"
+    assert fewrow.kernel_status().startswith(f"on ({path}; float32")
     assert path.read_bytes()[:4] == b"\x7fELF" and path.stat().st_size > 1000
+
+
+@pytest.fixture(scope="module")
+def bf16_kernel(kernel_dir):
+    if torch.bfloat16 not in fewrow.kernel_dtypes():
+        pytest.skip("the bfloat16 kernel needs AVX512-BF16 as torch reports it (not native here)")
+    return kernel_dir
+
+
+@pytest.mark.parametrize("out_features, in_features", [(37, 30), (16, 8), (64, 576), (960, 576), (576, 1536)])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 12, 13, 20])
+def test_the_bf16_kernel_rounds_a_float32_sum_once(bf16_kernel, out_features, in_features, rows):
+    """Each output is one float32 sum of exact bf16 products, rounded to bf16 once: within one
+    bf16 rounding (2^-8 relative) of the exact product plus float32 summation slack, as F.linear
+    is, and one bf16 ulp from F.linear's on a small fraction of outputs at most."""
+    generator = torch.Generator().manual_seed(rows * 1000 + out_features)
+    weight = (torch.randn(out_features, in_features, generator=generator) * 0.05).bfloat16()
+    x = torch.randn(rows, in_features, generator=generator).bfloat16()
+    got = fewrow.fewrow_linear(x, fewrow.block_weight(weight), out_features)
+    assert got.shape == (rows, out_features) and got.dtype == torch.bfloat16
+    exact = x.double() @ weight.double().T
+    slack = in_features * torch.finfo(torch.float32).eps * (x.abs().double() @ weight.abs().double().T)
+    assert ((got.double() - exact).abs() <= exact.abs() * 2.0 ** -8 + slack + 1e-30).all()
+    theirs = torch.nn.functional.linear(x, weight)
+    assert (got != theirs).float().mean() <= 0.02
+    torch.testing.assert_close(got.float(), theirs.float(), rtol=2.0 ** -7, atol=1e-6)
+
+
+def test_the_bf16_kernel_takes_batched_input_and_bias(bf16_kernel):
+    generator = torch.Generator().manual_seed(2)
+    weight, bias = torch.randn(40, 24, generator=generator).bfloat16(), torch.randn(40, generator=generator).bfloat16()
+    x = torch.randn(3, 24, 4, generator=generator).bfloat16().transpose(1, 2)  # (3, 4, 24), not contiguous
+    got = fewrow.fewrow_linear(x, fewrow.block_weight(weight), 40, bias)
+    assert got.shape == (3, 4, 40) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), torch.nn.functional.linear(x, weight, bias).float(), rtol=2 ** -6, atol=2 ** -6)
+
+
+def test_stacked_bf16_products_through_the_kernel_are_exact(bf16_kernel, monkeypatch):
+    """One float32 chain per output whatever the output count: a stacked q/k/v product through
+    the kernel equals, bit for bit, each member's own product through it (so sibling stacking
+    stays a pure speed-up)."""
+    plan = PackingPlan()
+    n = len(ROW_BUCKETS)
+    for shape in ((64, 48), (16, 48), (96, 48)):
+        plan.add(shape_key(torch.bfloat16, *shape), entry([9.0] * n, [9.0] * n, [1.0] * n))
+    monkeypatch.setattr(linear, "PLAN", plan)
+    linear.stacking_exact.cache_clear()
+    try:
+        assert all(linear.stacking_exact(torch.bfloat16, ((64, 48), (16, 48), (16, 48))))
+    finally:
+        linear.stacking_exact.cache_clear()
 
 
 def entry(linear_ms, packed_ms, fewrow_ms=None):

@@ -29,14 +29,15 @@ def test_an_avx2_limit_is_honoured_and_float32_still_packs():
     """Under the three ISA variables torch reports AVX2: bfloat16 is not native (auto → float32),
     and float32 packing does not depend on bfloat16's (the bug that made AVX2 CPUs 0.78x)."""
     out = run_python("import torch, json\n"
-                     "from draftheads.heads import hardware, linear\n"
+                     "from draftheads.heads import fewrow, hardware, linear\n"
                      "from draftheads.decoding.base import choose_dtype\n"
                      "print(json.dumps([torch.backends.cpu.get_cpu_capability(), hardware.bf16_native(),\n"
                      "  linear.packing_available(torch.float32), linear.packing_available(torch.bfloat16),\n"
-                     "  str(choose_dtype('auto', torch.bfloat16)), hardware.cpu_key()['isa_limits']]))", AVX2_LIMIT)
-    capability, bf16, fp32_packs, bf16_packs, auto, limits = json.loads(out)
+                     "  str(choose_dtype('auto', torch.bfloat16)), hardware.cpu_key()['isa_limits'],\n"
+                     "  fewrow.bf16_kernel_supported()]))", AVX2_LIMIT)
+    capability, bf16, fp32_packs, bf16_packs, auto, limits, bf16_kernel = json.loads(out)
     assert capability == "AVX2"
-    assert bf16 is False and bf16_packs is False
+    assert bf16 is False and bf16_packs is False and bf16_kernel is False  # the bf16 kernel honours the limit too
     assert auto == "torch.float32"
     assert fp32_packs is torch.backends.mkldnn.is_available()
     assert limits == AVX2_LIMIT  # the limit is part of every per-machine cache key

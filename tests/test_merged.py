@@ -171,3 +171,17 @@ def test_the_lookup_drafter_is_a_drafter_the_loop_runs():
     assert all(callable(getattr(decoder.drafter, name)) for name in Drafter.__dict__ if name in
                ("start", "propose", "observe"))
     assert decoder.generate(ids, attention_mask=mask, max_new_tokens=16, pad_token_id=PAD).tolist() == reference.tolist()
+
+
+def test_reach_counts_the_continuation_a_tree_accepts():
+    """What the heads bought on a step is counted against what the lookups' own tree would have
+    accepted of the base's continuation (reach), not against the heads-sourced nodes."""
+    from draftheads.decoding.drafters.merged import reach
+
+    # root → 5 → 6 → 7, and root → 9
+    tree = Candidates.from_lists([-1, 0, 1, -1], [5, 6, 7, 9], [0.9, 0.8, 0.7, 0.1], [0] * 4, [0] * 4, [1.0] * 4)
+    assert reach(tree, [5, 6, 7, 8]) == 3
+    assert reach(tree, [5, 6, 1]) == 2
+    assert reach(tree, [9, 5]) == 1
+    assert reach(tree, [6]) == 0 and reach(tree, []) == 0
+    assert reach(Candidates.empty(), [5]) == 0

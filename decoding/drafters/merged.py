@@ -16,7 +16,7 @@ import numpy as np
 from ...heads import DraftHeads
 from ..cost import LINEAR_COST
 from ..tree import Tree
-from .candidates import CandidateBatch, Source
+from .candidates import CandidateBatch, Candidates
 from .drafts import Drafts
 from .heads_drafter import heads_batch
 from .lookup import LookupConfig, LookupSources
@@ -43,6 +43,15 @@ def expected_tokens(tries: CandidateBatch, width: int) -> float:
 def width_scores(tries: CandidateBatch) -> np.ndarray:
     """(B, K) the rows' best-first scores as the width chooser reads them."""
     return tries.score_block(int(tries.sizes().max(initial=0)))
+
+
+def reach(tree: Candidates, tokens: Sequence[int]) -> int:
+    """How many of ``tokens`` (the base's continuation after the root) a prefix-closed tree
+    accepts: the depth of its deepest node on that path."""
+    paths, depth = tree.paths(), 0
+    while depth < len(tokens) and tuple(tokens[: depth + 1]) in paths:
+        depth += 1
+    return depth
 
 
 #: how many of the heads' latest proposal times their cost estimate is the median of
@@ -73,12 +82,14 @@ class MergedDrafter:
     #: what the heads' proposal has been worth (see :meth:`_heads_pay`): ms per call — the median
     #: of the last ``HEADS_MS_WINDOW`` calls, so a cold first call (oneDNN builds a kernel per new
     #: row count: 20-50 ms against ~3 warm) cannot price the heads out for dozens of steps; the
-    #: tokens the base accepted from their nodes per unit of the lookups' first-token miss rate,
-    #: and the verification ms their extra nodes cost (moving averages)
+    #: tokens the base accepted beyond what the lookups' own tree would have given, per unit of
+    #: the lookups' first-token miss rate, and the verification ms their extra nodes cost (moving
+    #: averages)
     _heads_ms: float | None = None
     _heads_gain: float | None = None
     _heads_extra_ms: float | None = None
     _misses: float = 0.0  # the lookups' first-token miss rate summed over rows, on the step the heads proposed in
+    _alone_kept: CandidateBatch | None = None  # on that step, the tree the lookups alone would have verified
     _heads_times: deque = field(default_factory=lambda: deque(maxlen=HEADS_MS_WINDOW))
     #: steps of the current request this drafter proposed with and without the heads (reports, tests)
     heads_steps: int = 0
@@ -175,8 +186,9 @@ class MergedDrafter:
         base has verified the step (:meth:`observe`)."""
         if self.width.cost is LINEAR_COST:
             return
-        _, _, alone_ms = self._lookups_step(alone, ctx)
+        alone_width, _, alone_ms = self._lookups_step(alone, ctx)
         self._misses = max(float((1.0 - alone.first_scores()).sum()), 1e-3)
+        self._alone_kept = alone.first(alone_width - 1)
         extra_ms = self.width.cost.step_ms(merged.rows, width, ctx) - alone_ms
         self._heads_extra_ms = moving_average(self._heads_extra_ms, max(0.0, extra_ms))
 
@@ -185,9 +197,12 @@ class MergedDrafter:
 
         The heads draft below the root only, so where a lookup's first token is accepted with
         probability s₁ their tree adds accepted tokens only in the other 1 − s₁ of cases: the
-        gain is G = Σ_rows (1 − s₁) · g, g the tokens the base *accepted* from the heads' nodes
-        per unit of that miss rate on the steps they proposed in (measured, not their calibrated
-        scores: the scores are estimates, the accepted tokens are what the heads bought). It costs p ms to
+        gain is G = Σ_rows (1 − s₁) · g, g the tokens the base accepted beyond what the lookups'
+        own tree (at their own width) would have accepted of the same continuation, per unit of
+        that miss rate on the steps they proposed in — measured, not their calibrated scores, and
+        not the tokens of heads-sourced nodes: a heads node often carries a token the lookups
+        proposed too, and heads nodes can push lookup nodes out of the cut, so what the heads
+        bought is the difference, which can be negative. It costs p ms to
         propose plus v ms to verify their extra nodes, on a step of t ms that yields T expected
         tokens from the lookups alone (the width chooser's step), so it pays when
         (T + G) / (t + p + v) > T / t. Until measured (the first proposals), and again after
@@ -203,11 +218,11 @@ class MergedDrafter:
         """Each row's accepted drafts calibrate the hit rates of the sources that proposed them."""
         accepted = drafts.accepted_tokens(result.path, result.accepted)
         self.lookup.observe_rows(rows, self._proposed, accepted)
-        if self._misses > 0:  # the heads proposed in this step: count what the base took from them
-            slots, starts = result.path.tolist(), self._proposed.starts()
-            taken = [starts[b] + s - 1 for b, n in enumerate(result.accepted.tolist()) for s in slots[b][1: 1 + n]]
-            bought = int((self._proposed.source[taken] == Source.HEADS).sum())
+        if self._misses > 0 and self._alone_kept is not None:  # the heads proposed in this step
+            bought = sum(len(taken) - reach(alone, taken + [bonus]) for alone, taken, bonus
+                         in zip(self._alone_kept.split(), accepted, result.bonus.tolist()))
             self._heads_gain = moving_average(self._heads_gain, bought / self._misses)
+        self._misses, self._alone_kept = 0.0, None
 
 
 class LookupDrafter(MergedDrafter):
