@@ -81,6 +81,24 @@ def test_the_heads_are_skipped_only_where_a_lookup_match_carries_the_step():
     assert drafter._heads_pay(confident, 64)  # measured afresh now and then
 
 
+def test_rechecks_back_off_while_the_heads_do_not_pay_and_reset_when_they_do():
+    confident = CandidateBatch.from_rows([chain([0.97, 0.95, 0.93, 0.9, 0.88, 0.85])])
+    weak = CandidateBatch.from_rows([chain([0.2, 0.05])])
+    drafter = merged(1.0, 1.0)
+    waits = []
+    for _ in range(5):  # a recheck, then the step after it still finds the heads not paying
+        drafter._skipped_in_a_row = drafter._recheck_wait
+        assert drafter._heads_pay(confident, 64)  # the recheck
+        drafter._skipped_in_a_row = 0
+        assert not drafter._heads_pay(confident, 64)
+        waits.append(drafter._recheck_wait)
+    assert waits == [16, 32, 64, 64, 64]  # doubled up to recheck_heads_max
+    drafter._skipped_in_a_row = drafter._recheck_wait
+    assert drafter._heads_pay(confident, 64)
+    assert drafter._heads_pay(weak, 64)  # after this recheck they pay: the usual wait again
+    assert drafter._recheck_wait == drafter.recheck_heads_every
+
+
 def test_skipping_the_heads_keeps_the_output_and_saves_their_calls(tmp_path, monkeypatch):
     """This tiny base answers a token repeated (so the context match carries the steps): the heads
     are skipped on most steps, and the tokens are still the base's own (float64). Without a step

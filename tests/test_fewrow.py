@@ -68,7 +68,7 @@ def test_a_damaged_cached_library_is_rebuilt_not_trusted(kernel_dir, monkeypatch
 @pytest.fixture(scope="module")
 def bf16_kernel(kernel_dir):
     if torch.bfloat16 not in fewrow.kernel_dtypes():
-        pytest.skip("the bfloat16 kernel needs AVX512-BF16 as torch reports it (not native here)")
+        pytest.skip("no native bfloat16 here (the bfloat16 kernel needs AVX512-BF16 as torch reports it)")
     return kernel_dir
 
 

@@ -95,8 +95,14 @@ class MergedDrafter:
     heads_steps: int = 0
     skipped_heads_steps: int = 0
     #: after this many skipped steps in a row the heads propose again, so their cost and worth
-    #: are measured afresh (a slow first call, or text that changed, never rules them out for good)
+    #: are measured afresh (a slow first call, or text that changed, never rules them out for good);
+    #: each recheck after which they still do not pay doubles the wait, up to ``recheck_heads_max``
+    #: (a recheck costs a proposal and its nodes: where the heads never pay, one in 9 steps paid
+    #: ~1.5 % of the request), and one after which they pay sets it back
     recheck_heads_every: int = 8
+    recheck_heads_max: int = 64
+    _recheck_wait: int = 8
+    _rechecked: bool = False  # the last proposal was a recheck: the next step's verdict sets the wait
     _skipped_in_a_row: int = 0
     #: the tree the heads fill in place of the policy's (None: the policy's). The default model
     #: sets a larger one than the heads-alone default (``MERGED_OFFER_SCALE`` in
@@ -108,6 +114,7 @@ class MergedDrafter:
         self.lookup.reset()
         self._seen.clear()
         self.heads_steps = self.skipped_heads_steps = 0  # what the heads learned (cost, worth) carries over
+        self._recheck_wait, self._rechecked = self.recheck_heads_every, False  # new text: recheck at the usual pace
         for row, prompt in enumerate(prompts):
             self.lookup.start(row, prompt)
             self._seen[row] = 0
@@ -206,13 +213,20 @@ class MergedDrafter:
         propose plus v ms to verify their extra nodes, on a step of t ms that yields T expected
         tokens from the lookups alone (the width chooser's step), so it pays when
         (T + G) / (t + p + v) > T / t. Until measured (the first proposals), and again after
-        ``recheck_heads_every`` skipped steps, the heads propose."""
-        if (self._heads_ms is None or self._heads_gain is None or self.width.cost is LINEAR_COST
-                or self._skipped_in_a_row >= self.recheck_heads_every):
+        a run of skipped steps (see ``recheck_heads_every``), the heads propose."""
+        if self._heads_ms is None or self._heads_gain is None or self.width.cost is LINEAR_COST:
             return True  # LINEAR_COST is relative, not ms: no step time to weigh the heads' ms against
         _, expected, step_ms = self._lookups_step(tries, ctx)
         gain = float((1.0 - tries.first_scores()).sum()) * self._heads_gain
-        return (expected + gain) * step_ms > expected * (step_ms + self._heads_ms + (self._heads_extra_ms or 0.0))
+        pays = (expected + gain) * step_ms > expected * (step_ms + self._heads_ms + (self._heads_extra_ms or 0.0))
+        if self._rechecked:  # the verdict right after a recheck sets the wait before the next one
+            self._recheck_wait = (self.recheck_heads_every if pays
+                                  else min(2 * self._recheck_wait, self.recheck_heads_max))
+            self._rechecked = False
+        if not pays and self._skipped_in_a_row >= self._recheck_wait:
+            self._rechecked = True
+            return True
+        return pays
 
     def observe(self, drafts: Drafts, result: Acceptance, rows: Sequence[int]) -> None:
         """Each row's accepted drafts calibrate the hit rates of the sources that proposed them."""
