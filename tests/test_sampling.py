@@ -407,10 +407,12 @@ def test_output_scores_are_the_processed_scores():
 
 
 # -- per-row trees mixing head drafts and lookup chains -------------------------------------------
-# Three shapes, each a head tree plus a lookup chain (rank 5 marks the chain's nodes); every row
-# verifies the shape its current context picks, padded to a common width as the loop does.
+# Four shapes of different node counts, as per-row counts under one batch budget give them: three
+# head trees plus a lookup chain (rank 5 marks the chain's nodes) and the root alone (a row given
+# one node: a plain step beside drafting rows); every row verifies the shape its current context
+# picks, padded to a common width as the loop does.
 MIXED = [TREES["d2w2"] + [(5,), (5, 0), (5, 0, 0)], TREES["d1w4"] + [(5,), (5, 0)],
-         [(0,), (0, 0), (1,), (5,), (5, 0), (5, 0, 0)]]
+         [(0,), (0, 0), (1,), (5,), (5, 0), (5, 0, 0)], []]
 
 
 def mixed_shapes():
@@ -475,8 +477,9 @@ def broken_rows_accept_always(tokens, probs, parent, depth, path_slots, children
 
 @pytest.mark.parametrize("config_name", ["T1.0", "T0.5-topk5-topp0.8", "T1.0-penalty1.5"])
 def test_mixed_per_row_trees_sampling_is_lossless(config_name):
-    """Rows verify different trees (padded), each mixing head drafts and a lookup chain: the
-    K-token distribution is still exactly the base's; accepting every drafted token is caught."""
+    """Rows verify different trees (padded, ragged node counts, one row at times given the root
+    alone), mixing head drafts and a lookup chain: the K-token distribution is still exactly the
+    base's; accepting every drafted token is caught."""
     table = TABLES[config_name]
     exact = exact_joint(table)
     seed = list(CONFIGS).index(config_name)
