@@ -97,6 +97,8 @@ def test_rechecks_back_off_while_the_heads_do_not_pay_and_reset_when_they_do():
     assert drafter._heads_pay(confident, 64)
     assert drafter._heads_pay(weak, 64)  # after this recheck they pay: the usual wait again
     assert drafter._recheck_wait == drafter.recheck_heads_every
+    sooner = MergedDrafter(object(), LookupSources(None, sources=("context",)), recheck_heads_every=4)
+    assert sooner._recheck_wait == 4  # the first wait is the configured one, before any request
 
 
 def test_skipping_the_heads_keeps_the_output_and_saves_their_calls(tmp_path, monkeypatch):
