@@ -173,7 +173,7 @@ def cmd_bench(args) -> int:
     prompts = read_prompts(args.prompts, args.limit)
     results = run_bench(model, prompts, args.max_new_tokens, Path(args.out), meta=vars(args),
                         control=not args.no_control, drafts=args.drafts, turn2=args.turn2,
-                        review=args.review, parts=args.parts)
+                        review=args.review, parts=args.parts, repeats=args.repeats)
     print(bench_table(results))
     return 0
 
@@ -267,8 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="batches per batch size (batched bench): one number for every size, or one per "
                             "--batch-sizes entry (e.g. 6,4,4,3,2,1: more batches where they are cheap)")
     bench.add_argument("--repeats", type=count_argument(1), default=1,
-                       help="batched bench: run each batch this many times per strategy and count the fastest "
-                            "(greedy output is identical each time; filters a shared machine's slow spells)")
+                       help="run each prompt (or batch, batched bench) this many times per configuration, in "
+                            "rotating order, and count the fastest (greedy output is identical each time; filters "
+                            "a shared machine's slow spells)")
     bench.add_argument("--no-mask-compare", action="store_true",
                        help="skip the 'adaptive:mask' strategy (finished rows masked instead of dropped)")
     bench.add_argument("--recalibrate", action="store_true",

@@ -35,6 +35,46 @@ def test_strategies_rotate_and_the_fastest_repeat_counts():
     assert best == {"hf": ("y", 1.0)}
 
 
+def test_a_prompts_entries_rotate_and_each_keeps_its_fastest_run(monkeypatch):
+    """The bs-1 bench: HF, each drafting configuration and HF prompt lookup run ``repeats``
+    times per prompt, in an order rotated by the prompt's index, and each entry reports its
+    fastest run — the τ and steps of that very run, not of its last."""
+    import torch
+
+    from draftheads.bench import single
+
+    ids, answer = torch.tensor([[5, 6]]), torch.tensor([[5, 6, 7, 8, 9]])
+    calls: list[str] = []
+    seconds = {"hf": iter([2.0, 1.0]), "prompt_lookup": iter([1.5, 3.0])}
+
+    def fake_timed(fn):
+        return fn(), next(seconds[calls[-1]])
+
+    def fake_greedy(base, ids, max_new_tokens, **kwargs):
+        calls.append("prompt_lookup" if kwargs else "hf")
+        return answer
+
+    runs = {"a": iter([(2.0, (1.5, 2)), (1.0, (3.0, 1))]), "b": iter([(0.5, (1.5, 2)), (0.75, (3.0, 1))])}
+
+    def fake_drafted(model, drafter, ids, max_new_tokens):
+        calls.append(drafter)
+        took, stats = next(runs[drafter])
+        return answer, took, stats
+
+    monkeypatch.setattr(single, "timed", fake_timed)
+    monkeypatch.setattr(single, "hf_greedy", fake_greedy)
+    monkeypatch.setattr(single, "drafted_run", fake_drafted)
+    model = type("Model", (), {"base": None, "drafter": None})()
+    row, plain = single.bench_prompt(model, ids, 3, control=True, configs={"a": "a", "b": "b"}, repeats=2, shift=1)
+    # entries hf, a, b, prompt_lookup; prompt 1 of 2 repeats: rotations 2 and 3
+    assert calls == ["b", "prompt_lookup", "hf", "a", "prompt_lookup", "hf", "a", "b"]
+    assert row["hf"]["seconds"] == 1.0 and row["prompt_lookup"]["seconds"] == 1.5
+    assert (row["drafts"]["a"]["seconds"], row["drafts"]["a"]["tau"], row["drafts"]["a"]["verify_steps"]) == (1.0, 3.0, 1)
+    assert (row["drafts"]["b"]["seconds"], row["drafts"]["b"]["tau"], row["drafts"]["b"]["verify_steps"]) == (0.5, 1.5, 2)
+    assert row["draftheads"]["seconds"] == 0.5 and row["speedup"] == 2.0  # b, the last configuration, heads the row
+    assert row["drafts"]["a"]["mismatch"] is None and torch.equal(plain, answer)
+
+
 def test_tau_is_tokens_per_verification():
     assert tau(3, 3) == pytest.approx(2.0)  # (3 accepted + 3 bonus) / 3 steps
     assert tau(0, 0) == 0.0

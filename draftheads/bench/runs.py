@@ -56,15 +56,25 @@ def timed_hf(base, ids: torch.Tensor, max_new_tokens: int, **kwargs) -> tuple[to
     return plain, run_timing(plain.shape[1] - ids.shape[1], seconds)
 
 
-def timed_draftheads(model, ids: torch.Tensor, plain: torch.Tensor, hf: dict, max_new_tokens: int) -> dict:
-    """draftheads on the prompt HF just answered (``plain``, timed in ``hf``): its timing, τ, verify
-    steps, speedup over HF and the first divergence from HF's tokens (None when identical)."""
+def draftheads_run(model, ids: torch.Tensor, max_new_tokens: int) -> tuple[torch.Tensor, float, tuple[float, int]]:
+    """draftheads' answer to one prompt: (its output, wall seconds, (τ, verify steps) of that very run)."""
     ours, seconds = timed(lambda: model.generate(ids, max_new_tokens=max_new_tokens))
-    new = ours.shape[1] - ids.shape[1]
-    return {**run_timing(new, seconds), "tau": round(model.last_stats.tau, 4), "verify_steps": model.last_stats.steps,
-            "speedup": round((new / seconds) / (hf["new_tokens"] / hf["seconds"]), 4),
-            "mismatch": divergence(model.base, plain, ours, ids.shape[1])}
+    return ours, seconds, (model.last_stats.tau, model.last_stats.steps)
 
+
+def draftheads_timing(base, run: tuple, ids: torch.Tensor, plain: torch.Tensor, hf: dict) -> dict:
+    """A :func:`draftheads_run` against HF's answer (``plain``, timed in ``hf``): its timing, τ,
+    verify steps, speedup over HF and the first divergence from HF's tokens (None when identical)."""
+    ours, seconds, (tau, steps) = run
+    new = ours.shape[1] - ids.shape[1]
+    return {**run_timing(new, seconds), "tau": round(tau, 4), "verify_steps": steps,
+            "speedup": round((new / seconds) / (hf["new_tokens"] / hf["seconds"]), 4),
+            "mismatch": divergence(base, plain, ours, ids.shape[1])}
+
+
+def timed_draftheads(model, ids: torch.Tensor, plain: torch.Tensor, hf: dict, max_new_tokens: int) -> dict:
+    """draftheads on the prompt HF just answered (``plain``, timed in ``hf``), see :func:`draftheads_timing`."""
+    return draftheads_timing(model.base, draftheads_run(model, ids, max_new_tokens), ids, plain, hf)
 
 
 def eos_ids(base) -> list[int]:
