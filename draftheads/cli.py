@@ -144,6 +144,8 @@ def cmd_bench(args) -> int:
 
     read_prompts(args.prompts, args.limit)  # a bad prompt file fails before the model loads
     check_review_option(args.review, args.drafts)
+    if args.twin and not args.parts:
+        raise InputError("--twin is the control of --parts: add --parts.")
     if args.parts and (args.drafts or args.batch_sizes):
         raise InputError("--parts compares the default with its parts in the bs-1 bench: drop --drafts/--batch-sizes.")
     model = load_model(args)
@@ -173,7 +175,7 @@ def cmd_bench(args) -> int:
     prompts = read_prompts(args.prompts, args.limit)
     results = run_bench(model, prompts, args.max_new_tokens, Path(args.out), meta=vars(args),
                         control=not args.no_control, drafts=args.drafts, turn2=args.turn2,
-                        review=args.review, parts=args.parts, repeats=args.repeats)
+                        review=args.review, parts=args.parts, repeats=args.repeats, twin=args.twin)
     print(bench_table(results))
     return 0
 
@@ -201,14 +203,18 @@ def bench_table(results: dict) -> str:
     names = results["meta"].get("drafts") or []
     if names:
         parts = "default_vs_best_part" in results["overall"]
+        twin = "twin_vs_default" in results["overall"]
         lines += ["", "speedup over HF generate (τ) per drafting configuration; then HF prompt lookup"
-                  + ("; last: the default over the better of its parts" if parts else ""),
-                  "| category | " + " | ".join(names) + " | prompt lookup |" + (" default / best part |" if parts else ""),
-                  "|---" * (len(names) + 2 + parts) + "|"]
+                  + ("; then the default over the better of its parts" if parts else "")
+                  + ("; last: the twin over the default (the A/A control: 1 but for noise)" if twin else ""),
+                  "| category | " + " | ".join(names) + " | prompt lookup |" + (" default / best part |" if parts else "")
+                  + (" twin / default |" if twin else ""),
+                  "|---" * (len(names) + 2 + parts + twin) + "|"]
         for name, s in [*results["by_category"].items(), ("overall", results["overall"])]:
             cells = [f"{s['drafts'][n]['speedup']:.2f}x ({s['drafts'][n]['tau']:.2f})" for n in names]
             lookup = s.get("prompt_lookup", {}).get("speedup")
             versus = f" {s['default_vs_best_part']:.2f}× |" if "default_vs_best_part" in s else ""
+            versus += f" {s['twin_vs_default']:.2f}× |" if twin else ""
             lines.append(f"| {name} | " + " | ".join(cells) + f" | {times(lookup)} |" + versus)
     return "\n".join(lines)
 
@@ -285,6 +291,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--parts", action="store_true",
                        help="time the default drafting beside its parts, the heads alone and the lookups alone, "
                             "and report the default against the better of them per category")
+    bench.add_argument("--twin", action="store_true",
+                       help="with --parts: also time a second, separately built drafter of the default's sources "
+                            "(an A/A control: how far two identical configurations read apart in this run)")
     bench.add_argument("--turn2", action="store_true",
                        help="also bench MT-Bench second turns (turn 1 and the base's own answer in context)")
     bench.add_argument("--out", default="results/bench")

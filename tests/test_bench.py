@@ -82,9 +82,11 @@ def test_tau_is_tokens_per_verification():
 
 
 def test_parts_bench_times_the_default_beside_its_parts(tmp_path, monkeypatch):
-    """``draftheads bench --parts``: every prompt through the heads alone, the lookups alone and
-    the default (last, the headline), each identical to HF in float64; the summary's
-    ``default_vs_best_part`` is the default's tokens/s over the faster part's, per category."""
+    """``draftheads bench --parts --twin``: every prompt through the heads alone, the lookups
+    alone, a twin of the default (built apart: the A/A control) and the default (last, the
+    headline), each identical to HF in float64; the summary's ``default_vs_best_part`` is the
+    default's tokens/s over the faster part's (the twin is no part), ``twin_vs_default`` the
+    twin's over the default's, per category."""
     import json
 
     from draftheads.cli import main
@@ -102,16 +104,18 @@ def test_parts_bench_times_the_default_beside_its_parts(tmp_path, monkeypatch):
                                for p, c in (("w5 w6 w7 w5 w6", "a"), ("w9 w8 w9 w8", "b"), ("w11 w12", "a"))))
     out = tmp_path / "bench"
     assert main(["bench", "--prompts", str(prompts), "--base", str(tmp_path / "base"), "--heads", str(tmp_path / "heads"),
-                 "--dtype", "float64", "--tree", "3", "--max-new-tokens", "12", "--parts", "--out", str(out)]) == 0
+                 "--dtype", "float64", "--tree", "3", "--max-new-tokens", "12", "--parts", "--twin", "--repeats", "2",
+                 "--out", str(out)]) == 0
     results = json.loads((out / "results.json").read_text())
-    assert results["meta"]["drafts"] == ["heads", "context", "default"]
+    assert results["meta"]["drafts"] == ["heads", "context", "twin", "default"]
     for row in results["per_prompt"]:
-        assert list(row["drafts"]) == ["heads", "context", "default"]
+        assert list(row["drafts"]) == ["heads", "context", "twin", "default"]
         assert all(run["mismatch"] is None for run in row["drafts"].values())
     for summary in [*results["by_category"].values(), results["overall"]]:
         speeds = {name: d["tokens_per_second"] for name, d in summary["drafts"].items()}
         expected = speeds["default"] / max(speeds["heads"], speeds["context"])
         assert summary["default_vs_best_part"] == pytest.approx(expected, rel=1e-3)
+        assert summary["twin_vs_default"] == pytest.approx(speeds["twin"] / speeds["default"], rel=1e-3)
     assert (out / "drafts.png").is_file()
 
 
@@ -123,3 +127,12 @@ def test_parts_is_refused_beside_another_comparison(capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: --parts compares the default with its parts in the bs-1 bench: drop --drafts/--batch-sizes."]
+
+
+def test_twin_without_parts_is_refused(capsys):
+    from draftheads.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--prompts", "mt-bench@1", "--twin"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == ["error: --twin is the control of --parts: add --parts."]

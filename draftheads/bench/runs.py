@@ -105,18 +105,24 @@ def draft_configs(model, sources: tuple[str, ...], review: bool = False) -> dict
 
 #: the name ``--parts`` gives the model's own drafting (the summary compares it with the others)
 DEFAULT_CONFIG = "default"
+#: ``--twin``: a second drafter of the default's sources, built apart (an A/A control)
+TWIN_CONFIG = "twin"
 
 
-def part_configs(model) -> dict[str, object]:
+def part_configs(model, twin: bool = False) -> dict[str, object]:
     """The default drafting beside its parts (``--parts``): the heads alone, the lookups alone
     (together) and the model's own drafter, last (the headline). What the default must show:
-    it is never much slower than the better of its parts."""
+    it is never much slower than the better of its parts. ``twin``: also a second drafter of
+    the default's very sources and settings, which learns on its own: how far two identical
+    configurations read apart in the same run is the noise floor of that comparison."""
     sources = tuple(model.draft_sources)
     lookups = tuple(s for s in sources if s != "heads")
     own = model.drafter
     with drafting(model, own):
         configs = {"+".join(combo): config_drafter(model, combo) for combo in (("heads",), lookups)
                    if combo and combo != sources}
+        if twin:
+            configs[TWIN_CONFIG] = config_drafter(model, sources)
     return {**configs, DEFAULT_CONFIG: own}
 
 

@@ -157,17 +157,19 @@ def bench_pair(model, pair: list[dict], max_new_tokens: int, control: bool, conf
 
 def run_bench(model, prompts: list[dict], max_new_tokens: int, out_dir: Path, meta: dict | None = None,
               control: bool = True, log=print, drafts: tuple[str, ...] | None = None,
-              turn2: bool = False, review: bool = False, parts: bool = False, repeats: int = 1) -> dict:
+              turn2: bool = False, review: bool = False, parts: bool = False, repeats: int = 1,
+              twin: bool = False) -> dict:
     """Prompts in pairs: each prompt alone through HF plain, draftheads (under each ``drafts``
     configuration, see :func:`~.runs.draft_configs`) and HF prompt lookup, then (``control``) the
     pair once more as one padded batch of 2 through HF plain. ``turn2``: MT-Bench second turns
     too. ``parts``: the model's own drafting beside its parts, the heads alone and the lookups
-    alone (:func:`~.runs.part_configs`). ``repeats``: each prompt's entries run that many times,
+    alone (:func:`~.runs.part_configs`; ``twin``: and a second default drafter, the A/A control).
+    ``repeats``: each prompt's entries run that many times,
     the fastest counted (:func:`bench_prompt`). The model's drafter and sources are as they were afterwards."""
     base = model.base
     out_dir.mkdir(parents=True, exist_ok=True)
     with model_state(model):
-        configs = draft_configs(model, drafts, review) if drafts else (part_configs(model) if parts else None)
+        configs = draft_configs(model, drafts, review) if drafts else (part_configs(model, twin) if parts else None)
         warm_up(model, configs, control)
         if turn2:
             prompts = prompts + second_turns(model, prompts, max_new_tokens)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..decoding.loop import decode_rate, tau
-from .runs import DEFAULT_CONFIG
+from .runs import DEFAULT_CONFIG, TWIN_CONFIG
 
 
 def group(row: dict) -> str:
@@ -62,9 +62,12 @@ def summarize(rows: list[dict]) -> dict:
     if rows and all("drafts" in r for r in rows):
         summary["drafts"] = {name: drafts_summary(rows, name, hf_tps, summary.get("prompt_lookup"))
                              for name in rows[0]["drafts"]}
-        parts = [d["tokens_per_second"] for name, d in summary["drafts"].items() if name != DEFAULT_CONFIG]
-        if DEFAULT_CONFIG in summary["drafts"] and parts:
-            summary["default_vs_best_part"] = round(summary["drafts"][DEFAULT_CONFIG]["tokens_per_second"] / max(parts), 4)
+        speeds = {name: d["tokens_per_second"] for name, d in summary["drafts"].items()}
+        parts = [tps for name, tps in speeds.items() if name not in (DEFAULT_CONFIG, TWIN_CONFIG)]
+        if DEFAULT_CONFIG in speeds and parts:
+            summary["default_vs_best_part"] = round(speeds[DEFAULT_CONFIG] / max(parts), 4)
+        if DEFAULT_CONFIG in speeds and TWIN_CONFIG in speeds:  # the A/A control: 1 but for noise
+            summary["twin_vs_default"] = round(speeds[TWIN_CONFIG] / speeds[DEFAULT_CONFIG], 4)
     return summary
 
 
