@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from draftheads.bench import batch_divergences
 from draftheads.decoding import DraftHeadsModel, tree_from_paths
 from draftheads.decoding.fingerprint import fingerprint
-from draftheads.decoding.guarantee import first_divergence
 from draftheads.decoding.request import left_pad
 from draftheads.heads import HeadConfig, build_heads
 
@@ -73,16 +73,10 @@ def hf_greedy(base, ids: torch.Tensor, mask: torch.Tensor, new: int) -> torch.Te
     return base.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=PAD)
 
 
-def compare(base, reference: torch.Tensor, ours: torch.Tensor, prompt_len: int) -> list[dict | None]:
-    """Per row: None when identical, else the first divergence with the base's own gap there."""
-    rows = []
-    for r in range(reference.shape[0]):
-        ref, got = reference[r: r + 1], ours[r: r + 1]
-        width = max(ref.shape[1], got.shape[1])
-        ref = torch.nn.functional.pad(ref, (0, width - ref.shape[1]), value=PAD)
-        got = torch.nn.functional.pad(got, (0, width - got.shape[1]), value=PAD)
-        rows.append(first_divergence(base, ref, got, prompt_len))
-    return rows
+def same_width(reference: torch.Tensor, ours: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both batches padded after their answers to one width (a batch's rows end at EOS or the budget)."""
+    width = max(reference.shape[1], ours.shape[1])
+    return tuple(torch.nn.functional.pad(x, (0, width - x.shape[1]), value=PAD) for x in (reference, ours))
 
 
 def check_case(model: DraftHeadsModel, batch: list[list[int]], new: int) -> dict:
@@ -93,10 +87,9 @@ def check_case(model: DraftHeadsModel, batch: list[list[int]], new: int) -> dict
     started = time.perf_counter()
     ours = model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=PAD)
     seconds = time.perf_counter() - started
-    divergences = compare(model.base, reference, ours, ids.shape[1])
-    return {"batch": len(batch), "identical": sum(d is None for d in divergences),
-            "divergences": [d for d in divergences if d is not None], "tau": round(model.last_stats.tau, 3),
-            "seconds": round(seconds, 3)}
+    divergences = batch_divergences(model.base, *same_width(reference, ours), mask)
+    return {"batch": len(batch), "identical": len(batch) - len(divergences), "divergences": divergences,
+            "tau": round(model.last_stats.tau, 3), "seconds": round(seconds, 3)}
 
 
 def check_sampling(model: DraftHeadsModel, batch: list[list[int]], new: int) -> dict:
