@@ -76,6 +76,8 @@ class DecodingStats:
     prefill_seconds: float = 0.0
     #: tokens that phase produced (one per row); the rest came from decoding steps
     first_tokens: int = 0
+    #: seconds the drafter spent proposing, over all steps (what drafting costs beside the forward)
+    drafting_seconds: float = 0.0
 
     @property
     def tau(self) -> float:
@@ -87,6 +89,10 @@ class DecodingStats:
         self.accepted.extend(accepted.tolist())
         self.tree_nodes.append(nodes)
         self.batch_sizes.append(rows)
+
+    @property
+    def drafting_ms_per_step(self) -> float:
+        return 1e3 * self.drafting_seconds / self.steps if self.steps else 0.0
 
     @property
     def tokens_per_second(self) -> float:
@@ -101,6 +107,7 @@ class DecodingStats:
         return {"new_tokens": self.new_tokens, "steps": self.steps, "tau": round(self.tau, 4),
                 "seconds": round(self.seconds, 4), "tokens_per_second": round(self.tokens_per_second, 3),
                 "prefill_seconds": round(self.prefill_seconds, 4),
+                "drafting_ms_per_step": round(self.drafting_ms_per_step, 3),
                 "decode_tokens_per_second": round(self.decode_tokens_per_second, 3),
                 "mean_tree_nodes": round(sum(self.tree_nodes) / max(1, len(self.tree_nodes)), 2),
                 "trees_by_batch_size": self.trees_by_batch_size(), "delegated": self.delegated}
@@ -167,6 +174,7 @@ def decode(base, policy, sequences: Sequences, out: Emitter, acceptor: Acceptor,
         result = step.acceptance
         policy.observe(step.drafts.shape, result.accepted[active])
         stats.record(step.drafts.num_nodes, result.accepted[active], live.numel())
+        stats.drafting_seconds += step.drafting_seconds
         out.emit_step(live, step.tokens, result.path, result.accepted, result.bonus,
                       acceptor.reported(step.logits) if out.want_scores else None)
         roots = result.bonus

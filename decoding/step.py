@@ -64,6 +64,7 @@ class StepResult:
     drafts: Drafts  # the trees that were verified, one per live row
     logits: torch.Tensor  # (B, N, V) the base's logits at every tree slot
     acceptance: Acceptance  # per row: deepest accepted slot, accepted drafts, path, bonus token
+    drafting_seconds: float = 0.0  # the drafter's proposal (lookups, heads, merge, width choice)
 
     @property
     def tokens(self) -> torch.Tensor:
@@ -82,9 +83,11 @@ def decode_step(base, drafter: Drafter, acceptor, kv: KVState, context: HeadCont
     row's accepted slots; the drafter hears what each row accepted."""
     device = state.roots.device
     phase = timer.phase if timer is not None else _untimed
+    started = time.perf_counter()
     with phase("propose", device):
         with packed_linears():  # packed heads' layers (if the decoder packed them) draft faster
             drafts = drafter.propose(state, tree)
+    drafting = time.perf_counter() - started
     with phase("tree_inputs", device):
         mask, positions, past = kv.tree_inputs(drafts.ancestor, drafts.depth)
     with computed_rows(drafts.valid if drafts.skips_padding() else None):  # padding slots are not computed
@@ -101,4 +104,4 @@ def decode_step(base, drafter: Drafter, acceptor, kv: KVState, context: HeadCont
         drafter.observe(drafts, result, state.rows)
     if timer is not None:
         timer.steps += 1
-    return StepResult(drafts, logits, result)
+    return StepResult(drafts, logits, result, drafting)

@@ -168,7 +168,8 @@ def cmd_bench(args) -> int:
                                   max_batches=per_size, compare_mask=not args.no_mask_compare,
                                   recalibrate=args.recalibrate, repeats=args.repeats, drafts=args.drafts, review=args.review,
                                   meta=vars(args), surfaces=cost_surfaces())
-        summary = {bs: {name: {k: s[k] for k in ("tokens_per_second", "decode_tokens_per_second", "prefill_seconds")}
+        summary = {bs: {name: {k: s[k] for k in ("tokens_per_second", "decode_tokens_per_second", "prefill_seconds",
+                                                 "drafting_ms_per_step") if k in s}
                         for name, s in r["strategies"].items()} for bs, r in payload["results"].items()}
         print(json.dumps(summary, indent=1))
         return 0

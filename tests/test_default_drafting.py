@@ -81,6 +81,18 @@ def test_the_heads_are_skipped_only_where_a_lookup_match_carries_the_step():
     assert drafter._heads_pay(confident, 64)  # measured afresh now and then
 
 
+def test_in_a_batch_the_heads_always_propose():
+    """A batch lasts as long as its slowest row, usually one no lookup matches: the heads are what
+    drafts for it, so above ``weigh_heads_up_to`` live rows they are not weighed against their cost."""
+    confident = CandidateBatch.from_rows([chain([0.97, 0.95, 0.93, 0.9, 0.88, 0.85])] * 2)
+    assert merged(1.0, 1.0)._heads_pay(confident, 64)
+    one = CandidateBatch.from_rows([chain([0.97, 0.95, 0.93, 0.9, 0.88, 0.85])])
+    assert not merged(1.0, 1.0)._heads_pay(one, 64)  # the same chain, one row: skipped
+    weighed = merged(1.0, 1.0)
+    weighed.weigh_heads_up_to = 2
+    assert not weighed._heads_pay(confident, 64)
+
+
 def test_rechecks_back_off_while_the_heads_do_not_pay_and_reset_when_they_do():
     confident = CandidateBatch.from_rows([chain([0.97, 0.95, 0.93, 0.9, 0.88, 0.85])])
     weak = CandidateBatch.from_rows([chain([0.2, 0.05])])

@@ -185,3 +185,39 @@ def test_reach_counts_the_continuation_a_tree_accepts():
     assert reach(tree, [9, 5]) == 1
     assert reach(tree, [6]) == 0 and reach(tree, []) == 0
     assert reach(Candidates.empty(), [5]) == 0
+
+
+def test_finish_weights_value_the_row_that_finishes_last():
+    """A batch lasts as long as its slowest row: a row's tokens are worth (its projected finish /
+    the last one's)^power, from its pace so far."""
+    import numpy as np
+    from draftheads.decoding.drafters.width import finish_weights
+
+    assert finish_weights([50, 50], [10, 10], 10).tolist() == [1.0, 1.0]  # the first steps: all alike
+    assert np.allclose(finish_weights([100, 50], [10, 10], 10, power=8), [1.0, 0.5 ** 8])  # less left to go
+    assert np.allclose(finish_weights([60, 60], [20, 40], 20, power=8), [1.0, 0.5 ** 8])  # twice the pace
+    assert finish_weights([60, 10], [20, 40], 20, power=0).tolist() == [1.0, 1.0]
+    assert finish_weights([0, 0], [5, 5], 4).tolist() == [1.0, 1.0]
+
+
+def test_per_row_counts_go_to_the_row_the_batch_waits_for():
+    """Two rows with the same ranked drafts: unweighted they share the budget; when one row is far
+    ahead (weight ~0) its drafts are not worth a slot and the other row takes them."""
+    import numpy as np
+
+    row = Candidates.from_lists([-1, 0, 1, 2], [5, 6, 7, 8], [0.9, 0.8, 0.7, 0.6], [1] * 4, [2] * 4, [1.0] * 4)
+    tries = CandidateBatch.from_rows([row, row])
+    chooser = WidthChooser(CostModel.from_table((1, 65), (10.0, 10.0 + 64 * 3.0)), per_row=True)
+    assert chooser.counts(tries, 0).tolist() == [3, 3]
+    assert chooser.counts(tries, 0, np.array([1.0, 1e-3])).tolist() == [3, 0]
+
+
+def test_stats_report_drafting_milliseconds_per_step():
+    model = MODELS[0]
+    ids, mask = left_pad([[5, 6, 7] * 5, [9, 10, 11, 12] * 3])
+    decoder = DraftHeadsModel(model, None)
+    decoder.drafter = build_drafter(("context",), None)
+    decoder.generate(ids, attention_mask=mask, max_new_tokens=12, pad_token_id=PAD)
+    stats = decoder.last_stats
+    assert stats.steps > 0 and stats.drafting_seconds > 0
+    assert stats.to_dict()["drafting_ms_per_step"] == round(1e3 * stats.drafting_seconds / stats.steps, 3)

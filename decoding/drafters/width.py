@@ -10,6 +10,12 @@ from .candidates import CandidateBatch
 from .drafts import SKIP_PADDING_SLOTS
 
 
+#: how steeply a row's worth falls as its projected finish moves ahead of the batch's last
+#: (:func:`finish_weights`): at 0.9 of the last row's projected steps a row's tokens count 0.43,
+#: at 0.8 0.17, at 0.7 0.06
+FINISH_POWER = 8
+
+
 @dataclass
 class WidthChooser:
     """The step's node count: best-first trees are prefix-closed at every width, so keeping the
@@ -20,6 +26,8 @@ class WidthChooser:
     max_nodes: int = 33
     #: each row its own node count under one batch budget (:meth:`counts`) instead of one width
     per_row: bool = False
+    #: the power of :func:`finish_weights` for per-row counts (0: every row's tokens worth the same)
+    finish_power: float = FINISH_POWER
 
     def choose(self, scores: np.ndarray, ctx: int) -> int:
         """scores (B, K): each row's best-first scores, zero-padded (:meth:`~.candidates.CandidateBatch.score_block`)."""
@@ -31,7 +39,7 @@ class WidthChooser:
         rate = (batch + gain) / self.cost.step_ms_many(batch, np.arange(1, widest + 1), ctx)
         return 1 + int(np.argmax(rate))
 
-    def counts(self, tries: CandidateBatch, ctx: int) -> np.ndarray:
+    def counts(self, tries: CandidateBatch, ctx: int, weights: np.ndarray | None = None) -> np.ndarray:
         """(B,) draft nodes per row under one batch budget: every row's ranked nodes in one queue
         by score (a node never outranks its parent, so a row's share is a best-first prefix of
         its own trie), cut at the total Q that maximizes Σ_b E[tokens] / step time — a row
@@ -41,17 +49,23 @@ class WidthChooser:
         The step is priced at the slots it computes plus what its padding still costs: rows
         are padded to the widest, and where the padding is left out of the linear layers
         (:meth:`~.drafts.Drafts.skips_padding`) a padding slot still costs about
-        :data:`PADDED_SLOT_SHARE` of a real one (attention, norms, the gather and scatter)."""
+        :data:`PADDED_SLOT_SHARE` of a real one (attention, norms, the gather and scatter).
+
+        ``weights`` (B,): what a token of each row is worth (:func:`finish_weights`; None: 1
+        each); a node's value is its score × its row's weight, so the queue still never puts a
+        node before its parent."""
         batch = tries.rows
+        w = np.ones(batch) if weights is None else np.asarray(weights, dtype=np.float64)
         rank = tries.rank_in_row()
         keep = np.flatnonzero(rank < self.max_nodes - 1)
-        order = keep[np.lexsort((rank[keep], tries.row[keep], tries.depth[keep], -tries.score[keep]))]
-        gain = np.concatenate([[0.0], np.cumsum(tries.score[order])])
+        value = tries.score * w[tries.row]
+        order = keep[np.lexsort((rank[keep], tries.row[keep], tries.depth[keep], -value[keep]))]
+        gain = np.concatenate([[0.0], np.cumsum(value[order])])
         computed = batch + np.arange(order.size + 1)  # slots with a token: roots + Q drafts
         widest = 1 + np.concatenate([[0], np.maximum.accumulate(rank[order] + 1)])  # a row's nodes enter in rank order
         padding = batch * widest - computed
         slots = np.where(padding >= SKIP_PADDING_SLOTS, (computed + PADDED_SLOT_SHARE * padding) / batch, widest)
-        rate = (batch + gain) / self.cost.step_ms_many(batch, slots, ctx)
+        rate = (w.sum() + gain) / self.cost.step_ms_many(batch, slots, ctx)
         return np.bincount(tries.row[order[: int(np.argmax(rate))]], minlength=batch)
 
 
@@ -60,3 +74,21 @@ class WidthChooser:
 #: 60 tokens padded to 9 slots a row 133-145 ms with the padding skipped (174 ms computed), 54
 #: tokens padded to 13: 156 ms (239), against ~22-25 ms per computed slot a row
 PADDED_SLOT_SHARE = 0.3
+
+
+def finish_weights(remaining: np.ndarray, emitted: np.ndarray, steps: int, power: float = FINISH_POWER) -> np.ndarray:
+    """(B,) what one more accepted token of each row is worth to a batch that ends with its last row.
+
+    A batch of ``generate`` runs until its slowest row is done, so a draft accepted in a row
+    that will finish well before the others saves nothing but that row's slots in the steps it
+    leaves early; one accepted in the row that finishes last saves a whole step. Each row's
+    finish is projected from its pace so far: f_b = remaining_b / (emitted_b / steps) steps;
+    a row's worth is (f_b / max f)^power — 1 for the row projected last, about 1 for rows close
+    behind it (projections are noisy), near 0 for rows far ahead. remaining (B,): tokens each
+    row may still emit; emitted (B,): tokens it emitted so far; steps: decoding steps so far + 1
+    (the prefill's token). At one row, or at the first step (every pace equal), all are 1."""
+    remaining = np.asarray(remaining, dtype=np.float64)
+    pace = np.maximum(np.asarray(emitted, dtype=np.float64), 1.0) / max(steps, 1)
+    finish = np.maximum(remaining, 0.0) / pace
+    last = finish.max(initial=0.0)
+    return np.ones_like(finish) if last <= 0 else (finish / last) ** power

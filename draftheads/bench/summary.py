@@ -122,7 +122,8 @@ def ratio(a: float, b: float) -> float | None:
 def new_tally() -> dict:
     """One strategy's running totals over a batch size's batches (see :func:`tally`)."""
     return {"new_tokens": 0, "seconds": 0.0, "accepted": 0, "steps_rows": 0, "steps": 0, "trees": {}, "mismatching_rows": 0,
-            "mismatches": [], "delegated": 0, "seconds_all_runs": 0.0, "prefill_seconds": 0.0, "first_tokens": 0}
+            "mismatches": [], "delegated": 0, "seconds_all_runs": 0.0, "prefill_seconds": 0.0, "first_tokens": 0,
+            "drafting_seconds": 0.0}
 
 
 def tally(totals: dict, new_tokens: int, seconds: float, stats=None, diverged: list[dict] = (), batch: int = 0,
@@ -140,6 +141,7 @@ def tally(totals: dict, new_tokens: int, seconds: float, stats=None, diverged: l
     totals["accepted"] += sum(stats.accepted)
     totals["steps_rows"] += len(stats.accepted)
     totals["steps"] += stats.steps
+    totals["drafting_seconds"] += stats.drafting_seconds
     totals["delegated"] += int(stats.delegated)
     for live, nodes in stats.trees_by_batch_size().items():
         for n, count in nodes.items():
@@ -163,6 +165,7 @@ def strategy_table(totals: dict[str, dict], repeats: int) -> dict[str, dict]:
                                                                a["prefill_seconds"]), 3)}
         if name != "hf":
             entry.update({"tau": round(tau(a["accepted"], a["steps_rows"]), 4), "verify_steps": a["steps"],
+                          "drafting_ms_per_step": round(1e3 * a["drafting_seconds"] / max(a["steps"], 1), 3),
                           "trees_live_rows_to_nodes": dict(sorted(a["trees"].items(),
                                                                   key=lambda kv: tuple(map(int, kv[0].split(":"))))),
                           "batches_run_by_base_generate": a["delegated"],
