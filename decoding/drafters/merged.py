@@ -159,7 +159,8 @@ class MergedDrafter:
             # heads') are among (their best ``budget``) + the heads' (a node never outranks its parent)
             tries = merge_rows([tries, heads], budget).cap_depth(state.room)
             width, keep = self._cut(tries, ctx)
-            self._learn_heads_worth(alone, tries, width, ctx)
+            if tries.rows <= self.weigh_heads_up_to:  # above, nothing reads what they are worth
+                self._learn_heads_worth(alone, tries, width, ctx)
             self.heads_steps += 1
             self._skipped_in_a_row = 0
         elif self.heads is not None and tree.num_nodes > 1:
