@@ -72,7 +72,10 @@ class WidthChooser:
 #: what a padding slot left out of the linear layers still costs, as a share of a computed one:
 #: SmolLM2 bf16 at bs 16, context 300, one verify forward + LM head (medians of 5, 2026-11-26):
 #: 60 tokens padded to 9 slots a row 133-145 ms with the padding skipped (174 ms computed), 54
-#: tokens padded to 13: 156 ms (239), against ~22-25 ms per computed slot a row
+#: tokens padded to 13: 156 ms (239), against ~22-25 ms per computed slot a row. Too low at
+#: fewer padding slots: in the batched bench's per-row steps (bf16, bs 8 and 16, 2026-11-26) the
+#: steps that skipped padding took 1.06-1.27x the ms this priced them at (uniform steps 0.95-1.13x);
+#: a share fitted per batch size from the calibration is the open fix
 PADDED_SLOT_SHARE = 0.3
 
 
