@@ -59,6 +59,11 @@ class FirstTokenClock:
         return self.first - started if self.first is not None else 0.0
 
 
+def ms_per_step(seconds: float, steps: int) -> float:
+    """Milliseconds a step (0 without steps)."""
+    return 1e3 * seconds / steps if steps else 0.0
+
+
 @dataclass
 class DecodingStats:
     """What one ``generate`` call did: τ is the mean number of tokens emitted per base
@@ -92,7 +97,7 @@ class DecodingStats:
 
     @property
     def drafting_ms_per_step(self) -> float:
-        return 1e3 * self.drafting_seconds / self.steps if self.steps else 0.0
+        return ms_per_step(self.drafting_seconds, self.steps)
 
     @property
     def tokens_per_second(self) -> float:

@@ -193,11 +193,11 @@ def test_finish_weights_value_the_row_that_finishes_last():
     import numpy as np
     from draftheads.decoding.drafters.width import finish_weights
 
-    assert finish_weights([50, 50], [10, 10], 10).tolist() == [1.0, 1.0]  # the first steps: all alike
-    assert np.allclose(finish_weights([100, 50], [10, 10], 10, power=8), [1.0, 0.5 ** 8])  # less left to go
-    assert np.allclose(finish_weights([60, 60], [20, 40], 20, power=8), [1.0, 0.5 ** 8])  # twice the pace
-    assert finish_weights([60, 10], [20, 40], 20, power=0).tolist() == [1.0, 1.0]
-    assert finish_weights([0, 0], [5, 5], 4).tolist() == [1.0, 1.0]
+    assert finish_weights([50, 50], [10, 10]).tolist() == [1.0, 1.0]  # the first steps: all alike
+    assert np.allclose(finish_weights([100, 50], [10, 10], power=8), [1.0, 0.5 ** 8])  # less left to go
+    assert np.allclose(finish_weights([60, 60], [20, 40], power=8), [1.0, 0.5 ** 8])  # twice the pace
+    assert finish_weights([60, 10], [20, 40], power=0).tolist() == [1.0, 1.0]
+    assert finish_weights([0, 0], [5, 5]).tolist() == [1.0, 1.0]
 
 
 def test_per_row_counts_go_to_the_row_the_batch_waits_for():

@@ -114,7 +114,6 @@ class MergedDrafter:
     #: :mod:`draftheads.decoding.generate`): the width chooser verifies only what pays of it
     heads_tree: Tree | None = None
     _alone_step: tuple | None = None  # (tries, ctx, (width, expected tokens, ms)) of :meth:`_lookups_step`
-    _steps: int = 0  # steps of the current request drafted so far
     _weights: np.ndarray | None = None  # (B,) this step's :func:`~.width.finish_weights` for per-row counts (None: all 1)
 
     def __post_init__(self) -> None:
@@ -123,7 +122,7 @@ class MergedDrafter:
     def start(self, prompts: Sequence[Sequence[int]]) -> None:
         self.lookup.reset()
         self._seen.clear()
-        self.heads_steps = self.skipped_heads_steps = self._steps = 0  # what the heads learned (cost, worth) carries over
+        self.heads_steps = self.skipped_heads_steps = 0  # what the heads learned (cost, worth) carries over
         self._recheck_wait, self._rechecked = self.recheck_heads_every, False  # new text: recheck at the usual pace
         for row, prompt in enumerate(prompts):
             self.lookup.start(row, prompt)
@@ -140,7 +139,6 @@ class MergedDrafter:
                 self.lookup.extend(row, new)
                 self._seen[row] += len(new)
         self._weights = self._finish_weights(state)
-        self._steps += 1
         parts = self.lookup.tries_rows(state.rows, self.lookup_nodes)
         if self.review and self.heads is not None:
             reviewed = review(self.heads, state, merge_rows(parts, self.lookup_nodes).split(), self.lookup.hitrate)
@@ -159,7 +157,7 @@ class MergedDrafter:
             # heads') are among (their best ``budget``) + the heads' (a node never outranks its parent)
             tries = merge_rows([tries, heads], budget).cap_depth(state.room)
             width, keep = self._cut(tries, ctx)
-            if tries.rows <= self.weigh_heads_up_to:  # above, nothing reads what they are worth
+            if self._weighs_heads(tries.rows):  # else nothing reads what they are worth
                 self._learn_heads_worth(alone, tries, width, ctx)
             self.heads_steps += 1
             self._skipped_in_a_row = 0
@@ -184,7 +182,7 @@ class MergedDrafter:
         if len(state.rows) < 2 or not self.width.finish_power or not self.width.per_row:
             return None
         emitted = [len(state.generated[row]) for row in state.rows] if state.generated else [1] * len(state.rows)
-        return finish_weights(np.asarray(state.room) + 1, np.asarray(emitted), self._steps + 1, self.width.finish_power)
+        return finish_weights(np.asarray(state.room) + 1, np.asarray(emitted), self.width.finish_power)
 
     def _cut(self, tries: CandidateBatch, ctx: int) -> tuple[float, int | np.ndarray]:
         """The step's width as the cost model prices it, and the nodes each row keeps: one width
@@ -224,6 +222,11 @@ class MergedDrafter:
         extra_ms = self.width.cost.step_ms(merged.rows, width, ctx) - alone_ms
         self._heads_extra_ms = moving_average(self._heads_extra_ms, max(0.0, extra_ms))
 
+    def _weighs_heads(self, rows: int) -> bool:
+        """Whether the heads' proposal is weighed against its cost at ``rows`` live rows
+        (``weigh_heads_up_to``); above, the heads always propose."""
+        return rows <= self.weigh_heads_up_to
+
     def _heads_pay(self, tries: CandidateBatch, ctx: int) -> bool:
         """Whether the heads' proposal is worth its time this step, given the lookups' tries.
 
@@ -241,7 +244,7 @@ class MergedDrafter:
         skipped steps (see ``recheck_heads_every``), and whenever more than
         ``weigh_heads_up_to`` rows are live, the heads propose."""
         if (self._heads_ms is None or self._heads_gain is None or self.width.cost is LINEAR_COST
-                or tries.rows > self.weigh_heads_up_to):
+                or not self._weighs_heads(tries.rows)):
             return True  # LINEAR_COST is relative, not ms: no step time to weigh the heads' ms against
         _, expected, step_ms = self._lookups_step(tries, ctx)
         gain = float((1.0 - tries.first_scores()).sum()) * self._heads_gain

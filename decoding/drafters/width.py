@@ -79,19 +79,19 @@ class WidthChooser:
 PADDED_SLOT_SHARE = 0.3
 
 
-def finish_weights(remaining: np.ndarray, emitted: np.ndarray, steps: int, power: float = FINISH_POWER) -> np.ndarray:
+def finish_weights(remaining: np.ndarray, emitted: np.ndarray, power: float = FINISH_POWER) -> np.ndarray:
     """(B,) what one more accepted token of each row is worth to a batch that ends with its last row.
 
     A batch of ``generate`` runs until its slowest row is done, so a draft accepted in a row
     that will finish well before the others saves nothing but that row's slots in the steps it
     leaves early; one accepted in the row that finishes last saves a whole step. Each row's
-    finish is projected from its pace so far: f_b = remaining_b / (emitted_b / steps) steps;
+    finish is projected from its pace so far: f_b = remaining_b / (emitted_b / steps) steps, and
+    every live row has run the same steps, so f_b / max f = (remaining_b / emitted_b) / max(…);
     a row's worth is (f_b / max f)^power — 1 for the row projected last, about 1 for rows close
     behind it (projections are noisy), near 0 for rows far ahead. remaining (B,): tokens each
-    row may still emit; emitted (B,): tokens it emitted so far; steps: decoding steps so far + 1
-    (the prefill's token). At one row, or at the first step (every pace equal), all are 1."""
+    row may still emit; emitted (B,): tokens it emitted so far (the prefill's included). At one
+    row, or at the first step (every pace equal), all are 1."""
     remaining = np.asarray(remaining, dtype=np.float64)
-    pace = np.maximum(np.asarray(emitted, dtype=np.float64), 1.0) / max(steps, 1)
-    finish = np.maximum(remaining, 0.0) / pace
+    finish = np.maximum(remaining, 0.0) / np.maximum(np.asarray(emitted, dtype=np.float64), 1.0)
     last = finish.max(initial=0.0)
     return np.ones_like(finish) if last <= 0 else (finish / last) ** power

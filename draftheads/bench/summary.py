@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..decoding.loop import decode_rate, tau
+from ..decoding.loop import decode_rate, ms_per_step, tau
 from .runs import DEFAULT_CONFIG, TWIN_CONFIG
 
 
@@ -165,7 +165,7 @@ def strategy_table(totals: dict[str, dict], repeats: int) -> dict[str, dict]:
                                                                a["prefill_seconds"]), 3)}
         if name != "hf":
             entry.update({"tau": round(tau(a["accepted"], a["steps_rows"]), 4), "verify_steps": a["steps"],
-                          "drafting_ms_per_step": round(1e3 * a["drafting_seconds"] / max(a["steps"], 1), 3),
+                          "drafting_ms_per_step": round(ms_per_step(a["drafting_seconds"], a["steps"]), 3),
                           "trees_live_rows_to_nodes": dict(sorted(a["trees"].items(),
                                                                   key=lambda kv: tuple(map(int, kv[0].split(":"))))),
                           "batches_run_by_base_generate": a["delegated"],
