@@ -27,6 +27,8 @@ import numpy as np
 from ..heads.errors import DraftheadsError
 
 Row = dict  # {"bs", "q", "ctx", "ms"}: one measured point
+#: the most interpolated curves a :class:`LatencyTable` keeps (:meth:`LatencyTable._curve`)
+CURVE_CACHE = 512
 
 
 # -- interpolation ---------------------------------------------------------------------------
@@ -81,6 +83,20 @@ class LatencyTable:
                       for qs in bss.values()]) for c, bss in self.points.items()}
         object.__setattr__(self, "_grids", grids)
         object.__setattr__(self, "_contexts", np.array(list(self.points), dtype=np.float64))
+        object.__setattr__(self, "_curves", {})  # (context, batch, qs) → interp_many's (Q,) answer
+
+    def _curve(self, ci: int, bi: int, qs: np.ndarray) -> np.ndarray:
+        """(Q,) one measured (context, batch size)'s curve at ``qs``, memoized: the width chooser
+        asks for the same widths every step while only the context moves, and the interpolation
+        is most of a bs-1 step's width choice. Bounded (per-row counts ask at fractional slots)."""
+        key = (ci, bi, qs.tobytes())
+        curve = self._curves.get(key)
+        if curve is None:
+            if len(self._curves) >= CURVE_CACHE:
+                self._curves.clear()
+            contexts = list(self._grids)
+            curve = self._curves[key] = interp_many(*self._grids[contexts[ci]][1][bi], qs)
+        return curve
 
     def ms(self, bs: int, q: int, ctx: int) -> float:
         return float(self.ms_many(bs, np.array([q], dtype=np.float64), ctx)[0])
@@ -89,11 +105,11 @@ class LatencyTable:
         """:meth:`ms` at several query counts ``qs`` (Q,) at once → (Q,). Only the two measured
         contexts and batch sizes around (ctx, bs) are interpolated (the others carry no weight)."""
         contexts = list(self._grids)
+        qs = np.asarray(qs, dtype=np.float64)
         total = np.zeros(len(qs))
         for ci, cw in bracket(self._contexts, ctx):
-            batches, curves = self._grids[contexts[ci]]
-            for bi, bw in bracket(batches, bs):
-                total += (cw * bw) * interp_many(*curves[bi], qs)
+            for bi, bw in bracket(self._grids[contexts[ci]][0], bs):
+                total += (cw * bw) * self._curve(ci, bi, qs)
         return np.maximum(total, 1e-6)
 
     def rows(self) -> list[Row]:

@@ -221,3 +221,19 @@ def test_stats_report_drafting_milliseconds_per_step():
     stats = decoder.last_stats
     assert stats.steps > 0 and stats.drafting_seconds > 0
     assert stats.to_dict()["drafting_ms_per_step"] == round(1e3 * stats.drafting_seconds / stats.steps, 3)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=5), min_size=0, max_size=5),
+                min_size=1, max_size=4))
+def test_drafts_from_a_candidate_batch_are_the_drafts_from_its_rows(chains_per_row):
+    """Drafts.from_candidates (every row at once) builds the very tensors Drafts.from_rows builds
+    from the same tries row by row: tokens, parents, depths, path slots, valid slots."""
+    from draftheads.decoding.drafters import CandidateBatch, Candidates, count_trie, Source
+    tries = [count_trie(chains, Source.CONTEXT, 2, 0.9) if chains else Candidates.empty() for chains in chains_per_row]
+    roots = torch.arange(len(tries)) + 100
+    batch = CandidateBatch.from_rows(tries)
+    got = Drafts.from_candidates(roots, batch)
+    want = Drafts.from_rows(roots, [t.parent.tolist() for t in tries], [t.token.tolist() for t in tries])
+    for name in ("tokens", "parent", "depth", "path_slots", "valid"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name

@@ -176,6 +176,20 @@ class CandidateBatch:
         return cls(len(tries), row, parent, cat("token", np.int64), cat("depth", np.int32), cat("score", np.float64),
                    cat("source", np.int8), cat("bucket", np.int16), cat("share", np.float64))
 
+    @classmethod
+    def concat(cls, batches: Sequence["CandidateBatch"]) -> "CandidateBatch":
+        """Several sources' batches (same rows) as one, each one's nodes after the last's, parents
+        re-indexed. Rows are not grouped (``row`` is not non-decreasing): for what reads nodes
+        one by one or parents-first — rescoring (:meth:`.hitrate.HitRate.rescore_all`) and the
+        merge (:func:`.tries.merge_rows`) — not for :meth:`split` or :meth:`take`."""
+        sizes = [len(b) for b in batches]
+        offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        parent = np.concatenate([np.where(b.parent >= 0, b.parent + o, -1) for b, o in zip(batches, offsets)])
+        cat = {name: np.concatenate([getattr(b, name) for b in batches])
+               for name in ("row", "token", "depth", "score", "source", "bucket", "share")}
+        return cls(batches[0].rows, cat["row"], parent, cat["token"], cat["depth"], cat["score"], cat["source"],
+                   cat["bucket"], cat["share"])
+
     def starts(self) -> np.ndarray:
         """(rows,) index of each row's first node."""
         return self._layout[0]

@@ -92,6 +92,13 @@ class HitRate:
         """The same trie (or every row's) with score = Π c along each path."""
         return trie.with_scores(path_products(self.conditional(trie), trie.parent, trie.depth))
 
+    def rescore_all(self, batches: Sequence[CandidateBatch]) -> list[CandidateBatch]:
+        """:meth:`rescore` of each batch (every source of a step), in one pass over their nodes."""
+        every = CandidateBatch.concat(batches)
+        score = path_products(self.conditional(every), every.parent, every.depth)
+        bounds = np.cumsum([len(b) for b in batches])[:-1]
+        return [b.with_scores(part) for b, part in zip(batches, np.split(score, bounds))]
+
     def observe(self, row: int, proposed: Candidates, accepted_tokens: Sequence[int]) -> int:
         """One row's :meth:`observe_rows`."""
         return int(self.observe_rows([row], CandidateBatch.from_rows([proposed]), [accepted_tokens])[0])

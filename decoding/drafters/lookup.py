@@ -104,10 +104,9 @@ class LookupSources:
         rescored on the P(accepted) scale; a muted source proposes nothing for that row (and
         costs nothing)."""
         muted = {row: self.muted(row) for row in rows}
-        batches = []
-        for k, name in enumerate(self.sources):
-            asked = [None if name in muted[row] else self.rows[row][k] for row in rows]
-            batches.append(self.hitrate.rescore(SOURCE_CLASSES[name].propose_rows(asked, budget)))
+        batches = self.hitrate.rescore_all([
+            SOURCE_CLASSES[name].propose_rows([None if name in muted[row] else self.rows[row][k] for row in rows], budget)
+            for k, name in enumerate(self.sources)])
         self._last = (list(rows), batches)
         return batches
 

@@ -143,34 +143,50 @@ class MergedDrafter:
         if self.review and self.heads is not None:
             reviewed = review(self.heads, state, merge_rows(parts, self.lookup_nodes).split(), self.lookup.hitrate)
             parts = [CandidateBatch.from_rows(reviewed)]
-        tries = merge_rows(parts, budget).cap_depth(state.room)
         ctx = state.context_length
         width, self._misses = None, 0.0
-        if self.heads is not None and tree.num_nodes > 1 and self._heads_pay(tries, ctx):
-            started = time.perf_counter()
-            tokens, probs = self.heads.propose(state.hidden, state.roots, tree.spec, with_probs=True)
-            heads = self.lookup.hitrate.rescore(heads_batch(tree, tokens, probs))
-            self._heads_times.append((time.perf_counter() - started) * 1e3)
-            self._heads_ms = float(np.median(self._heads_times))
-            alone = tries
-            # the lookups' tries are merged already: the best ``budget`` of (their union + the
-            # heads') are among (their best ``budget``) + the heads' (a node never outranks its parent)
-            tries = merge_rows([tries, heads], budget).cap_depth(state.room)
+        heads_on = self.heads is not None and tree.num_nodes > 1
+        if heads_on and not self._weighs_heads(len(state.rows)):  # in a batch the heads always propose:
+            tries = merge_rows(parts + [self._heads_tries(state, tree)], budget)  # every source in one merge
+            tries = tries.cap_depth(state.room)
             width, keep = self._cut(tries, ctx)
-            if self._weighs_heads(tries.rows):  # else nothing reads what they are worth
+            self._count_heads_step(proposed=True)
+        else:
+            tries = merge_rows(parts, budget).cap_depth(state.room)
+            if heads_on and self._heads_pay(tries, ctx):
+                alone = tries
+                # the lookups' tries are merged already: the best ``budget`` of (their union + the
+                # heads') are among (their best ``budget``) + the heads' (a node never outranks its parent)
+                tries = merge_rows([tries, self._heads_tries(state, tree)], budget).cap_depth(state.room)
+                width, keep = self._cut(tries, ctx)
                 self._learn_heads_worth(alone, tries, width, ctx)
-            self.heads_steps += 1
-            self._skipped_in_a_row = 0
-        elif self.heads is not None and tree.num_nodes > 1:
-            self.skipped_heads_steps += 1
-            self._skipped_in_a_row += 1
+            if heads_on:
+                self._count_heads_step(proposed=width is not None)
         if width is None:
             priced = self._priced(tries, ctx)  # the lookups' own step, when :meth:`_heads_pay` priced it
             width, keep = (priced[0], priced[0] - 1) if priced and not self.width.per_row else self._cut(tries, ctx)
         # best-first order: each row's first nodes (width − 1, or its own count) are a prefix-closed tree
         self._proposed = tries.first(keep)
-        rows = self._proposed.split()
-        return Drafts.from_rows(state.roots, [t.parent.tolist() for t in rows], [t.token.tolist() for t in rows])
+        return Drafts.from_candidates(state.roots, self._proposed)
+
+    def _count_heads_step(self, proposed: bool) -> None:
+        """A step the heads could draft in: they proposed, or :meth:`_heads_pay` skipped them."""
+        if proposed:
+            self.heads_steps += 1
+            self._skipped_in_a_row = 0
+        else:
+            self.skipped_heads_steps += 1
+            self._skipped_in_a_row += 1
+
+    def _heads_tries(self, state: DraftState, tree: Tree) -> CandidateBatch:
+        """The heads' proposal for every live row on ``tree``, rescored on the P(accepted) scale;
+        its time joins the median the heads are priced at (:meth:`_heads_pay`)."""
+        started = time.perf_counter()
+        tokens, probs = self.heads.propose(state.hidden, state.roots, tree.spec, with_probs=True)
+        heads = self.lookup.hitrate.rescore(heads_batch(tree, tokens, probs))
+        self._heads_times.append((time.perf_counter() - started) * 1e3)
+        self._heads_ms = float(np.median(self._heads_times))
+        return heads
 
     def _finish_weights(self, state: DraftState) -> np.ndarray | None:
         """(B,) what a token of each live row is worth this step (:func:`~.width.finish_weights`),

@@ -95,10 +95,19 @@ def counted_tries(seqs: np.ndarray, lengths: np.ndarray, seq_row: np.ndarray, ro
 
 
 def best_nodes(batch: CandidateBatch, budget: int) -> CandidateBatch:
-    """A source's tries cut to ``budget`` nodes a row (:func:`select_rows`), or as they are when
-    no row has more: the merge ranks every source's nodes together, so a source's own order
-    does not matter (and skipping the sort is most of a small step's drafting time)."""
-    return batch if int(batch.sizes().max(initial=0)) <= budget else select_rows(batch, budget, ordered=False)
+    """A source's tries before the merge: each row's ``budget`` best nodes by (score, then
+    depth), in their own order (as they are when no row has more).
+
+    The merge ranks every source's nodes together (:func:`merge_rows`), so which of several
+    nodes tied at a source's cut it keeps does not need the best-first walk's tie-break
+    (:func:`level_ranks`, most of this cut's time in a small step): the first in the source's
+    own order (canonical: :func:`count_rows` sorts the continuations) is kept. The nodes kept
+    are prefix-closed, because a parent scores at least its child and is shallower."""
+    if int(batch.sizes().max(initial=0)) <= budget:
+        return batch
+    order = np.lexsort((batch.depth, -batch.score, batch.row))  # stable: ties in the source's own order
+    position = np.arange(len(batch)) - batch.starts()[batch.row[order]]
+    return batch.take(np.sort(order[position < budget]))
 
 
 def count_trie(continuations: Sequence[Sequence[int]], source: int, bucket: int, q: float) -> Candidates:
@@ -124,11 +133,9 @@ def merge_rows(batches: Sequence[CandidateBatch], budget: np.ndarray | int) -> C
     if bool((budget < 0).any()):
         raise ValueError(f"merge: budget must be >= 0, got {budget.min()}.")
     rows = batches[0].rows
-    sizes = [len(b) for b in batches]
-    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
-    cat = {name: np.concatenate([getattr(b, name) for b in batches])
-           for name in ("row", "token", "depth", "score", "source", "bucket", "share")}
-    parent = np.concatenate([np.where(b.parent >= 0, b.parent + o, -1) for b, o in zip(batches, offsets)])
+    every = CandidateBatch.concat(batches)
+    cat = {name: getattr(every, name) for name in ("row", "token", "depth", "score", "source", "bucket", "share")}
+    parent = every.parent
     n = parent.size
     if n == 0:
         return CandidateBatch.empty(rows)
