@@ -201,15 +201,48 @@ def test_finish_weights_value_the_row_that_finishes_last():
 
 
 def test_per_row_counts_go_to_the_row_the_batch_waits_for():
-    """Two rows with the same ranked drafts: unweighted they share the budget; when one row is far
-    ahead (weight ~0) its drafts are not worth a slot and the other row takes them."""
+    """Rows with the same ranked drafts: unweighted they share the budget alike; when three rows
+    are far ahead (weight ~0) their drafts are not worth a slot and the row the batch waits for
+    takes more than its share (the padding the others leave is skipped, so it costs less)."""
     import numpy as np
 
-    row = Candidates.from_lists([-1, 0, 1, 2], [5, 6, 7, 8], [0.9, 0.8, 0.7, 0.6], [1] * 4, [2] * 4, [1.0] * 4)
-    tries = CandidateBatch.from_rows([row, row])
+    chain = Candidates.from_lists([-1] + list(range(7)), list(range(5, 13)), [0.9 ** (i + 1) for i in range(8)],
+                                  [1] * 8, [2] * 8, [1.0] * 8)
+    tries = CandidateBatch.from_rows([chain] * 4)
     chooser = WidthChooser(CostModel.from_table((1, 65), (10.0, 10.0 + 64 * 3.0)), per_row=True)
-    assert chooser.counts(tries, 0).tolist() == [3, 3]
-    assert chooser.counts(tries, 0, np.array([1.0, 1e-3])).tolist() == [3, 0]
+    assert chooser.counts(tries, 0).tolist() == [2, 2, 2, 2]
+    assert chooser.counts(tries, 0, np.array([1.0, 1e-3, 1e-3, 1e-3])).tolist() == [6, 0, 0, 0]
+
+
+def test_per_row_counts_never_price_worse_than_one_width_for_every_row():
+    """The per-row search includes one width for every row (every node under a cap), so under the
+    cost model its choice yields at least the expected tokens per ms of the width chooser's."""
+    import numpy as np
+    from draftheads.decoding.drafters.drafts import SKIP_PADDING_SLOTS
+    from draftheads.decoding.drafters.width import PADDED_SLOT_SHARE
+
+    rng = np.random.default_rng(0)
+    cost = CostModel.from_table((1, 16, 64, 256), (10.0, 12.0, 30.0, 120.0))
+    for _ in range(50):
+        tries = []
+        for _ in range(int(rng.integers(2, 9))):
+            n = int(rng.integers(0, 9))
+            tries.append(Candidates.from_lists([-1] + list(range(n - 1)) if n else [], list(range(n)),
+                                               np.cumprod(rng.uniform(0.2, 1.0, n)).tolist(), [1] * n, [2] * n, [1.0] * n))
+        batch = CandidateBatch.from_rows(tries)
+        chooser = WidthChooser(cost, per_row=True)
+        counts = chooser.counts(batch, 0)
+        width = chooser.choose(batch.score_block(9), 0)
+
+        def rate(keep):
+            kept = batch.first(keep)
+            computed = batch.rows + len(kept)
+            widest = 1 + int(kept.sizes().max(initial=0))
+            padding = batch.rows * widest - computed
+            slots = (computed + PADDED_SLOT_SHARE * padding) / batch.rows if padding >= SKIP_PADDING_SLOTS else widest
+            return (batch.rows + kept.score.sum()) / cost.step_ms_many(batch.rows, np.array([slots]), 0)[0]
+
+        assert rate(counts) >= rate(np.full(batch.rows, width - 1)) * (1 - 1e-9)
 
 
 def test_stats_report_drafting_milliseconds_per_step():

@@ -60,23 +60,33 @@ class WidthChooser:
         keep = np.flatnonzero(rank < self.max_nodes - 1)
         value = tries.score * w[tries.row]
         order = keep[np.lexsort((rank[keep], tries.row[keep], tries.depth[keep], -value[keep]))]
-        gain = np.concatenate([[0.0], np.cumsum(value[order])])
-        computed = batch + np.arange(order.size + 1)  # slots with a token: roots + Q drafts
-        widest = 1 + np.concatenate([[0], np.maximum.accumulate(rank[order] + 1)])  # a row's nodes enter in rank order
+        r = rank[order]
+        # a search over the widest row too: a cap c keeps each row's first c nodes at most, so the
+        # queue may pass over a row's next node where it would widen every row's padded slots;
+        # c = the widest rank is the plain queue, and taking every node under a cap is one width
+        # for every row (so the choice is never worse, under the cost model, than either)
+        caps = np.arange(int(r.max(initial=-1)) + 2)[:, None]
+        allowed = r[None, :] < caps  # (C, Q)
+        zero = np.zeros((caps.shape[0], 1))
+        gain = np.concatenate([zero, np.cumsum(np.where(allowed, value[order], 0.0), axis=1)], axis=1)
+        computed = batch + np.concatenate([zero, np.cumsum(allowed, axis=1)], axis=1)  # roots + drafts kept
+        widest = 1 + np.concatenate([zero, np.maximum.accumulate(np.where(allowed, r + 1, 0), axis=1)], axis=1)
         padding = batch * widest - computed
         slots = np.where(padding >= SKIP_PADDING_SLOTS, (computed + PADDED_SLOT_SHARE * padding) / batch, widest)
-        rate = (w.sum() + gain) / self.cost.step_ms_many(batch, slots, ctx)
-        return np.bincount(tries.row[order[: int(np.argmax(rate))]], minlength=batch)
+        rate = (w.sum() + gain) / self.cost.step_ms_many(batch, slots.ravel(), ctx).reshape(slots.shape)
+        c, q = np.unravel_index(int(np.argmax(rate)), rate.shape)
+        return np.bincount(tries.row[order[:q][allowed[c, :q]]], minlength=batch)
 
 
-#: what a padding slot left out of the linear layers still costs, as a share of a computed one:
-#: SmolLM2 bf16 at bs 16, context 300, one verify forward + LM head (medians of 5, 2026-11-26):
-#: 60 tokens padded to 9 slots a row 133-145 ms with the padding skipped (174 ms computed), 54
-#: tokens padded to 13: 156 ms (239), against ~22-25 ms per computed slot a row. Too low at
-#: fewer padding slots: in the batched bench's per-row steps (bf16, bs 8 and 16, 2026-11-26) the
-#: steps that skipped padding took 1.06-1.27x the ms this priced them at (uniform steps 0.95-1.13x);
-#: a share fitted per batch size from the calibration is the open fix
-PADDED_SLOT_SHARE = 0.3
+#: what a padding slot left out of the linear layers still costs, as a share of a computed one
+#: (attention, norms, the gather and scatter). SmolLM2 bf16 at bs 16, context 300, one verify
+#: forward + LM head (medians of 5, 2026-11-26): 60 tokens padded to 9 slots a row 133-145 ms
+#: with the padding skipped (174 ms computed), 54 padded to 13: 156 ms (239), against ~22-25 ms
+#: per computed slot a row — ~0.3. But in whole per-row runs (bf16, bs 16, dev mix, every
+#: step's verify + LM head against its price, 2026-11-26) steps that skipped padding took 1.11x
+#: their price at 0.3 and 0.93x at 0.6, where one-width steps took 0.88-0.95x: 0.55 prices both
+#: alike
+PADDED_SLOT_SHARE = 0.55
 
 
 def finish_weights(remaining: np.ndarray, emitted: np.ndarray, power: float = FINISH_POWER) -> np.ndarray:
