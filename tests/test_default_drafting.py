@@ -77,7 +77,7 @@ def test_the_heads_are_skipped_only_where_a_lookup_match_carries_the_step():
     assert merged(1.0, 1.0)._heads_pay(weak, 64)
     assert not merged(50.0, 1.0)._heads_pay(weak, 64)  # heads dearer than the step they would help
     drafter = merged(1.0, 1.0)
-    drafter._skipped_in_a_row = drafter.recheck_heads_every
+    drafter._heads_recheck.skipped_in_a_row = drafter.recheck_heads_every
     assert drafter._heads_pay(confident, 64)  # measured afresh now and then
 
 
@@ -99,18 +99,18 @@ def test_rechecks_back_off_while_the_heads_do_not_pay_and_reset_when_they_do():
     drafter = merged(1.0, 1.0)
     waits = []
     for _ in range(5):  # a recheck, then the step after it still finds the heads not paying
-        drafter._skipped_in_a_row = drafter._recheck_wait
+        drafter._heads_recheck.skipped_in_a_row = drafter._heads_recheck.wait
         assert drafter._heads_pay(confident, 64)  # the recheck
-        drafter._skipped_in_a_row = 0
+        drafter._heads_recheck.skipped_in_a_row = 0
         assert not drafter._heads_pay(confident, 64)
-        waits.append(drafter._recheck_wait)
+        waits.append(drafter._heads_recheck.wait)
     assert waits == [16, 32, 64, 64, 64]  # doubled up to recheck_heads_max
-    drafter._skipped_in_a_row = drafter._recheck_wait
+    drafter._heads_recheck.skipped_in_a_row = drafter._heads_recheck.wait
     assert drafter._heads_pay(confident, 64)
     assert drafter._heads_pay(weak, 64)  # after this recheck they pay: the usual wait again
-    assert drafter._recheck_wait == drafter.recheck_heads_every
+    assert drafter._heads_recheck.wait == drafter.recheck_heads_every
     sooner = MergedDrafter(object(), LookupSources(None, sources=("context",)), recheck_heads_every=4)
-    assert sooner._recheck_wait == 4  # the first wait is the configured one, before any request
+    assert sooner._heads_recheck.wait == 4  # the first wait is the configured one, before any request
 
 
 def test_skipping_the_heads_keeps_the_output_and_saves_their_calls(tmp_path, monkeypatch):

@@ -24,14 +24,10 @@ from .interface import DraftState
 from .review import review
 from .tries import merge_rows
 from .width import WidthChooser, finish_weights
+from .worth import Recheck, moving_average, pays
 
 if TYPE_CHECKING:
     from ..accept import Acceptance
-
-
-def moving_average(previous: float | None, value: float, weight: float = 0.2) -> float:
-    """An exponential moving average (the first value starts it)."""
-    return value if previous is None else (1.0 - weight) * previous + weight * value
 
 
 def expected_tokens(tries: CandidateBatch, width: int) -> float:
@@ -95,15 +91,13 @@ class MergedDrafter:
     heads_steps: int = 0
     skipped_heads_steps: int = 0
     #: after this many skipped steps in a row the heads propose again, so their cost and worth
-    #: are measured afresh (a slow first call, or text that changed, never rules them out for good);
-    #: each recheck after which they still do not pay doubles the wait, up to ``recheck_heads_max``
-    #: (a recheck costs a proposal and its nodes: ~5 ms on a ~34 ms bf16 step, so one in 9 steps
-    #: is an estimated ~1.5 % where the heads never pay), and one after which they pay sets it back
+    #: are measured afresh; each recheck after which they still do not pay doubles the wait, up
+    #: to ``recheck_heads_max`` (:class:`~.worth.Recheck`; a recheck costs a proposal and its
+    #: nodes: ~5 ms on a ~34 ms bf16 step, so one in 9 steps is an estimated ~1.5 % where the
+    #: heads never pay)
     recheck_heads_every: int = 8
     recheck_heads_max: int = 64
-    _recheck_wait: int = field(init=False)  # the current wait; recheck_heads_every at the start of a request
-    _rechecked: bool = False  # the last proposal was a recheck: the next step's verdict sets the wait
-    _skipped_in_a_row: int = 0
+    _heads_recheck: Recheck = field(init=False)
     #: the most live rows at which the heads' proposal is weighed against its cost (above: the
     #: heads always propose). In a batch the rows without a lookup match set how many steps it
     #: takes, and the heads are what drafts for them; skipping the heads for the batch as a whole
@@ -115,15 +109,15 @@ class MergedDrafter:
     heads_tree: Tree | None = None
     _alone_step: tuple | None = None  # (tries, ctx, (width, expected tokens, ms)) of :meth:`_lookups_step`
     _weights: np.ndarray | None = None  # (B,) this step's :func:`~.width.finish_weights` for per-row counts (None: all 1)
-
     def __post_init__(self) -> None:
-        self._recheck_wait = self.recheck_heads_every
+        self._heads_recheck = Recheck(self.recheck_heads_every, self.recheck_heads_max)
 
     def start(self, prompts: Sequence[Sequence[int]]) -> None:
         self.lookup.reset()
         self._seen.clear()
-        self.heads_steps = self.skipped_heads_steps = 0  # what the heads learned (cost, worth) carries over
-        self._recheck_wait, self._rechecked = self.recheck_heads_every, False  # new text: recheck at the usual pace
+        # what the heads and the lookups learned (cost, worth) carries over; new text: recheck at the usual pace
+        self.heads_steps = self.skipped_heads_steps = 0
+        self._heads_recheck.restart()
         for row, prompt in enumerate(prompts):
             self.lookup.start(row, prompt)
             self._seen[row] = 0
@@ -139,19 +133,20 @@ class MergedDrafter:
                 self.lookup.extend(row, new)
                 self._seen[row] += len(new)
         self._weights = self._finish_weights(state)
-        parts = self.lookup.tries_rows(state.rows, self.lookup_nodes)
-        if self.review and self.heads is not None:
-            reviewed = review(self.heads, state, merge_rows(parts, self.lookup_nodes).split(), self.lookup.hitrate)
-            parts = [CandidateBatch.from_rows(reviewed)]
         ctx = state.context_length
         width, self._misses = None, 0.0
         heads_on = self.heads is not None and tree.num_nodes > 1
-        if heads_on and not self._weighs_heads(len(state.rows)):  # in a batch the heads always propose:
-            tries = merge_rows(parts + [self._heads_tries(state, tree)], budget)  # every source in one merge
-            tries = tries.cap_depth(state.room)
+        if heads_on and not self._weighs_heads(len(state.rows)) and not self.review:
+            # in a batch the heads always propose: every source is merged at once
+            parts = self.lookup.tries_rows(state.rows, self.lookup_nodes)
+            tries = merge_rows(parts + [self._heads_tries(state, tree)], budget).cap_depth(state.room)
             width, keep = self._cut(tries, ctx)
             self._count_heads_step(proposed=True)
         else:
+            parts = self.lookup.tries_rows(state.rows, self.lookup_nodes)
+            if self.review and self.heads is not None:
+                reviewed = review(self.heads, state, merge_rows(parts, self.lookup_nodes).split(), self.lookup.hitrate)
+                parts = [CandidateBatch.from_rows(reviewed)]
             tries = merge_rows(parts, budget).cap_depth(state.room)
             if heads_on and self._heads_pay(tries, ctx):
                 alone = tries
@@ -159,7 +154,8 @@ class MergedDrafter:
                 # heads') are among (their best ``budget``) + the heads' (a node never outranks its parent)
                 tries = merge_rows([tries, self._heads_tries(state, tree)], budget).cap_depth(state.room)
                 width, keep = self._cut(tries, ctx)
-                self._learn_heads_worth(alone, tries, width, ctx)
+                if self._weighs_heads(tries.rows):
+                    self._learn_heads_worth(alone, tries, width, ctx)
             if heads_on:
                 self._count_heads_step(proposed=width is not None)
         if width is None:
@@ -171,12 +167,11 @@ class MergedDrafter:
 
     def _count_heads_step(self, proposed: bool) -> None:
         """A step the heads could draft in: they proposed, or :meth:`_heads_pay` skipped them."""
+        self._heads_recheck.count(proposed)
         if proposed:
             self.heads_steps += 1
-            self._skipped_in_a_row = 0
         else:
             self.skipped_heads_steps += 1
-            self._skipped_in_a_row += 1
 
     def _heads_tries(self, state: DraftState, tree: Tree) -> CandidateBatch:
         """The heads' proposal for every live row on ``tree``, rescored on the P(accepted) scale;
@@ -264,15 +259,7 @@ class MergedDrafter:
             return True  # LINEAR_COST is relative, not ms: no step time to weigh the heads' ms against
         _, expected, step_ms = self._lookups_step(tries, ctx)
         gain = float((1.0 - tries.first_scores()).sum()) * self._heads_gain
-        pays = (expected + gain) * step_ms > expected * (step_ms + self._heads_ms + (self._heads_extra_ms or 0.0))
-        if self._rechecked:  # the verdict right after a recheck sets the wait before the next one
-            self._recheck_wait = (self.recheck_heads_every if pays
-                                  else min(2 * self._recheck_wait, self.recheck_heads_max))
-            self._rechecked = False
-        if not pays and self._skipped_in_a_row >= self._recheck_wait:
-            self._rechecked = True
-            return True
-        return pays
+        return self._heads_recheck.decide(pays(expected, step_ms, gain, self._heads_ms + (self._heads_extra_ms or 0.0)))
 
     def observe(self, drafts: Drafts, result: Acceptance, rows: Sequence[int]) -> None:
         """Each row's accepted drafts calibrate the hit rates of the sources that proposed them."""
