@@ -275,3 +275,19 @@ def test_the_entry_point_prints_one_line_and_exits_2(tmp_path):
                           timeout=300)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines() == [done.stderr.strip()] and done.stderr.startswith("error: base model")
+
+
+def test_generate_times_each_side_twice_and_names_its_drafting(files, capsys):
+    """README command 1's report: both sides timed twice, interleaved (the faster run counts, as
+    the bench's --repeats), the answer checked against plain generate, the drafting named last."""
+    root = files["root"]
+    argv = ["generate", "--base", str(root / "base"), "--heads", str(root / "heads"), "--prompt", "w5 w6 w7",
+            "--max-new-tokens", "8", "--dtype", "float64"]
+    capsys.readouterr()
+    assert main(argv) == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[")]
+    ours, plain, drafting = lines[-3:]
+    assert ours.startswith("[draftheads] float64:") and "(the faster of two runs)" in ours
+    assert plain.startswith("[plain HF generate, same dtype]") and "(the faster of two runs); speedup" in plain
+    assert "identical" in plain, plain
+    assert drafting.startswith("[drafting] heads") and "(--drafts heads: the heads alone)" in drafting
