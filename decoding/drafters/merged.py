@@ -109,14 +109,15 @@ class MergedDrafter:
     heads_tree: Tree | None = None
     _alone_step: tuple | None = None  # (tries, ctx, (width, expected tokens, ms)) of :meth:`_lookups_step`
     _weights: np.ndarray | None = None  # (B,) this step's :func:`~.width.finish_weights` for per-row counts (None: all 1)
+
     def __post_init__(self) -> None:
         self._heads_recheck = Recheck(self.recheck_heads_every, self.recheck_heads_max)
 
     def start(self, prompts: Sequence[Sequence[int]]) -> None:
         self.lookup.reset()
         self._seen.clear()
-        # what the heads and the lookups learned (cost, worth) carries over; new text: recheck at the usual pace
-        self.heads_steps = self.skipped_heads_steps = 0
+        self.heads_steps = self.skipped_heads_steps = 0  # what the heads learned (cost, worth) carries over
+        # new text: recheck at the usual pace
         self._heads_recheck.restart()
         for row, prompt in enumerate(prompts):
             self.lookup.start(row, prompt)
@@ -136,14 +137,13 @@ class MergedDrafter:
         ctx = state.context_length
         width, self._misses = None, 0.0
         heads_on = self.heads is not None and tree.num_nodes > 1
+        parts = self.lookup.tries_rows(state.rows, self.lookup_nodes)
         if heads_on and not self._weighs_heads(len(state.rows)) and not self.review:
             # in a batch the heads always propose: every source is merged at once
-            parts = self.lookup.tries_rows(state.rows, self.lookup_nodes)
             tries = merge_rows(parts + [self._heads_tries(state, tree)], budget).cap_depth(state.room)
             width, keep = self._cut(tries, ctx)
             self._count_heads_step(proposed=True)
         else:
-            parts = self.lookup.tries_rows(state.rows, self.lookup_nodes)
             if self.review and self.heads is not None:
                 reviewed = review(self.heads, state, merge_rows(parts, self.lookup_nodes).split(), self.lookup.hitrate)
                 parts = [CandidateBatch.from_rows(reviewed)]

@@ -134,31 +134,30 @@ def merge_rows(batches: Sequence[CandidateBatch], budget: np.ndarray | int) -> C
         raise ValueError(f"merge: budget must be >= 0, got {budget.min()}.")
     rows = batches[0].rows
     every = CandidateBatch.concat(batches)
-    cat = {name: getattr(every, name) for name in ("row", "token", "depth", "score", "source", "bucket", "share")}
     parent = every.parent
     n = parent.size
     if n == 0:
         return CandidateBatch.empty(rows)
     # each node's path, root side first, padded with -1 (below every token): equal paths sort
     # together, a prefix before its extensions, so (row, path) order is parents-first by row
-    path = np.full((n, int(cat["depth"].max())), -1, dtype=np.int64)
-    idx, up, col = np.arange(n), np.arange(n), cat["depth"].astype(np.int64) - 1
+    path = np.full((n, int(every.depth.max())), -1, dtype=np.int64)
+    idx, up, col = np.arange(n), np.arange(n), every.depth.astype(np.int64) - 1
     while idx.size:
-        path[idx, col] = cat["token"][up]
+        path[idx, col] = every.token[up]
         up = parent[up]
         going = up >= 0
         idx, up, col = idx[going], up[going], col[going] - 1
     # within a path: the highest score first, then the lower source, then the first given
-    order = np.lexsort((np.arange(n), cat["source"], -cat["score"])
-                       + tuple(path[:, d] for d in range(path.shape[1] - 1, -1, -1)) + (cat["row"],))
-    keyed = np.column_stack([cat["row"], path])[order]
+    order = np.lexsort((np.arange(n), every.source, -every.score)
+                       + tuple(path[:, d] for d in range(path.shape[1] - 1, -1, -1)) + (every.row,))
+    keyed = np.column_stack([every.row, path])[order]
     lead = np.r_[True, (keyed[1:] != keyed[:-1]).any(axis=1)]
     union_of = np.empty(n, dtype=np.int64)
     union_of[order] = np.cumsum(lead) - 1
     rep = order[lead]
     union_parent = np.where(parent[rep] >= 0, union_of[np.maximum(parent[rep], 0)], -1)
-    union = CandidateBatch(rows, cat["row"][rep], union_parent, cat["token"][rep], cat["depth"][rep],
-                           cat["score"][rep], cat["source"][rep], cat["bucket"][rep], cat["share"][rep])
+    union = CandidateBatch(rows, every.row[rep], union_parent, every.token[rep], every.depth[rep],
+                           every.score[rep], every.source[rep], every.bucket[rep], every.share[rep])
     return select_rows(union, budget)
 
 
