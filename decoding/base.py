@@ -28,8 +28,8 @@ from ..heads.linear import fuse_siblings, shape_key, subset_product, valid_timin
 from ..heads.fewrow import load_kernel
 from ..heads.linear import use_packed_linears as wrap_linears
 from ..heads.protocol import write_text_atomic
-from .attention import PACK_FLAG, PACKED_SDPA
-from .cache import reserved_cache
+from .attention import PACK_FLAG, PACKED_SDPA, RaggedRows, ragged_rows
+from .cache import reserved_cache, reserved_layer_class
 from .fingerprint import file_sha256, lm_head_weight
 from .limits import DTYPES, DtypeError, check_base_path, parse_dtype
 
@@ -263,13 +263,42 @@ def forward_all(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
 
 
 @torch.no_grad()
-def verify(model, tokens: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, cache) -> torch.Tensor:
+def verify(model, tokens: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, cache,
+           valid: torch.Tensor | None = None) -> torch.Tensor:
     """One base forward over every tree slot of every row; returns hidden states (B, N, d).
-    The cache grows by N slots per row (the caller keeps the accepted ones)."""
-    with _packing(model):
+    The cache grows by N slots per row (the caller keeps the accepted ones).
+
+    ``valid`` (B, N): which slots are real, when rows carry different node counts. Where the
+    base can (:func:`verifies_ragged`), the forward then runs only the real slots, packed into
+    one sequence (:class:`~.attention.RaggedRows`): a step costs what its real slots cost, not
+    the widest row's times B. The padding slots' states come out zero (nobody reads them)."""
+    rows = None
+    if valid is not None and not bool(valid.all()) and verifies_ragged(model, cache):
+        rows = RaggedRows.from_valid(valid)
+        tokens = tokens.reshape(-1).index_select(0, rows.index)[None]
+        position_ids = position_ids.expand(valid.shape).reshape(-1).index_select(0, rows.index)[None]
+    with _packing(model), ragged_rows(rows):
         out = model.model(input_ids=tokens, attention_mask=mask, position_ids=position_ids,
                           use_cache=True, **cache_kwargs(model, cache), **_pack_kwargs(model))
-    return out.last_hidden_state
+    states = out.last_hidden_state
+    if rows is None:
+        return states
+    full = states.new_zeros(rows.batch * rows.width, states.shape[-1])
+    full.index_copy_(0, rows.index, states[0])
+    return full.view(rows.batch, rows.width, -1)
+
+
+def verifies_ragged(model, cache) -> bool:
+    """Whether :func:`verify` can run a ragged step packed into ``cache``: the base is
+    :func:`ragged_capable` and every layer of the cache is the decoder's reserved layer (it
+    unpacks the rows' new keys and values)."""
+    return ragged_capable(model) and all(type(layer) is reserved_layer_class() for layer in getattr(cache, "layers", ()))
+
+
+def ragged_capable(model) -> bool:
+    """Whether the base attends through :mod:`.attention`'s function (which unpacks a packed
+    forward's rows); other attention implementations verify ragged steps as the padded block."""
+    return getattr(model.config, "_attn_implementation", None) == PACKED_SDPA
 
 
 def cache_kwargs(model, cache) -> dict:

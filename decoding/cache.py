@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .attention import current_ragged_rows
+
 
 #: room a cache layer keeps past its length: at least this many slots, or this fraction of it
 RESERVE_SLOTS, RESERVE_FRACTION = 256, 0.25
@@ -50,6 +52,9 @@ def reserved_layer_class():
             _key_buffer = _value_buffer = None
 
             def update(self, key_states, value_states, *args, **kwargs):
+                rows = current_ragged_rows()  # a packed forward's (1, H, K, D) → its rows' (B, H, N, D)
+                if rows is not None and self.is_initialized and key_states.shape[-2] == rows.count:
+                    key_states, value_states = rows.unpack(key_states), rows.unpack(value_states)
                 if not self.is_initialized:
                     self.lazy_initialization(key_states, value_states)
                 self.keys, self._key_buffer = _append(self.keys, self._key_buffer, key_states)

@@ -15,7 +15,7 @@ from ..heads import DraftHeads, load_heads
 from ..heads.hardware import bf16_native
 from .accept import Typical
 from .attention import use_packed_sdpa
-from .base import dtype_name, load_base, plan_packing, use_packed_linears
+from .base import dtype_name, load_base, plan_packing, ragged_capable, use_packed_linears
 from .fingerprint import fingerprint
 from .calibration import CalibrationConfig, calibrate
 from .cost import CostModel
@@ -179,7 +179,8 @@ class DraftHeadsModel:
                                                self.base.get_input_embeddings().num_embeddings)
             store = self._stores[key] if uses_store else None
         eos = eos_token_ids(self.base.generation_config)
-        self.drafter = build_drafter(sources, self.heads, store, self.step_cost(), eos[0] if eos else None, review)
+        self.drafter = build_drafter(sources, self.heads, store, self.step_cost(), eos[0] if eos else None, review,
+                                     ragged_capable(self.base))
         if self.offers_larger_tree() and isinstance(self.drafter, MergedDrafter) and self.drafter.heads is not None:
             self.drafter.heads_tree = tree_for_budget(self.heads, self.default_budget * MERGED_OFFER_SCALE)
 

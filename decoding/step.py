@@ -90,9 +90,10 @@ def decode_step(base, drafter: Drafter, acceptor, kv: KVState, context: HeadCont
     drafting = time.perf_counter() - started
     with phase("tree_inputs", device):
         mask, positions, past = kv.tree_inputs(drafts.ancestor, drafts.depth)
-    with computed_rows(drafts.valid if drafts.skips_padding() else None):  # padding slots are not computed
+    ragged = drafts.valid if drafts.skips_padding() else None  # padding slots are not computed
+    with computed_rows(ragged):
         with phase("forward", device):
-            states = verify(base, drafts.tokens, positions, mask, kv.cache)  # (B, N, d)
+            states = verify(base, drafts.tokens, positions, mask, kv.cache, ragged)  # (B, N, d)
         with phase("lm_head", device):
             logits = lm_logits(base, states)  # (B, N, V)
     with phase("accept", device):

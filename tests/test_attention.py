@@ -107,3 +107,101 @@ def test_the_mask_is_repeated_once_per_forward_and_redone_when_it_changes():
     assert torch.equal(repeated_mask(mask, 2), mask.repeat(1, 1, 2, 1))
     other = mask.clone()
     assert repeated_mask(other, 2) is not repeated_mask(mask, 2)
+
+
+def _ragged_case(model, seed: int, bs: int = 4, width: int = 6, ctx: int = 10, skewed: bool = False):
+    """A random cache with holes and, per row, a random tree of its own size (a prefix of ``width``
+    slots; row 0 the widest; ``skewed``: the others of one or two): what a per-row step verifies."""
+    gen = torch.Generator().manual_seed(seed)
+    sizes = torch.randint(1, 3 if skewed else width + 1, (bs,), generator=gen)
+    sizes[0] = width
+    valid = torch.arange(width)[None] < sizes[:, None]
+    ancestor = torch.eye(width, dtype=torch.bool).repeat(bs, 1, 1)
+    for b in range(bs):
+        for i in range(1, int(sizes[b])):
+            ancestor[b, i] |= ancestor[b, int(torch.randint(0, i, (1,), generator=gen))]
+    kv_valid = torch.rand(bs, ctx, generator=gen) > 0.3
+    kv_valid[:, -1] = True
+    mask = tree_attention_mask(kv_valid, ancestor)
+    positions = kv_valid.sum(1, keepdim=True) + ancestor.sum(-1) - 1
+    tokens = torch.randint(3, model.config.vocab_size, (bs, width), generator=gen)
+
+    def cache():
+        filled = _synthetic_cache(model, bs, ctx)
+        values = torch.Generator().manual_seed(1000 + seed)
+        for layer in filled.layers:
+            layer.keys.copy_(torch.randn(layer.keys.shape, generator=values, dtype=layer.keys.dtype))
+            layer.values.copy_(torch.randn(layer.values.shape, generator=values, dtype=layer.values.dtype))
+        return filled
+
+    return tokens, positions, mask, valid, cache
+
+
+def test_ragged_rows_verified_packed_equal_the_padded_block(monkeypatch):
+    """Rows of different node counts verified packed (the real slots as one sequence, attention
+    unpacked per row, in one call or split in two) give the padded block's hidden states and
+    cache entries at every real slot, zeros at the padding; the split is taken in some cases."""
+    from draftheads.decoding import attention
+
+    model = tiny_llama(0)
+    use_packed_sdpa(model)
+    packed_runs, splits = [], []
+    original = attention.RaggedRows.from_valid.__func__
+
+    def spy(cls, valid):
+        rows = original(cls, valid)
+        packed_runs.append(rows)
+        return rows
+
+    monkeypatch.setattr(attention.RaggedRows, "from_valid", classmethod(spy))
+    for seed in range(30):
+        tokens, positions, mask, valid, cache = _ragged_case(model, seed, bs=2 + seed % 5, width=2 + seed % 7,
+                                                             skewed=seed % 2 == 1)
+        padded_cache, packed_cache = cache(), cache()
+        padded = verify(model, tokens, positions, mask, padded_cache)
+        packed = verify(model, tokens, positions, mask, packed_cache, valid)
+        if bool(valid.all()):
+            continue
+        splits.append(packed_runs[-1].split[1] is not None)
+        torch.testing.assert_close(packed[valid], padded[valid], rtol=1e-12, atol=1e-12)
+        assert not packed[~valid].any()
+        for ours, theirs in zip(packed_cache.layers, padded_cache.layers):
+            new = valid.shape[1]
+            torch.testing.assert_close(ours.keys[:, :, -new:].transpose(1, 2)[valid],
+                                       theirs.keys[:, :, -new:].transpose(1, 2)[valid], rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(ours.values[:, :, :-new], theirs.values[:, :, :-new], rtol=0, atol=0)
+    assert any(splits) and not all(splits)  # both attention paths ran
+
+
+def test_ragged_rows_on_a_base_without_the_packed_attention_verify_the_padded_block():
+    """Another attention implementation (eager here) cannot unpack rows: the same call verifies
+    the padded block, with the same states at the real slots."""
+    from draftheads.decoding.base import ragged_capable
+
+    model = tiny_llama(0)
+    model.set_attn_implementation("eager")
+    assert not ragged_capable(model)
+    tokens, positions, mask, valid, cache = _ragged_case(model, 3)
+    plain = verify(model, tokens, positions, mask, cache())
+    given_valid = verify(model, tokens, positions, mask, cache(), valid)
+    assert torch.equal(plain, given_valid)
+
+
+def test_ragged_attention_splits_off_only_the_few_long_rows():
+    """One row of nine slots among fifteen of one: the first slot of every row in one call, the
+    long row's other eight in a second (one call would make every row pay nine); rows of alike
+    sizes, or two rows, stay in one call."""
+    from draftheads.decoding.attention import RaggedRows
+
+    def rows(sizes):
+        width = max(sizes)
+        return RaggedRows.from_valid(torch.arange(width)[None] < torch.tensor(sizes)[:, None])
+
+    short, long = rows([1] * 7 + [9] + [1] * 8).split
+    assert short == 1 and long.tolist() == [7]
+    short, long = rows([9, 9] + [2] * 14).split
+    assert short == 2 and long.tolist() == [0, 1]
+    assert rows([3, 4, 4, 3, 4, 3]).split[1] is None
+    assert rows([9, 1]).split[1] is None
+    packed = rows([2, 1, 3])
+    assert packed.count == 6 and packed.index.tolist() == [0, 1, 3, 6, 7, 8]

@@ -120,6 +120,28 @@ def test_padded_drafts_are_the_trees_they_stand_for(shapes):
             assert pad not in children[b].flatten().tolist()
 
 
+def test_per_row_steps_are_verified_packed_and_stay_identical(monkeypatch):
+    """The per-row property test's path, shown to be taken: rows given different node counts are
+    verified packed (:class:`~draftheads.decoding.attention.RaggedRows`) and the output is still
+    transformers' greedy output."""
+    from draftheads.decoding import attention
+
+    model = MODELS[0]
+    prompts = [[5, 6, 7, 8] * 6, [9, 10] * 8 + [11], [12, 13, 14, 15, 16, 17, 18], [20, 21] * 5]
+    ids, mask = left_pad(prompts)
+    free = model.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=PAD)
+    heads = OracleHeads(free[:, ids.shape[1]:].tolist(), vocab=96, error=0.5, seed=0)
+    decoder = merged(model, heads, tree_from_paths([(0,), (1,), (0, 0)]))
+    decoder.drafter.width.per_row = True
+    packed = []
+    original = attention.RaggedRows.from_valid.__func__
+    monkeypatch.setattr(attention.RaggedRows, "from_valid", classmethod(lambda cls, v: packed.append(v) or original(cls, v)))
+    monkeypatch.setattr(drafts_module, "SKIP_PADDING_SLOTS", 1)
+    ours = decoder.generate(ids, attention_mask=mask, max_new_tokens=30, pad_token_id=PAD)
+    assert ours.tolist() == free.tolist()
+    assert packed and any(len(set(v.sum(1).tolist())) > 1 for v in packed)
+
+
 def test_width_chooser_weighs_expected_tokens_against_step_time():
     """Cheap extra nodes with high scores are kept; a step-time table that makes nodes dear cuts them."""
     import numpy as np

@@ -16,7 +16,7 @@ from .merged import MergedDrafter
 from .interface import Drafter
 from .stats import StatsConfig
 from .store import ModelStore, StoreConfig, StoreError, tokenizer_identity
-from .width import WidthChooser
+from .width import PACKED_PADDING_SHARE, PADDED_SLOT_SHARE, WidthChooser
 
 
 #: every draft source ``generate`` can merge: the heads, then the lookups most local first
@@ -52,9 +52,11 @@ def check_review(review: bool, sources: Sequence[str]) -> None:
 
 
 def build_drafter(sources: Sequence[str], heads: DraftHeads | None, store=None, cost: CostModel | None = None,
-                  eos_token_id: int | None = None, review: bool = False) -> Drafter:
+                  eos_token_id: int | None = None, review: bool = False, packed_ragged: bool = False) -> Drafter:
     """The drafter for ``sources`` (:func:`parse_drafts`): the heads alone → :class:`HeadsDrafter`;
-    any lookup → :class:`MergedDrafter` (with the heads when "heads" is among them)."""
+    any lookup → :class:`MergedDrafter` (with the heads when "heads" is among them).
+    ``packed_ragged``: the base verifies ragged rows packed (:func:`~..base.verifies_ragged`),
+    so the width chooser prices a ragged step's padding at :data:`~.width.PACKED_PADDING_SHARE`."""
     if "heads" in sources and heads is None:
         raise InputError("drafts include 'heads' but no head checkpoint was loaded: pass heads_path, or draft "
                          "with lookups only (drafts='context,store,stats').")
@@ -65,7 +67,8 @@ def build_drafter(sources: Sequence[str], heads: DraftHeads | None, store=None, 
     config = LookupConfig(ContextConfig(eos_token_id=eos_token_id), StoreConfig(eos_token_id=eos_token_id),
                           StatsConfig(eos_token_id=eos_token_id))
     return MergedDrafter(heads if "heads" in sources else None, LookupSources(store, config, sources=lookups),
-                         WidthChooser(cost if cost is not None else LINEAR_COST),
+                         WidthChooser(cost if cost is not None else LINEAR_COST,
+                                      padding_share=PACKED_PADDING_SHARE if packed_ragged else PADDED_SLOT_SHARE),
                          review=review)
 
 

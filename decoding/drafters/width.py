@@ -16,6 +16,23 @@ from .drafts import SKIP_PADDING_SLOTS
 FINISH_POWER = 8
 
 
+#: what a padding slot left out of the linear layers still costs, as a share of a computed one
+#: (attention, norms, the gather and scatter). SmolLM2 bf16 at bs 16, context 300, one verify
+#: forward + LM head (medians of 5, 2026-11-26): 60 tokens padded to 9 slots a row 133-145 ms
+#: with the padding skipped (174 ms computed), 54 padded to 13: 156 ms (239), against ~22-25 ms
+#: per computed slot a row — ~0.3. But in whole per-row runs (bf16, bs 16, dev mix, every
+#: step's verify + LM head against its price, 2026-11-26) steps that skipped padding took 1.11x
+#: their price at 0.3 and 0.93x at 0.6, where one-width steps took 0.88-0.95x: 0.55 prices both
+#: alike
+PADDED_SLOT_SHARE = 0.55
+#: what a padding slot of a ragged step costs when the base verifies the rows packed
+#: (:class:`~..attention.RaggedRows`: only attention sees the padding). SmolLM2 bf16 at bs 16,
+#: context 600, one verify forward + LM head (medians of 5, 2026-11-26), priced against the
+#: one-width steps of the same run: 32 real slots as 2×9 + 14×1 cost what 3 slots a row do
+#: (share 0.14), 60 real slots padded to 9 what ~5 do (0.24)
+PACKED_PADDING_SHARE = 0.2
+
+
 @dataclass
 class WidthChooser:
     """The step's node count: best-first trees are prefix-closed at every width, so keeping the
@@ -28,6 +45,10 @@ class WidthChooser:
     per_row: bool = False
     #: the power of :func:`finish_weights` for per-row counts (0: every row's tokens worth the same)
     finish_power: float = FINISH_POWER
+    #: what a padding slot of a ragged step costs as a share of a real one: the base verifies
+    #: ragged rows packed (:data:`PACKED_PADDING_SHARE`) or with the padding left out of its
+    #: linear layers only (:data:`PADDED_SLOT_SHARE`); the decoder sets it for its base
+    padding_share: float = PADDED_SLOT_SHARE
 
     def choose(self, scores: np.ndarray, ctx: int) -> int:
         """scores (B, K): each row's best-first scores, zero-padded (:meth:`~.candidates.CandidateBatch.score_block`)."""
@@ -72,21 +93,12 @@ class WidthChooser:
         computed = batch + np.concatenate([zero, np.cumsum(allowed, axis=1)], axis=1)  # roots + drafts kept
         widest = 1 + np.concatenate([zero, np.maximum.accumulate(np.where(allowed, r + 1, 0), axis=1)], axis=1)
         padding = batch * widest - computed
-        slots = np.where(padding >= SKIP_PADDING_SLOTS, (computed + PADDED_SLOT_SHARE * padding) / batch, widest)
+        slots = np.where(padding >= SKIP_PADDING_SLOTS, (computed + self.padding_share * padding) / batch, widest)
         rate = (w.sum() + gain) / self.cost.step_ms_many(batch, slots.ravel(), ctx).reshape(slots.shape)
         c, q = np.unravel_index(int(np.argmax(rate)), rate.shape)
         return np.bincount(tries.row[order[:q][allowed[c, :q]]], minlength=batch)
 
 
-#: what a padding slot left out of the linear layers still costs, as a share of a computed one
-#: (attention, norms, the gather and scatter). SmolLM2 bf16 at bs 16, context 300, one verify
-#: forward + LM head (medians of 5, 2026-11-26): 60 tokens padded to 9 slots a row 133-145 ms
-#: with the padding skipped (174 ms computed), 54 padded to 13: 156 ms (239), against ~22-25 ms
-#: per computed slot a row — ~0.3. But in whole per-row runs (bf16, bs 16, dev mix, every
-#: step's verify + LM head against its price, 2026-11-26) steps that skipped padding took 1.11x
-#: their price at 0.3 and 0.93x at 0.6, where one-width steps took 0.88-0.95x: 0.55 prices both
-#: alike
-PADDED_SLOT_SHARE = 0.55
 
 
 def finish_weights(remaining: np.ndarray, emitted: np.ndarray, power: float = FINISH_POWER) -> np.ndarray:
