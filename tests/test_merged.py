@@ -142,6 +142,36 @@ def test_per_row_steps_are_verified_packed_and_stay_identical(monkeypatch):
     assert packed and any(len(set(v.sum(1).tolist())) > 1 for v in packed)
 
 
+def test_per_row_sampling_packed_draws_what_the_padded_block_draws(monkeypatch):
+    """Sampling over per-row trees (whose losslessness the χ² tests of ``test_sampling.py`` check
+    on the padded block) draws the same tokens when the ragged steps are verified packed: same
+    seed, same output, the packed path taken."""
+    from draftheads.decoding import attention, base
+
+    model = MODELS[1]
+    prompts = [[5, 6, 7, 8] * 6, [9, 10] * 8 + [11], [12, 13, 14, 15, 16, 17, 18], [20, 21] * 5]
+    ids, mask = left_pad(prompts)
+    free = model.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=PAD)
+    monkeypatch.setattr(drafts_module, "SKIP_PADDING_SLOTS", 1)
+    packed = []
+    original = attention.RaggedRows.from_valid.__func__
+    monkeypatch.setattr(attention.RaggedRows, "from_valid", classmethod(lambda cls, v: packed.append(v) or original(cls, v)))
+    capable = base.verifies_ragged
+
+    def sample(ragged: bool) -> list:
+        monkeypatch.setattr(base, "verifies_ragged", capable if ragged else (lambda model, cache: False))
+        decoder = merged(model, OracleHeads(free[:, ids.shape[1]:].tolist(), vocab=96, error=0.3, seed=1),
+                         tree_from_paths([(0,), (1,), (0, 0)]))
+        decoder.drafter.width.per_row = True
+        return decoder.generate(ids, attention_mask=mask, max_new_tokens=30, pad_token_id=PAD, do_sample=True,
+                                temperature=0.8, generator=torch.Generator().manual_seed(7)).tolist()
+
+    padded = sample(False)
+    assert not packed
+    assert sample(True) == padded
+    assert packed
+
+
 def test_width_chooser_weighs_expected_tokens_against_step_time():
     """Cheap extra nodes with high scores are kept; a step-time table that makes nodes dear cuts them."""
     import numpy as np
