@@ -148,13 +148,15 @@ class RaggedRows:
             self._masks["split"] = entry
         return entry[1], entry[2]
 
+    def scatter(self, flat: torch.Tensor) -> torch.Tensor:
+        """flat (K, ...) → (B, N, ...): each real slot in its row's place, zeros at the padding."""
+        out = flat.new_zeros(self.batch * self.width, *flat.shape[1:])
+        out.index_copy_(0, self.index, flat)
+        return out.view(self.batch, self.width, *flat.shape[1:])
+
     def unpack(self, x: torch.Tensor) -> torch.Tensor:
         """x (1, H, K, D) → (B, H, N, D), zeros at the padding slots."""
-        heads, dim = x.shape[1], x.shape[3]
-        flat = x[0].transpose(0, 1)  # (K, H, D)
-        out = flat.new_zeros(self.batch * self.width, heads, dim)
-        out.index_copy_(0, self.index, flat)
-        return out.view(self.batch, self.width, heads, dim).transpose(1, 2)
+        return self.scatter(x[0].transpose(0, 1)).transpose(1, 2)
 
     def pack(self, y: torch.Tensor) -> torch.Tensor:
         """y (B, N, ...) → (1, K, ...): the real slots, in order."""

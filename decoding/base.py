@@ -281,11 +281,7 @@ def verify(model, tokens: torch.Tensor, position_ids: torch.Tensor, mask: torch.
         out = model.model(input_ids=tokens, attention_mask=mask, position_ids=position_ids,
                           use_cache=True, **cache_kwargs(model, cache), **_pack_kwargs(model))
     states = out.last_hidden_state
-    if rows is None:
-        return states
-    full = states.new_zeros(rows.batch * rows.width, states.shape[-1])
-    full.index_copy_(0, rows.index, states[0])
-    return full.view(rows.batch, rows.width, -1)
+    return states if rows is None else rows.scatter(states[0])
 
 
 def verifies_ragged(model, cache) -> bool:

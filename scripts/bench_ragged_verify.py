@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -102,7 +103,7 @@ def main(argv=None) -> None:
                      **{f"{way}_ms": round(v, 2) for way, v in ms.items()}})
         print(f"{name:24s} real {sum(sizes):3d}  " + "  ".join(f"{w} {v:6.1f}" for w, v in ms.items()), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    meta = {"command": "python scripts/bench_ragged_verify.py " + " ".join(argv or __import__("sys").argv[1:]),
+    meta = {"command": "python scripts/bench_ragged_verify.py " + " ".join(argv or sys.argv[1:]),
             "device": device_name(torch.device("cpu")), "dtype": dtype_name(next(model.parameters()).dtype),
             "threads": torch.get_num_threads(), "batch_size": batch, "context": ctx, "reps": args.reps,
             "date": time.strftime("%Y-%m-%d")}

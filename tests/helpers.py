@@ -28,6 +28,23 @@ REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "data"
 
 
+def record_packed_steps(monkeypatch) -> list:
+    """The :class:`~draftheads.decoding.attention.RaggedRows` of every step
+    :func:`~draftheads.decoding.base.verify` runs packed, appended as they run."""
+    from draftheads.decoding import attention
+
+    seen: list = []
+    original = attention.RaggedRows.from_valid.__func__
+
+    def recorded(cls, valid):
+        rows = original(cls, valid)
+        seen.append(rows)
+        return rows
+
+    monkeypatch.setattr(attention.RaggedRows, "from_valid", classmethod(recorded))
+    return seen
+
+
 def tiny_llama(seed: int = 0, vocab: int = 96, dtype=torch.float64, max_pos: int = 256) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -7,7 +7,7 @@ import copy
 
 import torch
 
-from helpers import left_pad, tiny_llama
+from helpers import left_pad, record_packed_steps, tiny_llama
 from draftheads.decoding.attention import PACKED_SDPA, use_packed_sdpa
 from draftheads.decoding.base import prefill, verify
 from draftheads.decoding.cache import tree_attention_mask
@@ -141,19 +141,9 @@ def test_ragged_rows_verified_packed_equal_the_padded_block(monkeypatch):
     """Rows of different node counts verified packed (the real slots as one sequence, attention
     unpacked per row, in one call or split in two) give the padded block's hidden states and
     cache entries at every real slot, zeros at the padding; the split is taken in some cases."""
-    from draftheads.decoding import attention
-
     model = tiny_llama(0)
     use_packed_sdpa(model)
-    packed_runs, splits = [], []
-    original = attention.RaggedRows.from_valid.__func__
-
-    def spy(cls, valid):
-        rows = original(cls, valid)
-        packed_runs.append(rows)
-        return rows
-
-    monkeypatch.setattr(attention.RaggedRows, "from_valid", classmethod(spy))
+    packed_runs, splits = record_packed_steps(monkeypatch), []
     for seed in range(30):
         tokens, positions, mask, valid, cache = _ragged_case(model, seed, bs=2 + seed % 5, width=2 + seed % 7,
                                                              skewed=seed % 2 == 1)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from helpers import OracleHeads, left_pad, tiny_llama, trees
+from helpers import OracleHeads, left_pad, record_packed_steps, tiny_llama, trees
 from draftheads.decoding import DraftHeadsModel, tree_from_paths
 from draftheads.decoding.cost import LINEAR_COST, CostModel
 from draftheads.decoding.drafters import (DraftState, HeadsDrafter, MergedDrafter, WidthChooser, build_drafter, CandidateBatch, parse_drafts)
@@ -124,8 +124,6 @@ def test_per_row_steps_are_verified_packed_and_stay_identical(monkeypatch):
     """The per-row property test's path, shown to be taken: rows given different node counts are
     verified packed (:class:`~draftheads.decoding.attention.RaggedRows`) and the output is still
     transformers' greedy output."""
-    from draftheads.decoding import attention
-
     model = MODELS[0]
     prompts = [[5, 6, 7, 8] * 6, [9, 10] * 8 + [11], [12, 13, 14, 15, 16, 17, 18], [20, 21] * 5]
     ids, mask = left_pad(prompts)
@@ -133,29 +131,25 @@ def test_per_row_steps_are_verified_packed_and_stay_identical(monkeypatch):
     heads = OracleHeads(free[:, ids.shape[1]:].tolist(), vocab=96, error=0.5, seed=0)
     decoder = merged(model, heads, tree_from_paths([(0,), (1,), (0, 0)]))
     decoder.drafter.width.per_row = True
-    packed = []
-    original = attention.RaggedRows.from_valid.__func__
-    monkeypatch.setattr(attention.RaggedRows, "from_valid", classmethod(lambda cls, v: packed.append(v) or original(cls, v)))
+    packed = record_packed_steps(monkeypatch)
     monkeypatch.setattr(drafts_module, "SKIP_PADDING_SLOTS", 1)
     ours = decoder.generate(ids, attention_mask=mask, max_new_tokens=30, pad_token_id=PAD)
     assert ours.tolist() == free.tolist()
-    assert packed and any(len(set(v.sum(1).tolist())) > 1 for v in packed)
+    assert packed and any(len(set(rows.sizes)) > 1 for rows in packed)
 
 
 def test_per_row_sampling_packed_draws_what_the_padded_block_draws(monkeypatch):
     """Sampling over per-row trees (whose losslessness the χ² tests of ``test_sampling.py`` check
     on the padded block) draws the same tokens when the ragged steps are verified packed: same
     seed, same output, the packed path taken."""
-    from draftheads.decoding import attention, base
+    from draftheads.decoding import base
 
     model = MODELS[1]
     prompts = [[5, 6, 7, 8] * 6, [9, 10] * 8 + [11], [12, 13, 14, 15, 16, 17, 18], [20, 21] * 5]
     ids, mask = left_pad(prompts)
     free = model.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=PAD)
     monkeypatch.setattr(drafts_module, "SKIP_PADDING_SLOTS", 1)
-    packed = []
-    original = attention.RaggedRows.from_valid.__func__
-    monkeypatch.setattr(attention.RaggedRows, "from_valid", classmethod(lambda cls, v: packed.append(v) or original(cls, v)))
+    packed = record_packed_steps(monkeypatch)
     capable = base.verifies_ragged
 
     def sample(ragged: bool) -> list:

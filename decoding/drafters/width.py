@@ -99,8 +99,6 @@ class WidthChooser:
         return np.bincount(tries.row[order[:q][allowed[c, :q]]], minlength=batch)
 
 
-
-
 def finish_weights(remaining: np.ndarray, emitted: np.ndarray, power: float = FINISH_POWER) -> np.ndarray:
     """(B,) what one more accepted token of each row is worth to a batch that ends with its last row.
 
