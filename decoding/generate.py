@@ -15,7 +15,7 @@ from ..heads import DraftHeads, load_heads
 from ..heads.hardware import bf16_native
 from .accept import Typical
 from .attention import use_packed_sdpa
-from .base import dtype_name, load_base, plan_packing, ragged_capable, use_packed_linears
+from .base import check_base, dtype_name, load_base, plan_packing, ragged_capable, use_packed_linears
 from .fingerprint import fingerprint
 from .calibration import CalibrationConfig, calibrate
 from .cost import CostModel
@@ -68,10 +68,12 @@ class DraftHeadsModel:
     def __init__(self, base, heads: DraftHeads | None = None, tokenizer=None, tree: Tree | TreePolicy | None = None,
                  packed_attention: bool = True, packed_linears: bool = True):
         self.base = base
+        check_base(base, probe=False)  # an architecture the loop cannot run is refused before anything
         if packed_attention:  # grouped-query SDPA without copying the KV cache (decoding/attention.py)
             use_packed_sdpa(base)
         if packed_linears:  # oneDNN-packed weights for our forwards only (heads/linear.py)
             use_packed_linears(base)
+        check_base(base)  # the decoder's forwards, fast paths included, against the model's own (once)
         self.tokenizer = tokenizer
         self.heads = heads
         if heads is not None:
@@ -124,10 +126,12 @@ class DraftHeadsModel:
             check_base_path(base_name_or_path)
             parse_dtype(dtype)
             base, tokenizer = load_base(base_name_or_path, dtype=dtype)
+        check_base(base, probe=False)
         if packed_attention:  # before an adaptive tree's calibration, which measures the loop's forward
             use_packed_sdpa(base)
         if packed_linears:
             use_packed_linears(base)
+        check_base(base)  # before anything measures or binds heads to a base it would refuse
         heads = None
         if heads_path is not None:
             heads = load_heads(heads_path, expected_fingerprint=fingerprint(base).with_sketch(base),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import forward_all
+from .base import forward_all, lm_logits
 from .sequences import Sequences
 
 
@@ -150,7 +150,7 @@ def fill_finished_scores(scores: list[list[torch.Tensor]], base, hidden: torch.T
     steps = sequences.shape[1] - prompt_len
     for row, row_scores in enumerate(scores):
         for step in range(len(row_scores), steps):
-            logits = base.lm_head(hidden[row, prompt_len - 1 + step])
+            logits = lm_logits(base, hidden[row, prompt_len - 1 + step][None, None])[0, 0]
             if acceptor.report_processed:
                 ids = sequences[row: row + 1, : prompt_len + step]
                 logits = acceptor.processors(ids, logits.float()[None])[0].to(logits.dtype)

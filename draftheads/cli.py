@@ -311,6 +311,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=cmd_train)
     env = sub.add_parser("env", help="what to paste into a bug report: versions, CPU capability, dtypes, packing, caches")
     env.add_argument("--json", action="store_true", help="print JSON")
+    env.add_argument("--base", default=None, help="also load this base (dir / Hub id / .gguf / gemma3-270m) and report "
+                     "what of its architecture the decoder honours and which fast paths it runs for it")
+    env.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help="with --base: the dtype to load it in")
     env.set_defaults(func=cmd_env)
     from .checkpoint_cli import add_commands  # export, import-medusa, card, push
     from .demo import add_command as add_demo  # gradio itself is imported only when the demo runs
@@ -323,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_env(args) -> int:
     from .environment import main as env_main
 
-    return env_main(as_json=args.json)
+    return env_main(as_json=args.json, base=args.base, dtype=args.dtype)
 
 
 def cmd_train(args) -> int:

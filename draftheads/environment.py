@@ -83,9 +83,22 @@ def format_report(info: dict) -> str:
     return "\n".join(f"- {key}: {value}" for key, value in info.items())
 
 
-def main(as_json: bool = False) -> int:
+def base_section(base: str, dtype: str = "auto") -> dict[str, str]:
+    """``--base``: the base loaded and bound as the decoder binds it (fast paths set up, the check
+    against its own forward run), then what of it the decoder honours and which paths it runs."""
+    from .decoding import DraftHeadsModel
+    from .decoding.base import base_report, load_base
+
+    model, _ = load_base(base, dtype=dtype)
+    DraftHeadsModel(model, None)
+    return {f"base, {key}": value for key, value in base_report(model).items()}
+
+
+def main(as_json: bool = False, base: str | None = None, dtype: str = "auto") -> int:
     load_kernel(cache_root() / "kernels")  # builds it once if this machine never has (under a second)
     info = collect()
+    if base is not None:
+        info.update(base_section(base, dtype))
     print(json.dumps(info, indent=1) if as_json else
           "Copy-and-paste the text below in your GitHub issue:\n\n" + format_report(info))
     return 0

@@ -156,9 +156,9 @@ def tiny_recipe(root: Path, run: str, **over) -> Path:
         "run": {"output_dir": str(root / run), "checkpoint_every": 4, "eval_every": 6, "log_every": 1,
                 "wandb": False, "save_dtype": "float64", "tree_budgets": [1, 3]},
     }
-    for key, value in over.items():
-        section, name = key.split("__")
-        recipe[section][name] = value
+    for key, value in over.items():  # "section__name", or a top-level key
+        section, _, name = key.rpartition("__")
+        (recipe[section] if section else recipe)[name] = value
     path = root / f"{run}.yaml"
     path.write_text(yaml.safe_dump(recipe))
     return path

@@ -15,6 +15,7 @@ from typing import Iterable, Iterator
 import torch
 from tqdm.auto import tqdm
 
+from ..decoding.architecture import decoder_body
 from ..heads.atomic import atomic_file
 
 MAX_TARGETS = 9  # future tokens stored per position: x_{t+1} (the root) + enough for up to 8 heads
@@ -41,7 +42,10 @@ def read_jsonl(path: str | Path) -> Iterator[dict]:
 
 
 def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
-    """Token ids of a user prompt wrapped in the model's chat template, ready for the answer."""
+    """Token ids of a user prompt wrapped in the model's chat template, ready for the answer; a
+    pretrained base without a chat template (Gemma 3 270M's GGUF) continues the plain text."""
+    if not getattr(tokenizer, "chat_template", None):
+        return list(tokenizer(prompt)["input_ids"])
     ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                         tokenize=True, return_dict=True)["input_ids"]
     return list(ids)
@@ -96,12 +100,12 @@ def hidden_states(model, batch: list[Example]) -> list[tuple[torch.Tensor, torch
         ids[row, : len(example.input_ids)] = torch.tensor(example.input_ids)
         mask[row, : len(example.input_ids)] = 1
     device = next(model.parameters()).device
-    out = model.model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
+    out = decoder_body(model)(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
     states = out.last_hidden_state
     result = []
     for row, e in enumerate(batch):
         span = states[row, e.response_start - 1: len(e.input_ids)]
-        predicted = model.lm_head(span).argmax(-1).cpu()
+        predicted = model.get_output_embeddings()(span).argmax(-1).cpu()
         result.append((span[:-1].to("cpu", torch.float16), predicted))
     return result
 
