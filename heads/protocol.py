@@ -236,7 +236,8 @@ class DraftHeads(nn.Module):
         Atomic: everything goes to a temporary sibling folder (config last) that is renamed into
         place, so an interrupted save never leaves a folder that loads as a valid checkpoint.
         Files of an existing checkpoint folder that this save does not write (a training report)
-        are kept."""
+        are kept; an existing folder that is not a draftheads checkpoint is refused, never
+        emptied (:class:`~.atomic.atomic_directory`)."""
         from safetensors.torch import save_file
 
         directory = Path(directory)
