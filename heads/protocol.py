@@ -72,6 +72,9 @@ class DraftHeads(nn.Module):
     contextual: ClassVar[bool] = False
     #: True when the family can give each head its own vocabulary projection (``owns_lm_head``)
     supports_owned_lm_head: ClassVar[bool] = False
+    #: the family's options in ``config.extra`` (a recipe's ``heads.extra``) and their types: a
+    #: recipe key not listed here is a typo that would train with the default, so it is refused
+    options: ClassVar[dict[str, type]] = {}
 
     def __init__(self, config: HeadConfig):
         super().__init__()
