@@ -99,9 +99,11 @@ def cmd_import_medusa(args) -> int:
     from .heads.hub import resolve_checkpoint
     from .heads.medusa_import import import_medusa
     from .heads.protocol import check_output_dir
+    from .tree_fit import prompt_records
 
     source = resolve_checkpoint(args.source, revision=args.revision)
     check_output_dir(args.out, source)  # before a base loads: never over the checkpoint being read
+    records = prompt_records(args.trees_from, args.limit) if args.trees_from else None  # a bad file fails now
     if args.trees_from:
         from .decoding.base import load_base
 
@@ -110,20 +112,20 @@ def cmd_import_medusa(args) -> int:
         base = load_base_model(args.base)
     heads = import_medusa(source, fingerprint(base).to_dict(), base_label(args.base),
                           base_revision=getattr(base.config, "_commit_hash", None))
-    if args.trees_from:
-        fit_imported_trees(heads, base, tokenizer, args)
+    if records is not None:
+        fit_imported_trees(heads, base, tokenizer, records, args)
     heads.save_pretrained(args.out, dtype=write_dtype(args.save_dtype, "--save-dtype"))
     print(f"wrote {args.out}: {heads.num_heads} Medusa heads ({heads.config.num_layers} layer(s), "
           f"{'own' if heads.config.owns_lm_head else 'shared'} LM head)", file=sys.stderr)
     return 0
 
 
-def fit_imported_trees(heads, base, tokenizer, args) -> None:
+def fit_imported_trees(heads, base, tokenizer, prompts: list[dict], args) -> None:
     """Trees + expected τ from the heads' ranks on the base's greedy answers to ``--trees-from``."""
     from .head_scoring import answer_features, base_answers
-    from .tree_fit import fit_trees, prompt_records
+    from .tree_fit import fit_trees
 
-    records = base_answers(base, tokenizer, prompt_records(args.trees_from, args.limit), args.max_new_tokens)
+    records = base_answers(base, tokenizer, prompts, args.max_new_tokens)
     taus = fit_trees(heads, base, answer_features(base, tokenizer, records),
                      source=f"{args.trees_from} (first {args.limit} prompts, {args.max_new_tokens} tokens)")
     print(f"fitted trees, expected τ per node budget: {taus}", file=sys.stderr)
