@@ -129,7 +129,7 @@ def test_the_working_directory_is_never_replaced(tmp_path, checkpoint, monkeypat
     (out / "inner").mkdir()
     monkeypatch.chdir(out if where == "working directory" else out / "inner")
     target = "." if where == "working directory" else ".."
-    with pytest.raises(Exception, match="is the working directory \\(or holds it\\)"):
+    with pytest.raises(CheckpointError, match="is the working directory \\(or holds it\\)"):
         write_custom(None, checkpoint, Path(target), False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "out"]
     assert not [p for p in out.iterdir() if p.name.startswith(".")]
