@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 import torch
 
 from .decoding.limits import InputError, parse_dtype
+from .heads.atomic import link_or_copy
 from .heads.protocol import write_text_atomic
 
 #: the dtypes export and import-medusa write (``--save-dtype keep``: each tensor keeps its own)
@@ -43,20 +43,27 @@ def base_label(name: str | None) -> str:
 def cmd_export(args) -> int:
     from .decoding.fingerprint import fingerprint
     from .heads import load_heads
+    from .heads.atomic import FolderNotOursError, beside_candidates, choose_destination
     from .heads.protocol import check_base, check_output_dir
     from .heads.vllm_export import check_exportable, export_heads
 
     heads = load_heads(args.checkpoint)
-    if args.to == CUSTOM_GENERATE:
-        return export_custom_generate(heads, args.out, args.source)
-    check_exportable(heads, args.to, args.share_lm_head)  # refuse before loading a base
-    check_output_dir(args.out, heads.source_dir)
-    lm_head = None
-    if not heads.config.owns_lm_head:
-        base = load_base_model(args.base)
-        check_base(heads.config, fingerprint(base).to_dict(), base_label(args.base), args.checkpoint)
-        lm_head = base.get_output_embeddings().weight
-    out = export_heads(heads, args.to, args.out, lm_head, args.share_lm_head, write_dtype(args.dtype, "--dtype"))
+    try:
+        if args.to == CUSTOM_GENERATE:
+            return export_custom_generate(heads, args.out, args.source, args.beside)
+        check_exportable(heads, args.to, args.share_lm_head)  # refuse before loading a base
+        check_output_dir(args.out, heads.source_dir)
+        choose_destination(args.out, beside=args.beside)  # someone else's folder: refused before a base loads
+        lm_head = None
+        if not heads.config.owns_lm_head:
+            base = load_base_model(args.base)
+            check_base(heads.config, fingerprint(base).to_dict(), base_label(args.base), args.checkpoint)
+            lm_head = base.get_output_embeddings().weight
+        out = export_heads(heads, args.to, args.out, lm_head, args.share_lm_head, write_dtype(args.dtype, "--dtype"),
+                           beside=args.beside)
+    except FolderNotOursError as err:
+        raise FolderNotOursError(f"{str(err).removesuffix('.')}, or pass --beside to write "
+                                 f"{next(beside_candidates(err.target))} next to it.", err.target) from None
     print(f"wrote {out} ({args.to}); serve with vLLM as a Medusa speculator of {heads.config.base_name}", file=sys.stderr)
     return 0
 
@@ -65,22 +72,24 @@ def cmd_export(args) -> int:
 CUSTOM_GENERATE = "custom-generate"
 
 
-def export_custom_generate(heads, out: str, source: str | None) -> int:
+def export_custom_generate(heads, out: str, source: str | None, beside: bool = False) -> int:
     """A copy of the head checkpoint with ``custom_generate/generate.py`` in it, so plain
     transformers code decodes with the heads (``custom_generate=<folder or repo>,
     trust_remote_code=True``). ``source``: where that code finds the heads — the Hub repo id the
-    folder will be pushed to, else the folder's own absolute path."""
-    import shutil
-
-    from .custom_generate import write_custom_generate
+    folder will be pushed to, else the folder's own absolute path. Written whole, never over a
+    folder of someone else's (``beside``: next to it instead; :class:`~.heads.atomic.atomic_directory`)."""
+    from .custom_generate import check_source, write_custom_generate
     from .heads.protocol import atomic_directory, check_output_dir
 
     check_output_dir(out, heads.source_dir)
-    with atomic_directory(out) as staging:
+    if source is not None:
+        check_source(source)
+    writer = atomic_directory(out, beside=beside)
+    with writer as staging:
         shutil.copytree(heads.source_dir, staging, dirs_exist_ok=True,
                         ignore=shutil.ignore_patterns("custom_generate"))
-        write_custom_generate(staging, source or str(Path(out).resolve()))
-    print(f"wrote {out}: model.generate(..., custom_generate={source or str(Path(out).resolve())!r}, "
+        write_custom_generate(staging, source or str(writer.target))
+    print(f"wrote {writer.target}: model.generate(..., custom_generate={source or str(writer.target)!r}, "
           "trust_remote_code=True) decodes with these heads", file=sys.stderr)
     return 0
 
@@ -90,9 +99,11 @@ def cmd_import_medusa(args) -> int:
     from .heads.hub import resolve_checkpoint
     from .heads.medusa_import import import_medusa
     from .heads.protocol import check_output_dir
+    from .tree_fit import prompt_records
 
     source = resolve_checkpoint(args.source, revision=args.revision)
     check_output_dir(args.out, source)  # before a base loads: never over the checkpoint being read
+    records = prompt_records(args.trees_from, args.limit) if args.trees_from else None  # a bad file fails now
     if args.trees_from:
         from .decoding.base import load_base
 
@@ -101,20 +112,20 @@ def cmd_import_medusa(args) -> int:
         base = load_base_model(args.base)
     heads = import_medusa(source, fingerprint(base).to_dict(), base_label(args.base),
                           base_revision=getattr(base.config, "_commit_hash", None))
-    if args.trees_from:
-        fit_imported_trees(heads, base, tokenizer, args)
+    if records is not None:
+        fit_imported_trees(heads, base, tokenizer, records, args)
     heads.save_pretrained(args.out, dtype=write_dtype(args.save_dtype, "--save-dtype"))
     print(f"wrote {args.out}: {heads.num_heads} Medusa heads ({heads.config.num_layers} layer(s), "
           f"{'own' if heads.config.owns_lm_head else 'shared'} LM head)", file=sys.stderr)
     return 0
 
 
-def fit_imported_trees(heads, base, tokenizer, args) -> None:
+def fit_imported_trees(heads, base, tokenizer, prompts: list[dict], args) -> None:
     """Trees + expected τ from the heads' ranks on the base's greedy answers to ``--trees-from``."""
     from .head_scoring import answer_features, base_answers
-    from .tree_fit import fit_trees, prompt_records
+    from .tree_fit import fit_trees
 
-    records = base_answers(base, tokenizer, prompt_records(args.trees_from, args.limit), args.max_new_tokens)
+    records = base_answers(base, tokenizer, prompts, args.max_new_tokens)
     taus = fit_trees(heads, base, answer_features(base, tokenizer, records),
                      source=f"{args.trees_from} (first {args.limit} prompts, {args.max_new_tokens} tokens)")
     print(f"fitted trees, expected τ per node budget: {taus}", file=sys.stderr)
@@ -175,14 +186,6 @@ def cmd_push(args) -> int:
     return 0
 
 
-def link_or_copy(src: str, dst: str) -> None:
-    """A hard link (no copy of the weights) where the filesystem allows, else a copy."""
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
-
-
 def add_commands(sub) -> None:
     """Add ``export``, ``import-medusa``, ``card`` and ``push`` to the ``draftheads`` parser."""
     from .heads.vllm_export import TARGETS
@@ -199,6 +202,9 @@ def add_commands(sub) -> None:
     export.add_argument("--share-lm-head", action="store_true",
                         help="write the LM head once with vLLM's original_lm_head option instead of once per head")
     export.add_argument("--dtype", choices=WRITE_DTYPES, default="bfloat16")
+    export.add_argument("--beside", action="store_true",
+                        help="if OUT exists and holds files draftheads did not write, write OUT-draftheads next to it "
+                             "(default: refuse; such a folder is never replaced or emptied)")
     export.set_defaults(func=cmd_export)
     imp = sub.add_parser("import-medusa", help="convert a FasterDecoding Medusa checkpoint into draftheads heads")
     imp.add_argument("source", help="folder or Hub id with config.json + medusa_lm_head.{safetensors,pt}")

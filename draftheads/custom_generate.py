@@ -174,14 +174,18 @@ def decoder_for(model, key: tuple, build: Callable[[], DraftHeadsModel]) -> Draf
 FOLDER, MODULE, REQUIREMENTS = "custom_generate", "generate.py", "requirements.txt"
 _NOT_IMPLEMENTED = ("assistant_model", "prefix_allowed_tokens_fn", "negative_prompt_ids",
                     "negative_prompt_attention_mask", "synced_gpus")
-_TEMPLATE = '''"""draftheads' tree decoding with the heads at {source!r}, as a transformers custom_generate:
+#: the module written into the folder. The one thing in it that comes from the user, where the
+#: heads are, goes in as ``HEADS = <repr>``: a Python string literal that reads back as exactly
+#: that text whatever quotes or backslashes it holds (:func:`python_string`), never into the
+#: docstring or any other literal
+_TEMPLATE = '''"""draftheads' tree decoding with the heads at HEADS (below), as a transformers custom_generate:
 
-    model.generate(**inputs, custom_generate={source!r}, trust_remote_code=True)
+    model.generate(**inputs, custom_generate=<this repo or folder>, trust_remote_code=True)
 
 Written by draftheads {version}; the heads' base fingerprint is checked on first use."""
 from draftheads.custom_generate import run_folder_generate
 
-HEADS = {source!r}
+HEADS = {heads}
 
 
 def generate(model, **kwargs):
@@ -189,17 +193,45 @@ def generate(model, **kwargs):
 '''
 
 
+def check_source(source: str) -> None:
+    """Where the written module finds the heads: a Hub repo id or a folder path, on one line.
+    Control characters and line breaks name neither, so they are refused rather than written."""
+    import unicodedata
+
+    if not isinstance(source, str) or not source.strip():
+        raise InputError(f"--source {source!r}: pass the Hub repo id the folder will be pushed to, or leave it out "
+                         "(the exported folder's own path).")
+    bad = next((c for c in source if unicodedata.category(c) in ("Cc", "Zl", "Zp")), None)
+    if bad is not None:
+        raise InputError(f"where the heads are ({source!r}) holds the control character {bad!r}: a repo id or a path "
+                         "is one line of text; pass --source with the Hub repo id the folder will be pushed to, or "
+                         "export into a folder whose path has no such character.")
+
+
+def python_string(text: str) -> str:
+    """``text`` as a Python string literal that evaluates to exactly ``text`` (``repr``: quotes,
+    backslashes and non-printable characters escaped), checked by reading it back."""
+    import ast
+
+    literal = repr(str(text))
+    if ast.literal_eval(literal) != text:
+        raise InputError(f"{text!r} cannot be written as a Python string; pass a plain repo id or path.")
+    return literal
+
+
 def write_custom_generate(checkpoint: str | Path, source: str | None = None) -> Path:
     """Write ``custom_generate/generate.py`` and ``requirements.txt`` into a head checkpoint
     folder, so plain transformers code decodes with its heads. ``source``: where the function
     finds the heads — the Hub repo id the folder is pushed to, or (default) this folder's
     absolute path. transformers copies the module elsewhere before running it, so the source is
-    written into it rather than found from its own location."""
+    written into it rather than found from its own location (as one escaped string literal)."""
     from .heads.protocol import DRAFTHEADS_VERSION
 
+    source = source or str(Path(checkpoint).resolve())
+    check_source(source)
     folder = Path(checkpoint) / FOLDER
     folder.mkdir(parents=True, exist_ok=True)
-    text = _TEMPLATE.format(source=source or str(Path(checkpoint).resolve()), version=DRAFTHEADS_VERSION)
+    text = _TEMPLATE.format(heads=python_string(source), version=DRAFTHEADS_VERSION)
     (folder / MODULE).write_text(text, encoding="utf-8")
     (folder / REQUIREMENTS).write_text(f"draftheads>={DRAFTHEADS_VERSION}\n", encoding="utf-8")
     return folder

@@ -78,28 +78,41 @@ def split_spec(spec: str) -> tuple[str, int | None, list[str] | None]:
 def prompt_file(name_or_path: str | Path) -> Path:
     """The file a built-in prompt-set name (:data:`PROMPT_SETS`) or a path stands for; a name
     wins over a file of the same name in the working directory. Neither → one line that lists
-    the names (a typo'd name and a wrong path look alike)."""
+    the names (a typo'd name and a wrong path look alike); an empty name or a folder is refused
+    by name (``Path('')`` is the working directory)."""
+    sets = f"the built-in sets are {', '.join(PROMPT_SETS)} (e.g. --prompts mt-bench spec-bench@8)"
+    if not str(name_or_path).strip():
+        raise PromptFileError(f"--prompts {str(name_or_path)!r} names no file: pass a JSON-lines prompt file; {sets}.")
     if str(name_or_path) in PROMPT_SETS:
         return DATA_DIR / PROMPT_SETS[str(name_or_path)]
     path = Path(name_or_path).expanduser()
     if not path.exists():
-        raise PromptFileError(f"{str(name_or_path)!r} is neither a prompt file nor a built-in prompt set; the built-in "
-                              f"sets are {', '.join(PROMPT_SETS)} (e.g. --prompts mt-bench spec-bench@8), or pass a "
-                              "JSON-lines file.")
+        raise PromptFileError(f"{str(name_or_path)!r} is neither a prompt file nor a built-in prompt set; {sets}, or "
+                              "pass a JSON-lines file.")
+    if path.is_dir():
+        raise PromptFileError(f"{name_or_path} is a folder: pass a JSON-lines prompt file (one JSON object per line); "
+                              f"{sets}.")
     return path
 
 
 def read_prompt_file(path: str | Path) -> list[dict]:
-    """All records of one file (or built-in prompt set) as {"id", "category", "prompt"}, in file
-    order; every problem is one :class:`PromptFileError` naming the file and the line."""
+    """All records of one file (or built-in prompt set) as {"id", "category", "prompt",
+    "later_turns"}, in file order, every field checked now (:func:`prompt_record`) so a bad file
+    fails before any work; every problem is one :class:`PromptFileError` naming the file, the
+    line and the fix. A UTF-8 byte-order mark is allowed."""
     source = prompt_file(path)
     try:
-        handle = open(source, encoding="utf-8")
+        data = source.read_bytes()
     except OSError as err:
         raise PromptFileError(f"cannot read the prompt file {path}: {err.strerror}.") from None
-    with handle:
-        prompts = [prompt_record(line, f"{path}:{line_no}", line_no)
-                   for line_no, line in enumerate(handle, 1) if line.strip()]
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        line = data[: err.start].count(b"\n") + 1
+        raise PromptFileError(f"{path}:{line} is not UTF-8 text (a binary file?): a prompt file is JSON lines, "
+                              "one object with 'turns' or 'prompt' per line.") from None
+    prompts = [prompt_record(line, f"{path}:{line_no}", line_no)
+               for line_no, line in enumerate(text.split("\n"), 1) if line.strip()]
     if not prompts:
         raise PromptFileError(f"{path} holds no prompts; write one JSON object per line with 'turns' or 'prompt'.")
     return prompts
@@ -111,7 +124,9 @@ def cost_surfaces() -> list[Path]:
 
 
 def prompt_record(line: str, where: str, line_no: int) -> dict:
-    """One prompt-file line → {id, category, prompt}, or a one-line error naming ``where``."""
+    """One prompt-file line → {id, category, prompt, later_turns}, or a one-line error naming
+    ``where``: every field the benches read is checked here, so a list-valued ``category`` or a
+    non-text turn fails before any work, not in the summary after the whole run."""
     try:
         record = json.loads(line)
     except json.JSONDecodeError as err:
@@ -122,6 +137,9 @@ def prompt_record(line: str, where: str, line_no: int) -> dict:
         turns = record["turns"]
         if not isinstance(turns, list) or not turns:
             raise PromptFileError(f"{where} has 'turns' {turns!r}; it must be a non-empty list of strings.")
+        bad = next((t for t in turns if not isinstance(t, str) or not t.strip()), None)
+        if bad is not None:
+            raise PromptFileError(f"{where} has the turn {bad!r} in 'turns'; every turn must be a non-empty string.")
         text = turns[0]
     elif "prompt" in record:
         text = record["prompt"]
@@ -129,9 +147,17 @@ def prompt_record(line: str, where: str, line_no: int) -> dict:
         raise PromptFileError(f"{where} has neither 'turns' nor 'prompt'.")
     if not isinstance(text, str) or not text.strip():
         raise PromptFileError(f"{where}: the prompt {text!r} must be a non-empty string.")
-    later = [t for t in record.get("turns", [])[1:] if isinstance(t, str) and t.strip()]
+    for key in ("category", "source"):
+        if key in record and not isinstance(record[key], str):
+            raise PromptFileError(f"{where} has {key} {record[key]!r}; it must be a string (one name per prompt), "
+                                  f"or left out.")
+    for key in ("question_id", "id"):
+        value = record.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (str, int))):
+            raise PromptFileError(f"{where} has {key} {value!r}; it must be a string or a whole number, or left out.")
     return {"id": record.get("question_id", record.get("id", line_no)),
-            "category": record.get("category", record.get("source", "")), "prompt": text, "later_turns": later}
+            "category": record.get("category", record.get("source", "")), "prompt": text,
+            "later_turns": record.get("turns", [])[1:]}
 
 
 def first_per_category(records: list[dict], per_category: int) -> list[dict]:

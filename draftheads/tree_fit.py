@@ -11,7 +11,7 @@ import torch
 
 from .decoding.tree import tree_from_ranks
 from .heads import DraftHeads
-from .training.features import Features, read_jsonl
+from .training.features import Features
 from .training.evaluation import rank_table
 
 DEFAULT_BUDGETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
@@ -35,14 +35,9 @@ def fit_trees(heads: DraftHeads, base, features: Features, budgets: tuple[int, .
 
 
 def prompt_records(path: str, limit: int) -> list[dict]:
-    """The first ``limit`` prompts of an MT-Bench-style (``turns``: first turn) or ``{"prompt": ...}``
-    JSON-lines file, as :func:`.evaluation.base_answers` takes them."""
-    records = []
-    for number, record in enumerate(read_jsonl(path), 1):
-        if "turns" not in record and "prompt" not in record:
-            raise ValueError(f"{path}:{number} has neither 'turns' nor 'prompt'.")
-        records.append({"id": record.get("question_id", record.get("id", number)), "category": record.get("category", ""),
-                        "prompt": record["turns"][0] if "turns" in record else record["prompt"]})
-        if len(records) == limit:
-            break
-    return records
+    """The first ``limit`` prompts of a prompt file or built-in set (MT-Bench-style ``turns``, or
+    ``{"prompt": ...}``), as :func:`.evaluation.base_answers` takes them; the whole file checked
+    as the benches check it (:func:`.prompts.read_prompt_file`)."""
+    from .prompts import read_prompt_file
+
+    return [{key: record[key] for key in ("id", "category", "prompt")} for record in read_prompt_file(path)[:limit]]

@@ -140,6 +140,7 @@ class AutoEmbeddingBlock(nn.Module):
 class AmphistaHeads(DraftHeads):
     family = "amphista"
     display_name = "Amphista"
+    options = {"attn_heads": int, "mlp_size": int, "gated": bool}  # see the module docstring
 
     def __init__(self, config: HeadConfig):
         super().__init__(config)

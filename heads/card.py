@@ -36,11 +36,15 @@ READS = {"medusa": "its last hidden state",
 
 
 def hub_base(config: HeadConfig) -> str | None:
-    """The Hub id to put in ``base_model`` (None when the base has none)."""
+    """The Hub id to put in ``base_model`` (None when the base has none). Only a name the Hub
+    accepts as a repo id goes into the YAML front matter: anything else (a path, a line break,
+    a ``:``) is not an id and could change the card's metadata."""
+    from .hub import looks_like_repo_id
+
     name = config.base_name or ""
     if name in HUB_BASES:
         return HUB_BASES[name]
-    return name if name.count("/") == 1 and not name.startswith((".", "/")) else None
+    return name if looks_like_repo_id(name) else None
 
 
 def front_matter(config: HeadConfig, datasets: list[str]) -> str:

@@ -25,11 +25,12 @@ packed product, never assumed faster. Float32 results differ from ``F.linear`` b
 rounding (one accumulation chain per output), which the float32 guarantee allows; each dtype's
 kernel is checked against ``F.linear`` before first use.
 
-It is compiled with the system C compiler (``CC``, else ``cc``/``gcc``; under a second) into the
-cache folder, keyed by the source, the compiler and the flags, loaded with ctypes, and linked to
-the OpenMP runtime torch has already loaded, so its threads are torch's. Where anything is
-missing (not x86, torch's CPU capability below AVX2, no compiler, a failed check) it is simply
-absent — :func:`kernel_status` says why — and the plan never picks it. The bf16 kernel is only
+It is compiled with the system C compiler (``CC``, split as a shell splits it, else ``cc``/``gcc``;
+under a second) into the cache folder, keyed by the source, the compiler and the flags, loaded
+with ctypes, and linked to the OpenMP runtime torch has already loaded, so its threads are
+torch's. Where anything is missing (not x86, torch's CPU capability below AVX2, no compiler, a
+failed check) it is simply absent — :func:`kernel_status` says why — and the plan never picks
+it; a compiler that fails says so once, with its first line of output. The bf16 kernel is only
 called where torch reports native bf16 with AVX512-BF16 (so ``ATEN_CPU_CAPABILITY=avx2`` or
 ``ONEDNN_MAX_CPU_ISA=AVX2`` turn it off like oneDNN's own bf16 path).
 """
@@ -38,8 +39,10 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import shlex
 import shutil
 import subprocess
+import warnings
 from pathlib import Path
 
 import torch
@@ -98,28 +101,58 @@ def unsupported_reason() -> str | None:
     return None
 
 
-def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+class CompilerError(DraftheadsError):
+    """The C compiler could not build the kernel (not a problem of the cache folder)."""
 
 
-def _library_path(folder: Path, compiler: str) -> Path:
-    """One file per (source, compiler, flags): an edited source or another compiler never reuses it."""
+def _compiler() -> list[str] | None:
+    """The C compiler command: ``CC`` split as a shell splits it, as make and distutils take it
+    (``CC='gcc -O2'``, ``CC='ccache gcc'``), else ``cc`` or ``gcc``; None when there is none. A
+    ``CC`` that cannot be split (an unbalanced quote) is a :class:`CompilerError`."""
+    cc = os.environ.get("CC", "")
+    if cc.strip():
+        try:
+            return shlex.split(cc)
+        except ValueError as err:
+            raise CompilerError(f"CC={cc!r} cannot be split into a command ({err}): fix its quoting") from None
+    found = shutil.which("cc") or shutil.which("gcc")
+    return [found] if found else None
+
+
+def _library_path(folder: Path, compiler: list[str]) -> Path:
+    """One file per (source, compiler command, its version, flags): an edited source or another
+    compiler never reuses it."""
     try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+        version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
-        version = compiler
-    digest = hashlib.sha256(SOURCE.read_bytes() + version.encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
-    return folder / f"fewrow-{digest}.so"
+        version = ""
+    key = SOURCE.read_bytes() + shlex.join(compiler).encode() + version.encode() + " ".join(FLAGS).encode()
+    return folder / f"fewrow-{hashlib.sha256(key).hexdigest()[:16]}.so"
 
 
-def _compile(compiler: str, target: Path) -> None:
+def first_line(text: str) -> str:
+    """The first non-empty line of a compiler's output (where it names what went wrong)."""
+    return next((line.strip() for line in text.splitlines() if line.strip()), "no message")
+
+
+def _compile(compiler: list[str], target: Path) -> None:
     """Build into a temporary file renamed over ``target`` (:func:`~.atomic.atomic_file`): a
-    reader never sees half a library."""
+    reader never sees half a library. A compiler that cannot run or fails is a
+    :class:`CompilerError` naming it and its first line of output (an unwritable cache folder
+    stays :func:`~.errors.cannot_write`'s error)."""
+    command = shlex.join(compiler)
     with atomic_file(target) as tmp:
-        result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(tmp)], capture_output=True, text=True,
-                                timeout=120)
+        try:
+            result = subprocess.run([*compiler, *FLAGS, str(SOURCE), "-o", str(tmp)], capture_output=True, text=True,
+                                    timeout=120)
+        except OSError as err:
+            raise CompilerError(f"the C compiler `{command}` could not be run ({err.strerror or err}): set CC to an "
+                                "installed compiler, or unset it") from None
+        except subprocess.TimeoutExpired:
+            raise CompilerError(f"the C compiler `{command}` did not finish in 120 s") from None
         if result.returncode != 0:
-            raise OSError(((result.stderr or result.stdout).strip().splitlines() or ["compiler failed"])[-1])
+            raise CompilerError(f"the C compiler `{command}` failed (exit {result.returncode}): "
+                                f"{first_line(result.stderr or result.stdout)}")
 
 
 def _bind(path: Path):
@@ -162,12 +195,14 @@ def load_kernel(folder: Path) -> bool:
     if _state["lib"] is not None:
         return True
     reason = unsupported_reason()
-    compiler = _compiler()
+    try:
+        compiler = _compiler() if reason is None else None
+    except CompilerError as err:
+        return _off(str(err), warn=True)
     if reason is None and compiler is None:
         reason = "no C compiler (install gcc, or set CC)"
     if reason is not None:
-        _state["status"] = f"off: {reason}"
-        return False
+        return _off(reason)
     path = _library_path(Path(folder), compiler)
     for attempt in range(2):
         try:
@@ -180,9 +215,20 @@ def load_kernel(folder: Path) -> bool:
                 _state["lib"], _state["status"] = lib, f"on ({path}; {'float32 and bfloat16' if bf16 else 'float32'})"
                 return True
             reason = "it disagreed with F.linear"
+        except CompilerError as err:  # building again would fail the same way
+            return _off(str(err), warn=True)
         except (OSError, AttributeError, subprocess.SubprocessError, DraftheadsError) as err:
             reason = f"{type(err).__name__}: {err}"
+    return _off(reason)
+
+
+def _off(reason: str, warn: bool = False) -> bool:
+    """The kernel stays off for ``reason`` (:func:`kernel_status`); products take torch's paths.
+    ``warn``: a compiler the user can fix failed, which is said once, not only in the status."""
     _state["status"] = f"off: {reason}"
+    if warn:
+        warnings.warn(f"draftheads' few-row kernel is off: {reason}; products fall back to torch's paths (same "
+                      "results, slower on some CPUs).", UserWarning, stacklevel=3)
     return False
 
 

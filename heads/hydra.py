@@ -155,6 +155,8 @@ class HydraPlusPlusHeads(HydraHeads):
     family = "hydra++"
     display_name = "Hydra++"
     contextual = True
+    #: the prefix layer's attention heads (default hidden_size // 64) and MLP width (default 4 · hidden_size)
+    options = {"prefix_heads": int, "prefix_mlp_size": int}
 
     def __init__(self, config: HeadConfig):
         super().__init__(config)

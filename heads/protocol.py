@@ -72,6 +72,9 @@ class DraftHeads(nn.Module):
     contextual: ClassVar[bool] = False
     #: True when the family can give each head its own vocabulary projection (``owns_lm_head``)
     supports_owned_lm_head: ClassVar[bool] = False
+    #: the family's options in ``config.extra`` (a recipe's ``heads.extra``) and their types: a
+    #: recipe key not listed here is a typo that would train with the default, so it is refused
+    options: ClassVar[dict[str, type]] = {}
 
     def __init__(self, config: HeadConfig):
         super().__init__()
@@ -236,7 +239,8 @@ class DraftHeads(nn.Module):
         Atomic: everything goes to a temporary sibling folder (config last) that is renamed into
         place, so an interrupted save never leaves a folder that loads as a valid checkpoint.
         Files of an existing checkpoint folder that this save does not write (a training report)
-        are kept."""
+        are kept; an existing folder that is not a draftheads checkpoint is refused, never
+        emptied (:class:`~.atomic.atomic_directory`)."""
         from safetensors.torch import save_file
 
         directory = Path(directory)

@@ -102,22 +102,24 @@ def check_exportable(heads: DraftHeads, to: str, share_lm_head: bool = False) ->
 
 
 def export_vllm_medusa(heads: DraftHeads, out: str | Path, lm_head_weight: torch.Tensor | None = None,
-                       share_lm_head: bool = False, dtype: torch.dtype | None = None) -> Path:
-    """Write ``out`` (atomically) as a vLLM Medusa draft model folder; returns it."""
+                       share_lm_head: bool = False, dtype: torch.dtype | None = None, beside: bool = False) -> Path:
+    """Write ``out`` (atomically) as a vLLM Medusa draft model folder; returns where it went:
+    ``out``, or with ``beside`` a sibling when ``out`` is a folder of someone else's
+    (:class:`~.atomic.atomic_directory`)."""
     from safetensors.torch import save_file
 
     check_exportable(heads, "vllm-medusa", share_lm_head)
     check_output_dir(out, getattr(heads, "source_dir", None))  # never over the checkpoint it reads
     tensors = medusa_tensors(heads, lm_head_weight, share_lm_head, dtype)
-    out = Path(out)
-    with atomic_directory(out) as tmp:
+    writer = atomic_directory(out, beside=beside)
+    with writer as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(medusa_config(heads, share_lm_head), indent=2) + "\n")
-    return out
+    return writer.target if beside else Path(out)
 
 
 def export_heads(heads: DraftHeads, to: str, out: str | Path, lm_head_weight: torch.Tensor | None = None,
-                 share_lm_head: bool = False, dtype: torch.dtype | None = None) -> Path:
+                 share_lm_head: bool = False, dtype: torch.dtype | None = None, beside: bool = False) -> Path:
     """``draftheads export --to TARGET``: dispatch on the target, refusing what it cannot hold."""
     check_exportable(heads, to, share_lm_head)
-    return export_vllm_medusa(heads, out, lm_head_weight, share_lm_head, dtype)
+    return export_vllm_medusa(heads, out, lm_head_weight, share_lm_head, dtype, beside)

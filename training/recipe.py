@@ -234,8 +234,9 @@ def _leaf_hint(key: str) -> Any:
     return cls
 
 
-def apply_overrides(data: dict, overrides: list[str]) -> dict:
-    """``["--train.lr", "5e-4", "--epochs=2"]`` → nested dict updates (values parsed as YAML)."""
+def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
+    """``["--train.lr", "5e-4", "--epochs=2"]`` → [(dotted key, value parsed as YAML)], bare
+    field names resolved to their one dotted key."""
     leaves = _leaf_keys(Recipe)
     pairs, items = [], list(overrides)
     while items:
@@ -258,7 +259,12 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
         if isinstance(parsed, (bool, int, float)) and _leaf_hint(key) is str:
             parsed = value  # YAML 1.1 reads "no"/"off" as False; a str field means the text
         pairs.append((key, parsed))
-    for key, value in pairs:
+    return pairs
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """``["--train.lr", "5e-4", "--epochs=2"]`` → nested dict updates (values parsed as YAML)."""
+    for key, value in parse_overrides(overrides):
         node = data
         *parents, last = key.split(".")
         for depth, part in enumerate(parents):
@@ -293,9 +299,50 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> 
             raise RecipeError(f"Recipe {path} holds a YAML {type(data).__name__} at the top level; a recipe is a "
                               "mapping of sections (name:, base:, heads:, data:, train:...), as in recipes/*.yaml.")
     data = apply_overrides(data, overrides or [])
-    recipe = build(Recipe, data)
-    check_values(recipe)
+    try:
+        recipe = build(Recipe, data)
+        check_values(recipe)
+    except RecipeError as err:
+        if path is None:
+            raise
+        overridden = {key for key, _ in parse_overrides(overrides or [])}
+        raise RecipeError(locate(str(err), path, key_lines(path.read_text(encoding="utf-8")), overridden)) from None
     return recipe
+
+
+def key_lines(text: str) -> dict[str, int]:
+    """Each dotted key written in a YAML recipe (``heads.extra.prefix_heads``) → its line, 1-based."""
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return {}
+    lines: dict[str, int] = {}
+
+    def walk(node, prefix: str) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                name = prefix + str(key.value)
+                lines[name] = key.start_mark.line + 1
+                walk(value, name + ".")
+
+    walk(root, "")
+    return lines
+
+
+def locate(message: str, path: Path, lines: dict[str, int], overridden: set[str]) -> str:
+    """A recipe error naming the key it is about, prefixed with the recipe file and the key's
+    line there, so the fix is one look away (unchanged when the value came from an override)."""
+    import re
+
+    found = re.search(r"[Rr]ecipe (?:keys?|section) ([A-Za-z_][\w.+-]*\w)", message)
+    if found is None:
+        return message
+    key = found.group(1)
+    while key and key not in lines:
+        key = key.rpartition(".")[0]
+    if not key or any(key == o or o.startswith(key + ".") or key.startswith(o + ".") for o in overridden):
+        return message
+    return f"{path}, line {lines[key]}: {message}"
 
 
 def check_finite(section: Any, prefix: str = "") -> None:
@@ -345,6 +392,8 @@ def check_ranges(recipe: Recipe) -> None:
     if recipe.heads.family not in REGISTRY:
         raise RecipeError(f"Recipe key heads.family={recipe.heads.family!r} is not a known head family; use one of "
                           f"{sorted(REGISTRY)}.")
+    check_family_options(recipe.heads.family, recipe.heads.extra, REGISTRY[recipe.heads.family].options)
+    check_columns(recipe.data.columns)
     at_least = {("heads.draft_vocab_size", 0): recipe.heads.draft_vocab_size, ("data.limit", 0): recipe.data.limit,
                 ("data.eval_examples", 1): recipe.data.eval_examples, ("train.max_steps", 0): recipe.train.max_steps,
                 ("train.weight_decay", 0): recipe.train.weight_decay, ("train.max_grad_norm", 0): recipe.train.max_grad_norm,
@@ -364,6 +413,48 @@ def check_ranges(recipe: Recipe) -> None:
     if not recipe.run.tree_budgets or min(recipe.run.tree_budgets) < 1:
         raise RecipeError(f"Recipe key run.tree_budgets must be a non-empty list of node budgets ≥ 1, got "
                           f"{recipe.run.tree_budgets}.")
+
+
+#: what draftheads itself writes into a checkpoint's ``extra``: set by other recipe keys, never by hand
+DERIVED_EXTRA = {"koala": "adversarial.enabled", "imported_from": "draftheads import-medusa"}
+
+
+def check_family_options(family: str, extra: dict, options: dict[str, type]) -> None:
+    """``heads.extra`` holds only the family's own options, each of its type: a misspelt key
+    would otherwise train with the default without a word."""
+    import difflib
+
+    for key, value in extra.items():
+        if not isinstance(key, str) or key not in options:
+            if key in DERIVED_EXTRA:
+                raise RecipeError(f"Recipe key heads.extra.{key} is written by draftheads ({DERIVED_EXTRA[key]}), not "
+                                  "set by hand: remove it.")
+            close = difflib.get_close_matches(str(key), list(options), n=1)
+            known = f"its options are {', '.join(sorted(options))}" if options else "it has no options"
+            fix = f"did you mean {close[0]}?" if close else "remove it or fix its spelling."
+            raise RecipeError(f"Recipe key heads.extra.{key} is not an option of {family} heads ({known}): {fix}")
+        kind = options[key]
+        if kind is bool and not isinstance(value, bool):
+            raise RecipeError(f"Recipe key heads.extra.{key} must be true or false, got {value!r}.")
+        if kind is int and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise RecipeError(f"Recipe key heads.extra.{key} must be a whole number ≥ 1, got {value!r}.")
+
+
+def check_columns(columns: dict) -> None:
+    """``data.columns`` maps a column of the data to the column draftheads reads: both names,
+    each target once (two columns renamed to one would make one of them disappear)."""
+    usage = "write {column in the data: column draftheads reads}, e.g. {question: prompt}"
+    for old, new in columns.items():
+        if not isinstance(old, str) or not old.strip():
+            raise RecipeError(f"Recipe key data.columns: the key {old!r} is not a column name; {usage}.")
+        if not isinstance(new, str) or not new.strip():
+            raise RecipeError(f"Recipe key data.columns.{old}: {new!r} is not a column name; {usage}.")
+    targets = list(columns.values())
+    twice = next((t for t in targets if targets.count(t) > 1), None)
+    if twice is not None:
+        sources = [old for old, new in columns.items() if new == twice]
+        raise RecipeError(f"Recipe key data.columns renames {' and '.join(map(repr, sources))} both to {twice!r}: "
+                          "map one column of the data to each column draftheads reads.")
 
 
 def check_adversarial(adv: AdversarialSection) -> None:

@@ -35,10 +35,10 @@ from ..decoding.limits import DTYPES
 from ..heads import REGISTRY, DraftHeads
 from ..heads.errors import DraftheadsError, one_line
 from .adversarial import Adversary
-from .data import DATA_OPTIONS, DataError, example_features, is_hub_id, load_examples, load_records, \
+from .data import DATA_OPTIONS, DataError, check_data, example_features, is_hub_id, load_examples, load_records, \
     resolve_data_path
 from .evaluation import evaluate
-from .frozen import frozen_parts, load_frozen_base, unsharded_loading
+from .frozen import base_dims, frozen_parts, load_frozen_base, unsharded_loading
 from .losses import head_weights
 from .objective import compute_loss, lr_lambda, new_heads
 from .recipe import Recipe, RecipeError, load_recipe
@@ -102,8 +102,11 @@ def data_paths(recipe: Recipe) -> list[str]:
 
 
 def preflight(recipe: Recipe) -> None:
-    """What can be checked without loading anything, checked before any work: the data paths
-    and a base given as a local path exist (the recipe's keys were validated when it loaded)."""
+    """What can be checked without loading the base, checked before any work (the recipe's keys
+    were validated when it loaded): the data paths and a base given as a local path exist, every
+    data record holds what training reads with its token ids inside the base's vocabulary, the
+    heads fit that vocabulary and hidden size (both read from the base's config, no weights),
+    and the final checkpoint's folder may be written."""
     from ..decoding.limits import check_base_path
 
     paths = data_paths(recipe)
@@ -118,6 +121,47 @@ def preflight(recipe: Recipe) -> None:
         load_records(path, recipe.data.name, recipe.data.split)  # a Hub id: cached (or fetched) now, or one line
     if recipe.base not in ("embedded", ""):
         check_base_path(recipe.base)
+    dims = base_dims(recipe.base)
+    if dims is not None:
+        check_heads_fit(recipe, *dims)
+    for path in paths:
+        check_data(path, recipe.data.kind, dims[0] if dims else None, recipe.data.name, recipe.data.split,
+                   recipe.data.columns, bool(recipe.data.sources or recipe.data.source_caps))
+    check_final_dir(recipe)
+
+
+def check_heads_fit(recipe: Recipe, vocab_size: int, hidden_size: int) -> None:
+    """The recipe's heads against the base's vocabulary and hidden size: the draft vocabulary
+    is a part of the base's, and the family's options fit the hidden size (the heads are built
+    on the meta device: their own checks run, no memory is used)."""
+    if recipe.heads.draft_vocab_size > vocab_size:
+        raise RecipeError(f"Recipe key heads.draft_vocab_size={recipe.heads.draft_vocab_size} is larger than the "
+                          f"base's vocabulary ({vocab_size} tokens, {recipe.base}): use at most {vocab_size}, or 0 for "
+                          "all of it.")
+    from ..heads import HeadConfig, build_heads
+
+    config = HeadConfig(family=recipe.heads.family, num_heads=recipe.heads.num_heads,
+                        num_layers=recipe.heads.num_layers, hidden_size=hidden_size, vocab_size=vocab_size,
+                        draft_vocab_size=recipe.heads.draft_vocab_size, extra=dict(recipe.heads.extra))
+    try:
+        with torch.device("meta"):
+            build_heads(config)
+    except (ValueError, TypeError) as err:
+        raise RecipeError(f"Recipe key heads.extra does not fit the base ({recipe.base}: hidden size {hidden_size}): "
+                          f"{one_line(str(err))}") from None
+
+
+def check_final_dir(recipe: Recipe) -> None:
+    """The final checkpoint's folder may be written: absent, empty or a checkpoint of ours, so a
+    folder of the user's is refused now and not after the whole run."""
+    from ..heads.atomic import choose_destination
+
+    final = Path(recipe.run.final_dir or Path(recipe.run.output_dir) / "final")
+    key = "run.final_dir" if recipe.run.final_dir else "run.output_dir (its final/ folder)"
+    try:
+        choose_destination(final)
+    except DraftheadsError as err:
+        raise RecipeError(f"Recipe key {key}: {err}") from None
 
 
 # -- the loop ---------------------------------------------------------------------------------------------------
