@@ -24,7 +24,8 @@ import torch
 from ..heads.errors import MissingPathError, UnwritablePathError, cannot_write
 from ..heads.hardware import cpu_key, native_cpu_dtypes
 from ..heads.linear import PLAN, PackedWeight, can_pack, measure_shape, packed_linears, packed_matmul, packs
-from ..heads.linear import fuse_siblings, shape_key, subset_product, valid_timings
+from ..heads.linear import FingerprintMemo, fuse_siblings, shape_key, subset_product, valid_timings
+from ..heads.linear import packed_forward, refresh_linears, release_linears, wearing
 from ..heads.fewrow import load_kernel
 from ..heads.linear import use_packed_linears as wrap_linears
 from ..heads.protocol import write_text_atomic
@@ -317,18 +318,46 @@ def use_packed_linears(model) -> bool:
     the base's linear layers and LM head through oneDNN-packed weights or the few-row kernel,
     whichever measured fastest per shape (see :mod:`draftheads.heads.linear`: packed bfloat16
     bit-identical and 1.5-2× faster per layer, the kernel within one bf16 rounding; float32
-    within float32 rounding). The base's own ``generate`` keeps computing ``F.linear``.
+    within float32 rounding). The copies are kept beside the model, which is left as it is: its
+    own ``generate``, ``deepcopy``, ``pickle`` and quantizers see plain ``nn.Linear`` layers.
     Returns whether packing is available here."""
     if model in _PACKED_BASES:
         return True
     if not can_pack(lm_head_weight(model)):
         return False
-    wrap_linears(model.model)
-    products = fuse_siblings(model.model)
+    wrap_linears(model.base_model)
     _PACKED_BASES[model] = PackedWeight()
-    plan_packing([lm_head_weight(model)] + [p for p in model.model.parameters() if p.dim() == 2]
-                 + [product.shape for product in products])
+    _plan_base(model)
     return True
+
+
+def _plan_base(model) -> None:
+    """Measure (or read) the packing plan for every weight shape of the base, the LM head and the
+    stacked sibling products included."""
+    products = fuse_siblings(model.base_model)
+    plan_packing([lm_head_weight(model)] + [p for p in model.base_model.parameters() if p.dim() == 2]
+                 + [product.shape for product in products])
+
+
+def refresh_packing(model, memo: FingerprintMemo | None = None) -> None:
+    """Before each decoding call: every packed copy of the base's weights made from content its
+    weight no longer has — changed by an optimizer, ``load_state_dict``, or a write through
+    ``.data`` (peft's LoRA ``merge()``, EMA, FSDP copies) — is dropped and made again from the
+    weight as it is on its next use; layers the user replaced, wrapped or added since are
+    followed. ``memo``: fingerprints already read in this refresh (a tied LM head is read once)."""
+    packed = _PACKED_BASES.get(model)
+    if packed is None:
+        return
+    memo = {} if memo is None else memo
+    packed.drop_stale(lm_head_weight(model), memo)
+    if refresh_linears(model.base_model, memo):
+        _plan_base(model)
+
+
+def release_packing(model) -> None:
+    """Forget every packed copy and sibling product kept for ``model`` (its next decoder packs again)."""
+    if _PACKED_BASES.pop(model, None) is not None:
+        release_linears(model.base_model)
 
 
 def packing_cache_path() -> Path:
@@ -385,7 +414,14 @@ def plan_packing(weights) -> None:
 
 def _packing(model):
     """The context the decoder's forwards run in: packed linears when the base was prepared."""
-    return packed_linears(model in _PACKED_BASES)
+    return packed_forward(model.base_model) if model in _PACKED_BASES else packed_linears(False)
+
+
+def holding_packing(model):
+    """A decoding call's context: the base's layers wear the packed class for all its forwards
+    (each forward's :func:`_packing` is then a refcount) and are plain again when it ends; the
+    packed path is still taken only inside those forwards."""
+    return wearing(model.base_model if model in _PACKED_BASES else None)
 
 
 def lm_logits(model, states: torch.Tensor) -> torch.Tensor:
