@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 
-from ..heads.errors import MissingPathError, UnwritablePathError, cannot_write
+from ..heads.errors import DamagedFileError, MissingPathError, UnwritablePathError, cannot_write, one_line
 from ..heads.hardware import cpu_key, native_cpu_dtypes
 from ..heads.linear import PLAN, PackedWeight, can_pack, measure_shape, packed_linears, packed_matmul, packs
-from ..heads.linear import FingerprintMemo, fuse_siblings, shape_key, subset_product, valid_timings
+from ..heads.linear import FingerprintMemo, fuse_siblings, shape_key, subset_product, valid_shape_key, valid_timings
 from ..heads.linear import packed_forward, refresh_linears, release_linears, wearing
 from ..heads.fewrow import load_kernel
 from ..heads.linear import use_packed_linears as wrap_linears
@@ -94,9 +94,10 @@ def choose_dtype(requested: torch.dtype | str | None, native: torch.dtype, devic
 
 
 def cache_root() -> Path:
-    """Where converted weights and calibration results live (``DRAFTHEADS_CACHE``)."""
+    """Where converted weights and calibration results live (``DRAFTHEADS_CACHE``, ``~``
+    expanded as a shell would: the variable is often set in quotes, where the shell does not)."""
     env = os.environ.get("DRAFTHEADS_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "draftheads"
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "draftheads"
 
 
 def source_root() -> Path | None:
@@ -211,9 +212,47 @@ def resolve_base(name_or_path: str | None, gguf_file: str | None = None) -> tupl
         raise MissingPathError(f"GGUF file {gguf} does not exist.")
     target = cache_root() / "bases" / f"{gguf.stem}-{file_sha256(gguf)[:16]}"
     target = _SCRATCH.get(target, target)
-    if not (target / "config.json").is_file():
-        target = _convert_gguf(gguf, target)
-    return str(target), str(gguf)
+    if (target / "config.json").is_file():
+        problem = damaged_model_files(target)
+        if not problem:
+            return str(target), str(gguf)
+        warnings.warn(f"the converted base {target} is damaged ({problem}); converting {gguf.name} again.",
+                      UserWarning, stacklevel=3)
+        _discard(target)
+    return str(_convert_gguf(gguf, target)), str(gguf)
+
+
+def damaged_model_files(folder: Path) -> str | None:
+    """What is wrong with a saved model folder's files, or None: every ``*.json`` must parse as a
+    JSON object and every ``*.safetensors`` open with its header covering the whole file (a
+    truncated copy fails here rather than inside ``from_pretrained``, every later load)."""
+    from safetensors import SafetensorError, safe_open
+
+    for path in sorted(folder.glob("*.json")):
+        try:
+            if not isinstance(json.loads(path.read_text(encoding="utf-8")), dict):
+                return f"{path.name} is not a JSON object"
+        except (OSError, UnicodeDecodeError, ValueError) as err:
+            return f"{path.name} cannot be read: {one_line(err)}"
+    for path in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(path), "pt"):
+                pass
+        except (OSError, SafetensorError) as err:
+            return f"{path.name} cannot be read: {one_line(err)}"
+    return None
+
+
+def _discard(folder: Path) -> None:
+    """Remove a damaged cache entry: renamed aside first (a reader of the same cache never sees
+    half of it), then deleted; where the cache is read-only it stays, and the conversion that
+    follows goes to a temporary folder instead."""
+    aside = folder.with_name(f".{folder.name}.damaged-{os.getpid()}")
+    try:
+        os.replace(folder, aside)
+    except OSError:
+        return
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def load_base(name_or_path: str | None = None, gguf_file: str | None = None,
@@ -228,11 +267,18 @@ def load_base(name_or_path: str | None = None, gguf_file: str | None = None,
     check_base_path(name_or_path)
     path, gguf = resolve_base(name_or_path, gguf_file)
     dtype = choose_dtype(dtype, native_dtype(path, gguf), device)
+    from safetensors import SafetensorError
+
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
     except OSError as err:  # missing dir / not in the local Hub cache: one line, not the Hub client's frames
         raise MissingPathError(f"base model {name_or_path!r} could not be loaded: {str(err).splitlines()[0]} "
                                 "Pass an existing model directory, a .gguf file or a Hub id in the local cache.") from None
+    except SafetensorError as err:  # a truncated or damaged weights file
+        where = damaged_model_files(Path(path)) if Path(path).is_dir() else None
+        raise DamagedFileError(f"base model {name_or_path!r} could not be loaded: "
+                               f"{where or 'a weights file is damaged: ' + one_line(err)}. Download or save the "
+                               "model again.") from None
     model.to(device).eval().requires_grad_(False)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
@@ -379,7 +425,7 @@ def read_packing_cache(path: Path) -> dict:
     except (OSError, ValueError, UnicodeDecodeError) as err:
         warnings.warn(f"Ignoring the packing cache {path} ({err}); measuring again.", UserWarning, stacklevel=3)
         return {}
-    good = {k: v for k, v in data["shapes"].items() if isinstance(k, str) and valid_timings(v)}
+    good = {k: v for k, v in data["shapes"].items() if valid_shape_key(k) and valid_timings(v)}
     if len(good) != len(data["shapes"]):
         warnings.warn(f"Ignoring {len(data['shapes']) - len(good)} malformed entries of the packing cache {path}; "
                       "measuring them again.", UserWarning, stacklevel=3)

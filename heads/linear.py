@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import math
+import re
 import threading
 import time
 import weakref
@@ -187,18 +188,37 @@ def measure_shape(dtype: torch.dtype, out_features: int, in_features: int, reps:
     return timings
 
 
+#: the longest a measured product may take, ms: anything above is no measurement (a JSON file
+#: carries integers of any size, which float conversion — ``math.isfinite`` included — overflows on)
+MAX_MS = 1e6
+
+
+def plausible_ms(value) -> bool:
+    """A time a measurement can give: a number (not a bool) above 0 and below :data:`MAX_MS`
+    (compared, never converted: NaN, infinities and huge integers all fail)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < MAX_MS
+
+
 def _timing_list(value) -> bool:
-    return (isinstance(value, list) and len(value) == len(ROW_BUCKETS)
-            and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
-                    for v in value))
+    return isinstance(value, list) and len(value) == len(ROW_BUCKETS) and all(plausible_ms(v) for v in value)
 
 
 def valid_timings(entry) -> bool:
-    """A measured shape as :func:`measure_shape` writes it: lists of positive finite ms, one per
-    row bucket, for ``F.linear`` and the packed path, and for the kernel where it was measured
-    (a cached entry is checked with this before it is used)."""
+    """A measured shape as :func:`measure_shape` writes it: lists of plausible ms
+    (:func:`plausible_ms`), one per row bucket, for ``F.linear`` and the packed path, and for the
+    kernel where it was measured (a cached entry is checked with this before it is used)."""
     return (isinstance(entry, dict) and all(_timing_list(entry.get(name)) for name in ("linear_ms", "packed_ms"))
             and ("fewrow_ms" not in entry or _timing_list(entry["fewrow_ms"])))
+
+
+_SHAPE_KEY = re.compile(r"(?P<dtype>[a-z0-9]+) [1-9][0-9]{0,8}x[1-9][0-9]{0,8}")
+
+
+def valid_shape_key(key) -> bool:
+    """A key as :func:`shape_key` writes it: a dtype that packs, then positive ``out``x``in``
+    features ("float32 1728x576"); a cached entry under any other key is dropped."""
+    match = _SHAPE_KEY.fullmatch(key) if isinstance(key, str) else None
+    return match is not None and match["dtype"] in {str(d).removeprefix("torch.") for d in PACKED_DTYPES}
 
 
 #: packing is the measured-faster path almost everywhere; it is turned off for a (shape, rows)
