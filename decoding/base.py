@@ -21,10 +21,11 @@ from pathlib import Path
 
 import torch
 
-from ..heads.errors import MissingPathError, UnwritablePathError, cannot_write
+from ..heads.errors import DamagedFileError, MissingPathError, UnwritablePathError, cannot_write, one_line
 from ..heads.hardware import cpu_key, native_cpu_dtypes
 from ..heads.linear import PLAN, PackedWeight, can_pack, measure_shape, packed_linears, packed_matmul, packs
-from ..heads.linear import fuse_siblings, shape_key, subset_product, valid_timings
+from ..heads.linear import FingerprintMemo, fuse_siblings, shape_key, subset_product, valid_shape_key, valid_timings
+from ..heads.linear import packed_forward, refresh_linears, release_linears, wearing
 from ..heads.fewrow import load_kernel
 from ..heads.linear import use_packed_linears as wrap_linears
 from ..heads.protocol import write_text_atomic
@@ -99,9 +100,10 @@ def choose_dtype(requested: torch.dtype | str | None, native: torch.dtype, devic
 
 
 def cache_root() -> Path:
-    """Where converted weights and calibration results live (``DRAFTHEADS_CACHE``)."""
+    """Where converted weights and calibration results live (``DRAFTHEADS_CACHE``, ``~``
+    expanded as a shell would: the variable is often set in quotes, where the shell does not)."""
     env = os.environ.get("DRAFTHEADS_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "draftheads"
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "draftheads"
 
 
 def source_root() -> Path | None:
@@ -240,9 +242,47 @@ def resolve_base(name_or_path: str | None, gguf_file: str | None = None) -> tupl
         raise MissingPathError(f"GGUF file {gguf} does not exist.")
     target = cache_root() / "bases" / f"{gguf.stem}-{file_sha256(gguf)[:16]}"
     target = _SCRATCH.get(target, target)
-    if not (target / "config.json").is_file():
-        target = _convert_gguf(gguf, target)
-    return str(target), str(gguf)
+    if (target / "config.json").is_file():
+        problem = damaged_model_files(target)
+        if not problem:
+            return str(target), str(gguf)
+        warnings.warn(f"the converted base {target} is damaged ({problem}); converting {gguf.name} again.",
+                      UserWarning, stacklevel=3)
+        _discard(target)
+    return str(_convert_gguf(gguf, target)), str(gguf)
+
+
+def damaged_model_files(folder: Path) -> str | None:
+    """What is wrong with a saved model folder's files, or None: every ``*.json`` must parse as a
+    JSON object and every ``*.safetensors`` open with its header covering the whole file (a
+    truncated copy fails here rather than inside ``from_pretrained``, every later load)."""
+    from safetensors import SafetensorError, safe_open
+
+    for path in sorted(folder.glob("*.json")):
+        try:
+            if not isinstance(json.loads(path.read_text(encoding="utf-8")), dict):
+                return f"{path.name} is not a JSON object"
+        except (OSError, UnicodeDecodeError, ValueError) as err:
+            return f"{path.name} cannot be read: {one_line(err)}"
+    for path in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(path), "pt"):
+                pass
+        except (OSError, SafetensorError) as err:
+            return f"{path.name} cannot be read: {one_line(err)}"
+    return None
+
+
+def _discard(folder: Path) -> None:
+    """Remove a damaged cache entry: renamed aside first (a reader of the same cache never sees
+    half of it), then deleted; where the cache is read-only it stays, and the conversion that
+    follows goes to a temporary folder instead."""
+    aside = folder.with_name(f".{folder.name}.damaged-{os.getpid()}")
+    try:
+        os.replace(folder, aside)
+    except OSError:
+        return
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def load_base(name_or_path: str | None = None, gguf_file: str | None = None,
@@ -257,11 +297,18 @@ def load_base(name_or_path: str | None = None, gguf_file: str | None = None,
     check_base_path(name_or_path)
     path, gguf = resolve_base(name_or_path, gguf_file)
     dtype = choose_dtype(dtype, native_dtype(path, gguf), device)
+    from safetensors import SafetensorError
+
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
     except OSError as err:  # missing dir / not in the local Hub cache: one line, not the Hub client's frames
         raise MissingPathError(f"base model {name_or_path!r} could not be loaded: {str(err).splitlines()[0]} "
                                 "Pass an existing model directory, a .gguf file or a Hub id in the local cache.") from None
+    except SafetensorError as err:  # a truncated or damaged weights file
+        where = damaged_model_files(Path(path)) if Path(path).is_dir() else None
+        raise DamagedFileError(f"base model {name_or_path!r} could not be loaded: "
+                               f"{where or 'a weights file is damaged: ' + one_line(err)}. Download or save the "
+                               "model again.") from None
     model.to(device).eval().requires_grad_(False)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
@@ -361,18 +408,46 @@ def use_packed_linears(model) -> bool:
     the base's linear layers and LM head through oneDNN-packed weights or the few-row kernel,
     whichever measured fastest per shape (see :mod:`draftheads.heads.linear`: packed bfloat16
     bit-identical and 1.5-2× faster per layer, the kernel within one bf16 rounding; float32
-    within float32 rounding). The base's own ``generate`` keeps computing ``F.linear``.
+    within float32 rounding). The copies are kept beside the model, which is left as it is: its
+    own ``generate``, ``deepcopy``, ``pickle`` and quantizers see plain ``nn.Linear`` layers.
     Returns whether packing is available here."""
     if model in _PACKED_BASES:
         return True
     if not can_pack(lm_head_weight(model)):
         return False
     wrap_linears(decoder_body(model))
-    products = fuse_siblings(decoder_body(model))
     _PACKED_BASES[model] = PackedWeight()
+    _plan_base(model)
+    return True
+
+
+def _plan_base(model) -> None:
+    """Measure (or read) the packing plan for every weight shape of the base, the LM head and the
+    stacked sibling products included."""
+    products = fuse_siblings(decoder_body(model))
     plan_packing([lm_head_weight(model)] + [p for p in decoder_body(model).parameters() if p.dim() == 2]
                  + [product.shape for product in products])
-    return True
+
+
+def refresh_packing(model, memo: FingerprintMemo | None = None) -> None:
+    """Before each decoding call: every packed copy of the base's weights made from content its
+    weight no longer has — changed by an optimizer, ``load_state_dict``, or a write through
+    ``.data`` (peft's LoRA ``merge()``, EMA, FSDP copies) — is dropped and made again from the
+    weight as it is on its next use; layers the user replaced, wrapped or added since are
+    followed. ``memo``: fingerprints already read in this refresh (a tied LM head is read once)."""
+    packed = _PACKED_BASES.get(model)
+    if packed is None:
+        return
+    memo = {} if memo is None else memo
+    packed.drop_stale(lm_head_weight(model), memo)
+    if refresh_linears(decoder_body(model), memo):
+        _plan_base(model)
+
+
+def release_packing(model) -> None:
+    """Forget every packed copy and sibling product kept for ``model`` (its next decoder packs again)."""
+    if _PACKED_BASES.pop(model, None) is not None:
+        release_linears(decoder_body(model))
 
 
 def packing_cache_path() -> Path:
@@ -394,7 +469,7 @@ def read_packing_cache(path: Path) -> dict:
     except (OSError, ValueError, UnicodeDecodeError) as err:
         warnings.warn(f"Ignoring the packing cache {path} ({err}); measuring again.", UserWarning, stacklevel=3)
         return {}
-    good = {k: v for k, v in data["shapes"].items() if isinstance(k, str) and valid_timings(v)}
+    good = {k: v for k, v in data["shapes"].items() if valid_shape_key(k) and valid_timings(v)}
     if len(good) != len(data["shapes"]):
         warnings.warn(f"Ignoring {len(data['shapes']) - len(good)} malformed entries of the packing cache {path}; "
                       "measuring them again.", UserWarning, stacklevel=3)
@@ -429,7 +504,14 @@ def plan_packing(weights) -> None:
 
 def _packing(model):
     """The context the decoder's forwards run in: packed linears when the base was prepared."""
-    return packed_linears(model in _PACKED_BASES)
+    return packed_forward(decoder_body(model)) if model in _PACKED_BASES else packed_linears(False)
+
+
+def holding_packing(model):
+    """A decoding call's context: the base's layers wear the packed class for all its forwards
+    (each forward's :func:`_packing` is then a refcount) and are plain again when it ends; the
+    packed path is still taken only inside those forwards."""
+    return wearing(decoder_body(model) if model in _PACKED_BASES else None)
 
 
 def lm_logits(model, states: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import reprlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -216,34 +217,58 @@ class CostSurfaceError(DraftheadsError, ValueError):
     """A cost surface (a cached calibration, a GPU surface file) that cannot be used."""
 
 
-def _plausible_rows(rows, size_keys: tuple[str, ...], where: str) -> None:
-    """Each row an object whose sizes are integers ≥ 0 and whose time is a finite number > 0."""
+#: the largest batch size, token count, tree budget or context a measured point may name
+MAX_COUNT = 1 << 24
+#: the longest step a measured point may take, ms
+MAX_STEP_MS = 1e7
+
+
+def plausible_count(value) -> bool:
+    """An integer (not a bool) in 0 .. :data:`MAX_COUNT`: a JSON file carries integers of any
+    size, and a huge one overflows the float conversion of the interpolation."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_COUNT
+
+
+def plausible_step_ms(value) -> bool:
+    """A number (not a bool) above 0 and below :data:`MAX_STEP_MS`, compared, never converted
+    (NaN, infinities and huge integers all fail)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < MAX_STEP_MS
+
+
+def _plausible_rows(rows, size_keys: tuple[str, ...], where: str, optional: tuple[str, ...] = ()) -> None:
+    """Each row an object whose sizes (``size_keys``, and ``optional`` ones where present) are
+    counts (:func:`plausible_count`) and whose time is plausible (:func:`plausible_step_ms`)."""
     if not isinstance(rows, list):
         raise CostSurfaceError(f"'{where}' is a {type(rows).__name__}, not a list of measured points")
     for row in rows:
         if not isinstance(row, dict):
             raise CostSurfaceError(f"'{where}' holds a {type(row).__name__}, not a measured point")
         ms = row.get("ms", row.get("ms_median"))
-        for key in size_keys:
-            value = row.get(key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise CostSurfaceError(f"a point of '{where}' has {key}={value!r}, not a count")
-        if isinstance(ms, bool) or not isinstance(ms, (int, float)) or not math.isfinite(ms) or ms <= 0:
-            raise CostSurfaceError(f"a point of '{where}' has time {ms!r} ms, not a finite positive number")
+        for key in size_keys + tuple(k for k in optional if k in row):
+            if not plausible_count(row.get(key)):
+                raise CostSurfaceError(f"a point of '{where}' has {key}={reprlib.repr(row.get(key))}, not a count "
+                                       f"(0 to {MAX_COUNT})")
+        if not plausible_step_ms(ms):
+            raise CostSurfaceError(f"a point of '{where}' has time {reprlib.repr(ms)} ms, not a positive number below "
+                                   f"{MAX_STEP_MS:g}")
 
 
 def check_cost_surface(data) -> None:
     """Everything :meth:`CostModel.from_dict` reads, checked: an object with a non-empty list of
     forward points and optional overhead/draft lists, every size a count and every time a
-    finite positive number (a NaN or negative time would make the policy's choice garbage)."""
+    plausible number (a NaN or negative time would make the policy's choice garbage); a forward
+    point without its own ``ctx`` takes the meta's, which must then be a count too."""
     if not isinstance(data, dict):
         raise CostSurfaceError(f"it is a JSON {type(data).__name__}, not an object with 'rows'")
-    if not isinstance(data.get("meta", {}), dict):
+    meta = data.get("meta", {})
+    if not isinstance(meta, dict):
         raise CostSurfaceError("its 'meta' is not an object")
     rows = data.get("rows")
     if not rows:
         raise CostSurfaceError("it holds no measured points ('rows' is missing or empty)")
-    _plausible_rows(rows, ("bs", "q"), "rows")
+    _plausible_rows(rows, ("bs", "q"), "rows", optional=("ctx",))
+    if "ctx" in meta and not plausible_count(meta["ctx"]) and any("ctx" not in r for r in rows):
+        raise CostSurfaceError(f"its meta has ctx={reprlib.repr(meta['ctx'])}, not a count (0 to {MAX_COUNT})")
     _plausible_rows(data.get("overhead_rows") or [], ("bs", "q", "ctx"), "overhead_rows")
     _plausible_rows(data.get("draft_rows") or [], ("bs", "budget"), "draft_rows")
 

@@ -6,6 +6,7 @@ the tree policies (:mod:`.policy`), the drafters (:mod:`.drafters`).
 from __future__ import annotations
 
 import time
+import weakref
 from pathlib import Path
 from typing import Sequence
 
@@ -13,9 +14,11 @@ import torch
 
 from ..heads import DraftHeads, load_heads
 from ..heads.hardware import bf16_native
+from ..heads.linear import wearing
 from .accept import Typical
 from .attention import use_packed_sdpa
-from .base import check_base, dtype_name, load_base, plan_packing, ragged_capable, use_packed_linears
+from .base import check_base, dtype_name, holding_packing, load_base, plan_packing, ragged_capable, refresh_packing
+from .base import use_packed_linears
 from .fingerprint import fingerprint
 from .calibration import CalibrationConfig, calibrate
 from .cost import CostModel
@@ -68,6 +71,7 @@ class DraftHeadsModel:
     def __init__(self, base, heads: DraftHeads | None = None, tokenizer=None, tree: Tree | TreePolicy | None = None,
                  packed_attention: bool = True, packed_linears: bool = True):
         self.base = base
+        self.packed_linears = packed_linears
         check_base(base, probe=False)  # an architecture the loop cannot run is refused before anything
         if packed_attention:  # grouped-query SDPA without copying the KV cache (decoding/attention.py)
             use_packed_sdpa(base)
@@ -207,6 +211,27 @@ class DraftHeadsModel:
         return CostModel.from_ranked(ranked) if ranked else None
 
     @property
+    def base(self):
+        """The base model (held weakly once :meth:`hold_base_weakly` was called)."""
+        if self._base_ref is None:
+            return self._base
+        base = self._base_ref()
+        if base is None:
+            raise RuntimeError("This decoder's base model was deleted; build a new decoder with "
+                               "DraftHeadsModel.from_pretrained.")
+        return base
+
+    @base.setter
+    def base(self, model) -> None:
+        self._base, self._base_ref = model, None
+
+    def hold_base_weakly(self) -> None:
+        """Keep only a weak reference to the base: for decoders cached per model (by
+        ``custom_generate``, in a table keyed weakly by the model), which would otherwise keep
+        their own key — the model — alive for ever."""
+        self._base_ref, self._base = weakref.ref(self._base), None
+
+    @property
     def config(self):
         return self.base.config
 
@@ -238,10 +263,27 @@ class DraftHeadsModel:
         if self._delegates(request.batch, request.prompt_len, generator):
             output, self.last_stats = plain_generate(self.base, request, started, streamer, stopping_criteria)
             return output
+        self.refresh()
         drafter = self.drafter if self.drafter is not None else HeadsDrafter(self.heads)
-        output, self.last_stats = speculate(self.base, self.heads, self.policy, drafter, request, started, generator,
-                                            streamer, stopping_criteria, timer, self.finished_rows == "shrink")
+        with holding_packing(self.base), wearing(self.heads):
+            output, self.last_stats = speculate(self.base, self.heads, self.policy, drafter, request, started,
+                                                generator, streamer, stopping_criteria, timer,
+                                                self.finished_rows == "shrink")
         return output
+
+    def refresh(self) -> None:
+        """Before each call: decode with the weights as they are now. Every copy draftheads made
+        of a weight (packed layers, the LM head's packed copy, the heads' draft rows) whose
+        weight changed since — also through ``.data``, which no version counter sees — is made
+        again, and heads whose shared LM head or embeddings were replaced by other tensors are
+        bound to the base's current ones."""
+        memo: dict = {}
+        refresh_packing(self.base, memo)
+        if self.heads is None:
+            return
+        if not shares_base_tensors(self.heads, self.base):
+            attach_heads(self.heads, self.base, self.packed_linears)
+        self.heads.drop_stale_copies(memo)
 
     def _delegates(self, batch: int, prompt_len: int, generator) -> bool:
         """Plain decoding by the base itself: the policy prefers it for this batch, and nothing
@@ -261,6 +303,19 @@ def attach_heads(heads: DraftHeads, base, packed_linears: bool = True) -> None:
         heads.use_packed_readout()
         plan_packing([heads.draft_weight(heads.draft_dtype)] + [p for p in heads.parameters() if p.dim() == 2])
 
+
+
+def shares_base_tensors(heads: DraftHeads, base) -> bool:
+    """Whether the heads read the base's LM head and input embeddings as they are now (the same
+    storage, shape and dtype): a parameter replaced since (``param.data = ...``, a cast) is not."""
+    shared = heads._shared
+    if shared is None:
+        return False
+    pairs = [(shared.lm_head_weight, base.get_output_embeddings().weight)]
+    if shared.embed_weight is not None:
+        pairs.append((shared.embed_weight, base.get_input_embeddings().weight))
+    return all(a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
+               for a, b in pairs)
 
 
 def drafting_dtype(base) -> torch.dtype | None:

@@ -17,7 +17,7 @@ from typing import Iterator
 
 import torch
 
-from ..heads.linear import computed_rows, packed_linears
+from ..heads.linear import computed_rows, packed_forward
 from .accept import Acceptance
 from .base import lm_logits, verify
 from .cache import KVState
@@ -85,7 +85,7 @@ def decode_step(base, drafter: Drafter, acceptor, kv: KVState, context: HeadCont
     phase = timer.phase if timer is not None else _untimed
     started = time.perf_counter()
     with phase("propose", device):
-        with packed_linears():  # packed heads' layers (if the decoder packed them) draft faster
+        with packed_forward(getattr(drafter, "heads", None)):  # packed heads' layers (if bound) draft faster
             drafts = drafter.propose(state, tree)
     drafting = time.perf_counter() - started
     with phase("tree_inputs", device):

@@ -29,8 +29,11 @@ import torch
 from transformers import StoppingCriteriaList
 
 from .decoding import DraftHeadsModel
+from .decoding.attention import PACKED_SDPA
+from .decoding.base import release_packing
 from .decoding.drafters import parse_drafts
 from .decoding.limits import InputError, parse_tree_option
+from .heads.linear import release_linears
 
 #: transformers' own stopping criteria, which it adds from the generation config; the decoder
 #: applies the same rules itself (max length, EOS), so only the caller's own criteria are passed on
@@ -145,9 +148,16 @@ def check_placement(model, decoder: DraftHeadsModel) -> None:
 
 
 def unbind(model) -> None:
-    """Forget the heads bound to ``model`` (every callable's): the next call binds them again,
-    on the model's device and in its dtype as they are then."""
-    _DECODERS.pop(model, None)
+    """Release everything draftheads holds for ``model``: the decoders and heads every callable
+    bound to it, the packed copies of its weights and their sibling products; and it attends
+    through transformers' ``"sdpa"`` again where the decoder had switched it to draftheads' own.
+    The next call binds again, on the model's device and in its dtype as they are then."""
+    for decoder in _DECODERS.pop(model, {}).values():
+        if decoder.heads is not None:
+            release_linears(decoder.heads)
+    release_packing(model)
+    if getattr(model.config, "_attn_implementation", None) == PACKED_SDPA:
+        model.set_attn_implementation("sdpa")
 
 
 custom_generate.unbind = unbind  # draftheads.custom_generate is the function: draftheads.custom_generate.unbind(model)
@@ -162,10 +172,13 @@ def own_processors(model, generation_config, input_ids: torch.Tensor):
 
 
 def decoder_for(model, key: tuple, build: Callable[[], DraftHeadsModel]) -> DraftHeadsModel:
-    """The decoder cached on ``model`` for these arguments, built on first use."""
+    """The decoder cached for ``model`` and these arguments, built on first use. It holds the
+    model weakly, so the entry goes when the model does."""
     per_model = _DECODERS.setdefault(model, {})
     if key not in per_model:
-        per_model[key] = build()
+        decoder = build()
+        decoder.hold_base_weakly()
+        per_model[key] = decoder
     return per_model[key]
 
 

@@ -23,6 +23,11 @@ class UnwritablePathError(DraftheadsError, PermissionError):
     """A destination draftheads cannot write (also a ``PermissionError``)."""
 
 
+class DamagedFileError(DraftheadsError, ValueError):
+    """A file that exists but cannot be read as what it claims to be: truncated, not its format
+    (also a ``ValueError``)."""
+
+
 def cannot_write(path: str | Path, err: OSError) -> UnwritablePathError:
     """``err`` (raised while writing under ``path``) as the one-line error that names the path."""
     reason = err.strerror or str(err)

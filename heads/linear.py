@@ -19,17 +19,23 @@ dtype** from what torch and oneDNN report (:func:`packing_available`: a limited 
 (:class:`PackingPlan`: a few timings per weight shape at load, cached per machine by the
 decoder). Unmeasured shapes take the packed path wherever the dtype packs.
 
-The packed path is only taken inside :func:`packed_linears` (the decoder's prefill and verify
-forwards): the same module, called by the base's own ``generate``, computes exactly the
-original ``F.linear``. This is the peft pattern: a wrapper module holding the original
-parameter (same name, same tensor, same state dict), never a change to the modeling code.
+The packed path is only taken inside the decoder's own forwards (:func:`packed_forward`), and
+nothing of it lives in the model: the copies are kept beside it (:class:`Binding`), each
+``nn.Linear`` wears :class:`PackedLinear` as its class only while the decoder runs, and every
+copy is checked against its weight's content before each decoding call
+(:func:`content_fingerprint`), so the model the user holds is exactly the one they built — the
+base's own ``generate``, ``deepcopy``, ``pickle``, quantizers and peft see plain layers with the
+weights they have now.
 """
 from __future__ import annotations
 
 import contextvars
 import functools
 import math
+import re
+import threading
 import time
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
@@ -182,18 +188,37 @@ def measure_shape(dtype: torch.dtype, out_features: int, in_features: int, reps:
     return timings
 
 
+#: the longest a measured product may take, ms: anything above is no measurement (a JSON file
+#: carries integers of any size, which float conversion — ``math.isfinite`` included — overflows on)
+MAX_MS = 1e6
+
+
+def plausible_ms(value) -> bool:
+    """A time a measurement can give: a number (not a bool) above 0 and below :data:`MAX_MS`
+    (compared, never converted: NaN, infinities and huge integers all fail)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < MAX_MS
+
+
 def _timing_list(value) -> bool:
-    return (isinstance(value, list) and len(value) == len(ROW_BUCKETS)
-            and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
-                    for v in value))
+    return isinstance(value, list) and len(value) == len(ROW_BUCKETS) and all(plausible_ms(v) for v in value)
 
 
 def valid_timings(entry) -> bool:
-    """A measured shape as :func:`measure_shape` writes it: lists of positive finite ms, one per
-    row bucket, for ``F.linear`` and the packed path, and for the kernel where it was measured
-    (a cached entry is checked with this before it is used)."""
+    """A measured shape as :func:`measure_shape` writes it: lists of plausible ms
+    (:func:`plausible_ms`), one per row bucket, for ``F.linear`` and the packed path, and for the
+    kernel where it was measured (a cached entry is checked with this before it is used)."""
     return (isinstance(entry, dict) and all(_timing_list(entry.get(name)) for name in ("linear_ms", "packed_ms"))
             and ("fewrow_ms" not in entry or _timing_list(entry["fewrow_ms"])))
+
+
+_SHAPE_KEY = re.compile(r"(?P<dtype>[a-z0-9]+) [1-9][0-9]{0,8}x[1-9][0-9]{0,8}")
+
+
+def valid_shape_key(key) -> bool:
+    """A key as :func:`shape_key` writes it: a dtype that packs, then positive ``out``x``in``
+    features ("float32 1728x576"); a cached entry under any other key is dropped."""
+    match = _SHAPE_KEY.fullmatch(key) if isinstance(key, str) else None
+    return match is not None and match["dtype"] in {str(d).removeprefix("torch.") for d in PACKED_DTYPES}
 
 
 #: packing is the measured-faster path almost everywhere; it is turned off for a (shape, rows)
@@ -299,18 +324,74 @@ def packs(weight: torch.Tensor, rows: int) -> bool:
     return can_pack(weight) and PLAN.pays(weight, rows)
 
 
+# -- a weight's copies, and whether they still hold its content ----------------------------------
+#: one refresh's fingerprints, by tensor (storage, dtype, shape, strides, device): a weight shared
+#: by two owners (a tied LM head, the heads' readout) is read once
+FingerprintMemo = dict
+
+
+def content_fingerprint(weight: torch.Tensor) -> torch.Tensor:
+    """Per row of ``weight``, the wrapping int64 sum of its bytes read as 64-bit words (narrower
+    words where a row does not split into them). Why the content: a write through ``.data``
+    (peft's LoRA ``merge()``, an EMA update, FSDP copying parameters in) changes neither the
+    tensor's storage nor its ``_version``, so nothing but the bytes shows it. Any changed word
+    changes its row's sum, and rows that trade places trade sums. An integer sum of the weight's
+    own bytes needs no conversion, so it runs at memory speed (about what one verification step
+    spends reading the same weight)."""
+    w = weight.detach()
+    rows = w.reshape(w.shape[0] if w.dim() else 1, -1)
+    if not rows.is_contiguous():
+        rows = rows.contiguous()
+    raw = rows.view(torch.uint8)
+    for word in (torch.int64, torch.int32, torch.int16):
+        size = word.itemsize
+        if raw.shape[1] % size == 0 and raw.storage_offset() % size == 0:
+            return raw.view(word).sum(1, dtype=torch.int64)
+    return raw.sum(1, dtype=torch.int64)
+
+
+def fingerprint_of(weight: torch.Tensor, memo: FingerprintMemo | None = None) -> torch.Tensor:
+    """:func:`content_fingerprint`, read once per tensor within one ``memo``."""
+    if memo is None:
+        return content_fingerprint(weight)
+    key = (weight.data_ptr(), weight.dtype, tuple(weight.shape), weight.stride(), weight.device)
+    found = memo.get(key)
+    if found is None:
+        found = memo[key] = content_fingerprint(weight)
+    return found
+
+
+def tensor_key(weight: torch.Tensor) -> tuple:
+    """What identifies a weight's tensor cheaply (dtype, device, storage, autograd version, shape):
+    a copy whose key differs is remade on its next use."""
+    return weight.dtype, weight.device, weight.data_ptr(), weight._version, tuple(weight.shape)
+
+
 class PackedWeight:
-    """A weight's oneDNN-packed copy and its few-row kernel copy, each made on first use and
-    remade if the weight changes (another dtype, device or in-place update)."""
+    """A weight's oneDNN-packed copy and its few-row kernel copy, each made on first use and kept
+    with the fingerprint of the content it was made from (:func:`content_fingerprint`). A copy is
+    remade when the weight is another tensor or was changed through autograd
+    (:func:`tensor_key`, checked on every use, for free), and dropped by :meth:`drop_stale` —
+    called before each decoding call — when the content changed any other way."""
 
     def __init__(self) -> None:
-        self._copies: dict[str, tuple[tuple, torch.Tensor]] = {}
+        self._copies: dict[str, tuple[tuple, torch.Tensor, tuple[torch.Tensor, ...]]] = {}
+
+    def key(self, weight: torch.Tensor) -> tuple:
+        return tensor_key(weight)
+
+    def fingerprint(self, weight: torch.Tensor, memo: FingerprintMemo | None = None) -> tuple[torch.Tensor, ...]:
+        return (fingerprint_of(weight, memo),)
+
+    def source(self, weight: torch.Tensor) -> torch.Tensor:
+        """The tensor a copy is made from."""
+        return weight.detach().contiguous()
 
     def _copy(self, kind: str, weight: torch.Tensor, make) -> torch.Tensor:
-        key = (weight.dtype, weight.device, weight.data_ptr(), weight._version, tuple(weight.shape))
+        key = self.key(weight)
         cached = self._copies.get(kind)
         if cached is None or cached[0] != key:
-            cached = self._copies[kind] = (key, make(weight.detach().contiguous()))
+            cached = self._copies[kind] = (key, make(self.source(weight)), self.fingerprint(weight))
         return cached[1]
 
     def get(self, weight: torch.Tensor) -> torch.Tensor:
@@ -318,6 +399,27 @@ class PackedWeight:
 
     def blocked(self, weight: torch.Tensor) -> torch.Tensor:
         return self._copy("fewrow", weight, block_weight)
+
+    def drop_stale(self, weight: torch.Tensor, memo: FingerprintMemo | None = None) -> bool:
+        """Drop every copy not made from ``weight`` as it is now (another tensor, or other content);
+        returns whether one was dropped. Reads the weight once (none when no copy was made)."""
+        if not self._copies:
+            return False
+        key = self.key(weight)
+        current = None
+        stale = []
+        for kind, (made_key, _, made_from) in self._copies.items():
+            if made_key == key:
+                current = current if current is not None else self.fingerprint(weight, memo)
+                if all(torch.equal(a, b) for a, b in zip(made_from, current)):
+                    continue
+            stale.append(kind)
+        for kind in stale:
+            del self._copies[kind]
+        return bool(stale)
+
+    def clear(self) -> None:
+        self._copies.clear()
 
 
 def packed_matmul(x: torch.Tensor, weight: torch.Tensor, cache: PackedWeight,
@@ -330,33 +432,219 @@ def packed_matmul(x: torch.Tensor, weight: torch.Tensor, cache: PackedWeight,
     return torch.ops.mkldnn._linear_pointwise(x, cache.get(weight), bias, "none", [], "")
 
 
-class PackedLinear(nn.Module):
-    """Wraps an ``nn.Linear``: its parameters under the same names; ``F.linear`` outside
-    :func:`packed_linears`, the packed oneDNN primitive inside it (or its slice of its
-    siblings' one product, :class:`SiblingProduct`)."""
+# -- a model's linear layers, bound beside it ------------------------------------------------------
+@dataclass(eq=False)
+class BoundLinear:
+    """What draftheads keeps for one of a module's ``nn.Linear`` layers: its copies and, where it
+    has siblings (:data:`SIBLINGS`), its slice of their one product."""
 
-    def __init__(self, linear: nn.Linear):
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = linear.weight
-        self.bias = linear.bias
-        self._packed = PackedWeight()
-        self.siblings: tuple[SiblingProduct, int] | None = None  # set by :func:`fuse_siblings`
+    module: nn.Linear
+    copies: PackedWeight = field(default_factory=PackedWeight)
+    siblings: "tuple[SiblingProduct, int] | None" = None
+
+
+#: the bound linears of the bindings now entered (:meth:`Binding.enter`), by ``id`` of the module
+#: (held by its binding while listed, so the id is its own)
+_LIVE: dict[int, BoundLinear] = {}
+_WEAR_LOCK = threading.Lock()
+
+
+class PackedLinear(nn.Linear):
+    """The class a bound ``nn.Linear`` wears while its binding is entered (inside the decoder's
+    forwards), and only then: the same object, parameters, hooks and ``__dict__``; its product
+    through the packed oneDNN primitive, the few-row kernel or its slice of its siblings' one
+    product (:class:`SiblingProduct`), whichever the plan picks, while :func:`packed_linears` is
+    active in this thread; ``F.linear`` otherwise (another thread's call sees the plain layer)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return subset_product(x, self.in_features, self._product)
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
-        if _ACTIVE.get() and x.dtype == self.weight.dtype:
+        bound = _LIVE.get(id(self)) if _ACTIVE.get() else None
+        if bound is not None and x.dtype == self.weight.dtype:
             rows = x.numel() // self.in_features
-            if self.siblings is not None and self.siblings[0].pays(rows):
-                return self.siblings[0].output(self.siblings[1], x)
+            if bound.siblings is not None and bound.siblings[0].pays(rows):
+                return bound.siblings[0].output(bound.siblings[1], x)
             if packs(self.weight, rows):
-                return packed_matmul(x, self.weight, self._packed, self.bias)
+                return packed_matmul(x, self.weight, bound.copies, self.bias)
         return nn.functional.linear(x, self.weight, self.bias)
 
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+def _wear(module: nn.Module, cls: type) -> None:
+    # object.__setattr__: nn.Module.__setattr__ would first look the name up among parameters,
+    # buffers and submodules (~15× slower, and a bound model has hundreds of linears)
+    object.__setattr__(module, "__class__", cls)
+
+
+def _layout(root: nn.Module) -> tuple:
+    """The plain ``nn.Linear`` layers below ``root`` as (id, dtype, device, shape, has bias): a
+    binding made for another layout is remade (a layer replaced, cast, moved or wrapped by peft)."""
+    return tuple((id(m), m.weight.dtype, m.weight.device, tuple(m.weight.shape), m.bias is None)
+                 for m in root.modules() if type(m) is nn.Linear)
+
+
+class Binding:
+    """Everything draftheads keeps for one module's linear layers, beside the module, never in it:
+    each layer's copies and sibling products (:class:`BoundLinear`). Between the decoder's
+    forwards the module is exactly as its owner built it — type, ``__dict__``, state dict,
+    hooks — so ``copy.deepcopy``, ``pickle``, ``torch.save`` and type-based module search
+    (``quantize_dynamic``, peft's ``target_modules``) see nothing of draftheads.
+
+    Inside (:meth:`enter` … :meth:`exit`, refcounted across threads and nested uses) each plain
+    ``nn.Linear`` wears :class:`PackedLinear` as its ``__class__`` and is restored on exit. Why
+    this and not a wrapper module: a wrapper put in the model's place is what deepcopy, pickle and
+    quantizers then find; a class swap touches no attribute, costs two pointer writes per layer
+    per entry (~0.1 ms for SmolLM2's 210 layers), and a decoding call enters once for all its
+    forwards (:func:`packed_forward` is then a refcount)."""
+
+    def __init__(self) -> None:
+        self.linears: dict[int, BoundLinear] = {}
+        self.products: list[SiblingProduct] = []
+        self.fused = False
+        self._layout: tuple = ()
+        self._users = 0
+        self._worn: list[nn.Linear] = []
+
+    def rescan(self, root: nn.Module) -> bool:
+        """Follow ``root``'s layers as they are now (outside :meth:`enter` only): layers kept keep
+        their copies, new ones get theirs, gone ones are released. Returns whether anything changed."""
+        if self._users:  # entered: its layers wear another class until the last user leaves
+            return False
+        layout = _layout(root)
+        if layout == self._layout:
+            return False
+        previous = self.linears
+        self.linears = {}
+        for m in root.modules():
+            if type(m) is nn.Linear:
+                kept = previous.get(id(m))
+                self.linears[id(m)] = BoundLinear(m, kept.copies if kept is not None else PackedWeight())
+        self._layout = layout
+        self.products = []
+        if self.fused:
+            self.fuse(root)
+        return True
+
+    def fuse(self, root: nn.Module) -> list[SiblingProduct]:
+        """Give every sibling group of bound layers under ``root`` (:func:`sibling_groups`) one
+        :class:`SiblingProduct` (idempotent)."""
+        self.fused = True
+        if not self.products:
+            for members in sibling_groups(root, self.linears):
+                product = SiblingProduct(members)
+                for index, member in enumerate(members):
+                    self.linears[id(member)].siblings = (product, index)
+                self.products.append(product)
+        return self.products
+
+    def drop_stale(self, memo: FingerprintMemo | None = None) -> int:
+        """Drop every copy made from content its weight no longer has; returns how many layers
+        (and sibling products) had one."""
+        memo = {} if memo is None else memo
+        dropped = sum(bound.copies.drop_stale(bound.module.weight, memo) for bound in self.linears.values())
+        return dropped + sum(product.copies.drop_stale(product.shape, memo) for product in self.products)
+
+    def enter(self) -> None:
+        with _WEAR_LOCK:
+            self._users += 1
+            if self._users > 1:
+                return
+            self._worn = [bound.module for bound in self.linears.values() if type(bound.module) is nn.Linear]
+            for module in self._worn:
+                _LIVE[id(module)] = self.linears[id(module)]
+                _wear(module, PackedLinear)
+
+    def exit(self) -> None:
+        with _WEAR_LOCK:
+            self._users -= 1
+            if self._users > 0:
+                return
+            for module in self._worn:
+                if type(module) is PackedLinear:
+                    _wear(module, nn.Linear)
+                _LIVE.pop(id(module), None)
+            self._worn = []
+
+
+#: root module → its binding; an entry goes with its module (a binding holds the root's layers,
+#: which hold no reference back to it)
+_BINDINGS: "weakref.WeakKeyDictionary[nn.Module, Binding]" = weakref.WeakKeyDictionary()
+
+
+def binding(root: nn.Module) -> Binding | None:
+    """The binding :func:`use_packed_linears` made for ``root`` (None: not bound)."""
+    return _BINDINGS.get(root)
+
+
+def use_packed_linears(module: nn.Module) -> int:
+    """Bind every plain ``nn.Linear`` below ``module`` (:class:`Binding`: copies kept beside the
+    module, nothing in it changes; idempotent). Returns how many layers are bound (0 where no
+    dtype packs here)."""
+    if not any(packing_available(dtype) for dtype in PACKED_DTYPES):
+        return 0
+    found = _BINDINGS.get(module)
+    if found is None:
+        found = _BINDINGS[module] = Binding()
+    found.rescan(module)
+    return len(found.linears)
+
+
+def refresh_linears(module: nn.Module, memo: FingerprintMemo | None = None) -> bool:
+    """Before a decoding call: follow ``module``'s layers as they are now and drop every copy of
+    a weight whose content changed since it was made. Returns whether the layout changed (new
+    shapes may need measuring)."""
+    found = _BINDINGS.get(module)
+    if found is None:
+        return False
+    changed = found.rescan(module)
+    found.drop_stale(memo)
+    return changed
+
+
+def release_linears(module: nn.Module) -> None:
+    """Forget everything bound for ``module`` (its copies go with it)."""
+    _BINDINGS.pop(module, None)
+
+
+@contextmanager
+def packed_linears(active: bool = True) -> Iterator[None]:
+    """Within this block, bound layers inside an entered binding (:func:`packed_forward`) and
+    the decoder's LM head take the packed path."""
+    token = _ACTIVE.set(active)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+@contextmanager
+def wearing(*roots: nn.Module | None) -> Iterator[None]:
+    """The bound layers of each of ``roots`` (None and unbound ones skipped) wear
+    :class:`PackedLinear` until the block ends, however it ends; the packed path itself is only
+    taken where :func:`packed_linears` is active too."""
+    entered: list[Binding] = []
+    try:
+        for root in roots:
+            found = _BINDINGS.get(root) if root is not None else None
+            if found is not None:
+                found.enter()
+                entered.append(found)
+        yield
+    finally:
+        for found in reversed(entered):
+            found.exit()
+
+
+@contextmanager
+def packed_forward(*roots: nn.Module | None) -> Iterator[None]:
+    """The decoder's own forwards: :func:`packed_linears` active and ``roots``' layers
+    :func:`wearing` the packed class."""
+    with packed_linears(), wearing(*roots):
+        yield
+
+
+def packing_active() -> bool:
+    return _ACTIVE.get()
 
 
 #: Projections a module calls one after another on the same input tensor: attention's query,
@@ -372,16 +660,18 @@ class _StackedCopies(PackedWeight):
     """The packed / blocked copies of the siblings' weights stacked along the output axis,
     remade when any sibling's weight changes; the stacked weight itself is not kept."""
 
-    def __init__(self, members: tuple[PackedLinear, ...]):
+    def __init__(self, members: tuple[nn.Linear, ...]):
         super().__init__()
         self.members = members
 
-    def _copy(self, kind: str, weight: torch.Tensor, make) -> torch.Tensor:
-        key = tuple((m.weight.dtype, m.weight.device, m.weight.data_ptr(), m.weight._version) for m in self.members)
-        cached = self._copies.get(kind)
-        if cached is None or cached[0] != key:
-            cached = self._copies[kind] = (key, make(torch.cat([m.weight.detach() for m in self.members])))
-        return cached[1]
+    def key(self, weight: torch.Tensor) -> tuple:
+        return tuple(tensor_key(m.weight) for m in self.members)
+
+    def fingerprint(self, weight: torch.Tensor, memo: FingerprintMemo | None = None) -> tuple[torch.Tensor, ...]:
+        return tuple(fingerprint_of(m.weight, memo) for m in self.members)
+
+    def source(self, weight: torch.Tensor) -> torch.Tensor:
+        return torch.cat([m.weight.detach() for m in self.members])
 
 
 class SiblingProduct:
@@ -395,7 +685,7 @@ class SiblingProduct:
     is bit-identical in bfloat16. Taken only where the plan measured the stacked shape faster
     than the siblings one by one (:meth:`PackingPlan.fusion_pays`)."""
 
-    def __init__(self, members: tuple[PackedLinear, ...]):
+    def __init__(self, members: tuple[nn.Linear, ...]):
         self.members = members
         self.widths = [m.out_features for m in members]
         first = members[0].weight
@@ -405,7 +695,7 @@ class SiblingProduct:
         self.key = shape_key(first.dtype, sum(self.widths), first.shape[1])
         self.member_keys = tuple(shape_key(first.dtype, *m.weight.shape) for m in members)
         self.member_shapes = tuple(tuple(m.weight.shape) for m in members)
-        self._copies = _StackedCopies(members)
+        self.copies = _StackedCopies(members)
         self._input: torch.Tensor | None = None
         self._version = -1
         self._outputs: list[torch.Tensor | None] = []
@@ -421,7 +711,7 @@ class SiblingProduct:
         """Sibling ``index``'s product with x (..., in)."""
         version = -2 if x.is_inference() else x._version  # inference tensors keep no version
         if x is not self._input or version != self._version or self._outputs[index] is None:
-            stacked = packed_matmul(x, self.shape, self._copies, self.bias())
+            stacked = packed_matmul(x, self.shape, self.copies, self.bias())
             self._outputs = list(stacked.split(self.widths, dim=-1))
             self._input, self._version = x, version
         out, self._outputs[index] = self._outputs[index], None
@@ -452,57 +742,27 @@ def stacking_exact(dtype: torch.dtype, shapes: tuple[tuple[int, int], ...]) -> t
     return tuple(exact)
 
 
-def sibling_groups(module: nn.Module) -> list[tuple[PackedLinear, ...]]:
-    """Under ``module``, each set of :data:`SIBLINGS` present as :class:`PackedLinear` children
-    of one parent with one input size, dtype (one of :data:`STACKED_DTYPES`) and device, all
-    with a bias or none."""
+def sibling_groups(module: nn.Module, bound: dict[int, BoundLinear] | None = None) -> list[tuple[nn.Linear, ...]]:
+    """Under ``module``, each set of :data:`SIBLINGS` present as plain ``nn.Linear`` children of
+    one parent (bound ones, when ``bound`` is given) with one input size, dtype (one of
+    :data:`STACKED_DTYPES`) and device, all with a bias or none."""
     groups = []
     for parent in module.modules():
         for names in SIBLINGS:
             members = tuple(getattr(parent, n, None) for n in names)
-            if not all(isinstance(m, PackedLinear) for m in members):
+            if not all(type(m) is nn.Linear and (bound is None or id(m) in bound) for m in members):
                 continue
             w = members[0].weight
-            if w.dtype in STACKED_DTYPES and all(m.weight.shape[1] == w.shape[1] and m.weight.dtype == w.dtype and m.weight.device == w.device
-                   and (m.bias is None) == (members[0].bias is None) for m in members):
+            if w.dtype in STACKED_DTYPES and all(m.weight.shape[1] == w.shape[1] and m.weight.dtype == w.dtype
+                                                 and m.weight.device == w.device
+                                                 and (m.bias is None) == (members[0].bias is None) for m in members):
                 groups.append(members)
     return groups
 
 
 def fuse_siblings(module: nn.Module) -> list[SiblingProduct]:
-    """Give every sibling group under ``module`` (:func:`sibling_groups`) one
-    :class:`SiblingProduct` (idempotent). Returns the products, whose ``shape`` the plan must
+    """Give every sibling group of ``module``'s bound layers (:func:`use_packed_linears` first)
+    one :class:`SiblingProduct` (idempotent). Returns the products, whose ``shape`` the plan must
     measure before they are taken."""
-    products = []
-    for members in sibling_groups(module):
-        if members[0].siblings is None:
-            product = SiblingProduct(members)
-            for index, member in enumerate(members):
-                member.siblings = (product, index)
-        products.append(members[0].siblings[0])
-    return products
-
-
-def use_packed_linears(module: nn.Module) -> int:
-    """Wrap every ``nn.Linear`` below ``module`` in a :class:`PackedLinear` (idempotent; the
-    state dict keeps its keys). Returns how many were wrapped."""
-    if not any(packing_available(dtype) for dtype in PACKED_DTYPES):
-        return 0
-    targets = [name for name, child in module.named_modules() if type(child) is nn.Linear]
-    for name in targets:
-        module.set_submodule(name, PackedLinear(module.get_submodule(name)))
-    return len(targets)
-
-
-@contextmanager
-def packed_linears(active: bool = True) -> Iterator[None]:
-    """Within this block, wrapped linears (and the decoder's LM head) take the packed path."""
-    token = _ACTIVE.set(active)
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
-
-
-def packing_active() -> bool:
-    return _ACTIVE.get()
+    found = _BINDINGS.get(module)
+    return found.fuse(module) if found is not None else []

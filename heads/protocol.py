@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -25,8 +26,13 @@ from .atomic import atomic_directory, check_output_dir, current_umask, write_tex
 from .card import basic_card
 from .errors import cannot_write
 from .hub import resolve_checkpoint, upload_checkpoint
-from .linear import PackedWeight, packed_matmul, packs
+from .linear import FingerprintMemo, PackedWeight, fingerprint_of, packed_matmul, packs, refresh_linears
 from .linear import use_packed_linears as wrap_linears
+
+#: heads → the packed copy of their draft readout, kept beside them: in their ``__dict__``,
+#: oneDNN's opaque tensors would make ``deepcopy``, ``pickle`` and ``torch.save`` of them fail
+_READOUTS: "weakref.WeakKeyDictionary[nn.Module, PackedWeight]" = weakref.WeakKeyDictionary()
+
 
 @dataclass
 class TreeSpec:
@@ -85,12 +91,11 @@ class DraftHeads(nn.Module):
         self.register_buffer("vocab_ids", torch.arange(config.draft_vocab_size or config.vocab_size), persistent=True)
         self._shared: SharedBase | None = None
         self._draft_weights: dict[torch.dtype, torch.Tensor] = {}  # draft rows per dtype (see draft_weight)
+        self._draft_source: torch.Tensor | None = None  # the LM head's fingerprint when they were made
         #: dtype of the draft readout (None = the states' dtype). Drafts are only proposals —
         #: the base verifies them in its own dtype — so a decoder may read out in bfloat16,
         #: which halves the LM-head rows read per call (set by ``DraftHeadsModel``, never in training).
         self.draft_dtype: torch.dtype | None = None
-        #: the draft readout's oneDNN-packed weight (see :mod:`.linear`), set by the decoder
-        self._packed_readout: PackedWeight | None = None
         self._draft_inverse: torch.Tensor | None = None  # base id → draft index (see draft_index)
 
     # -- the frozen base parts -------------------------------------------------------------
@@ -101,6 +106,8 @@ class DraftHeads(nn.Module):
                 f"but the base has {tuple(lm_head_weight.shape)}: the checkpoint was made for another base model.")
         self._shared = SharedBase(lm_head_weight.detach(), None if embed_weight is None else embed_weight.detach())
         self._draft_weights = {}
+        if self in _READOUTS:  # its copy was made from the rows of the LM head bound before
+            _READOUTS[self].clear()
         return self
 
     @property
@@ -119,6 +126,8 @@ class DraftHeads(nn.Module):
             return weight
         cached = self._draft_weights.get(dtype)
         if cached is None or cached.device != weight.device:
+            if not self._draft_weights:
+                self._draft_source = fingerprint_of(weight)
             rows = weight.index_select(0, self.vocab_ids.to(weight.device)) if self.config.draft_vocab_size else weight
             cached = self._draft_weights[dtype] = rows.to(dtype)
         return cached
@@ -128,18 +137,36 @@ class DraftHeads(nn.Module):
         when one is set; through a packed copy of the rows when the decoder asked for it)."""
         dtype = self.draft_dtype or states.dtype
         weight = self.draft_weight(dtype)
-        if (self._packed_readout is not None and not torch.is_grad_enabled()
-                and packs(weight, states.numel() // states.shape[-1])):
-            return packed_matmul(states.to(dtype), weight, self._packed_readout)
+        packed = _READOUTS.get(self)
+        if packed is not None and not torch.is_grad_enabled() and packs(weight, states.numel() // states.shape[-1]):
+            return packed_matmul(states.to(dtype), weight, packed)
         return states.to(dtype) @ weight.t()
 
     def use_packed_readout(self) -> None:
         """Decoding only: read drafts out through oneDNN-packed LM-head rows (1.5-2× faster on
         CPU, see :mod:`.linear`), and run the heads' own linear layers packed inside the
-        decoder's :func:`~.linear.packed_linears` blocks. Drafts only propose, so their rounding
-        never changes an output."""
-        self._packed_readout = PackedWeight()
+        decoder's :func:`~.linear.packed_forward` blocks. Drafts only propose, so their rounding
+        never changes an output. The copies are kept beside the heads (nothing in them changes)."""
+        if self not in _READOUTS:
+            _READOUTS[self] = PackedWeight()
         wrap_linears(self)
+
+    def drop_stale_copies(self, memo: FingerprintMemo | None = None) -> None:
+        """Before a decoding call: the draft rows gathered or cast from the shared LM head
+        (:meth:`draft_weight`), the readout's packed copy and the heads' own layers' copies are
+        made again where the weight they came from changed since — through ``.data`` too, which
+        changes neither a tensor's storage nor its version."""
+        if self._shared is None:
+            return
+        readout = _READOUTS.get(self)
+        if self._draft_weights and not torch.equal(fingerprint_of(self._shared.lm_head_weight, memo),
+                                                   self._draft_source):
+            self._draft_weights = {}
+            if readout is not None:
+                readout.clear()
+        elif readout is not None:
+            readout.drop_stale(self.draft_weight(self.draft_dtype), memo)
+        refresh_linears(self, memo)
 
     def embed(self, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Input embeddings of base token ids from the frozen, shared table (never a copy), for

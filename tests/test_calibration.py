@@ -81,6 +81,17 @@ def damaged(good: dict) -> dict[str, str | bytes]:
         "negative time": json.dumps({**good, "rows": [{**rows[0], "ms": -3.0}] + rows[1:]}),
         "infinite draft time": json.dumps({**good, "draft_rows": [{"bs": 1, "budget": 1, "ms": float("inf")}]}),
         "meta not an object": json.dumps({**good, "meta": [1]}),
+        "null context": json.dumps({**good, "rows": [{**rows[0], "ctx": None}] + rows[1:]}),
+        "infinite context": json.dumps({**good, "rows": [{**rows[0], "ctx": float("inf")}] + rows[1:]}),
+        "string context": json.dumps({**good, "rows": [{**rows[0], "ctx": "8"}] + rows[1:]}),
+        "huge query count": json.dumps({**good, "rows": [{**rows[0], "q": 10 ** 400}] + rows[1:]}),
+        "huge integer time": json.dumps({**good, "rows": [{**rows[0], "ms": 10 ** 400}] + rows[1:]}),
+        "bool batch size": json.dumps({**good, "rows": [{**rows[0], "bs": True}] + rows[1:]}),
+        "huge draft budget": json.dumps({**good, "draft_rows": [{"bs": 1, "budget": 10 ** 30, "ms": 1.0}]}),
+        "overhead without context": json.dumps({**good, "overhead_rows": [{"bs": 1, "q": 1, "ms": 1.0}]}),
+        "null meta context for rows without one": json.dumps(
+            {**good, "meta": {**good["meta"], "ctx": None}, "rows": [{k: v for k, v in r.items() if k != "ctx"}
+                                                                     for r in rows]}),
     }
 
 

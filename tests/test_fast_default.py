@@ -88,7 +88,8 @@ def test_packed_forwards_are_bit_identical_in_bfloat16(rows):
     head's logits; and the base's own forward (outside the decoder) still runs F.linear."""
     plain, packed = tiny_llama(1, dtype=torch.bfloat16), tiny_llama(1, dtype=torch.bfloat16)
     assert use_packed_linears(packed)
-    assert any(isinstance(m, PackedLinear) for m in packed.modules())
+    assert linear_module.binding(packed.model).linears  # bound beside the model, which keeps its plain layers
+    assert not any(isinstance(m, PackedLinear) for m in packed.modules())
     assert packed.state_dict().keys() == plain.state_dict().keys()
     ids = torch.randint(3, 96, (2, rows))
     mask = torch.ones_like(ids)
@@ -117,7 +118,7 @@ def test_packed_forwards_stay_within_float32_rounding(rows):
 def test_float64_is_never_packed():
     model = tiny_llama(1)
     assert not use_packed_linears(model)
-    assert not any(isinstance(m, PackedLinear) for m in model.modules())
+    assert linear_module.binding(model.model) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -226,7 +227,7 @@ def test_stacked_siblings_are_bit_identical_in_bfloat16(monkeypatch, rows):
     leave the verify forward's hidden states bit-identical, and the stacked product did run."""
     stacked = tiny_llama(1, dtype=torch.bfloat16)
     use_packed_linears(stacked)
-    products = {m.siblings[0] for m in stacked.modules() if getattr(m, "siblings", None)}
+    products = linear_module.binding(stacked.model).products
     assert len(products) == 2 * stacked.config.num_hidden_layers
     calls = []
     real_output = linear_module.SiblingProduct.output
@@ -258,7 +259,7 @@ def test_a_sibling_takes_its_slice_once_and_only_for_the_same_input(monkeypatch)
     real_matmul = linear_module.packed_matmul
     monkeypatch.setattr(linear_module, "packed_matmul", lambda *a, **k: computed.append(1) or real_matmul(*a, **k))
     x, other = torch.randn(3, 8), torch.randn(3, 8)
-    with packed_linears():
+    with linear_module.packed_forward(parent):
         q, k = parent.q_proj(x), parent.k_proj(x)
         assert len(computed) == 1
         k_other = parent.k_proj(other)
@@ -282,8 +283,6 @@ def test_float32_siblings_stay_separate_and_groups_need_one_input_size():
     assert linear_module.fuse_siblings(model.model) == []
     parent = torch.nn.Module()
     parent.gate_proj, parent.up_proj = torch.nn.Linear(8, 4).to(torch.bfloat16), torch.nn.Linear(6, 4).to(torch.bfloat16)
-    parent.gate_proj = linear_module.PackedLinear(parent.gate_proj)
-    parent.up_proj = linear_module.PackedLinear(parent.up_proj)
     assert linear_module.sibling_groups(parent) == []
 
 
@@ -304,7 +303,7 @@ def test_linear_layers_compute_only_the_rows_asked_and_siblings_still_share_one_
     monkeypatch.setattr(linear_module, "packed_matmul", lambda x, *a, **k: computed.append(x.shape[0]) or real_matmul(x, *a, **k))
     x = torch.randn(2, 5, 8)
     valid = torch.tensor([[True, True, False, False, False], [True, True, True, True, False]])
-    with packed_linears(), linear_module.computed_rows(valid):
+    with linear_module.packed_forward(parent), linear_module.computed_rows(valid):
         outs = {name: getattr(parent, name)(x) for name in ("q_proj", "k_proj", "v_proj", "o_proj")}
     assert computed[0] == int(valid.sum()) and len(computed) == 2  # one stacked q/k/v product, then o_proj
     for name, got in outs.items():
