@@ -72,7 +72,7 @@ from dataclasses import dataclass
 import torch
 
 from .drafters.drafts import Drafts, children_table
-from .processors import logits_processors, processed_scores, uses_history
+from .processors import NodeProcessors, node_prefixes
 from .sequences import Sequences
 
 
@@ -264,15 +264,16 @@ def default_generator(device: torch.device | str = "cpu") -> torch.Generator:
 
 class Acceptor:
     """What ``generate`` asks at each step: the first token after the prompt, then which tree
-    path each row keeps plus its bonus token. Holds the processors, the generator and (for the
-    repetition penalty) the call's :class:`~.sequences.Sequences`, which it only reads."""
+    path each row keeps plus its bonus token. Holds the call's logits processors (applied at
+    every node, :class:`~.processors.NodeProcessors`), the generator and the call's
+    :class:`~.sequences.Sequences` (the processors' tokens so far), which it only reads."""
 
     def __init__(self, config, mode: str | Typical, vocab: int, sequences: Sequences,
-                 generator: torch.Generator | None = None):
+                 generator: torch.Generator | None = None, processors=()):
         self.mode = mode
         self.vocab = vocab
-        self.processors = logits_processors(config)
-        self.history = uses_history(self.processors)
+        #: the processors transformers built for the call (none: the raw logits are the target)
+        self.processors = processors if isinstance(processors, NodeProcessors) else NodeProcessors(processors)
         self.sequences = sequences
         self.generator = None
         if mode != "greedy":
@@ -281,17 +282,24 @@ class Acceptor:
         self.report_processed = bool(config.output_scores) and len(self.processors) > 0
         if self.report_processed and config.output_logits and config.return_dict_in_generate:
             raise ValueError("generate(): output_scores and output_logits together are not supported with sampling or "
-                             "a repetition penalty yet (they differ there); ask for one of them.")
+                             "logits processors yet (they differ there); ask for one of them.")
         self.last_scores: torch.Tensor | None = None
 
-    def _scores(self, logits: torch.Tensor, rows: torch.Tensor, tokens=None, path_slots=None) -> torch.Tensor:
-        history = None
-        if self.history:
-            history = self.sequences.history(rows.cpu(), self.vocab)
-            if tokens is None:  # the first token: "so far" is the prompt itself
-                tokens = torch.full((rows.numel(), 1), self.vocab, dtype=torch.long, device=logits.device)
-                path_slots = torch.zeros(1, 1, dtype=torch.long)
-        self.last_scores = processed_scores(self.processors, logits, history, tokens, path_slots)
+    def _scores(self, logits: torch.Tensor, rows: torch.Tensor, drafts: Drafts | None = None) -> torch.Tensor:
+        """logits (B, N, V) at the rows' tree slots (N = 1 and no drafts: after the prompt) → the
+        processed float32 scores, each slot's processors given that slot's own tokens so far."""
+        batch, nodes, vocab = logits.shape
+        scores = logits.to(dtype=torch.float32, copy=True).reshape(batch * nodes, vocab)
+        entry_rows = rows.cpu().repeat_interleave(nodes)
+        if not self.processors.reads_ids:
+            ids, lengths = torch.full((batch * nodes, 1), vocab, dtype=torch.long, device=logits.device), None
+        else:
+            history, ends = self.sequences.history(rows.cpu(), vocab)
+            if drafts is None:
+                ids, lengths = history, ends
+            else:
+                ids, lengths = node_prefixes(history, ends, drafts.tokens, drafts.path_slots, drafts.depth, vocab)
+        self.last_scores = self.processors(ids, scores, lengths, entry_rows).view(batch, nodes, vocab)
         return self.last_scores
 
     def reported(self, logits: torch.Tensor) -> torch.Tensor:
@@ -320,8 +328,8 @@ class Acceptor:
                                                     drafts.valid)
         if self.mode == "greedy" and len(self.processors) == 0:
             return greedy_accept(tokens, parent, depth, path_slots, greedy_tokens(logits), valid)
-        scores = self._scores(logits, rows, tokens, path_slots)
-        if self.mode == "greedy":  # greedy with a repetition penalty: argmax of the penalized scores
+        scores = self._scores(logits, rows, drafts)
+        if self.mode == "greedy":  # greedy with processors: argmax of the processed scores
             return greedy_accept(tokens, parent, depth, path_slots, greedy_tokens(scores), valid)
         probs = scores.softmax(-1)
         batch = tokens.shape[0]

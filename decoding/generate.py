@@ -26,7 +26,7 @@ from .drafters import Drafter, HeadsDrafter, MergedDrafter, auto_drafts, build_d
 from .limits import check_base_path, check_generator, parse_dtype, parse_tree_option
 from .loop import DecodingStats, plain_generate, speculate
 from .policy import AdaptivePolicy, FixedTree, TreePolicy, as_policy, best_budget, default_tree, resolve_tree, tree_for_budget
-from .request import eos_token_ids, make_request
+from .request import Call, Request, eos_token_ids, make_request, prepare_call
 from .step import PhaseTimer
 from .tree import Tree
 
@@ -241,34 +241,49 @@ class DraftHeadsModel:
 
     # -- the drop-in generate ----------------------------------------------------------------
     @torch.no_grad()
-    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, generation_config=None,
-                 streamer=None, stopping_criteria=None, generator: torch.Generator | None = None,
-                 acceptance: str | Typical | None = None, timer: PhaseTimer | None = None, **kwargs):
+    def generate(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                 generation_config=None, streamer=None, stopping_criteria=None, generator: torch.Generator | None = None,
+                 acceptance: str | Typical | None = None, timer: PhaseTimer | None = None, logits_processor=None,
+                 prefix_allowed_tokens_fn=None, tokenizer=None, **kwargs):
         """transformers' ``generate`` arguments; with ``do_sample=True`` also ``generator`` (seeded
         randomness; default: seeded from the global torch RNG) and ``acceptance``: "lossless"
         (default, exactly the base's sampling distribution) or "typical" / ``Typical(ε, δ)``
         (Medusa-2's rule, lossy). See ``draftheads.decoding.accept``. ``timer``: a
         :class:`~draftheads.decoding.step.PhaseTimer` that sums each step phase's time (profiling).
 
-        Returns what transformers returns, with these documented edges: ``scores``/``logits``
-        are float32 as there; with ``return_dict_in_generate`` a batch's ``past_key_values`` and
-        the scores of rows that finished early come from one extra forward over the output
-        (equal up to float rounding); an answer that would pass ``max_position_embeddings``
-        stops there with a ``UserWarning`` (transformers continues). Bad inputs raise
+        Every generation option means what it means in transformers (the config is merged and the
+        logits processors and stopping criteria are built by transformers' own methods, the
+        caller's own included; :mod:`~draftheads.decoding.options` lists what is honoured and
+        what refused). Returns what transformers returns, with these documented edges:
+        ``scores``/``logits`` are float32 as there; with ``return_dict_in_generate`` a batch's
+        ``past_key_values`` and the scores of rows that finished early come from one extra forward
+        over the output (equal up to float rounding); an answer that would pass
+        ``max_position_embeddings`` stops there with a ``UserWarning`` (transformers continues).
+        Bad inputs and options draftheads cannot honour raise
         :class:`~draftheads.decoding.limits.InputError` before any work."""
         check_generator(generator)
-        request = make_request(self.base, self.policy.max_nodes, input_ids, attention_mask, generation_config,
-                               streamer, acceptance, kwargs)
+        if input_ids is None:  # transformers names the prompt ``inputs``
+            input_ids = kwargs.pop("inputs", None)
+        call = prepare_call(self.base, input_ids, attention_mask, generation_config, kwargs, logits_processor,
+                            stopping_criteria, prefix_allowed_tokens_fn,
+                            tokenizer if tokenizer is not None else self.tokenizer)
+        return self.run(call, streamer, generator, acceptance, timer)
+
+    @torch.no_grad()
+    def run(self, call: Call, streamer=None, generator: torch.Generator | None = None,
+            acceptance: str | Typical | None = None, timer: PhaseTimer | None = None):
+        """Decode a prepared call (:func:`~.request.prepare_call`, or what transformers hands a
+        ``custom_generate`` callable: :func:`~.request.prepared_call`); see :meth:`generate`."""
+        request = make_request(self.base, self.policy.max_nodes, call, streamer, acceptance)
         started = time.perf_counter()
-        if self._delegates(request.batch, request.prompt_len, generator):
-            output, self.last_stats = plain_generate(self.base, request, started, streamer, stopping_criteria)
+        if self._delegates(request, generator):
+            output, self.last_stats = plain_generate(self.base, request, started, streamer)
             return output
         self.refresh()
         drafter = self.drafter if self.drafter is not None else HeadsDrafter(self.heads)
         with holding_packing(self.base), wearing(self.heads):
             output, self.last_stats = speculate(self.base, self.heads, self.policy, drafter, request, started,
-                                                generator, streamer, stopping_criteria, timer,
-                                                self.finished_rows == "shrink")
+                                                generator, streamer, timer, self.finished_rows == "shrink")
         return output
 
     def refresh(self) -> None:
@@ -285,10 +300,12 @@ class DraftHeadsModel:
             attach_heads(self.heads, self.base, self.packed_linears)
         self.heads.drop_stale_copies(memo)
 
-    def _delegates(self, batch: int, prompt_len: int, generator) -> bool:
+    def _delegates(self, request: Request, generator) -> bool:
         """Plain decoding by the base itself: the policy prefers it for this batch, and nothing
-        asked for what only the loop provides (a ``torch.Generator`` for seeded sampling)."""
-        return bool(self.delegate_plain and generator is None and self.policy.prefers_plain(batch, prompt_len))
+        asked for what only the loop provides (a ``torch.Generator`` for seeded sampling) or
+        came prepared by transformers (its lists cannot be handed back to it)."""
+        return bool(self.delegate_plain and generator is None and request.plain is not None
+                    and self.policy.prefers_plain(request.batch, request.prompt_len))
 
 
 

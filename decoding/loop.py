@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from transformers import StoppingCriteriaList
 
 from .accept import Acceptor
 from .base import lm_logits, prefill
@@ -136,15 +137,16 @@ def _rooms(out: Emitter, live: torch.Tensor) -> list[int]:
 
 
 def speculate(base, heads, policy, drafter: Drafter, request: Request, started: float, generator=None,
-              streamer=None, stopping_criteria=None, timer: PhaseTimer | None = None, shrink: bool = True):
+              streamer=None, timer: PhaseTimer | None = None, shrink: bool = True):
     """Prefill, the loop, the output: ``(what generate returns, DecodingStats)``. ``shrink``:
     finished rows leave the batch (else their trees are verified and ignored)."""
     sequences = Sequences(request.input_ids, request.attention_mask)  # the one owner of the tokens
-    out = Emitter(sequences, request.limits, request.eos, stopping_criteria, streamer, request.want_scores)
+    criteria = StoppingCriteriaList(request.criteria) if request.criteria else None
+    out = Emitter(sequences, request.limits, request.eos, criteria, streamer, request.want_scores)
     cache, hidden = prefill(base, request.input_ids, request.attention_mask)
     kv = KVState.after_prefill(cache, request.attention_mask)
     logits = lm_logits(base, hidden)  # (B, V)
-    acceptor = Acceptor(request.config, request.mode, logits.shape[-1], sequences, generator)
+    acceptor = Acceptor(request.config, request.mode, logits.shape[-1], sequences, generator, request.processors)
     roots = acceptor.first(logits)
     out.emit_first(roots, acceptor.reported(logits) if request.want_scores else None)
     prefilled = time.perf_counter()
@@ -186,13 +188,16 @@ def decode(base, policy, sequences: Sequences, out: Emitter, acceptor: Acceptor,
     return stats
 
 
-def plain_generate(base, request: Request, started: float, streamer=None, stopping_criteria=None):
-    """The base's own ``generate`` with the same (already checked) arguments; its output is the
-    reference itself, so greedy identity and sampling's distribution hold trivially.
+def plain_generate(base, request: Request, started: float, streamer=None):
+    """The base's own ``generate`` with the same (already checked) arguments — the caller's own
+    processors and criteria included (``request.plain``) — its output is the reference itself,
+    so greedy identity and sampling's distribution hold trivially.
     ``(what generate returns, DecodingStats)``."""
     clock = FirstTokenClock()
+    own = dict(request.plain)
+    own["logits_processor"] = [*own["logits_processor"], clock]
     output = base.generate(request.input_ids, attention_mask=request.attention_mask, generation_config=request.config,
-                           streamer=streamer, stopping_criteria=stopping_criteria, logits_processor=[clock])
+                           streamer=streamer, **own)
     sequences = output if isinstance(output, torch.Tensor) else output.sequences
     counts = generated_counts(sequences, request.prompt_len, set(request.eos))
     steps = max(counts, default=0)

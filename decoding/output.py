@@ -153,7 +153,7 @@ def fill_finished_scores(scores: list[list[torch.Tensor]], base, hidden: torch.T
             logits = lm_logits(base, hidden[row, prompt_len - 1 + step][None, None])[0, 0]
             if acceptor.report_processed:
                 ids = sequences[row: row + 1, : prompt_len + step]
-                logits = acceptor.processors(ids, logits.float()[None])[0].to(logits.dtype)
+                logits = acceptor.processors(ids, logits.float()[None], rows=torch.tensor([row]))[0].to(logits.dtype)
             row_scores.append(logits)
 
 

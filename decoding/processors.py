@@ -1,79 +1,190 @@
-"""The target distribution: the base's logits through the processors transformers' sampling
-applies, in transformers' order (``GenerationMixin._get_logits_processor``, transformers 5.x):
-repetition penalty first, then temperature, top-k, top-p. At a tree node "so far" is the prompt,
-every token emitted before, the root and the node's own path, so the repetition penalty sees
-the drafted tokens above the node exactly as it would had the base produced them. Acceptance
-(:mod:`.accept`) compares drafts with this distribution; nothing here knows about trees'
-acceptance, caches or drafters.
+"""The target distribution: the base's logits through the logits processors transformers'
+``generate`` builds for the call (``GenerationMixin._get_logits_processor``: the generation
+config's options and the caller's own processors, in transformers' order), applied at every
+tree node exactly as the base would apply them had it produced that node's prefix itself.
+
+A processor transformers calls once per step with ``(input_ids, scores)`` is exact over a tree
+when it is a function of each row's tokens so far and its scores alone: at node n it is given
+the row's prompt (left padding included, as transformers passes it), every token emitted before
+and the drafted path to n. By what they read, the classes draftheads knows (exact classes only:
+a subclass may keep state) are applied in one of three ways (:data:`KINDS`):
+
+- ``scores``: only the scores (temperature, top-k, top-p, ...): one call over every node;
+- ``set``: the set of ids so far (the repetition penalty): one call over every node, each node's
+  ids right-filled with an id past the vocabulary, which the processor drops by design;
+- ``prefix``: the prefix itself, its length or its last tokens (n-gram bans, minimum lengths,
+  forced tokens, watermarking, ...): one call per prefix length.
+
+Processors holding one entry per batch row (the penalty's padding lengths, the encoder penalty's
+prompt, a ``prefix_allowed_tokens_fn``'s batch index) are re-indexed to the rows each call sees
+(:func:`for_rows`). Anything else — state kept across calls (SynthID watermarking, classifier-free
+guidance) or a class draftheads does not know — is refused by name before any work
+(:func:`check_processors`); a caller's own processor that is a function of the tokens so far
+and the scores can say so by being wrapped in :class:`PrefixOnly`. Acceptance (:mod:`.accept`)
+compares drafts with the processed distribution; nothing here knows about caches or drafters.
 """
 from __future__ import annotations
 
+import copy
+import functools
 
 import torch
 
-# Sampling warpers transformers would apply that draftheads does not build (yet): refused
-# with their name instead of silently sampling from another distribution.
-_UNSUPPORTED_WARPERS = {"top_h": None, "min_p": None, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0,
-                        "watermarking_config": None}
+from .limits import InputError
+
+SCORES, SET, PREFIX = "scores", "set", "prefix"
 
 
-def check_sampling_config(config) -> None:
-    """Refuse warpers that would change the distribution but are not implemented here."""
-    if not config.do_sample:
-        return
-    for name, default in _UNSUPPORTED_WARPERS.items():
-        value = getattr(config, name, default)
-        if value not in (default, None):
-            raise ValueError(f"generate(): `{name}={value!r}` is not supported with do_sample=True by draftheads yet "
-                             f"(supported: temperature, top_k, top_p, repetition_penalty); leave it unset or use "
-                             "the base model's own generate().")
+class PrefixOnly:
+    """A caller's own logits processor, declared a function of each row's tokens so far and its
+    scores alone (no state across calls, no batch index): draftheads then applies it at every
+    tree node on that node's own prefix, as transformers would at that step. Pass
+    ``logits_processor=[PrefixOnly(mine)]``; transformers' own ``generate`` runs it unchanged."""
+
+    def __init__(self, processor):
+        if not callable(processor):
+            raise InputError(f"PrefixOnly({processor!r}): expected a logits processor (a callable taking input_ids "
+                             "and scores).")
+        self.processor = processor
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        return self.processor(input_ids, scores)
+
+    def __repr__(self) -> str:
+        return f"PrefixOnly({self.processor!r})"
 
 
-def logits_processors(config):
-    """The processors transformers' ``generate`` applies for ``config``, in its order
-    (``GenerationMixin._get_logits_processor``, transformers 5.23): repetition penalty, then,
-    when sampling, temperature, top-k, top-p. Built from the public classes.
+@functools.lru_cache(maxsize=None)
+def kinds() -> dict[type, str]:
+    """transformers' processor classes that are exact over a tree → how they are applied."""
+    from transformers.generation import logits_process as lp
 
-    Left padding: transformers tells the repetition penalty to skip each row's pad prefix; we
-    replace pad positions by an out-of-vocabulary id instead (see :meth:`~.sequences.Sequences.history`), which
-    the processor drops by design."""
-    from transformers.generation.logits_process import (LogitsProcessorList, RepetitionPenaltyLogitsProcessor,
-                                                        TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
-
-    processors = LogitsProcessorList()
-    if config.repetition_penalty is not None and config.repetition_penalty != 1.0:
-        processors.append(RepetitionPenaltyLogitsProcessor(float(config.repetition_penalty)))
-    if config.do_sample:
-        if config.temperature is not None and config.temperature != 1.0:
-            processors.append(TemperatureLogitsWarper(config.temperature))
-        if config.top_k is not None and config.top_k != 0:
-            processors.append(TopKLogitsWarper(top_k=config.top_k, min_tokens_to_keep=1))
-        if config.top_p is not None and config.top_p < 1.0:
-            processors.append(TopPLogitsWarper(top_p=config.top_p, min_tokens_to_keep=1))
-    return processors
+    by_kind = {
+        SCORES: ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper",
+                 "TopHLogitsWarper", "TypicalLogitsWarper", "EpsilonLogitsWarper", "EtaLogitsWarper",
+                 "InfNanRemoveLogitsProcessor", "LogitNormalization", "SuppressTokensLogitsProcessor",
+                 "EncoderRepetitionPenaltyLogitsProcessor"),
+        SET: ("RepetitionPenaltyLogitsProcessor",),
+        PREFIX: ("NoRepeatNGramLogitsProcessor", "NoBadWordsLogitsProcessor", "SequenceBiasLogitsProcessor",
+                 "MinLengthLogitsProcessor", "MinNewTokensLengthLogitsProcessor", "ForcedBOSTokenLogitsProcessor",
+                 "ForcedEOSTokenLogitsProcessor", "ExponentialDecayLengthPenalty",
+                 "SuppressTokensAtBeginLogitsProcessor", "WatermarkLogitsProcessor",
+                 "PrefixConstrainedLogitsProcessor"),
+    }
+    table = {getattr(lp, name): kind for kind, names in by_kind.items() for name in names if hasattr(lp, name)}
+    table[PrefixOnly] = PREFIX
+    return table
 
 
-def uses_history(processors) -> bool:
-    """Whether a processor reads the tokens so far (only the repetition penalty here)."""
-    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+#: processors transformers builds that are not exact over a tree: the option that made each, and why
+_REFUSED = {
+    "UnbatchedClassifierFreeGuidanceLogitsProcessor": ("guidance_scale", "it runs the model again with its own cache"),
+    "SynthIDTextWatermarkLogitsProcessor": ("watermarking_config (SynthID)", "it keeps state from step to step"),
+    "EncoderNoRepeatNGramLogitsProcessor": ("encoder_no_repeat_ngram_size", "it keeps per-batch-row state"),
+}
 
-    return any(isinstance(p, RepetitionPenaltyLogitsProcessor) for p in processors)
+
+def kind_of(processor) -> str | None:
+    """How ``processor`` is applied over a tree (:data:`SCORES`, :data:`SET`, :data:`PREFIX`), or
+    None when it cannot be applied exactly."""
+    return kinds().get(type(processor))
 
 
-def processed_scores(processors, logits: torch.Tensor, history: torch.Tensor | None = None,
-                     tokens: torch.Tensor | None = None, path_slots: torch.Tensor | None = None) -> torch.Tensor:
-    """logits (B, N, V) at the tree slots → processed float32 scores (B, N, V). The ids the
-    processors see at slot n are ``history`` + the root→n path (the root is also the last
-    history token; repeats do not matter to the set-based repetition penalty)."""
-    batch, nodes, vocab = logits.shape
-    scores = logits.to(dtype=torch.float32, copy=True).reshape(batch * nodes, vocab)
-    if len(processors) == 0:
-        return scores.view(batch, nodes, vocab)
-    if history is None:
-        ids = torch.full((batch * nodes, 1), vocab, dtype=torch.long, device=logits.device)
-    else:
-        path_slots = path_slots.to(logits.device).expand(batch, nodes, -1)  # (N, D+1) or (B, N, D+1)
-        path = tokens.gather(1, path_slots.reshape(batch, -1)).view(batch, nodes, -1)
-        ids = torch.cat([history.to(logits.device)[:, None, :].expand(batch, nodes, -1), path], dim=2)
-        ids = ids.reshape(batch * nodes, -1)
-    return processors(ids, scores).view(batch, nodes, vocab)
+def check_processors(processors) -> None:
+    """Refuse, naming its option or class, each processor that is not exact over a tree."""
+    for processor in processors:
+        if kind_of(processor) is not None:
+            continue
+        name = type(processor).__name__
+        if name in _REFUSED:
+            option, why = _REFUSED[name]
+            raise InputError(f"generate(): {option} is not supported by draftheads ({why}, which draft trees cannot "
+                             "reproduce); drop it or call the model's own generate() without draftheads.")
+        raise InputError(f"generate(): logits_processor {name} is not one draftheads can apply at every draft-tree "
+                         "node as transformers applies it per step; if it depends only on each row's tokens so far "
+                         "and the scores, pass draftheads.PrefixOnly(it), else call generate() without draftheads.")
+
+
+def for_rows(processor, rows: torch.Tensor):
+    """``processor`` as seen by a batch whose i-th entry is the call's row ``rows[i]``: processors
+    that hold an entry per batch row get a copy holding those rows' entries."""
+    from transformers.generation import logits_process as lp
+
+    kind = type(processor)
+    if kind is lp.RepetitionPenaltyLogitsProcessor and isinstance(processor.prompt_ignore_length, torch.Tensor):
+        view = copy.copy(processor)
+        view.prompt_ignore_length = processor.prompt_ignore_length[rows.to(processor.prompt_ignore_length.device)]
+        return view
+    if kind is lp.EncoderRepetitionPenaltyLogitsProcessor:
+        view = copy.copy(processor)
+        view.encoder_input_ids = processor.encoder_input_ids[rows.to(processor.encoder_input_ids.device)]
+        return view
+    if kind is lp.PrefixConstrainedLogitsProcessor:
+        view, allowed, index = copy.copy(processor), processor._prefix_allowed_tokens_fn, rows.tolist()
+        view._prefix_allowed_tokens_fn = lambda batch_id, sent: allowed(index[batch_id], sent)
+        return view
+    return processor
+
+
+def _apply(processors, ids: torch.Tensor, scores: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    for processor in processors:
+        scores = for_rows(processor, rows)(ids, scores)
+    return scores
+
+
+class NodeProcessors:
+    """One call's processors, applied at tree nodes (see the module docstring)."""
+
+    def __init__(self, processors=()):
+        self.processors = list(processors)
+        check_processors(self.processors)
+        found = [kind_of(p) for p in self.processors]
+        #: the processors up to the last that reads the exact prefix run once per prefix length
+        self.cut = max((i + 1 for i, kind in enumerate(found) if kind == PREFIX), default=0)
+        #: whether any processor reads the ids at all (else they are not built)
+        self.reads_ids = any(kind != SCORES for kind in found)
+
+    def __len__(self) -> int:
+        return len(self.processors)
+
+    def __call__(self, ids: torch.Tensor, scores: torch.Tensor, lengths: torch.Tensor | None = None,
+                 rows: torch.Tensor | None = None) -> torch.Tensor:
+        """scores (M, V) float32 → processed (M, V). ``ids`` (M, W): entry m's tokens so far in its
+        first ``lengths[m]`` columns (default: all W), the rest an id ≥ V; ``rows`` (M,): the call's
+        batch row of each entry (default: 0..M-1)."""
+        if not self.processors:
+            return scores
+        rows = torch.arange(scores.shape[0]) if rows is None else rows.cpu()
+        if self.cut:
+            exact = self.processors[: self.cut]
+            if lengths is None:
+                scores = _apply(exact, ids, scores, rows)
+            else:
+                out = scores.clone()
+                for length in torch.unique(lengths).tolist():
+                    pick = (lengths == length).nonzero().squeeze(1)
+                    out[pick] = _apply(exact, ids[pick, :length], scores[pick], rows[pick.cpu()])
+                scores = out
+        return _apply(self.processors[self.cut:], ids, scores, rows)
+
+
+def node_prefixes(history: torch.Tensor, ends: torch.Tensor, tokens: torch.Tensor, path_slots: torch.Tensor,
+                  depth: torch.Tensor, fill: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each tree node's tokens so far: its row's ``history`` (R, W) — the first ``ends`` (R,)
+    columns, the rest ``fill`` — then the drafted path below the root (the root, the last token
+    emitted, is already in the history). tokens (R, N); path_slots (N, D+1) or (R, N, D+1);
+    depth (N,) or (R, N). → ids (R·N, W + D), right-filled with ``fill``, and their lengths (R·N,)."""
+    batch, width = history.shape
+    nodes = tokens.shape[1]
+    levels = path_slots.shape[-1] - 1
+    path_slots = path_slots.to(tokens.device).expand(batch, nodes, levels + 1)
+    depth = depth.to(tokens.device).expand(batch, nodes)
+    ids = torch.cat([history[:, None, :].expand(batch, nodes, width),
+                     history.new_full((batch, nodes, levels), fill)], dim=2)
+    if levels:
+        path = tokens.gather(1, path_slots[..., 1:].reshape(batch, -1)).view(batch, nodes, levels)
+        steps = torch.arange(levels, device=tokens.device)
+        below = torch.where(steps < depth[..., None], path.to(ids.dtype), fill)
+        ids.scatter_(2, (ends.to(tokens.device)[:, None, None] + steps).expand(batch, nodes, levels), below)
+    lengths = ends.to(tokens.device)[:, None] + depth
+    return ids.reshape(batch * nodes, -1), lengths.reshape(-1)

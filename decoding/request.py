@@ -1,17 +1,37 @@
-"""One ``generate`` call's arguments, merged like transformers merges them and checked before
-any work: the generation config, the acceptance rule, EOS and pad ids, the checked input
-tensors and each row's token limit (:class:`Request`, :func:`make_request`).
+"""One ``generate`` call's arguments, merged and prepared as transformers' ``generate`` prepares
+them for its decoding loop, and checked before any work: the generation config, the logits
+processors and stopping criteria (:class:`Call`: :func:`prepare_call` for draftheads' own
+``generate``, :func:`prepared_call` for what transformers hands a ``custom_generate``), then the
+acceptance rule, EOS and pad ids, the checked input tensors and each row's token limit
+(:class:`Request`, :func:`make_request`).
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from .accept import resolve_acceptance
-from .limits import InputError, check_inputs, check_memory, wanted_new_tokens, warn_context_cut
-from .processors import check_sampling_config
+from .limits import InputError, InputTypeError, check_inputs, check_memory, wanted_new_tokens, warn_context_cut
+from .options import generate_arguments, refuse_options
+from .processors import NodeProcessors
+
+
+@dataclass
+class Call:
+    """A call's generation arguments as transformers' ``generate`` hands them to a decoding loop:
+    the merged config, the checked prompt, the logits processors and stopping criteria built from
+    both (the caller's own merged in, in transformers' order). ``plain``: the caller's own
+    arguments, for running the base's own ``generate`` instead (None where the lists came
+    prepared and cannot be handed back without doubling transformers' defaults)."""
+
+    config: Any  # the prepared transformers GenerationConfig
+    input_ids: torch.Tensor  # (B, L)
+    attention_mask: torch.Tensor  # (B, L)
+    processors: list
+    criteria: list
+    plain: dict | None
 
 
 @dataclass
@@ -20,12 +40,15 @@ class Request:
 
     config: object  # the merged transformers GenerationConfig
     mode: object  # "greedy" | "lossless" | Typical
-    eos: list[int]
+    eos: list[int]  # the ids that end a row (transformers' EosTokenCriteria)
     pad: int
     input_ids: torch.Tensor  # (B, L)
     attention_mask: torch.Tensor  # (B, L)
     limits: list[int]  # each row's max new tokens after the context cut
     want_scores: bool
+    processors: NodeProcessors  # applied at every tree node
+    criteria: list  # stopping criteria besides length and EOS, checked after every emitted token
+    plain: dict | None  # see :class:`Call`
 
     @property
     def batch(self) -> int:
@@ -34,37 +57,6 @@ class Request:
     @property
     def prompt_len(self) -> int:
         return int(self.input_ids.shape[1])
-
-
-# Generation options whose non-default value changes the output and that the greedy tree
-# decoder does not implement yet: refused with a clear message, never silently ignored.
-_UNSUPPORTED = {
-    "num_beams": 1, "num_beam_groups": 1, "penalty_alpha": None,
-    "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "bad_words_ids": None, "force_words_ids": None,
-    "min_length": 0, "min_new_tokens": None, "forced_bos_token_id": None, "forced_eos_token_id": None,
-    "suppress_tokens": None, "begin_suppress_tokens": None, "sequence_bias": None, "guidance_scale": None,
-    "num_return_sequences": 1, "output_attentions": False, "output_hidden_states": False,
-    "prompt_lookup_num_tokens": None, "renormalize_logits": False, "exponential_decay_length_penalty": None,
-    "max_time": None, "stop_strings": None, "constraints": None, "low_memory": None,
-}
-_CALL_ARGUMENTS = {"streamer", "stopping_criteria", "generation_config", "attention_mask", "input_ids", "tree",
-                   "logits_processor", "use_cache"}
-
-
-def resolve_generation_config(base_config, generation_config=None, **kwargs):
-    """Merge like transformers does (explicit config, then keyword overrides) and refuse
-    anything the decoder would otherwise silently ignore."""
-    config = copy.deepcopy(generation_config if generation_config is not None else base_config)
-    unused = config.update(**kwargs)
-    if unused:
-        raise InputError(f"generate() got arguments it does not understand: {sorted(unused)}.")
-    for name, default in _UNSUPPORTED.items():
-        value = getattr(config, name, default)
-        if value not in (default, None):
-            raise InputError(f"generate(): `{name}={value!r}` is not supported by draftheads yet; "
-                             f"leave it at {default!r} or use the base model's own generate().")
-    check_sampling_config(config)
-    return config
 
 
 def eos_token_ids(config) -> list[int]:
@@ -77,29 +69,122 @@ def eos_token_ids(config) -> list[int]:
     return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
 
 
-def make_request(base, max_nodes, input_ids, attention_mask, generation_config, streamer, acceptance,
-                 kwargs) -> Request:
-    """Every argument of ``generate`` merged and checked, before any work; ``max_nodes(batch,
-    prompt_len)``: the largest tree the policy may ask for (what the memory check prices)."""
-    config = resolve_generation_config(base.generation_config, generation_config, **kwargs)
-    mode = resolve_acceptance(config, acceptance)
+def pad_token_id(config) -> int | None:
+    """transformers' fallback: no pad_token_id → the first EOS id (and no padding inference)."""
     eos = eos_token_ids(config)
-    # transformers' fallback: no pad_token_id → the first EOS id (and no padding inference)
-    pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else None)
-    input_ids, attention_mask = check_inputs(input_ids, attention_mask, base, pad, eos,
-                                              pad_given=config.pad_token_id is not None)
+    return config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else None)
+
+
+def as_list(value, name: str) -> list:
+    """``logits_processor`` / ``stopping_criteria``: None, or a list (transformers' own list
+    classes, a plain list or tuple) of callables."""
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)):
+        raise InputTypeError(f"generate(): {name} must be a list of callables (e.g. [{type(value).__name__}(...)]), "
+                             f"got {type(value).__name__}.")
+    for item in value:
+        if not callable(item):
+            raise InputTypeError(f"generate(): every entry of {name} must be callable (input_ids, scores), got "
+                                 f"{type(item).__name__} {item!r}.")
+    return list(value)
+
+
+def checked_prompt(base, config, input_ids, attention_mask) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompt's tensors checked, and its mask inferred from the pad id where it is missing (transformers' rule)."""
+    eos = eos_token_ids(config)
+    return check_inputs(input_ids, attention_mask, base, pad_token_id(config), eos,
+                        pad_given=config.pad_token_id is not None)
+
+
+def prepare_call(base, input_ids, attention_mask, generation_config, kwargs: dict, logits_processor=None,
+                 stopping_criteria=None, prefix_allowed_tokens_fn=None, tokenizer=None) -> Call:
+    """What transformers' ``generate`` does before its decoding loop, for draftheads' own
+    ``generate``: merge the config (the call's config or the model's, transformers' defaults,
+    the keyword arguments), refuse what the tree loop would drop, prepare the special tokens and
+    lengths, and build the logits processors and stopping criteria — with transformers' own
+    methods, so every option means what it means there."""
+    arguments = {name: kwargs.pop(name) for name in list(kwargs) if name in generate_arguments()}
+    logits_processor = as_list(logits_processor, "logits_processor")
+    stopping_criteria = as_list(stopping_criteria, "stopping_criteria")
+    base_config = base.generation_config
+    has_default_max_length = kwargs.get("max_length") is None and base_config.max_length is None and (
+        generation_config is None or generation_config.max_length is None)
+    has_default_min_length = kwargs.get("min_length") is None and base_config.min_length is None and (
+        generation_config is None or generation_config.min_length is None)
+    try:
+        config, unknown = base._prepare_generation_config(generation_config, **kwargs)
+    except ValueError as err:
+        raise InputError(f"generate(): {err}") from err
+    refuse_options(config, arguments)
+    unknown = sorted(set(unknown) - {"output_attentions", "output_hidden_states"})
+    if unknown:
+        raise InputError(f"generate() got arguments it does not understand: {unknown}.")
+    input_ids, attention_mask = checked_prompt(base, config, input_ids, attention_mask)
+    length = input_ids.shape[1]
+    base._prepare_special_tokens(config, True, device=input_ids.device)
+    base._prepare_generated_length(config, has_default_max_length, has_default_min_length, "input_ids", length,
+                                   input_ids)
+    padded = None if bool(attention_mask.all()) else attention_mask  # transformers drops an all-ones mask
+    try:
+        processors = base._get_logits_processor(
+            config, input_ids_seq_length=length, encoder_input_ids=input_ids,
+            prefix_allowed_tokens_fn=prefix_allowed_tokens_fn, logits_processor=logits_processor,
+            device=input_ids.device, model_kwargs={"attention_mask": padded})
+        criteria = base._get_stopping_criteria(config, stopping_criteria, tokenizer=tokenizer)
+    except ValueError as err:
+        raise InputError(f"generate(): {err}") from err
+    plain = {"logits_processor": logits_processor, "stopping_criteria": stopping_criteria,
+             "prefix_allowed_tokens_fn": prefix_allowed_tokens_fn, "tokenizer": tokenizer}
+    return Call(config, input_ids, attention_mask, list(processors), list(criteria), plain)
+
+
+def prepared_call(base, input_ids, attention_mask, config, logits_processor, stopping_criteria,
+                  arguments: dict | None = None) -> Call:
+    """What transformers' ``generate`` hands a ``custom_generate`` callable — its prepared
+    config, processors and criteria; ``arguments``: those of its ``generate`` call it does not
+    hand over — checked like :func:`prepare_call`'s."""
+    refuse_options(config, arguments)
+    input_ids, attention_mask = checked_prompt(base, config, input_ids, attention_mask)
+    return Call(config, input_ids, attention_mask, as_list(logits_processor, "logits_processor"),
+                as_list(stopping_criteria, "stopping_criteria"), None)
+
+
+def stop_rules(criteria: list) -> tuple[int | None, list[int], list]:
+    """transformers' stopping criteria as the loop applies them: the shortest ``MaxLengthCriteria``
+    (None: no length limit but the context), the ids of every ``EosTokenCriteria`` (the caller's
+    own replace the config's, as in transformers), and the rest, checked after each token."""
+    from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+
+    lengths = [int(c.max_length) for c in criteria if type(c) is MaxLengthCriteria]
+    eos = [int(e) for c in criteria if type(c) is EosTokenCriteria for e in torch.as_tensor(c.eos_token_id).flatten()]
+    rest = [c for c in criteria if type(c) not in (MaxLengthCriteria, EosTokenCriteria)]
+    return (min(lengths) if lengths else None), sorted(set(eos)), rest
+
+
+def make_request(base, max_nodes, call: Call, streamer, acceptance) -> Request:
+    """A prepared call checked before any work: the acceptance rule, the processors (each one
+    exact over a tree, else refused by name), the stopping rules, each row's token limit, the
+    memory; ``max_nodes(batch, prompt_len)``: the largest tree the policy may ask for."""
+    config, input_ids, attention_mask = call.config, call.input_ids, call.attention_mask
+    mode = resolve_acceptance(config, acceptance)
+    processors = NodeProcessors(call.processors)
+    max_length, eos, criteria = stop_rules(call.criteria)
     batch, prompt_len = input_ids.shape
     if streamer is not None and batch > 1:
         raise InputError("generate(): a streamer needs batch size 1 (as in transformers).")
-    wanted = wanted_new_tokens(config, prompt_len)
-    check_memory(base, batch, prompt_len, min(wanted, base.config.max_position_embeddings),
-                 max_nodes(batch, prompt_len))
     context = base.config.max_position_embeddings
+    wanted = wanted_new_tokens(config, prompt_len)  # checks max_new_tokens / max_length as given
+    if max_length is not None:  # the MaxLengthCriteria in force: the config's, or the caller's own in its place
+        wanted = max(1, max_length - prompt_len)
+    check_memory(base, batch, prompt_len, min(wanted, context), max_nodes(batch, prompt_len))
     limits = [min(wanted, context - int(n)) for n in attention_mask.sum(1)]
     warn_context_cut(wanted, limits, context)
     want_scores = bool(config.return_dict_in_generate and (config.output_scores or config.output_logits))
+    pad = pad_token_id(config)
     # no pad and no EOS: no row ends early, the pad value never shows
-    return Request(config, mode, eos, 0 if pad is None else pad, input_ids, attention_mask, limits, want_scores)
+    return Request(config, mode, eos, 0 if pad is None else pad, input_ids, attention_mask, limits, want_scores,
+                   processors, criteria, call.plain)
 
 
 def left_pad(rows: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

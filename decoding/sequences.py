@@ -3,7 +3,7 @@
 Each row is its prompt (left-padded ``input_ids`` with the attention mask) followed by the
 tokens emitted after it. The loop creates the :class:`Sequences` and hands it to the emitter
 (the only writer: :meth:`Sequences.append`, one token at a time, where transformers would
-emit it), to acceptance (the logits processors' history, :meth:`Sequences.history`), to the
+emit it), to acceptance (the logits processors' tokens so far, :meth:`Sequences.history`), to the
 drafters (each row's tokens so far) and to the output (:meth:`Sequences.assembled`).
 """
 from __future__ import annotations
@@ -48,17 +48,18 @@ class Sequences:
         tail = torch.tensor(self.generated[row], dtype=self.input_ids.dtype, device=self.input_ids.device)
         return torch.cat([self.input_ids[row], tail])[None]
 
-    def history(self, rows: torch.Tensor, vocab: int) -> torch.Tensor:
-        """(R, L + T) the tokens so far of the given rows, for the logits processors: the prompt
-        (pad positions → ``vocab``, an id every processor ignores) then the generated tokens,
-        right-filled with ``vocab``."""
+    def history(self, rows: torch.Tensor, fill: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tokens so far of the given rows, as transformers' logits processors see them: the
+        padded prompt (pads and all) then the generated tokens, right-filled with ``fill`` to a
+        common width → ((R, L + T) ids, (R,) each row's own length)."""
         rows_list = rows.tolist()
-        prompt = self.input_ids[rows].masked_fill(self.attention_mask[rows] == 0, vocab)
+        prompt = self.input_ids[rows.to(self.input_ids.device)]
         width = max((len(self.generated[r]) for r in rows_list), default=0)
-        tail = torch.full((len(rows_list), width), vocab, dtype=prompt.dtype)
+        tail = torch.full((len(rows_list), width), fill, dtype=prompt.dtype)
         for i, r in enumerate(rows_list):
             tail[i, : len(self.generated[r])] = torch.tensor(self.generated[r], dtype=prompt.dtype)
-        return torch.cat([prompt, tail.to(prompt.device)], dim=1)
+        ends = torch.tensor([self.prompt_len + len(self.generated[r]) for r in rows_list])
+        return torch.cat([prompt, tail.to(prompt.device)], dim=1), ends
 
     def assembled(self, pad: int) -> torch.Tensor:
         """(B, L + T) prompts then each row's tokens, right-filled with ``pad`` (transformers' shape)."""

@@ -8,15 +8,16 @@ harness, a serving script — decodes with the heads without being rewritten:
 
 transformers prepares the inputs and the generation config (its defaults, the model's
 ``generation_config``, the call's keyword arguments), then calls ``fn`` in place of its own
-decoding loop; ``fn`` runs :meth:`DraftHeadsModel.generate` on *that* model object (the heads are
-loaded, checked against its fingerprint and bound once, then cached on the model) and returns
-what transformers returns. Under each dtype's guarantee the output equals the model's own
-``generate``; what the decoder does not implement is refused before any work, as in
-:meth:`DraftHeadsModel.generate`; the heads stay bound where the model was at its first call (a
-model moved or cast since is refused, :func:`unbind` forgets them). transformers 5.24 hands a
-callable only the arguments it adds to ``_sample``'s, so the ``streamer`` and an
-``assistant_model`` are read from transformers' ``generate`` call itself
-(:func:`generate_call_arguments`): the first streams, the second is refused.
+decoding loop; ``fn`` decodes with the heads on *that* model object (:meth:`DraftHeadsModel.run`;
+the heads are loaded, checked against its fingerprint and bound once, then cached on the model)
+with the logits processors and stopping criteria transformers prepared — the caller's own
+included — and returns what transformers returns. Under each dtype's guarantee the output
+equals the model's own ``generate``; what the decoder does not implement is refused by name
+before any work (:mod:`draftheads.decoding.options`); the heads stay bound where the model was
+at its first call (a model moved or cast since is refused, :func:`unbind` forgets them).
+transformers 5.24 hands a callable only the arguments it adds to ``_sample``'s, so the
+``streamer``, an ``assistant_model`` and the like are read from transformers' ``generate`` call
+itself (:func:`generate_call_arguments`): the first streams, the others are refused.
 """
 from __future__ import annotations
 
@@ -26,18 +27,15 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
-from transformers import StoppingCriteriaList
 
 from .decoding import DraftHeadsModel
 from .decoding.attention import PACKED_SDPA
 from .decoding.base import release_packing
 from .decoding.drafters import parse_drafts
 from .decoding.limits import InputError, parse_tree_option
+from .decoding.options import refuse_options
+from .decoding.request import prepared_call
 from .heads.linear import release_linears
-
-#: transformers' own stopping criteria, which it adds from the generation config; the decoder
-#: applies the same rules itself (max length, EOS), so only the caller's own criteria are passed on
-_BUILT_IN_CRITERIA = ("MaxLengthCriteria", "EosTokenCriteria", "MaxNewTokensCriteria")
 
 #: the model keyword arguments transformers prepares for any decoding loop (the decoder makes its
 #: own cache and positions); anything else (``assistant_model``, ...) is refused by name
@@ -54,8 +52,7 @@ def custom_generate(heads: str | Path, drafts: str | Sequence[str] = "auto", tre
     docstring). ``heads``: a head checkpoint folder or Hub id, made for that model (its
     fingerprint is checked on first use); ``drafts``, ``tree``, ``lookup_store`` and
     ``hub_kwargs`` as in :meth:`DraftHeadsModel.from_pretrained`. Arguments are checked now."""
-    if not isinstance(heads, (str, Path)):
-        raise InputError(f"custom_generate(heads={heads!r}): expected a head checkpoint folder or Hub id.")
+    check_heads_argument(heads)
     tree = parse_tree_option(tree)
     if not (isinstance(drafts, str) and drafts.strip().lower() == "auto"):
         parse_drafts(drafts)
@@ -64,15 +61,11 @@ def custom_generate(heads: str | Path, drafts: str | Sequence[str] = "auto", tre
 
     def generate(model, input_ids: torch.Tensor, logits_processor=None, stopping_criteria=None,
                  generation_config=None, synced_gpus: bool = False, streamer=None, **model_kwargs):
-        unsupported = sorted(k for k, v in model_kwargs.items() if k not in _PREPARED and v is not None)
-        if unsupported:
-            raise InputError(f"custom_generate: {', '.join(unsupported)} not supported with draftheads' heads "
-                             "(the heads are the draft model); drop it or call generate() without custom_generate.")
-        if len(logits_processor or []) > len(own_processors(model, generation_config, input_ids)):
-            raise InputError("custom_generate: a logits_processor of your own is not supported by draftheads; "
-                             "use generation config options (temperature, top_k, top_p, repetition_penalty).")
         dropped = generate_call_arguments()
         refuse_assistance(dropped.get("assistant_model"), generation_config)
+        arguments = {"synced_gpus": synced_gpus, **{k: v for k, v in dropped.items() if k != "streamer"}}
+        refuse_options(generation_config, arguments)  # by name, before the heads load
+        refuse_model_kwargs(model_kwargs)
         if streamer is None and dropped.get("streamer") is not None:
             streamer = PromptAlreadyStreamed(dropped["streamer"])
         decoder = decoder_for(model, key, lambda: DraftHeadsModel.from_pretrained(
@@ -81,23 +74,42 @@ def custom_generate(heads: str | Path, drafts: str | Sequence[str] = "auto", tre
         attention_mask = model_kwargs.get("attention_mask")
         if attention_mask is None:  # transformers drops an all-ones mask before calling us
             attention_mask = torch.ones_like(input_ids)
-        own = StoppingCriteriaList([c for c in (stopping_criteria or []) if type(c).__name__ not in _BUILT_IN_CRITERIA])
-        return decoder.generate(input_ids, attention_mask=attention_mask, generation_config=generation_config,
-                                streamer=streamer, stopping_criteria=own or None)
+        call = prepared_call(model, input_ids, attention_mask, generation_config, logits_processor, stopping_criteria,
+                             arguments)
+        return decoder.run(call, streamer=streamer)
 
     generate.__doc__ = f"draftheads' tree decoding with the heads at {heads} (pass as custom_generate=)."
     return generate
 
 
+def check_heads_argument(heads) -> None:
+    """``custom_generate(heads)``: a non-empty folder path or Hub id, refused at once otherwise."""
+    if not isinstance(heads, (str, Path)):
+        raise InputError(f"custom_generate(heads={heads!r}): expected a head checkpoint folder or Hub id.")
+    if not str(heads).strip():
+        raise InputError(f"custom_generate(heads={str(heads)!r}): heads is empty; pass a head checkpoint folder "
+                         "(e.g. 'checkpoints/smollm2-135m-hydra') or a Hub id ('user/repo').")
+
+
+def refuse_model_kwargs(model_kwargs: dict) -> None:
+    """The model keyword arguments transformers hands the callable beyond those it prepares
+    for any loop: refused by name."""
+    unsupported = sorted(k for k, v in model_kwargs.items() if k not in _PREPARED and v is not None)
+    if unsupported:
+        raise InputError(f"custom_generate: {', '.join(unsupported)} not supported with draftheads' heads "
+                         "(the heads are the draft model); drop it or call generate() without custom_generate.")
+
+
 def generate_call_arguments() -> dict:
     """The arguments of the transformers ``generate`` call that is calling the callable, read
     from its frame: transformers (5.24) hands a callable only what ``_sample`` takes, so an
-    ``assistant_model`` (which the heads cannot be combined with) would be dropped silently and a
-    ``streamer`` lost. Empty where the caller is not transformers' ``generate``."""
+    ``assistant_model`` (which the heads cannot be combined with), classifier-free guidance's
+    negative prompt or ``synced_gpus`` would be dropped silently and a ``streamer`` lost. Empty
+    where the caller is not transformers' ``generate``."""
     frame = sys._getframe(2)  # 0: here, 1: the callable, 2: its caller
     if frame.f_code.co_name != "generate" or not frame.f_globals.get("__name__", "").startswith("transformers."):
         return {}
-    names = ("assistant_model", "streamer", "prefix_allowed_tokens_fn", "negative_prompt_ids")
+    names = ("assistant_model", "streamer", "negative_prompt_ids", "negative_prompt_attention_mask", "synced_gpus")
     return {name: frame.f_locals.get(name) for name in names if frame.f_locals.get(name) is not None}
 
 
@@ -163,14 +175,6 @@ def unbind(model) -> None:
 custom_generate.unbind = unbind  # draftheads.custom_generate is the function: draftheads.custom_generate.unbind(model)
 
 
-def own_processors(model, generation_config, input_ids: torch.Tensor):
-    """The logits processors transformers builds from the generation config alone (so a longer
-    prepared list holds one of the caller's own, which the decoder would not apply)."""
-    return model._get_logits_processor(generation_config=generation_config, input_ids_seq_length=input_ids.shape[1],
-                                       encoder_input_ids=input_ids, prefix_allowed_tokens_fn=None,
-                                       logits_processor=None, device=input_ids.device, model_kwargs={})
-
-
 def decoder_for(model, key: tuple, build: Callable[[], DraftHeadsModel]) -> DraftHeadsModel:
     """The decoder cached for ``model`` and these arguments, built on first use. It holds the
     model weakly, so the entry goes when the model does."""
@@ -185,8 +189,6 @@ def decoder_for(model, key: tuple, build: Callable[[], DraftHeadsModel]) -> Draf
 # -- the folder form: custom_generate/generate.py inside a head checkpoint ----------------------------
 #: transformers' layout for a Hub repo or folder that carries its own decoding loop
 FOLDER, MODULE, REQUIREMENTS = "custom_generate", "generate.py", "requirements.txt"
-_NOT_IMPLEMENTED = ("assistant_model", "prefix_allowed_tokens_fn", "negative_prompt_ids",
-                    "negative_prompt_attention_mask", "synced_gpus")
 #: the module written into the folder. The one thing in it that comes from the user, where the
 #: heads are, goes in as ``HEADS = <repr>``: a Python string literal that reads back as exactly
 #: that text whatever quotes or backslashes it holds (:func:`python_string`), never into the
@@ -254,17 +256,12 @@ def run_folder_generate(model, heads: str, inputs: torch.Tensor | None = None, g
                         logits_processor=None, stopping_criteria=None, streamer=None, **kwargs):
     """What ``custom_generate/generate.py`` runs: transformers hands the folder form every
     argument of ``generate`` as given (nothing prepared), so they go to
-    :meth:`DraftHeadsModel.generate` as they are; what it cannot do is refused by name."""
-    used = sorted(k for k in _NOT_IMPLEMENTED if kwargs.get(k) not in (None, False))
-    if used or logits_processor:
-        raise InputError(f"custom_generate: {', '.join(used or ['logits_processor'])} not supported with "
-                         "draftheads' heads; drop it or call generate() without custom_generate.")
-    for name in _NOT_IMPLEMENTED:
-        kwargs.pop(name, None)
+    :meth:`DraftHeadsModel.generate` as they are, which honours them as transformers would or
+    refuses them by name."""
     input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
     if input_ids is None:
         raise InputError("custom_generate: pass the prompt's input_ids.")
     decoder = decoder_for(model, ("folder", heads), lambda: DraftHeadsModel.from_pretrained(heads, base=model))
     check_placement(model, decoder)
     return decoder.generate(input_ids, generation_config=generation_config, streamer=streamer,
-                            stopping_criteria=stopping_criteria, **kwargs)
+                            logits_processor=logits_processor, stopping_criteria=stopping_criteria, **kwargs)

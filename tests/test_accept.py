@@ -51,11 +51,15 @@ def test_greedy_tokens_take_the_first_maximum_like_argmax():
 
 def test_the_acceptor_reads_the_penalty_history_from_the_sequences():
     """With a repetition penalty the first token is chosen from the processed scores, whose
-    history is each row's prompt without its padding, plus what the sequences hold."""
+    history is each row's prompt plus what the sequences hold; transformers' penalty skips each
+    row's padding (its per-row ``prompt_ignore_length``, re-indexed to the rows it is given)."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
     ids = torch.tensor([[0, 5, 6], [0, 5, 6]])
     mask = torch.tensor([[0, 1, 1], [1, 1, 1]])  # row 0's leading 0 is padding, row 1's is text
     sequences = Sequences(ids, mask)
-    acceptor = Acceptor(GenerationConfig(do_sample=False, repetition_penalty=100.0), "greedy", VOCAB, sequences)
+    penalty = RepetitionPenaltyLogitsProcessor(100.0, prompt_ignore_length=torch.tensor([1, 0]))
+    acceptor = Acceptor(GenerationConfig(do_sample=False), "greedy", VOCAB, sequences, processors=[penalty])
     logits = torch.zeros(2, VOCAB)
     logits[:, 5] = 2.0  # the best raw token, in both prompts: penalized to 0.02
     logits[:, 0] = 1.0  # penalized only where it is text (row 1)

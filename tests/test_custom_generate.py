@@ -148,7 +148,7 @@ def test_the_folder_form_in_a_checkpoint(setup):
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
                          custom_generate=str(heads), trust_remote_code=True, streamer=ours)
     assert out.tolist() == reference.tolist() and ours.tokens == theirs.tokens
-    with pytest.raises(InputError, match="assistant_model not supported"):
+    with pytest.raises(InputError, match="assistant_model=<LlamaForCausalLM> is not supported"):
         model.generate(ids, max_new_tokens=4, custom_generate=str(heads), trust_remote_code=True,
                        assistant_model=tiny_llama(0))
 

@@ -20,7 +20,7 @@ def drafter(tree=None) -> DraftHeadsModel:
     ({"max_new_tokens": 0}, "max_new_tokens.*(must be positive|greater than 0)"),
     ({"max_new_tokens": -3}, "max_new_tokens.*(must be positive|greater than 0)"),
     ({"num_beams": 4}, "num_beams=4.*not supported"),
-    ({"do_sample": True, "min_p": 0.1}, "min_p=0.1.*not supported with do_sample=True"),
+    ({"do_sample": True, "guidance_scale": 1.5}, "guidance_scale=1.5.*not supported"),
     ({"acceptance": "typical"}, "acceptance=.*pass do_sample=True"),
     ({"frobnicate": 1}, "does not understand.*frobnicate"),
 ])

@@ -17,7 +17,7 @@ from transformers import GenerationConfig, set_seed
 from helpers import OracleHeads, left_pad, tiny_llama
 from draftheads.decoding import DraftHeadsModel, tree_from_paths
 from draftheads.decoding.accept import lossless_accept, sample_from, typical_accept, children_table
-from draftheads.decoding.processors import logits_processors, processed_scores
+from draftheads.decoding.processors import NodeProcessors
 from draftheads.heads import HeadConfig, HydraHeads, MedusaHeads
 
 VOCAB = 12
@@ -62,7 +62,7 @@ BEYOND = OFFSETS[K]
 def context_table(model, config: GenerationConfig) -> torch.Tensor:
     """(contexts + 1, V) the model's processed next-token distribution after the prompt +
     every prefix of fewer than K tokens (last row: uniform, for contexts beyond K)."""
-    processors = logits_processors(config)
+    processors = NodeProcessors(model._get_logits_processor(config, input_ids_seq_length=len(PROMPT), device="cpu"))
     rows = []
     for length in range(K):
         prefixes = torch.cartesian_prod(*[torch.arange(VOCAB)] * length).reshape(-1, length) if length else \
@@ -70,8 +70,7 @@ def context_table(model, config: GenerationConfig) -> torch.Tensor:
         ids = torch.cat([torch.tensor([PROMPT]).expand(prefixes.shape[0], -1), prefixes], dim=1)
         with torch.no_grad():
             logits = model(ids).logits[:, -1]
-        scores = processed_scores(processors, logits[:, None], ids, torch.full((ids.shape[0], 1), VOCAB),
-                                  torch.zeros(1, 1, dtype=torch.long))[:, 0]
+        scores = processors(ids, logits.float())
         rows.append(scores.double().softmax(-1))
     rows.append(torch.full((1, VOCAB), 1.0 / VOCAB, dtype=torch.float64))
     return torch.cat(rows)
@@ -306,24 +305,6 @@ def test_generate_end_to_end_matches_exact_distribution(family, config_name, pat
     joint = exact_joint(TABLES[config_name]).view(VOCAB, VOCAB, VOCAB)
     assert chi2_test(new[:, 0] * VOCAB + new[:, 1], joint.sum(2).flatten()) > 0.01
     assert chi2_test(new[:, 1] * VOCAB + new[:, 2], joint.sum(0).flatten()) > 0.01
-
-
-def test_processors_match_transformers():
-    """Our processor list = transformers' own (private ``_get_logits_processor``, used here only
-    as the oracle), left padding of the repetition penalty included."""
-    ids = torch.tensor([[0, 0, 5, 6, 7, 0], [3, 4, 0, 9, 9, 1]])
-    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
-    logits = torch.randn(2, 1, VOCAB, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    for kwargs in [dict(temperature=0.6, top_k=5, top_p=0.8, repetition_penalty=1.3), dict(top_p=0.5),
-                   dict(repetition_penalty=0.7), dict(do_sample=False, repetition_penalty=1.4)]:
-        config = GenerationConfig(**{"do_sample": True, **kwargs})
-        theirs = MODEL._get_logits_processor(config, input_ids_seq_length=ids.shape[1], device="cpu",
-                                             model_kwargs={"attention_mask": mask})
-        expected = theirs(ids, logits[:, 0].float().clone())
-        history = ids.masked_fill(mask == 0, VOCAB)
-        ours = processed_scores(logits_processors(config), logits, history, torch.full((2, 1), VOCAB),
-                                torch.zeros(1, 1, dtype=torch.long))[:, 0]
-        assert torch.equal(ours, expected), kwargs
 
 
 def test_greedy_with_repetition_penalty_matches_transformers():

@@ -21,9 +21,10 @@ def test_prompts_drop_padding_and_counts_follow_appends():
     assert seqs.so_far(0).tolist() == [[0, 0, 7, 8, 9]]
 
 
-def test_history_marks_padding_and_the_ragged_tail_out_of_vocabulary():
-    history = sequences().history(torch.tensor([1, 0]), vocab=50)
-    assert history.tolist() == [[3, 4, 5, 6, 50], [50, 50, 7, 8, 9]]
+def test_history_is_the_padded_prompt_then_the_tokens_right_filled():
+    """As transformers' processors see each row (pads included), with each row's own length."""
+    history, ends = sequences().history(torch.tensor([1, 0]), fill=50)
+    assert history.tolist() == [[3, 4, 5, 6, 50], [0, 0, 7, 8, 9]] and ends.tolist() == [4, 5]
 
 
 def test_assembled_is_transformers_shape_right_filled_with_pad():
