@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -214,17 +215,49 @@ def register_packed_sdpa() -> None:
     AttentionMaskInterface.register(PACKED_SDPA, sdpa_mask)
 
 
+#: the bases whose decoder forwards attend through :data:`PACKED_SDPA` (their config is switched
+#: only for the length of each such forward, :func:`packed_attention`)
+_PACKED_ATTENTION: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+
+
 def use_packed_sdpa(model) -> bool:
-    """Switch a grouped-query base that runs transformers' ``"sdpa"`` to :data:`PACKED_SDPA`
-    (other implementations — eager, flash-attention — and models without grouped heads are left
-    alone). Returns whether the base now uses it."""
-    config = model.config
-    current = getattr(config, "_attn_implementation", None)
-    if current == PACKED_SDPA:
+    """Let the decoder's own forwards of a grouped-query base that runs transformers' ``"sdpa"``
+    attend through :data:`PACKED_SDPA` (other implementations — eager, flash-attention — and
+    models without grouped heads are left alone). The model's config is not changed: its own
+    ``generate``, a pickle or a copy of it still say ``"sdpa"`` (:func:`packed_attention` switches
+    it inside those forwards only). Returns whether the decoder's forwards now use it."""
+    if model in _PACKED_ATTENTION:
         return True
+    config = model.config
     groups = config.num_attention_heads // (getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
-    if current != "sdpa" or groups <= 1:
+    if getattr(config, "_attn_implementation", None) != "sdpa" or groups <= 1:
         return False
     register_packed_sdpa()
-    model.set_attn_implementation(PACKED_SDPA)
+    _PACKED_ATTENTION.add(model)
     return True
+
+
+def uses_packed_sdpa(model) -> bool:
+    return model in _PACKED_ATTENTION
+
+
+def release_packed_sdpa(model) -> None:
+    """The decoder's forwards of ``model`` attend as the model itself does again."""
+    _PACKED_ATTENTION.discard(model)
+
+
+@contextmanager
+def packed_attention(model) -> Iterator[None]:
+    """Inside: ``model`` attends through :data:`PACKED_SDPA` where :func:`use_packed_sdpa` said so
+    (transformers reads the implementation from the config at every forward), then through what
+    it had again, however the block ends."""
+    if model not in _PACKED_ATTENTION:
+        yield
+        return
+    config = model.config
+    before = config._attn_implementation
+    config._attn_implementation = PACKED_SDPA
+    try:
+        yield
+    finally:
+        config._attn_implementation = before

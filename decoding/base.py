@@ -17,7 +17,9 @@ import shutil
 import tempfile
 import warnings
 import weakref
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -32,7 +34,7 @@ from ..heads.protocol import write_text_atomic
 from .architecture import UnsupportedBaseError, additive_mask, apply_logit_transforms, logit_settings
 from .architecture import architecture_name, attention_layout, check_base as check_architecture, check_structure
 from .architecture import checked, decoder_body, layer_masks
-from .attention import PACK_FLAG, PACKED_SDPA, RaggedRows, ragged_rows
+from .attention import PACK_FLAG, RaggedRows, packed_attention, ragged_rows, uses_packed_sdpa
 from .cache import KVState, reserved_cache, reserved_layer_class
 from .fingerprint import file_sha256, lm_head_weight
 from .limits import DTYPES, DtypeError, check_base_path, parse_dtype
@@ -385,7 +387,7 @@ def verifies_ragged(model, cache) -> bool:
 def ragged_capable(model) -> bool:
     """Whether the base attends through :mod:`.attention`'s function (which unpacks a packed
     forward's rows); other attention implementations verify ragged steps as the padded block."""
-    return getattr(model.config, "_attn_implementation", None) == PACKED_SDPA
+    return uses_packed_sdpa(model)
 
 
 def cache_kwargs(model, cache) -> dict:
@@ -502,9 +504,13 @@ def plan_packing(weights) -> None:
                       "(set DRAFTHEADS_CACHE to a writable folder).", UserWarning, stacklevel=3)
 
 
-def _packing(model):
-    """The context the decoder's forwards run in: packed linears when the base was prepared."""
-    return packed_forward(decoder_body(model)) if model in _PACKED_BASES else packed_linears(False)
+@contextmanager
+def _packing(model) -> Iterator[None]:
+    """The context the decoder's forwards run in: packed linears and grouped-query packed
+    attention where the base was prepared for them."""
+    with packed_attention(model), (packed_forward(decoder_body(model)) if model in _PACKED_BASES
+                                   else packed_linears(False)):
+        yield
 
 
 def holding_packing(model):
@@ -534,7 +540,7 @@ def _lm_head(model, states: torch.Tensor) -> torch.Tensor:
 def _pack_kwargs(model) -> dict:
     """Ask for grouped-query packing when the base runs :mod:`.attention`'s SDPA (the keyword
     means nothing to other attention implementations, so it is only passed to that one)."""
-    return {PACK_FLAG: True} if getattr(model.config, "_attn_implementation", None) == PACKED_SDPA else {}
+    return {PACK_FLAG: True} if uses_packed_sdpa(model) else {}
 
 
 def check_base(model, probe: bool = True) -> None:
@@ -581,7 +587,7 @@ def base_report(model) -> dict[str, str]:
         "architecture": architecture_name(model),
         "attention": f"{implementation}; windows per layer type: {windows}",
         "logits after the LM head": ", ".join(f"{n}={v:g}" for n, v in logit_settings(config).items()) or "none",
-        "grouped-query packed attention": _packed_attention_state(implementation, groups),
+        "grouped-query packed attention": "on" if uses_packed_sdpa(model) else _packed_attention_off(implementation, groups),
         "ragged steps verified packed": "on" if ragged_capable(model) else "off (needs the packed attention above)",
         "packed LM head": "off (the LM head has a bias: transformers' own Linear)" if getattr(head, "bias", None)
         is not None else ("on" if model in _PACKED_BASES else "available where the dtype packs (at binding)"),
@@ -589,9 +595,7 @@ def base_report(model) -> dict[str, str]:
     }
 
 
-def _packed_attention_state(implementation: str | None, groups: int) -> str:
-    if implementation == PACKED_SDPA:
-        return "on"
+def _packed_attention_off(implementation: str | None, groups: int) -> str:
     if implementation != "sdpa":
         return f"off (the base attends with {implementation}, not sdpa)"
     return "off (no grouped key/value heads)" if groups <= 1 else "available (switched on when the decoder binds)"

@@ -20,6 +20,7 @@ from ..heads.hardware import cpu_model, isa_limits
 from ..heads.protocol import write_text_atomic
 from .accept import greedy_tokens
 from .base import cache_root, lm_logits, verify
+from .attention import PACKED_SDPA, uses_packed_sdpa
 from .cache import tree_attention_mask
 from .fingerprint import fingerprint
 from .cost import CostModel, CostSurfaceError, LatencyTable, Row, load_cost_surface
@@ -73,7 +74,7 @@ def calibration_key(model, heads=None) -> dict:
     key = {"base": fingerprint(model).to_dict(), "layers": int(cfg.num_hidden_layers),
            "intermediate_size": int(getattr(cfg, "intermediate_size", 0)),
            "device": device_name(param.device), "dtype": str(param.dtype), "torch": torch.__version__,
-           "attention": str(getattr(cfg, "_attn_implementation", None)),
+           "attention": PACKED_SDPA if uses_packed_sdpa(model) else str(getattr(cfg, "_attn_implementation", None)),
            "kernel": kernel_identity()}
     if heads is not None:
         hc = heads.config

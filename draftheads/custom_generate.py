@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 import torch
 
 from .decoding import DraftHeadsModel
-from .decoding.attention import PACKED_SDPA
+from .decoding.attention import release_packed_sdpa
 from .decoding.base import release_packing
 from .decoding.drafters import parse_drafts
 from .decoding.limits import InputError, parse_tree_option
@@ -161,15 +161,14 @@ def check_placement(model, decoder: DraftHeadsModel) -> None:
 
 def unbind(model) -> None:
     """Release everything draftheads holds for ``model``: the decoders and heads every callable
-    bound to it, the packed copies of its weights and their sibling products; and it attends
-    through transformers' ``"sdpa"`` again where the decoder had switched it to draftheads' own.
+    bound to it, the packed copies of its weights and their sibling products, and the note that
+    the decoder's forwards attend through draftheads' packed SDPA.
     The next call binds again, on the model's device and in its dtype as they are then."""
     for decoder in _DECODERS.pop(model, {}).values():
         if decoder.heads is not None:
             release_linears(decoder.heads)
     release_packing(model)
-    if getattr(model.config, "_attn_implementation", None) == PACKED_SDPA:
-        model.set_attn_implementation("sdpa")
+    release_packed_sdpa(model)
 
 
 custom_generate.unbind = unbind  # draftheads.custom_generate is the function: draftheads.custom_generate.unbind(model)

@@ -8,7 +8,7 @@ import copy
 import torch
 
 from helpers import left_pad, record_packed_steps, tiny_llama
-from draftheads.decoding.attention import PACKED_SDPA, use_packed_sdpa
+from draftheads.decoding.attention import use_packed_sdpa, uses_packed_sdpa
 from draftheads.decoding.base import prefill, verify
 from draftheads.decoding.cache import tree_attention_mask
 from draftheads.decoding.generate import DraftHeadsModel
@@ -43,8 +43,8 @@ def test_packed_verification_equals_repeated_heads(monkeypatch):
     monkeypatch.setattr(hf_sdpa, "repeat_kv", lambda x, n: copies.append(n) or original(x, n))
     reference = tiny_llama(0)
     packed = copy.deepcopy(reference)
-    assert use_packed_sdpa(packed) and packed.config._attn_implementation == PACKED_SDPA
-    assert reference.config._attn_implementation == "sdpa"
+    assert use_packed_sdpa(packed) and uses_packed_sdpa(packed) and not uses_packed_sdpa(reference)
+    assert packed.config._attn_implementation == reference.config._attn_implementation == "sdpa"  # the config stays
     for bs, q, ctx in [(1, 1, 5), (1, 7, 9), (3, 4, 12), (5, 2, 3)]:
         copies.clear()
         ours = _verify_states(packed, bs, q, ctx)
@@ -65,14 +65,15 @@ def test_packed_prefill_equals_sdpa_with_left_padding():
 
 
 def test_base_generate_is_untouched_and_only_grouped_sdpa_bases_switch():
-    """The switch leaves the base's own generate on transformers' SDPA path (the forward flag is
-    absent there); bases without grouped heads or with another implementation keep theirs."""
+    """The switch leaves the base's own generate on transformers' SDPA path (its config is never
+    changed, and the forward flag is absent there); bases without grouped heads or with another
+    implementation are not switched."""
     model = tiny_llama(0)
     ids, mask = left_pad([[5, 6, 7], [8, 9, 10, 11, 12, 13]])
     before = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0,
                             return_dict_in_generate=True, output_scores=True)
     DraftHeadsModel(model, None)
-    assert model.config._attn_implementation == PACKED_SDPA
+    assert uses_packed_sdpa(model) and model.config._attn_implementation == "sdpa"
     after = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0,
                            return_dict_in_generate=True, output_scores=True)
     assert after.sequences.tolist() == before.sequences.tolist()
@@ -80,17 +81,17 @@ def test_base_generate_is_untouched_and_only_grouped_sdpa_bases_switch():
 
     no_groups = tiny_llama(0)
     no_groups.config.num_key_value_heads = no_groups.config.num_attention_heads
-    assert not use_packed_sdpa(no_groups) and no_groups.config._attn_implementation == "sdpa"
+    assert not use_packed_sdpa(no_groups) and not uses_packed_sdpa(no_groups)
     eager = tiny_llama(0)
     eager.set_attn_implementation("eager")
-    assert not use_packed_sdpa(eager) and eager.config._attn_implementation == "eager"
+    assert not use_packed_sdpa(eager) and not uses_packed_sdpa(eager) and eager.config._attn_implementation == "eager"
     kept = tiny_llama(0)
     DraftHeadsModel(kept, None, packed_attention=False)
-    assert kept.config._attn_implementation == "sdpa"
+    assert not uses_packed_sdpa(kept)
     DraftHeadsModel.from_pretrained(None, base=kept, packed_attention=False)
-    assert kept.config._attn_implementation == "sdpa"
+    assert not uses_packed_sdpa(kept)
     DraftHeadsModel.from_pretrained(None, base=kept)
-    assert kept.config._attn_implementation == PACKED_SDPA
+    assert uses_packed_sdpa(kept) and kept.config._attn_implementation == "sdpa"
 
 
 def test_the_mask_is_repeated_once_per_forward_and_redone_when_it_changes():

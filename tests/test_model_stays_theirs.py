@@ -107,6 +107,7 @@ def test_a_bound_model_is_exactly_what_its_owner_built(bound, monkeypatch):
     assert ours(model, fn) == theirs(model)
     assert taken  # the fast path ran, in the very layers the model holds
     assert layout(model) == before
+    assert model.config._attn_implementation == "sdpa"  # packed attention is switched inside our forwards only
     assert model.state_dict().keys() == state.keys()
     assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
     linears = plain_linears(model)
