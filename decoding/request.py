@@ -97,21 +97,21 @@ def checked_prompt(base, config, input_ids, attention_mask) -> tuple[torch.Tenso
                         pad_given=config.pad_token_id is not None)
 
 
-def prepare_call(base, input_ids, attention_mask, generation_config, kwargs: dict, logits_processor=None,
-                 stopping_criteria=None, prefix_allowed_tokens_fn=None, tokenizer=None) -> Call:
-    """What transformers' ``generate`` does before its decoding loop, for draftheads' own
-    ``generate``: merge the config (the call's config or the model's, transformers' defaults,
-    the keyword arguments), refuse what the tree loop would drop, prepare the special tokens and
-    lengths, and build the logits processors and stopping criteria — with transformers' own
-    methods, so every option means what it means there."""
+def left_unset(name: str, kwargs: dict, generation_config, model_config) -> bool:
+    """Whether option ``name`` is set by none of the call, its config and the model's (transformers'
+    ``has_default_max_length``)."""
+    return kwargs.get(name) is None and getattr(model_config, name) is None and (
+        generation_config is None or getattr(generation_config, name) is None)
+
+
+def merged_config(base, generation_config, kwargs: dict):
+    """transformers' merge (the call's config or the model's, its defaults, then the keyword
+    arguments), every option draftheads cannot honour refused by name; ``kwargs`` may also hold
+    ``generate()``'s own arguments. → (the config, whether max_length / min_length were left at
+    transformers' defaults, as ``_prepare_generated_length`` needs to know)."""
     arguments = {name: kwargs.pop(name) for name in list(kwargs) if name in generate_arguments()}
-    logits_processor = as_list(logits_processor, "logits_processor")
-    stopping_criteria = as_list(stopping_criteria, "stopping_criteria")
-    base_config = base.generation_config
-    has_default_max_length = kwargs.get("max_length") is None and base_config.max_length is None and (
-        generation_config is None or generation_config.max_length is None)
-    has_default_min_length = kwargs.get("min_length") is None and base_config.min_length is None and (
-        generation_config is None or generation_config.min_length is None)
+    defaults = tuple(left_unset(name, kwargs, generation_config, base.generation_config)
+                     for name in ("max_length", "min_length"))
     try:
         config, unknown = base._prepare_generation_config(generation_config, **kwargs)
     except ValueError as err:
@@ -120,11 +120,22 @@ def prepare_call(base, input_ids, attention_mask, generation_config, kwargs: dic
     unknown = sorted(set(unknown) - {"output_attentions", "output_hidden_states"})
     if unknown:
         raise InputError(f"generate() got arguments it does not understand: {unknown}.")
+    return config, defaults
+
+
+def prepare_call(base, input_ids, attention_mask, generation_config, kwargs: dict, logits_processor=None,
+                 stopping_criteria=None, prefix_allowed_tokens_fn=None, tokenizer=None) -> Call:
+    """What transformers' ``generate`` does before its decoding loop, for draftheads' own
+    ``generate``: merge the config (:func:`merged_config`), prepare the special tokens and
+    lengths, and build the logits processors and stopping criteria — with transformers' own
+    methods, so every option means what it means there."""
+    logits_processor = as_list(logits_processor, "logits_processor")
+    stopping_criteria = as_list(stopping_criteria, "stopping_criteria")
+    config, (default_max, default_min) = merged_config(base, generation_config, kwargs)
     input_ids, attention_mask = checked_prompt(base, config, input_ids, attention_mask)
     length = input_ids.shape[1]
     base._prepare_special_tokens(config, True, device=input_ids.device)
-    base._prepare_generated_length(config, has_default_max_length, has_default_min_length, "input_ids", length,
-                                   input_ids)
+    base._prepare_generated_length(config, default_max, default_min, "input_ids", length, input_ids)
     padded = None if bool(attention_mask.all()) else attention_mask  # transformers drops an all-ones mask
     try:
         processors = base._get_logits_processor(

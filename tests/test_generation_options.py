@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib.util
 import re
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import pytest
@@ -41,8 +41,10 @@ class Context:
     ids: torch.Tensor
     mask: torch.Tensor
     greedy: list[int]  # row 0's greedy answer without options
+    plain: list  # the batch's greedy output without options
     other: object  # another model (an assistant)
     tokenizer: object
+    theirs: dict = field(default_factory=dict)  # option → the model's own tokens for its sample (both doors share it)
 
 
 def word_tokenizer():
@@ -71,11 +73,14 @@ def varied_llama():
 @pytest.fixture(scope="module")
 def ctx(tmp_path_factory):
     folder = tmp_path_factory.mktemp("options")
-    model = varied_llama()
-    fn = custom_generate(saved_tree_heads(folder / "heads", model), drafts="heads,context", tree=3)
-    ids, mask = left_pad(PROMPTS)
-    greedy = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
-    return Context(model, fn, ids, mask, greedy[0, ids.shape[1]:].tolist(), tiny_llama(1), word_tokenizer())
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DRAFTHEADS_CACHE", str(folder / "cache"))
+        model = varied_llama()
+        fn = custom_generate(saved_tree_heads(folder / "heads", model), drafts="heads,context", tree=3)
+        ids, mask = left_pad(PROMPTS)
+        plain = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+        yield Context(model, fn, ids, mask, plain[0, ids.shape[1]:].tolist(), plain.tolist(), tiny_llama(1),
+                      word_tokenizer())
 
 
 class Collect:
@@ -194,6 +199,12 @@ SAMPLES: dict[str, tuple[str, Callable[[Context], dict]]] = {
     "is_assistant": (R, lambda c: {"is_assistant": True}),
     "synced_gpus": (R, lambda c: {"synced_gpus": True}),
 }
+#: honoured options whose sample changes the tokens (so that the comparison shows the option applied)
+CHANGES = {"bad_words_ids", "begin_suppress_tokens", "encoder_repetition_penalty", "eos_token_id",
+           "exponential_decay_length_penalty", "forced_eos_token_id", "generation_config", "logits_processor",
+           "max_length", "max_new_tokens", "min_length", "min_new_tokens", "no_repeat_ngram_size", "pad_token_id",
+           "prefix_allowed_tokens_fn", "renormalize_logits", "repetition_penalty", "sequence_bias", "stop_strings",
+           "stopping_criteria", "suppress_tokens", "typical_p", "watermarking_config"}
 #: refused for one value, honoured for the others
 REFUSED_VALUES = {"cache_implementation": {"cache_implementation": "quantized"}}
 #: refused by transformers itself before it calls a custom_generate callable: 5.24 pops the
@@ -271,10 +282,15 @@ def test_every_option_is_honoured_or_refused_by_name_before_any_work(ctx, name, 
                 generate(ids, **kwargs)
             assert "\n" not in str(err.value), str(err.value)
             continue
-        theirs = ctx.model.generate(*(() if ids is None else (ids,)), **arguments(ctx, make(ctx))[0])  # fresh objects
         prompt = ids if ids is not None else kwargs["inputs"]
-        answer = [row[prompt.shape[1]:] for row in tokens(theirs)]
-        assert tokens(door(ctx, form, answer)(ids, **kwargs)) == tokens(theirs), name
+        if name not in ctx.theirs:  # fresh streamers and processors for the model's own run
+            own, _ = arguments(ctx, make(ctx))
+            ctx.theirs[name] = tokens(ctx.model.generate(*(() if ids is None else (ids,)), **own))
+        theirs = ctx.theirs[name]
+        if prompt.shape == ctx.ids.shape:
+            assert (theirs != ctx.plain) == (name in CHANGES), f"{name}: whether the sample changes the tokens"
+        answer = [row[prompt.shape[1]:] for row in theirs]
+        assert tokens(door(ctx, form, answer)(ids, **kwargs)) == theirs, name
 
 
 # -- the sub-cases one by one ------------------------------------------------------------------------
@@ -416,3 +432,16 @@ def test_processors_at_tree_nodes_equal_transformers_on_each_nodes_own_prefix(op
                 p.encoder_input_ids = p.encoder_input_ids[row: row + 1]
         expected = single(prefix[None], scores[m: m + 1].clone())
         torch.testing.assert_close(processed[m: m + 1], expected, rtol=0, atol=0, equal_nan=True)
+
+
+def test_an_option_draftheads_does_not_know_is_refused_when_set(monkeypatch):
+    """What a later transformers adds: set, it is refused by name (never dropped); unset, nothing happens."""
+    from draftheads.decoding import options
+
+    monkeypatch.setattr(options, "transformers_options", lambda: frozenset({"temperature", "future_option"}))
+    config = GenerationConfig()
+    options.refuse_options(config)
+    config.future_option = 3
+    with pytest.raises(InputError, match="future_option=3 is a transformers generation option draftheads does not "
+                                         "know yet"):
+        options.refuse_options(config)
