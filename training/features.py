@@ -44,7 +44,7 @@ def read_jsonl(path: str | Path) -> Iterator[dict]:
 def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
     """Token ids of a user prompt wrapped in the model's chat template, ready for the answer; a
     pretrained base without a chat template (Gemma 3 270M's GGUF) continues the plain text."""
-    if not getattr(tokenizer, "chat_template", None):
+    if getattr(tokenizer, "chat_template", "") is None:  # a transformers tokenizer that has none
         return list(tokenizer(prompt)["input_ids"])
     ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                         tokenize=True, return_dict=True)["input_ids"]
