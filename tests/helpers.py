@@ -45,6 +45,19 @@ def record_packed_steps(monkeypatch) -> list:
     return seen
 
 
+class Collect:
+    """A streamer that records what it is given (``end`` as a marker)."""
+
+    def __init__(self):
+        self.tokens = []
+
+    def put(self, value):
+        self.tokens += value.flatten().tolist()
+
+    def end(self):
+        self.tokens.append("end")
+
+
 def tiny_llama(seed: int = 0, vocab: int = 96, dtype=torch.float64, max_pos: int = 256) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -14,7 +14,7 @@ from draftheads import custom_generate
 from draftheads.custom_generate import _DECODERS, write_custom_generate
 from draftheads.decoding.limits import InputError
 from draftheads.heads import CheckpointError
-from helpers import left_pad, saved_tree_heads, tiny_llama
+from helpers import Collect, left_pad, saved_tree_heads, tiny_llama
 
 
 @pytest.fixture()
@@ -22,19 +22,6 @@ def setup(tmp_path, monkeypatch):
     monkeypatch.setenv("DRAFTHEADS_CACHE", str(tmp_path / "cache"))
     model = tiny_llama(0)
     return model, saved_tree_heads(tmp_path / "heads", model)
-
-
-class Collect:
-    """A streamer that records what it is given (``end`` as a marker)."""
-
-    def __init__(self):
-        self.tokens = []
-
-    def put(self, value):
-        self.tokens += value.flatten().tolist()
-
-    def end(self):
-        self.tokens.append("end")
 
 
 def test_the_callable_equals_the_models_own_greedy_generate(setup):

@@ -27,7 +27,7 @@ from draftheads.decoding import DraftHeadsModel, tree_from_paths
 from draftheads.decoding.limits import InputError
 from draftheads.decoding.options import CLASSIFIED, transformers_options
 from draftheads.decoding.processors import NodeProcessors, PrefixOnly, node_prefixes
-from helpers import OracleHeads, left_pad, saved_tree_heads, tiny_llama
+from helpers import Collect, OracleHeads, left_pad, saved_tree_heads, tiny_llama
 
 NEW = 10
 PROMPTS = [[5, 17, 33, 8, 9, 5, 17], [40, 41, 42]]
@@ -81,17 +81,6 @@ def ctx(tmp_path_factory):
         plain = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
         yield Context(model, fn, ids, mask, plain[0, ids.shape[1]:].tolist(), plain.tolist(), tiny_llama(1),
                       word_tokenizer())
-
-
-class Collect:
-    def __init__(self):
-        self.tokens = []
-
-    def put(self, value):
-        self.tokens += value.flatten().tolist()
-
-    def end(self):
-        self.tokens.append("end")
 
 
 def first(ctx: Context, n: int = 3) -> list[int]:
