@@ -98,7 +98,7 @@ def plain_linears(model: nn.Module) -> list[str]:
     return [name for name, m in model.named_modules() if type(m) is nn.Linear]
 
 
-# -- class 1: nothing in the model changes ---------------------------------------------------------
+# -- nothing in the model changes ---------------------------------------------------------------
 def test_a_bound_model_is_exactly_what_its_owner_built(bound, monkeypatch):
     model, fn, _ = bound
     model.model.layers[0].mlp.down_proj.register_forward_hook(a_users_hook)
@@ -173,7 +173,7 @@ def test_unbind_releases_everything_and_a_deleted_model_is_freed(bound):
     assert gone() is None  # nothing draftheads keeps holds a model it decoded for
 
 
-# -- class 2: the weights are what they are now ----------------------------------------------------
+# -- the weights are what they are now ---------------------------------------------------------
 def lora_merge(model):
     for w in (model.model.layers[0].self_attn.q_proj.weight, model.model.layers[1].mlp.down_proj.weight):
         a, b = torch.randn(w.shape[0], 2), torch.randn(2, w.shape[1])
