@@ -1,0 +1,1 @@
+"""Tests of scripts/ run end to end."""
