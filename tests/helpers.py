@@ -1,6 +1,6 @@
 """Helpers the tests share (tiny models, padding, an oracle drafter, tree strategies, the tiny
-training set-up, reference implementations of other projects' formats). Fixtures live in
-conftest.py; test modules import helpers from here, never from each other."""
+training set-up, reference implementations of other projects' formats, lookup stores and tries).
+Fixtures live in conftest.py; test modules import helpers from here, never from each other."""
 from __future__ import annotations
 
 import json
@@ -19,6 +19,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from draftheads.decoding.request import left_pad  # noqa: F401 (tests pad batches by the package's one rule)
 from draftheads.decoding.fingerprint import fingerprint
 from draftheads.decoding.calibration import CalibrationConfig
+from draftheads.decoding.drafters import (Candidates, StoreHeader, TokenizerIdentity, build_arrays, save_store,
+                                          tokenizer_identity)
+from draftheads.decoding.drafters.store import FORMAT_VERSION, key_bits
 from draftheads.heads import REGISTRY, DraftHeads, HeadConfig, MedusaHeads, TreeSpec, build_heads
 from draftheads.training.recipe import load_recipe
 
@@ -129,7 +132,7 @@ class OracleHeads(DraftHeads):
         return tokens
 
 
-# -- from test_greedy_identity -------------------------------------------------------------------
+# -- random trees (hypothesis) -----------------------------------------------------------------
 @st.composite
 def trees(draw, max_depth: int = 5, max_rank: int = 3, max_nodes: int = 24):
     paths: list[tuple[int, ...]] = []
@@ -151,11 +154,11 @@ def trees(draw, max_depth: int = 5, max_rank: int = 3, max_nodes: int = 24):
     return paths
 
 
-# -- from test_families --------------------------------------------------------------------------
+# -- the head families --------------------------------------------------------------------------
 FAMILIES = sorted(f for f in REGISTRY if not f.endswith("-test"))
 
 
-# -- from test_train_framework -------------------------------------------------------------------
+# -- the tiny training set-up ------------------------------------------------------------------
 RECIPES = REPO / "recipes"
 
 def tiny_recipe(root: Path, run: str, **over) -> Path:
@@ -235,7 +238,7 @@ def launch_two_processes(cwd: Path, recipe: Path, run_dir: Path, port: int) -> d
     return json.loads((run_dir / "final" / "training_report.json").read_text())
 
 
-# -- from test_vllm_export ---------------------------------------------------------------------------
+# -- vLLM's Medusa draft model, from its documented shapes -------------------------------------------
 def vllm_medusa_reference(folder, hidden: torch.Tensor) -> torch.Tensor:
     """hidden (B, d) → (B, K, V) as vLLM's Medusa computes it from the folder's files."""
     config = json.loads((folder / "config.json").read_text())
@@ -267,7 +270,7 @@ def draftheads_full_logits(heads, hidden: torch.Tensor) -> torch.Tensor:
     return full
 
 
-# -- from test_medusa_import ---------------------------------------------------------------------
+# -- FasterDecoding Medusa checkpoints, from its documented modules ----------------------------
 class RefResBlock(nn.Module):
     """Medusa's ResBlock: x + SiLU(Linear(x))."""
 
@@ -346,3 +349,35 @@ def tiny_heads() -> MedusaHeads:
                         expected_tau={"1": 1.4, "3": 1.7})
     heads = MedusaHeads(config).to(torch.float64)
     return heads
+
+
+# -- lookup stores and tries ---------------------------------------------------------------------------
+class FakeTokenizer:
+    def __init__(self, vocab: int, salt: str = ""):
+        self.vocab = {f"tok{salt}{i}": i for i in range(vocab)}
+
+    def get_vocab(self):
+        return dict(self.vocab)
+
+
+#: the records of the lookup stores the tests write
+STORE_RECORDS = [[5, 6, 7, 8, 9, 2], [6, 7, 8, 1, 2], [3, 3, 3, 3], [7, 8, 9, 9, 2]]
+
+
+def write_store(path: Path, records=STORE_RECORDS, vocab: int = 10, salt: str = "") -> TokenizerIdentity:
+    ident = tokenizer_identity(FakeTokenizer(vocab, salt))
+    bits = key_bits(ident.vocab_size)
+    header = StoreHeader(FORMAT_VERSION, ident.vocab_size, ident.vocab_sha256, 64 // bits, bits, "2026-11-24", "test",
+                         len(records), sum(map(len, records)))
+    save_store(path, build_arrays(records, ident.vocab_size), header)
+    return ident
+
+
+def check_trie(trie: Candidates) -> None:
+    paths = [trie.path(i) for i in range(len(trie))]
+    assert len(set(paths)) == len(paths), "a shared prefix appears twice"
+    assert all(p[:-1] in set(paths) or len(p) == 1 for p in paths), "not prefix-closed"
+    for i in range(len(trie)):
+        p = trie.parent[i]
+        assert p < i and trie.depth[i] == (1 if p < 0 else trie.depth[p] + 1)
+        assert p < 0 or trie.score[i] <= trie.score[p] + 1e-12

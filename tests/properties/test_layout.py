@@ -20,7 +20,7 @@ import pytest
 import draftheads
 from draftheads.decoding.base import from_checkout, source_root
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 NOT_PACKAGES = ("draftheads.scripts", "draftheads.tests", "draftheads.recipes", "draftheads.draftheads")
 SUBPACKAGES = {"draftheads.heads": "heads", "draftheads.decoding": "decoding",
                "draftheads.decoding.drafters": "decoding/drafters", "draftheads.training": "training"}

@@ -10,15 +10,16 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from helpers import STORE_RECORDS as RECORDS, FakeTokenizer, check_trie, write_store
 from draftheads.decoding.drafters import (BigramTable, Candidates, ContextConfig, ContextSource, HitRate, LookupConfig,
                                           LookupSources, ModelStore,
                                           NgramIndex, Source, StatsSource, StoreConfig, StoreError, StoreHeader,
-                                          StoreSource, SuffixAutomaton, TokenizerIdentity, build_arrays, count_trie,
+                                          StoreSource, SuffixAutomaton, build_arrays, count_trie,
                                           merge, save_store, tokenizer_identity)
-from draftheads.decoding.drafters.store import FORMAT_VERSION, key_bits
+from draftheads.decoding.drafters.store import FORMAT_VERSION
 from draftheads.decoding.drafters.tries import select, select_by_heap
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 tokens_st = st.lists(st.integers(0, 3), max_size=60)
 
 
@@ -82,16 +83,6 @@ def as_trie(chains, source):
     return count_trie(chains, source, 2, 0.9)
 
 
-def check_trie(trie: Candidates) -> None:
-    paths = [trie.path(i) for i in range(len(trie))]
-    assert len(set(paths)) == len(paths), "a shared prefix appears twice"
-    assert all(p[:-1] in set(paths) or len(p) == 1 for p in paths), "not prefix-closed"
-    for i in range(len(trie)):
-        p = trie.parent[i]
-        assert p < i and trie.depth[i] == (1 if p < 0 else trie.depth[p] + 1)
-        assert p < 0 or trie.score[i] <= trie.score[p] + 1e-12
-
-
 @settings(max_examples=200, deadline=None)
 @given(chains_st, chains_st, st.integers(0, 12))
 def test_merge_keeps_budget_prefix_closure_and_shared_prefixes(a_chains, b_chains, budget):
@@ -146,26 +137,6 @@ def test_merge_takes_the_winning_source_and_budget_one_keeps_the_best_root_child
 
 
 # ---------------------------------------------------------------- store
-
-
-class FakeTokenizer:
-    def __init__(self, vocab: int, salt: str = ""):
-        self.vocab = {f"tok{salt}{i}": i for i in range(vocab)}
-
-    def get_vocab(self):
-        return dict(self.vocab)
-
-
-RECORDS = [[5, 6, 7, 8, 9, 2], [6, 7, 8, 1, 2], [3, 3, 3, 3], [7, 8, 9, 9, 2]]
-
-
-def write_store(path: Path, records=RECORDS, vocab: int = 10, salt: str = "") -> TokenizerIdentity:
-    ident = tokenizer_identity(FakeTokenizer(vocab, salt))
-    bits = key_bits(ident.vocab_size)
-    header = StoreHeader(FORMAT_VERSION, ident.vocab_size, ident.vocab_sha256, 64 // bits, bits, "2026-11-24", "test",
-                         len(records), sum(map(len, records)))
-    save_store(path, build_arrays(records, ident.vocab_size), header)
-    return ident
 
 
 def brute_store(records, history, n):

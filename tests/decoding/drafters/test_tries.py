@@ -18,7 +18,7 @@ from draftheads.decoding.drafters.heads_drafter import heads_batch
 from draftheads.decoding.drafters.tries import count_rows, padded, select_by_heap
 from draftheads.decoding.tree import tree_from_paths
 
-from test_lookup import check_trie, write_store
+from helpers import check_trie, write_store
 
 chains_st = st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=5), min_size=1, max_size=6)
 rows_st = st.lists(st.lists(chains_st, min_size=1, max_size=3), min_size=1, max_size=5)  # rows × sources × chains
