@@ -1,5 +1,7 @@
-"""Issue 22: the CLI refuses bad numeric options and bad prompt files with one clear line,
-before any model loads, and checks numbers exactly as the Python API does."""
+"""The command line's inputs, checked before any model loads and each refused in one line: numeric
+options (checked exactly as the Python API checks them) and prompt files — read whole when they
+are read (an empty name, a folder, binary bytes, a bad record or a list-valued category fail
+naming the file and line), the built-in prompt sets and their ``@N`` suffix, ``--limit``."""
 from __future__ import annotations
 
 import json
@@ -8,6 +10,7 @@ import pytest
 
 from draftheads.cli import main, read_prompts
 from draftheads.decoding.limits import InputError
+from draftheads.prompts import PromptFileError, read_prompts as read_prompt_file
 
 
 def run_cli(argv, capsys) -> str:
@@ -91,3 +94,66 @@ def test_limit_takes_the_first_prompts(tmp_path):
     assert len(read_prompts(str(prompts), None)) == 3
     with pytest.raises(InputError, match="--limit must be ≥ 1, got 0"):
         read_prompts(str(prompts), 0)
+
+
+def run_bench(capsys, *prompts: str) -> str:
+    """``draftheads bench`` on ``prompts`` with a base that does not exist: a prompt problem must
+    be reported before the base is looked at. Returns the one error line."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--prompts", *prompts, "--heads", "none", "--base", "/nonexistent/base"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert "nonexistent" not in err
+    return err
+
+
+@pytest.mark.parametrize("content,message", [
+    (b"\x89PNG\r\n\x1a\n\x00\xff\xfe", r"p\.jsonl:1 is not UTF-8 text \(a binary file\?\): a prompt file is JSON lines"),
+    (b'{"prompt": "a"}\n{"prompt": "b"}\n\xff\xfe\x00', r"p\.jsonl:3 is not UTF-8 text"),
+    (b'{"prompt": "a"}\n{"prompt": "b", "category": ["qa", "rag"]}\n',
+     r"p\.jsonl:2 has category \['qa', 'rag'\]; it must be a string \(one name per prompt\), or left out"),
+    (b'{"prompt": "a", "category": 7}\n', r"p\.jsonl:1 has category 7; it must be a string"),
+    (b'{"prompt": "a", "source": {"x": 1}}\n', r"p\.jsonl:1 has source \{'x': 1\}; it must be a string"),
+    (b'{"turns": ["a", 5]}\n', r"p\.jsonl:1 has the turn 5 in 'turns'; every turn must be a non-empty string"),
+    (b'{"turns": ["a", ""]}\n', r"p\.jsonl:1 has the turn '' in 'turns'"),
+    (b'{"prompt": "a", "question_id": [1]}\n', r"p\.jsonl:1 has question_id \[1\]; it must be a string or a whole "
+                                               r"number"),
+    (b'{"prompt": "a", "id": true}\n', r"p\.jsonl:1 has id True; it must be a string or a whole number"),
+])
+def test_a_bad_prompt_file_fails_whole_before_any_work(tmp_path, capsys, content, message):
+    (tmp_path / "p.jsonl").write_bytes(content)
+    assert __import__("re").search(message, run_bench(capsys, str(tmp_path / "p.jsonl")))
+
+
+@pytest.mark.parametrize("name,message", [
+    ("", r"--prompts '' names no file: pass a JSON-lines prompt file; the built-in sets are mt-bench, spec-bench"),
+    ("   ", r"--prompts '   ' names no file"),
+    ("{tmp}", r"is a folder: pass a JSON-lines prompt file \(one JSON object per line\)"),
+])
+def test_an_empty_name_or_a_folder_is_no_prompt_file(tmp_path, capsys, name, message):
+    err = run_bench(capsys, name.replace("{tmp}", str(tmp_path)))
+    assert __import__("re").search(message, err), err
+    with pytest.raises(PromptFileError, match=message):
+        read_prompt_file([name.replace("{tmp}", str(tmp_path))])
+
+
+def test_a_byte_order_mark_and_unicode_line_separators_inside_strings_are_text(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_bytes("\ufeff".encode() + json.dumps({"prompt": "one\u2028two", "category": "qa"},
+                                                    ensure_ascii=False).encode() + b"\n")
+    [record] = read_prompt_file(str(path))
+    assert record["prompt"] == "one\u2028two" and record["category"] == "qa"
+
+
+def test_import_medusa_checks_its_trees_prompt_file_before_the_base_loads(tmp_path, capsys):
+    from helpers import reference_heads, write_medusa
+
+    write_medusa(tmp_path / "medusa", reference_heads(32, 96, heads=2, layers=1, projection=False), 1, "safetensors")
+    (tmp_path / "p.jsonl").write_text('{"prompt": "a", "category": ["x"]}\n')
+    with pytest.raises(SystemExit) as exit_info:
+        main(["import-medusa", str(tmp_path / "medusa"), str(tmp_path / "out"), "--base", "/nonexistent/base",
+              "--trees-from", str(tmp_path / "p.jsonl")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1
+    assert "p.jsonl:1 has category ['x']; it must be a string" in err and not (tmp_path / "out").exists()

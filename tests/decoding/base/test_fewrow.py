@@ -1,8 +1,14 @@
 """The few-row kernels (heads/fewrow.py), float32 and bfloat16: agreement with F.linear, how they
-are built and rebuilt, and how the packing plan picks them only where they measured fastest."""
+are built and rebuilt (a C compiler that fails is named with its first line of output, not taken
+for a permissions problem, and ``CC`` is split as make splits it), and how the packing plan picks
+them only where they measured fastest."""
 from __future__ import annotations
 
 import json
+import shlex
+import shutil
+import sys
+import warnings
 
 import pytest
 import torch
@@ -171,3 +177,76 @@ def test_float32_decoding_through_the_kernel_follows_the_base(kernel_dir, monkey
         ours = DraftHeadsModel(model, heads, tree=tree_from_paths(paths)).generate(prompt, max_new_tokens=40)
         assert ours.tolist() == reference.tolist()
     assert len(calls) > 100, "the kernel was not used"
+
+
+# -- the C compiler: ``CC`` and its failures ------------------------------------------------------------
+def fake_compiler(path, exit_code: int, stderr: str):
+    """An executable that records its arguments beside itself, prints ``stderr`` and exits."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"#!{sys.executable}\nimport json, sys\n"
+                    f"open({str(path) + '.args'!r}, 'w').write(json.dumps(sys.argv[1:]))\n"
+                    f"sys.stderr.write({stderr!r})\nsys.exit({exit_code})\n")
+    path.chmod(0o755)
+    return path
+
+
+@pytest.fixture()
+def fresh_kernel(monkeypatch):
+    monkeypatch.setattr(fewrow, "_state", {"lib": None, "status": "not loaded", "dtypes": frozenset()})
+    monkeypatch.setattr(fewrow, "unsupported_reason", lambda: None)
+
+
+@pytest.mark.parametrize("program", ["cc-fake", "a folder/cc fake"])
+@pytest.mark.parametrize("stderr", ["cc1: error: bad value 'x' for '-march='\nsecond line\n", ""])
+def test_a_failing_compiler_is_named_with_its_first_line_and_the_kernel_falls_back(tmp_path, monkeypatch,
+                                                                                   fresh_kernel, program, stderr):
+    compiler = fake_compiler(tmp_path / "bin" / program, 1, stderr)
+    monkeypatch.setenv("CC", f"'{compiler}' -O2 -march=x")
+    cache = tmp_path / "kernels"
+    with pytest.warns(UserWarning, match="few-row kernel is off: the C compiler"):
+        assert fewrow.load_kernel(cache) is False
+    first = stderr.splitlines()[0] if stderr else "no message"
+    command = shlex.join([str(compiler), "-O2", "-march=x"])
+    assert fewrow.kernel_status() == f"off: the C compiler `{command}` failed (exit 1): {first}"
+    assert "permission" not in fewrow.kernel_status() and fewrow.kernel() is None
+    args = json.loads((compiler.parent / (compiler.name + ".args")).read_text())
+    assert args[:-1] == ["-O2", "-march=x", *fewrow.FLAGS, str(fewrow.SOURCE), "-o"]  # one program, CC's flags first
+    assert not list(cache.iterdir())  # the temporary library is gone
+
+
+@pytest.mark.parametrize("cc,status", [
+    ("{tmp}/no-such-cc", r"the C compiler `.*no-such-cc` could not be run \(No such file or directory\): set CC to an "
+                         r"installed compiler, or unset it"),
+    ("'unbalanced -O2", r"CC=\"'unbalanced -O2\" cannot be split into a command \(No closing quotation\): fix its "
+                        r"quoting"),
+])
+def test_a_compiler_that_cannot_run_says_so(tmp_path, monkeypatch, fresh_kernel, cc, status):
+    monkeypatch.setenv("CC", cc.replace("{tmp}", str(tmp_path)))
+    with pytest.warns(UserWarning, match="few-row kernel is off"):
+        assert fewrow.load_kernel(tmp_path / "kernels") is False
+    assert __import__("re").fullmatch(f"off: {status}", fewrow.kernel_status()), fewrow.kernel_status()
+
+
+@pytest.mark.parametrize("cc,expected", [("gcc -O2", ["gcc", "-O2"]), ("ccache gcc", ["ccache", "gcc"]),
+                                         ("'/opt/my cc/gcc' -g", ["/opt/my cc/gcc", "-g"])])
+def test_cc_is_split_as_make_splits_it(monkeypatch, cc, expected):
+    monkeypatch.setenv("CC", cc)
+    assert fewrow._compiler() == expected
+
+
+def test_an_empty_cc_falls_back_to_the_system_compiler(monkeypatch):
+    monkeypatch.setenv("CC", "  ")
+    found = shutil.which("cc") or shutil.which("gcc")
+    assert fewrow._compiler() == ([found] if found else None)
+
+
+def test_cc_with_flags_builds_the_kernel(tmp_path, monkeypatch):
+    gcc = shutil.which("gcc")
+    if gcc is None or fewrow.unsupported_reason() is not None:
+        pytest.skip(f"the few-row kernel is off here ({fewrow.unsupported_reason() or 'no gcc'})")
+    monkeypatch.setattr(fewrow, "_state", {"lib": None, "status": "not loaded", "dtypes": frozenset()})
+    monkeypatch.setenv("CC", f"{gcc} -O2")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert fewrow.load_kernel(tmp_path) is True
+    assert fewrow.kernel_status().startswith("on (")

@@ -1,14 +1,20 @@
-"""Head checkpoints: round trip, refusal of another base, corrupt files, unknown families."""
+"""Head checkpoints: round trip, refusal of another base (in any dtype of their own base: the
+fingerprint's dtype-independent sketch), corrupt files and damaged weights named at load,
+unknown families."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from helpers import tiny_llama
 from draftheads.decoding import DraftHeadsModel, fingerprint, tree_from_paths
 from draftheads.heads import CheckpointError, HeadConfig, MedusaHeads, load_heads
+
+MODEL = tiny_llama(0, max_pos=64)
 
 
 def trained_like_heads(model, seed: int = 0, draft_vocab: int = 0) -> MedusaHeads:
@@ -98,3 +104,103 @@ def test_bad_config_values_are_named():
         HeadConfig(num_heads=0)
     with pytest.raises(ValueError, match="draft_vocab_size must be in"):
         HeadConfig(vocab_size=10, draft_vocab_size=11)
+
+
+# -- the base fingerprint across dtypes ----------------------------------------------------------------
+def saved_heads(tmp_path, model, draft_vocab: int = 40, identity: dict | None = None):
+    cfg = model.config
+    heads = MedusaHeads(HeadConfig(num_heads=2, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
+                                   draft_vocab_size=draft_vocab,
+                                   base_fingerprint=identity or fingerprint(model).with_sketch(model),
+                                   trees={"3": [[0], [1], [0, 0]]}))
+    heads.vocab_ids.copy_(torch.arange(draft_vocab))
+    heads.save_pretrained(tmp_path, dtype=torch.float32)
+    return tmp_path
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_heads_load_on_their_base_in_any_dtype(tmp_path, dtype):
+    saved_heads(tmp_path, tiny_llama(0, dtype=torch.float32))
+    model = DraftHeadsModel.from_pretrained(tmp_path, base=tiny_llama(0, dtype=dtype))
+    assert model.heads.config.num_heads == 2
+
+
+def test_heads_trained_on_a_float16_base_load_on_the_float32_base(tmp_path):
+    half = tiny_llama(0, dtype=torch.float16)
+    saved_heads(tmp_path, half)
+    assert fingerprint(half).lm_head_sha256 != fingerprint(tiny_llama(0, dtype=torch.float32)).lm_head_sha256
+    DraftHeadsModel.from_pretrained(tmp_path, base=tiny_llama(0, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_another_base_is_still_refused_in_any_dtype(tmp_path, dtype):
+    saved_heads(tmp_path, tiny_llama(0, dtype=torch.float32))
+    with pytest.raises(CheckpointError, match="trained for another base model.*lm_head_sha256"):
+        DraftHeadsModel.from_pretrained(tmp_path, base=tiny_llama(1, dtype=dtype))
+
+
+def test_old_checkpoint_without_sketch_says_why_float16_fails(tmp_path):
+    model = tiny_llama(0, dtype=torch.float32)
+    saved_heads(tmp_path, model, identity=fingerprint(model).to_dict())
+    DraftHeadsModel.from_pretrained(tmp_path, base=model)  # same dtype: the hash still matches
+    with pytest.raises(CheckpointError, match="records no dtype-independent lm_head_sketch"):
+        DraftHeadsModel.from_pretrained(tmp_path, base=tiny_llama(0, dtype=torch.float16))
+
+
+@pytest.mark.slow
+def test_shipped_heads_load_on_smollm2_in_float16():
+    if os.environ.get("DRAFTHEADS_SKIP_SMOLLM2"):
+        pytest.skip("DRAFTHEADS_SKIP_SMOLLM2 is set")
+    model = DraftHeadsModel.from_pretrained("checkpoints/smollm2-135m-hydra", dtype="float16")
+    assert next(model.base.parameters()).dtype == torch.float16 and model.heads.family == "hydra"
+
+
+# -- damaged head checkpoints --------------------------------------------------------------------------
+def damage(directory, name, value):
+    state = load_file(str(directory / "model.safetensors"))
+    state[name] = value(state[name])
+    save_file(state, str(directory / "model.safetensors"))
+
+
+@pytest.mark.parametrize("name,value,message", [
+    ("vocab_ids", lambda t: t + 1000, r"vocab_ids holds token id 1039 outside the vocabulary \[0, 96\)"),
+    ("vocab_ids", lambda t: t - 5, r"vocab_ids holds token id -5 outside"),
+    ("vocab_ids", lambda t: t[:10], r"'vocab_ids' has shape \(10,\).*draft_vocab_size=40.*needs \(40,\)"),
+])
+def test_damaged_weights_are_refused_at_load(tmp_path, name, value, message):
+    saved_heads(tmp_path, MODEL)
+    damage(tmp_path, name, value)
+    with pytest.raises(CheckpointError, match=f"model.safetensors: .*{message}"):
+        load_heads(tmp_path)
+
+
+def test_overwritten_tensor_bytes_are_refused(tmp_path):
+    saved_heads(tmp_path, MODEL)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    weight = next(k for k, v in state.items() if v.is_floating_point())
+    damage(tmp_path, weight, lambda t: t.view(torch.int32).fill_(0x7FC00000).view(torch.float32))  # bytes → NaN
+    with pytest.raises(CheckpointError, match=f"'{weight}' holds NaN or infinite values"):
+        load_heads(tmp_path)
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("hidden_size", 64, r"has shape .* but config.json \(hidden_size=64"),
+    ("draft_vocab_size", 20, r"draft_vocab_size=20.*config and the weights disagree"),
+    ("num_heads", "two", "config.json: HeadConfig.num_heads must be a positive integer"),
+])
+def test_config_that_disagrees_with_the_weights(tmp_path, field, value, message):
+    saved_heads(tmp_path, MODEL)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config[field] = value
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=message):
+        load_heads(tmp_path)
+
+
+def test_one_weight_of_the_wrong_shape(tmp_path):
+    saved_heads(tmp_path, MODEL)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    name = next(k for k, v in state.items() if v.dim() == 2)
+    damage(tmp_path, name, lambda t: t[:, :-1].contiguous())
+    with pytest.raises(CheckpointError, match=f"tensor '{name}' has shape .*the config and the weights disagree"):
+        load_heads(tmp_path)
