@@ -222,7 +222,7 @@ def test_the_callable_streams(setup):
 
 def test_push_writes_custom_generate_for_the_repo(setup, tmp_path, monkeypatch):
     """``draftheads push CKPT REPO`` uploads the checkpoint with ``custom_generate/`` pointing at
-    the repo id (the Hub replaced by a recorder, as in test_hub.py); the local folder is unchanged;
+    the repo id (the Hub replaced by a recorder, as in heads/checkpoint/test_hub.py); the local folder is unchanged;
     the uploaded folder, laid out as the Hub cache would serve it, decodes with the heads."""
     import huggingface_hub
     from huggingface_hub import constants

@@ -1,7 +1,7 @@
-"""Issue 27, classes 3-6 at the command line: every subcommand ends a bad argument, a bad file
-or a Hub failure with ONE ``error:`` line on stderr naming the problem, exit status 2, and no
-traceback (the CLI catches the project's error root once, at its top). Run in-process; one
-subprocess checks the installed entry point end to end."""
+"""At the command line every subcommand ends a bad argument, a bad file or a Hub failure with ONE
+``error:`` line on stderr naming the problem, exit status 2, and no traceback (the CLI catches
+the project's error root once, at its top). Run in-process; one subprocess checks the installed
+entry point end to end."""
 from __future__ import annotations
 
 import json

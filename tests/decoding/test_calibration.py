@@ -1,8 +1,8 @@
-"""Issue 27, classes 1-2: ``tree="adaptive"`` works on first use (an empty cache: the heads are
-bound before the calibration drafts with them), and the calibration cache is never trusted —
-a file that is unreadable or implausible is reported once, naming it, and measured again; a
-cache that cannot be written (file-valued or read-only ``DRAFTHEADS_CACHE``) keeps the result in
-memory with a warning."""
+"""``tree="adaptive"`` works on first use (an empty cache: the heads are bound before the
+calibration drafts with them), and the calibration cache is never trusted — a file that is
+unreadable or implausible is reported once, naming it, and measured again; a cache that cannot
+be written (file-valued or read-only ``DRAFTHEADS_CACHE``) keeps the result in memory with
+a warning."""
 from __future__ import annotations
 
 import json

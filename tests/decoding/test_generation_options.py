@@ -90,7 +90,7 @@ def first(ctx: Context, n: int = 3) -> list[int]:
 
 #: every option → (what draftheads does with it, the generate() arguments that set it). Sampling
 #: samples are deterministic (one token survives the warper) so that tokens can be compared; the
-#: distributions themselves are tested in test_sampling.py and below, processor by processor.
+#: distributions themselves are tested in properties/test_sampling.py and below, processor by processor.
 H, R = "honoured", "refused"
 SAMPLING = dict(do_sample=True)
 SAMPLES: dict[str, tuple[str, Callable[[Context], dict]]] = {

@@ -138,7 +138,7 @@ def test_greedy_padded_batch_merged_with_lookups_matches_the_bases_generate(name
 def test_sampling_draws_from_the_bases_own_logits(name):
     """Seeded sampling through the same path: every logit row the decoder sampled from is the
     base's own forward's at that position (its LM head, logit transforms and windows included),
-    so the lossless acceptance (tests/test_sampling.py) samples the base's distribution."""
+    so the lossless acceptance (tests/properties/test_sampling.py) samples the base's distribution."""
     model = tiny_base(name)
     ids, mask = prompts(3, 2, 2 * WINDOW)
     heads = OracleHeads([[5] * 40, [7] * 40], vocab=VOCAB, error=0.5)

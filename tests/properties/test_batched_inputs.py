@@ -1,4 +1,4 @@
-"""Bad or unusual batched input (issue 6): a clear error or transformers' own behaviour, never
+"""Bad or unusual batched input: a clear error or transformers' own behaviour, never
 silently different tokens."""
 from __future__ import annotations
 

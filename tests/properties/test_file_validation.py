@@ -1,8 +1,8 @@
-"""Issue 27, classes 3-7 and 9 through the Python API: every file draftheads reads is validated
-by one reader before use, and a bad one is one project error (:class:`DraftheadsError`, still
-the ``ValueError`` / ``FileNotFoundError`` it was) naming the file and what is wrong — the lookup
-store's header, sizes and ids; a foreign Medusa checkpoint; a training report and the results
-it cites; a run's ``recipe.json``; a recipe file; a head config that is a base model's."""
+"""Through the Python API every file draftheads reads is validated by one reader before use,
+and a bad one is one project error (:class:`DraftheadsError`, still the ``ValueError`` /
+``FileNotFoundError`` it was) naming the file and what is wrong — the lookup store's header,
+sizes and ids; a foreign Medusa checkpoint; a training report and the results it cites; a run's
+``recipe.json``; a recipe file; a head config that is a base model's."""
 from __future__ import annotations
 
 import json
@@ -32,7 +32,7 @@ def test_every_project_error_shares_one_root_and_keeps_its_old_base(error):
     assert issubclass(error, DraftheadsError) and issubclass(error, ValueError)
 
 
-# -- the lookup store (class 7) ---------------------------------------------------------------------
+# -- the lookup store -----------------------------------------------------------------------------
 def write_store(path: Path, vocab: int = 10) -> None:
     bits = key_bits(vocab)
     header = StoreHeader(FORMAT_VERSION, vocab, "0" * 64, 64 // bits, bits, "2026-11-25", "test", len(RECORDS),
@@ -113,7 +113,7 @@ def test_store_ids_are_range_checked_against_the_bases_vocabulary(tmp_path):
         model.use_drafts("context,store", lookup_store=path)
 
 
-# -- a foreign Medusa checkpoint (class 5) -----------------------------------------------------------
+# -- a foreign Medusa checkpoint -------------------------------------------------------------------
 def change_state(folder: Path, change) -> None:
     from safetensors.torch import load_file, save_file
 
@@ -166,7 +166,7 @@ def test_a_pt_medusa_checkpoint_with_non_tensor_entries_is_refused(tmp_path):
         import_medusa(folder, fingerprint(MODEL).to_dict())
 
 
-# -- head configs, training reports, bench results (classes 3, 6) -----------------------------------
+# -- head configs, training reports, bench results -------------------------------------------------
 def saved_heads(folder: Path) -> Path:
     MedusaHeads(HeadConfig(num_heads=2, hidden_size=32, vocab_size=96,
                            base_fingerprint=fingerprint(MODEL).to_dict())).save_pretrained(folder)
@@ -204,7 +204,7 @@ def test_a_damaged_training_report_or_results_file_is_named(tmp_path, case):
         card_for_checkpoint(folder, root=tmp_path)
 
 
-# -- recipes and a run's recipe.json (class 9) -------------------------------------------------------
+# -- recipes and a run's recipe.json ---------------------------------------------------------------
 RECIPE_VALUES = [("train.lr", ".nan"), ("train.lr", ".inf"), ("train.lr", "-.inf"), ("train.epochs", ".inf"),
                  ("train.epochs", ".nan"), ("loss.temperature", ".nan"), ("loss.head_decay", ".inf"),
                  ("train.warmup_ratio", ".nan"), ("adversarial.weight", ".nan"), ("loss.kl_weight", ".inf")]

@@ -1,6 +1,7 @@
-"""Issue 22's silent cases, against transformers itself: a batch's per-step scores/logits and
-its returned cache equal transformers' (rows that finished early included), a prompt near
-the context limit warns when its answer is cut, and no FutureWarning leaks from the forwards."""
+"""What could differ silently, checked against transformers itself: a batch's per-step
+scores/logits and its returned cache equal transformers' (rows that finished early included),
+a prompt near the context limit warns when its answer is cut, and no FutureWarning leaks from
+the forwards."""
 from __future__ import annotations
 
 import warnings

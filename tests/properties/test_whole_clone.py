@@ -1,4 +1,4 @@
-"""Issue 28: a clone is whole. Nothing the tests, the package or the scripts' defaults read lies
+"""A clone is whole. Nothing the tests, the package or the scripts' defaults read lies
 outside the clone (the evaluation prompts and cost surfaces ship in ``draftheads/data/``, the
 tests' training samples in ``tests/data/``); a recipe that names this machine's local training
 files also names a way that works without them; and a test that skips for want of an outside

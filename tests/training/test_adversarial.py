@@ -251,7 +251,7 @@ def test_sigkill_then_resume_with_adversarial_matches_uninterrupted_run(tiny_set
     run_dir = tiny_setup / "koala-killed"
 
     def discriminator_saved(checkpoint: Path) -> None:
-        # in draftheads' own (never pickled) state files since issue 22, no longer custom_checkpoint_<i>.pkl
+        # in draftheads' own state files (safetensors + JSON, never pickled), not custom_checkpoint_<i>.pkl
         state = json.loads((checkpoint / "draftheads_state.json").read_text())
         assert {"discriminator", "discriminator_optimizer"} <= set(state)
         assert (checkpoint / "draftheads_state.safetensors").is_file()

@@ -139,7 +139,7 @@ def test_per_row_steps_are_verified_packed_and_stay_identical(monkeypatch):
 
 
 def test_per_row_sampling_packed_draws_what_the_padded_block_draws(monkeypatch):
-    """Sampling over per-row trees (whose losslessness the χ² tests of ``test_sampling.py`` check
+    """Sampling over per-row trees (whose losslessness the χ² tests of ``properties/test_sampling.py`` check
     on the padded block) draws the same tokens when the ragged steps are verified packed: same
     seed, same output, the packed path taken."""
     from draftheads.decoding import base
