@@ -19,7 +19,7 @@ products that form it (hidden state × LM-head row, accumulated over 30 layers),
 that of the row's logits, not of the one value that happens to win; a top-1 logit near 0
 (measured: −0.35 in a row whose logits reach ±10) would otherwise count a 0.07 gap as 37 ulps.
 
-Sampling is exact in distribution in every dtype (the χ² tests in ``tests/test_sampling.py``).
+Sampling is exact in distribution in every dtype (the χ² tests in ``tests/properties/test_sampling.py``).
 """
 from __future__ import annotations
 

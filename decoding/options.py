@@ -8,7 +8,7 @@ its stopping criteria (:class:`~.output.Emitter`), the length, EOS and padding r
 keeps itself. What the loop cannot reproduce is refused before any work, naming the option
 (:func:`refuse_options`). An option a later transformers adds is not in any table: set to
 anything but its default, it is refused as unknown (never dropped), and the enumeration test
-(tests/test_generation_options.py) fails until it is classified here.
+(tests/decoding/test_generation_options.py) fails until it is classified here.
 """
 from __future__ import annotations
 

