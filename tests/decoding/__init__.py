@@ -1,1 +1,2 @@
-"""Tests of decoding/: acceptance, trees, the step and the loop, limits, the policy and its calibration."""
+"""Tests of decoding/: acceptance, trees, the step and the loop, limits, the policy and its
+calibration."""

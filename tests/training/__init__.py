@@ -1,1 +1,2 @@
-"""Tests of training/: features and labels, the framework, data, preflight, adversarial training, resume."""
+"""Tests of training/: features and labels, the framework, data, preflight, adversarial training,
+resume."""

@@ -1,1 +1,2 @@
-"""Tests of decoding/drafters/: the lookup sources, tries, the merge, the review and the default drafting."""
+"""Tests of decoding/drafters/: the lookup sources, tries, the merge, the review and the
+default drafting."""
