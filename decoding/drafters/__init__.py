@@ -39,8 +39,8 @@ __all__ = ["auto_drafts", "BigramTable", "BUILT_IN", "build_arrays", "build_draf
            "check_review", "check_store_argument", "children_table", "CONTEXT", "ContextConfig", "ContextSource",
            "count_rows", "count_trie", "default_q", "Drafter", "Drafts", "DraftState", "HEADS", "heads_batch",
            "HeadsDrafter", "HeadsWorth", "HitRate", "HitRateConfig", "lookup_names", "LookupConfig", "LookupDrafter",
-           "LookupSource", "LookupSources", "merge", "merge_rows", "MergedDrafter", "ModelStore", "needing", "NgramIndex",
-           "open_store", "parse_drafts", "plain_drafts", "register", "REGISTRY", "review", "save_store", "select",
-           "select_rows", "source_id", "source_names", "SourceSpec", "spec_of", "STATS", "StatsConfig",
+           "LookupSource", "LookupSources", "merge", "merge_rows", "MergedDrafter", "ModelStore", "needing",
+           "NgramIndex", "open_store", "parse_drafts", "plain_drafts", "register", "REGISTRY", "review", "save_store",
+           "select", "select_rows", "source_id", "source_names", "SourceSpec", "spec_of", "STATS", "StatsConfig",
            "StatsSource", "STORE", "STORE_NAME", "StoreConfig", "StoreError", "StoreHeader", "StoreSource",
            "SuffixAutomaton", "tokenizer_identity", "TokenizerIdentity", "unregister", "WidthChooser"]

@@ -45,7 +45,7 @@ def check_review(review: bool, sources: Sequence[str]) -> None:
     """The vertical cascade needs the heads (the reviewers) and a lookup source (the reviewed)."""
     if not isinstance(review, bool):
         raise InputError(f"review={review!r}: expected True (the heads rescore lookup drafts) or False.")
-    if review and (HEADS.name not in sources or not [s for s in sources if spec_of(s).lookup]):
+    if review and (HEADS.name not in sources or not [s for s in sources if s != HEADS.name]):
         raise InputError(f"review=True: the heads review lookup drafts, so drafts must include 'heads' and at "
                          f"least one of {', '.join(lookup_names())} (got {','.join(sources)}).")
 
@@ -61,7 +61,7 @@ def build_drafter(sources: Sequence[str], heads: DraftHeads | None, store=None, 
                          f"checkpoint was loaded: pass heads_path, or draft with lookups only "
                          f"(drafts='{','.join(lookup_names())}').")
     check_review(review, sources)
-    lookups = [s for s in sources if spec_of(s).lookup]
+    lookups = [s for s in sources if s != HEADS.name]  # LookupSources names any unknown one
     if not lookups:
         return HeadsDrafter(heads)
     config = LookupConfig(tuple(spec_of(name).config(eos_token_id=eos_token_id) for name in lookup_names()))

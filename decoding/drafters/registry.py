@@ -15,11 +15,7 @@ merge keeps the lower id, so sources register most local first (Hierarchy Drafti
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, is_dataclass
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
-
-if TYPE_CHECKING:
-    from .candidates import CandidateBatch
-    from .interface import LookupSource
+from typing import Any, Callable, Mapping, Sequence
 
 #: what a source may need loaded (``SourceSpec.needs``)
 LOADABLE = {"heads": "a head checkpoint", "store": "a model store"}
@@ -51,8 +47,8 @@ class SourceSpec:
     name: str
     prior: Callable[[int], float]
     config: type | None = None
-    start: Callable[[Sequence[int], Any, Any], "LookupSource"] | None = None
-    propose_rows: Callable[[Sequence["LookupSource | None"], int], "CandidateBatch"] | None = None
+    start: Callable[[Sequence[int], Any, Any], Any] | None = None  # → a LookupSource (imported by none here)
+    propose_rows: Callable[[Sequence[Any], int], Any] | None = None  # → a CandidateBatch
     static: bool = False
     needs: tuple[str, ...] = ()
     shared: Callable[[Mapping[str, Any]], Any] = reads_nothing
@@ -83,7 +79,8 @@ def register(spec: SourceSpec) -> SourceSpec:
         raise ValueError(f"Draft source {name!r} needs {unknown}; a source can need {sorted(LOADABLE)}.")
     if spec.lookup and (spec.propose_rows is None or not is_dataclass(spec.config)
                         or "eos_token_id" not in {f.name for f in fields(spec.config)}):
-        raise ValueError(f"Lookup source {name!r} needs propose_rows and a config dataclass with an eos_token_id field.")
+        raise ValueError(f"Lookup source {name!r} needs propose_rows and a config dataclass with an "
+                         "eos_token_id field.")
     if len(REGISTRY) >= MOST_SOURCES:
         raise ValueError(f"At most {MOST_SOURCES} draft sources can be registered (a node's source is an int8).")
     REGISTRY[name] = spec
@@ -129,7 +126,7 @@ def lookup_names() -> tuple[str, ...]:
 
 def needing(what: str, names: Sequence[str] | None = None) -> tuple[str, ...]:
     """Those of ``names`` (default: every source) that need ``what`` loaded (:data:`LOADABLE`)."""
-    return tuple(n for n in (source_names() if names is None else names) if what in REGISTRY[n].needs)
+    return tuple(n for n in (source_names() if names is None else names) if n in REGISTRY and what in REGISTRY[n].needs)
 
 
 def available(loaded: Sequence[str], lookups_only: bool = False) -> tuple[str, ...]:
