@@ -23,6 +23,7 @@ from .fingerprint import fingerprint
 from .calibration import CalibrationConfig, calibrate
 from .cost import CostModel
 from .drafters import Drafter, HeadsDrafter, MergedDrafter, auto_drafts, build_drafter, check_review, check_store_argument, open_store, parse_drafts
+from .drafters import needing
 from .limits import check_base_path, check_generator, parse_dtype, parse_tree_option
 from .loop import DecodingStats, plain_generate, speculate
 from .policy import AdaptivePolicy, FixedTree, TreePolicy, as_policy, best_budget, default_tree, resolve_tree, tree_for_budget
@@ -113,8 +114,8 @@ class DraftHeadsModel:
         (bf16 on CPUs with AVX512-BF16/AMX and on GPUs), else float32; an explicit dtype wins.
         The heads are cast to the base's dtype. ``drafts``: who fills the trees — "auto"
         (default: the heads and every lookup source there is data for, see :func:`auto_drafts`),
-        "heads" (the heads alone), or any comma-separated mix of heads, context, store, stats (see
-        :meth:`use_drafts`); ``lookup_store``: the model store for "store"/"stats" (default: the
+        "heads" (the heads alone), or any comma-separated mix of the registered sources (see
+        :meth:`use_drafts`); ``lookup_store``: the model store for those needing one (default: the
         one shipped beside the heads; a store named is opened and checked even when unused);
         ``review``: the heads review lookup drafts (see :meth:`use_drafts`); ``calibration``: the
         grid ``tree="adaptive"`` measures on first use (default: :class:`~.calibration.CalibrationConfig`).
@@ -179,7 +180,7 @@ class DraftHeadsModel:
         check_store_argument(lookup_store)
         self.draft_sources = sources
         store = None
-        uses_store = "store" in sources or "stats" in sources
+        uses_store = bool(needing("store", sources))
         if uses_store or lookup_store is not None:  # a store named is checked even when these drafts skip it
             key = None if lookup_store is None else str(Path(lookup_store).resolve())
             if key not in self._stores:  # opened and checked once per file, shared by every drafter

@@ -13,7 +13,7 @@ import torch
 
 from .decoding.limits import DTYPE_CHOICES, InputError, check_count
 from .heads.errors import DraftheadsError, one_line
-from .options import drafts_argument, find_heads, tree_argument
+from .options import draft_source_list, drafts_argument, find_heads, tree_argument
 from .prompts import chat_input, cost_surfaces, round_robin
 from .prompts import read_prompts as _read_prompts
 
@@ -261,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--no-baseline", action="store_true", help="skip the plain-generate comparison")
     gen.add_argument("--drafts", dest="draft_sources", type=drafts_argument, default=None,
-                     help="who fills the trees: a comma-separated subset of heads,context,store,stats (or 'all'; "
+                     help=f"who fills the trees: a comma-separated subset of {draft_source_list()} (or 'all'; "
                           "default: the heads and every lookup source there is data for): the heads and lookups "
                           "merge into one tree per step")
     gen.set_defaults(func=cmd_generate)
@@ -292,7 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="skip the controls (HF prompt lookup on each prompt, HF on each pair of prompts as a "
                             "padded batch of 2): faster, but no peer speed and no identity control")
     bench.add_argument("--drafts", type=drafts_argument, default=None,
-                       help="compare draft sources: a comma-separated subset of heads,context,store,stats (or "
+                       help=f"compare draft sources: a comma-separated subset of {draft_source_list()} (or "
                             "'all'); runs each alone, the lookups together and all merged, beside HF prompt lookup; "
                             "with --batch-sizes: the adaptive policy with the heads alone vs with the lookups")
     bench.add_argument("--parts", action="store_true",

@@ -26,8 +26,15 @@ def tree_argument(value: str) -> str | int:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+def draft_source_list() -> str:
+    """The registered draft sources as ``--drafts`` spells them: ``heads,context,store,stats``."""
+    from .decoding.drafters import source_names
+
+    return ",".join(source_names())
+
+
 def drafts_argument(value: str) -> tuple[str, ...]:
-    """``--drafts``: a comma-separated subset of heads, context, store, stats (or ``all``)."""
+    """``--drafts``: a comma-separated subset of the registered draft sources (or ``all``)."""
     from .decoding.drafters import parse_drafts
 
     try:

@@ -26,13 +26,14 @@ from pathlib import Path
 import numpy as np
 
 from draftheads.decoding.drafters import (BigramTable, Candidates, ContextConfig, ContextSource, HitRate, LookupConfig,
-                                          LookupSources, ModelStore, NgramIndex, Source, StatsConfig, StatsSource,
-                                          StoreConfig, StoreSource, SuffixAutomaton, default_q, tokenizer_identity)
+                                          LookupSources, ModelStore, NgramIndex, StatsConfig, StatsSource,
+                                          StoreConfig, StoreSource, SuffixAutomaton, default_q, lookup_names,
+                                          source_id, spec_of, tokenizer_identity)
 from draftheads.training.features import read_jsonl
 
 EOS = 2  # SmolLM2's <|im_end|>
 AUTOMATON = ContextConfig(eos_token_id=EOS, structure="automaton")
-LOOKUP = LookupConfig(ContextConfig(eos_token_id=EOS), StoreConfig(eos_token_id=EOS), StatsConfig(eos_token_id=EOS))
+LOOKUP = LookupConfig((ContextConfig(eos_token_id=EOS), StoreConfig(eos_token_id=EOS), StatsConfig(eos_token_id=EOS)))
 
 
 def streams(records: list[dict], length: int, count: int) -> list[list[int]]:
@@ -179,8 +180,8 @@ def main(argv: list[str] | None = None) -> int:
         "context_suffix_automaton_match": lambda p: MatchOnly(SuffixAutomaton(p)),
         "context_source_propose": lambda p: ContextSource(p, ContextConfig(eos_token_id=EOS)),
         "context_source_propose_automaton": lambda p: ContextSource(p, AUTOMATON),
-        "store_source_propose": lambda p: StoreSource(store, p, LOOKUP.store),
-        "stats_source_propose": lambda p: StatsSource(table, p, LOOKUP.stats),
+        "store_source_propose": lambda p: StoreSource(store, p, LOOKUP.of("store")),
+        "stats_source_propose": lambda p: StatsSource(table, p, LOOKUP.of("stats")),
         "merged_three_rescored": lambda p: RowView(LookupSources(store, LOOKUP), p),
     }
     cost = {}
@@ -213,8 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     replayers = {
         "context": lambda p: ContextSource(p, ContextConfig(eos_token_id=EOS)),
         "context_automaton": lambda p: ContextSource(p, AUTOMATON),
-        "store": lambda p: StoreSource(store, p, LOOKUP.store),
-        "stats": lambda p: StatsSource(table, p, LOOKUP.stats),
+        "store": lambda p: StoreSource(store, p, LOOKUP.of("store")),
+        "stats": lambda p: StatsSource(table, p, LOOKUP.of("stats")),
         "merged": lambda p: RowView(LookupSources(store, LOOKUP, shared_hitrate), p),
     }
 
@@ -240,9 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     spec = {}
     if args.spec_bench:
         spec = hit_rates(spec_bench_answers(args.spec_bench, args.spec_bench_per_category, args.max_new_tokens))
-    q = {f"{Source(s).name}:{b}": {"q": round(shared_hitrate.q(s, b), 3), "prior": round(default_q(Source(s), b), 3),
-                                   "share_observed": round(float(shared_hitrate.proposed[s, b]), 1)}
-         for s in range(1, 4) for b in range(0, 9) if shared_hitrate.proposed[s, b] > 0}
+    q = {f"{spec_of(s).name.upper()}:{b}": {"q": round(shared_hitrate.q(s, b), 3), "prior": round(default_q(s, b), 3),
+                                            "share_observed": round(float(shared_hitrate.proposed[s, b]), 1)}
+         for s in map(source_id, lookup_names()) for b in range(0, 9) if shared_hitrate.proposed[s, b] > 0}
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,9 @@
 """Drafting, in one place: who fills each step's token trees.
 
-* the :class:`Drafter` protocol and its drafters (:class:`HeadsDrafter`, :class:`MergedDrafter`);
+* the draft sources' registry (:mod:`.registry`: each source's name, configuration, prior hit
+  rate, whether it is static and what it needs loaded; the built-in ones in :mod:`.sources`);
+* the :class:`Drafter` protocol and its drafters (:class:`HeadsDrafter`, :class:`MergedDrafter`,
+  whose heads' weighing is :class:`HeadsWorth`);
 * the lookup sources (context, model store, bigram statistics), each a :class:`LookupSource`,
   :class:`LookupSources` holding them for a batch, and :class:`LookupDrafter` drafting with them alone;
 * the candidate trie (:class:`Candidates`, every row's at once :class:`CandidateBatch`), its
@@ -10,28 +13,34 @@
 
 Nothing here imports the loop's acceptance, cache or output at run time.
 """
-from .candidates import CandidateBatch, Candidates, Source
+from .registry import (REGISTRY, SourceSpec, lookup_names, needing, register, source_id, source_names, spec_of,
+                       unregister)
+from .candidates import CandidateBatch, Candidates
 from .tries import count_rows, count_trie, merge, merge_rows, select, select_rows
-from .context_source import ContextConfig, ContextSource, NgramIndex, SuffixAutomaton
+from .context_source import CONTEXT, ContextConfig, ContextSource, NgramIndex, SuffixAutomaton
 from .hitrate import HitRate, HitRateConfig, default_q
 from .drafts import Drafts, children_table
-from .choice import (DRAFT_SOURCES, STORE_NAME, auto_drafts, build_drafter, check_review, check_store_argument,
-                     open_store, parse_drafts)
-from .heads_drafter import HeadsDrafter, heads_batch
-from .lookup import LOOKUP_SOURCES, LookupConfig, LookupSources
+from .choice import (STORE_NAME, auto_drafts, build_drafter, check_review, check_store_argument, open_store,
+                     parse_drafts)
+from .heads_drafter import HEADS, HeadsDrafter, heads_batch
+from .lookup import LookupConfig, LookupSources
 from .merged import LookupDrafter, MergedDrafter
 from .interface import Drafter, DraftState, LookupSource, plain_drafts
 from .review import review
 from .width import WidthChooser
-from .stats import BigramTable, StatsConfig, StatsSource
-from .store import (ModelStore, StoreConfig, StoreError, StoreHeader, StoreSource, TokenizerIdentity, build_arrays,
-                    save_store, tokenizer_identity)
+from .worth import HeadsWorth
+from .stats import STATS, BigramTable, StatsConfig, StatsSource
+from .store import (ModelStore, StoreConfig, StoreError, StoreHeader, TokenizerIdentity, build_arrays, save_store,
+                    tokenizer_identity)
+from .store_source import STORE, StoreSource
+from .sources import BUILT_IN  # importing it registers them
 
-__all__ = ["DRAFT_SOURCES", "LOOKUP_SOURCES", "STORE_NAME", "auto_drafts", "BigramTable", "build_arrays",
-           "build_drafter", "CandidateBatch", "Candidates", "check_review", "check_store_argument", "children_table",
-           "ContextConfig", "ContextSource", "count_rows", "count_trie", "default_q", "Drafter", "Drafts", "DraftState",
-           "heads_batch", "HeadsDrafter", "HitRate", "HitRateConfig", "LookupConfig", "LookupDrafter", "LookupSource",
-           "LookupSources", "merge", "merge_rows", "MergedDrafter", "ModelStore", "NgramIndex", "open_store", "parse_drafts",
-           "plain_drafts", "review", "save_store", "select", "select_rows", "Source", "StatsConfig", "StatsSource", "StoreConfig",
-           "StoreError", "StoreHeader", "StoreSource", "SuffixAutomaton", "tokenizer_identity", "TokenizerIdentity",
-           "WidthChooser"]
+__all__ = ["auto_drafts", "BigramTable", "BUILT_IN", "build_arrays", "build_drafter", "CandidateBatch", "Candidates",
+           "check_review", "check_store_argument", "children_table", "CONTEXT", "ContextConfig", "ContextSource",
+           "count_rows", "count_trie", "default_q", "Drafter", "Drafts", "DraftState", "HEADS", "heads_batch",
+           "HeadsDrafter", "HeadsWorth", "HitRate", "HitRateConfig", "lookup_names", "LookupConfig", "LookupDrafter",
+           "LookupSource", "LookupSources", "merge", "merge_rows", "MergedDrafter", "ModelStore", "needing",
+           "NgramIndex", "open_store", "parse_drafts", "plain_drafts", "register", "REGISTRY", "review", "save_store",
+           "select", "select_rows", "source_id", "source_names", "SourceSpec", "spec_of", "STATS", "StatsConfig",
+           "StatsSource", "STORE", "STORE_NAME", "StoreConfig", "StoreError", "StoreHeader", "StoreSource",
+           "SuffixAutomaton", "tokenizer_identity", "TokenizerIdentity", "unregister", "WidthChooser"]

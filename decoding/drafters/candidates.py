@@ -13,24 +13,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from enum import IntEnum
 from typing import Sequence
 
 import numpy as np
+
+from .registry import source_id
 
 
 #: a source's own buckets (match lengths) stay below this; the heads' review adds multiples of it
 #: (:func:`.hitrate.reviewed_bucket`)
 BUCKET_STRIDE = 64
-
-
-class Source(IntEnum):
-    """Who proposed a node; lower value wins exact score ties (most local first, as in HD)."""
-
-    HEADS = 0
-    CONTEXT = 1
-    STORE = 2
-    STATS = 3
 
 
 @dataclass(frozen=True, eq=False)
@@ -47,7 +39,7 @@ class Candidates:
     token: np.ndarray  # (N,) int64
     depth: np.ndarray  # (N,) int32, 1 = child of the root
     score: np.ndarray  # (N,) float64, ≈ P(root→node path accepted), non-increasing along a path
-    source: np.ndarray  # (N,) int8, a Source value
+    source: np.ndarray  # (N,) int8, who proposed the node: its source's id (:func:`.registry.source_id`)
     bucket: np.ndarray  # (N,) int16, match length (lookups) / confidence bucket (heads)
     share: np.ndarray  # (N,) float64, count(node) / count(parent) in the source's own data
 
@@ -83,7 +75,7 @@ class Candidates:
         score: list[float] = []
         for p, q in zip(parent, prob):
             score.append((1.0 if p < 0 else score[p]) * float(q))
-        trie = cls.from_lists(parent, token, score, [Source.HEADS] * len(token), [0] * len(token), prob)
+        trie = cls.from_lists(parent, token, score, [source_id("heads")] * len(token), [0] * len(token), prob)
         return Candidates(trie.parent, trie.token, trie.depth, trie.score, trie.source, trie.depth.astype(np.int16),
                           trie.share)
 

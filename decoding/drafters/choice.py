@@ -1,5 +1,5 @@
-"""Which drafter a model uses: the source names (``drafts=``), the store file beside the heads,
-and the drafter built from them.
+"""Which drafter a model uses: the source names (``drafts=``, read from the registry
+:mod:`.registry`), the store file beside the heads, and the drafter built from them.
 """
 from __future__ import annotations
 
@@ -9,46 +9,45 @@ from typing import Sequence
 from ...heads import DraftHeads
 from ..cost import LINEAR_COST, CostModel
 from ..limits import InputError, InputTypeError
-from .context_source import ContextConfig
-from .heads_drafter import HeadsDrafter
+from .heads_drafter import HEADS, HeadsDrafter
 from .lookup import LookupConfig, LookupSources
 from .merged import MergedDrafter
 from .interface import Drafter
-from .stats import StatsConfig
-from .store import ModelStore, StoreConfig, StoreError, tokenizer_identity
+from .registry import available, lookup_names, needing, source_names, spec_of
+from .store import ModelStore, StoreError, tokenizer_identity
 from .width import PACKED_PADDING_SHARE, PADDED_SLOT_SHARE, WidthChooser
 
 
-#: every draft source ``generate`` can merge: the heads, then the lookups most local first
-DRAFT_SOURCES = ("heads", "context", "store", "stats")
 #: the store file a head checkpoint ships beside its weights (``scripts/build_store.py``)
 STORE_NAME = "lookup_store.safetensors"
 
 
 def parse_drafts(drafts: str | Sequence[str]) -> tuple[str, ...]:
-    """``"heads,context"`` / ``["heads", "context"]`` / ``"all"`` → the source names, checked."""
+    """``"heads,context"`` / ``["heads", "context"]`` / ``"all"`` → the source names, checked,
+    in the registry's order."""
+    known = source_names()
     if not isinstance(drafts, (str, list, tuple)) or any(not isinstance(n, str) for n in
                                                           ([] if isinstance(drafts, str) else drafts)):
         raise InputTypeError(f"drafts must be a str such as 'heads,context' (or 'all') or a list/tuple of such names, "
-                             f"got {type(drafts).__name__} {drafts!r}; the sources are {', '.join(DRAFT_SOURCES)}.")
+                             f"got {type(drafts).__name__} {drafts!r}; the sources are {', '.join(known)}.")
     names = drafts.split(",") if isinstance(drafts, str) else list(drafts)
     names = [n.strip().lower() for n in names if n.strip()]
     if names == ["all"]:
-        return DRAFT_SOURCES
-    unknown = [n for n in names if n not in DRAFT_SOURCES]
+        return known
+    unknown = [n for n in names if n not in known]
     if unknown or not names:
-        raise InputError(f"drafts={drafts!r}: expected a comma-separated subset of {', '.join(DRAFT_SOURCES)} "
+        raise InputError(f"drafts={drafts!r}: expected a comma-separated subset of {', '.join(known)} "
                          "(or 'all').")
-    return tuple(n for n in DRAFT_SOURCES if n in names)
+    return tuple(n for n in known if n in names)
 
 
 def check_review(review: bool, sources: Sequence[str]) -> None:
     """The vertical cascade needs the heads (the reviewers) and a lookup source (the reviewed)."""
     if not isinstance(review, bool):
         raise InputError(f"review={review!r}: expected True (the heads rescore lookup drafts) or False.")
-    if review and ("heads" not in sources or not [s for s in sources if s != "heads"]):
+    if review and (HEADS.name not in sources or not [s for s in sources if s != HEADS.name]):
         raise InputError(f"review=True: the heads review lookup drafts, so drafts must include 'heads' and at "
-                         f"least one of context, store, stats (got {','.join(sources)}).")
+                         f"least one of {', '.join(lookup_names())} (got {','.join(sources)}).")
 
 
 def build_drafter(sources: Sequence[str], heads: DraftHeads | None, store=None, cost: CostModel | None = None,
@@ -57,16 +56,16 @@ def build_drafter(sources: Sequence[str], heads: DraftHeads | None, store=None, 
     any lookup → :class:`MergedDrafter` (with the heads when "heads" is among them).
     ``packed_ragged``: the base verifies ragged rows packed (:func:`~..base.verifies_ragged`),
     so the width chooser prices a ragged step's padding at :data:`~.width.PACKED_PADDING_SHARE`."""
-    if "heads" in sources and heads is None:
-        raise InputError("drafts include 'heads' but no head checkpoint was loaded: pass heads_path, or draft "
-                         "with lookups only (drafts='context,store,stats').")
+    if heads is None and needing("heads", sources):
+        raise InputError(f"drafts include {', '.join(repr(n) for n in needing('heads', sources))} but no head "
+                         f"checkpoint was loaded: pass heads_path, or draft with lookups only "
+                         f"(drafts='{','.join(lookup_names())}').")
     check_review(review, sources)
-    lookups = [s for s in sources if s != "heads"]
+    lookups = [s for s in sources if s != HEADS.name]  # LookupSources names any unknown one
     if not lookups:
         return HeadsDrafter(heads)
-    config = LookupConfig(ContextConfig(eos_token_id=eos_token_id), StoreConfig(eos_token_id=eos_token_id),
-                          StatsConfig(eos_token_id=eos_token_id))
-    return MergedDrafter(heads if "heads" in sources else None, LookupSources(store, config, sources=lookups),
+    config = LookupConfig(tuple(spec_of(name).config(eos_token_id=eos_token_id) for name in lookup_names()))
+    return MergedDrafter(heads if HEADS.name in sources else None, LookupSources(store, config, sources=lookups),
                          WidthChooser(cost if cost is not None else LINEAR_COST,
                                       padding_share=PACKED_PADDING_SHARE if packed_ragged else PADDED_SLOT_SHARE),
                          review=review)
@@ -93,10 +92,11 @@ def open_store(path: str | Path | None, heads: DraftHeads | None, tokenizer, voc
 
 
 def auto_drafts(heads: DraftHeads | None, lookup_store: str | Path | None = None) -> tuple[str, ...]:
-    """``drafts="auto"``: the heads (when loaded), the context, and the store and its bigram
-    statistics when there is a store (``lookup_store``, or one shipped beside the heads).
-    Measured faster than the heads alone on every Spec-Bench category (README, Figures): the
-    merged tree spends each step's slots on whichever source is likelier to be accepted."""
+    """``drafts="auto"``: every registered source there is data for — the heads (when loaded),
+    the context, and the store and its bigram statistics when there is a store (``lookup_store``,
+    or one shipped beside the heads). Faster than the heads alone on every Spec-Bench category:
+    the merged tree spends each step's slots on whichever source is likelier to be accepted.
+    evidence: results/bench_drafts_bf16"""
     has_store = lookup_store is not None or (
         getattr(heads, "source_dir", None) is not None and (Path(heads.source_dir) / STORE_NAME).is_file())
-    return (("heads",) if heads is not None else ()) + ("context",) + (("store", "stats") if has_store else ())
+    return available((["heads"] if heads is not None else []) + (["store"] if has_store else []))

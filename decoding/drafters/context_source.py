@@ -11,20 +11,18 @@ and where it continued":
   longest match of any length, but one occurrence (its first) per match.
 
 Both index only n-grams that already have a following token, so the history's own suffix is
-never its own match (the trivial self-match). ``scripts/bench_sources.py`` measured both on
-real SmolLM2 streams at 2k tokens, one core (``results/lookup_sources/``): append + longest
-match 2.7 µs (n-gram) vs 1.3 µs (automaton) per step, a full propose 157 vs 96 µs mean — but
-the n-gram index's branches accept more (greedy replay of held-out answers, τ 2.11 vs 1.86 on
-code, 2.67 vs 2.34 on GSM8K, higher in every category), worth far more than 60 µs next to a
-10+ ms verification forward. So :class:`ContextSource` defaults to the n-gram index;
-``ContextConfig(structure="automaton")`` keeps the other.
+never its own match (the trivial self-match). The automaton is the faster of the two by tens
+of µs a step, but the n-gram index's branches are accepted more often in every category, worth
+far more next to a verification forward: :class:`ContextSource` defaults to the n-gram index;
+``ContextConfig(structure="automaton")`` keeps the other. evidence: results/lookup_sources
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Sequence
 
-from .candidates import CandidateBatch, Candidates, Source
+from .candidates import CandidateBatch, Candidates
+from .registry import SourceSpec, source_id
 from .tries import continuation_tries
 
 
@@ -171,4 +169,15 @@ class ContextSource:
     def propose_rows(sources: Sequence["ContextSource | None"], budget: int, q: float | None = None) -> CandidateBatch:
         """Every row's :meth:`propose` at once (``None``: a row that does not ask this source)."""
         found = [(row, *s.continuations(budget)) for row, s in enumerate(sources) if s is not None]
-        return continuation_tries(found, len(sources), Source.CONTEXT, budget, q)
+        return continuation_tries(found, len(sources), source_id("context"), budget, q)
+
+
+def context_prior(bucket: int) -> float:
+    """Context matches are trusted more the longer they are (``bucket``: the match length)."""
+    return min(0.9, 0.35 + 0.1 * bucket)
+
+
+#: suffix matches in the row's own prompt and answer so far: needs no file, grows with the answer
+CONTEXT = SourceSpec("context", context_prior, ContextConfig,
+                     start=lambda prompt, config, shared: ContextSource(prompt, config),
+                     propose_rows=ContextSource.propose_rows)

@@ -1,4 +1,5 @@
-"""The heads as a drafter: they fill the policy's tree, the same shape for every row."""
+"""The heads as a drafter: they fill the policy's tree, the same shape for every row; and the
+heads as a draft source of the registry (:data:`HEADS`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,9 +10,10 @@ import torch
 
 from ...heads import DraftHeads
 from ..tree import Tree
-from .candidates import CandidateBatch, Source, path_products
+from .candidates import CandidateBatch, path_products
 from .drafts import Drafts
 from .interface import DraftState, plain_drafts
+from .registry import SourceSpec, source_id
 
 if TYPE_CHECKING:
     from ..accept import Acceptance
@@ -51,5 +53,15 @@ def heads_batch(tree: Tree, tokens: torch.Tensor, probs: torch.Tensor) -> Candid
     depth = np.tile(tree.depth[1:].cpu().numpy().astype(np.int32), batch)
     share = probs[:, 1:].float().cpu().numpy().astype(np.float64).reshape(-1)
     return CandidateBatch(batch, row, parent, tokens[:, 1:].cpu().numpy().astype(np.int64).reshape(-1), depth,
-                          path_products(share, parent, depth), np.full(row.size, Source.HEADS, dtype=np.int8),
+                          path_products(share, parent, depth), np.full(row.size, source_id("heads"), dtype=np.int8),
                           depth.astype(np.int16), share)
+
+
+def heads_prior(bucket: int) -> float:
+    """The heads' probabilities start at face value (their calibration is learned per depth)."""
+    return 1.0
+
+
+#: the heads as a draft source: they need a head checkpoint and draft from hidden states (the
+#: merged drafter calls them itself, so no per-row source)
+HEADS = SourceSpec("heads", heads_prior, needs=("heads",))

@@ -17,20 +17,14 @@ from typing import Sequence
 
 import numpy as np
 
-from .candidates import BUCKET_STRIDE, CandidateBatch, Candidates, Source, path_products
+from .candidates import BUCKET_STRIDE, CandidateBatch, Candidates, path_products
+from .registry import source_count, spec_of
 
 
-def default_q(source: Source, bucket: int) -> float:
-    """Prior calibration before any observation. Context matches are trusted more the longer
-    they are; static-store matches less than context ones (SAM-Decoding penalises them by 5
-    tokens); the bigram table least; heads start at face value."""
-    if source == Source.HEADS:
-        return 1.0
-    if source == Source.CONTEXT:
-        return min(0.9, 0.35 + 0.1 * bucket)
-    if source == Source.STORE:
-        return min(0.8, 0.2 + 0.08 * bucket)
-    return 0.4
+def default_q(source: int, bucket: int) -> float:
+    """Prior calibration before any observation: the source's registered prior
+    (:attr:`.registry.SourceSpec.prior`) for this bucket."""
+    return spec_of(source).prior(bucket)
 
 
 #: The vertical cascade: the heads' probability of a reviewed lookup node, binned at these
@@ -62,10 +56,10 @@ class HitRate:
     def __init__(self, config: HitRateConfig = HitRateConfig()):
         self.config = config
         width = config.max_bucket + 1
-        shape = (len(Source), width * (len(REVIEW_EDGES) + 2))
+        shape = (source_count(), width * (len(REVIEW_EDGES) + 2))  # every source registered now
         self.accepted = np.zeros(shape)
         self.proposed = np.zeros(shape)  # Σ share of eligible nodes
-        self.prior = np.array([[default_q(s, b % width) for b in range(shape[1])] for s in Source])
+        self.prior = np.array([[default_q(s, b % width) for b in range(shape[1])] for s in range(shape[0])])
         self.row_steps: dict[int, int] = {}
         self.row_accepted: dict[int, int] = {}
 

@@ -3,8 +3,9 @@
 A :class:`Drafter` sees each live row's state (:class:`DraftState`) and the policy's tree (its
 node budget, and the shape the heads fill) and returns one tree per row
 (:class:`~.drafts.Drafts`); after the verification it hears what each row accepted. A
-:class:`LookupSource` is one row's lookup source (context, store, statistics): it hears the
-row's new tokens and proposes a scored candidate trie.
+:class:`LookupSource` is one row's lookup source (context, store, statistics, or any other
+registered in :mod:`.registry`): it hears the row's new tokens and proposes a scored candidate
+trie.
 
 Every draft node is a fixed token given the row's history (a point mass), whoever proposed
 it, so the acceptance rules and their proof in :mod:`..accept` hold for every drafter.

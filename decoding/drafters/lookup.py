@@ -1,6 +1,7 @@
-"""All lookup sources of a batch behind one object (:class:`LookupSources`): per-row context /
-store / stats sources (each a :class:`~.interface.LookupSource`), one shared :class:`HitRate`,
-and the merge — what the merged drafter (:mod:`.merged`) wraps.
+"""All lookup sources of a batch behind one object (:class:`LookupSources`): per-row sources of
+the registered lookup kinds (context, store, stats, … each row's a
+:class:`~.interface.LookupSource`, see :mod:`.registry`), one shared :class:`HitRate`, and the
+merge — what the merged drafter (:mod:`.merged`) wraps.
 
 Rows are keyed by the caller's ids (a row keeps its id while others finish), so nothing here
 depends on the batch layout. Each step: :meth:`tries_rows` (every source's tries for every live
@@ -9,32 +10,37 @@ row at once, one :class:`~.candidates.CandidateBatch` per source), verify, then
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Any, Sequence
 
 import numpy as np
 
 from .candidates import CandidateBatch, Candidates
-from .context_source import ContextConfig, ContextSource
 from .hitrate import HitRate
-from .stats import BigramTable, StatsConfig, StatsSource
-from .store import ModelStore, StoreConfig, StoreSource
+from .registry import available, lookup_names, needing, spec_of
+from .store import ModelStore
 from .tries import merge
 
 
 @dataclass(frozen=True)
 class LookupConfig:
-    context: ContextConfig = field(default_factory=ContextConfig)
-    store: StoreConfig = field(default_factory=StoreConfig)
-    stats: StatsConfig = field(default_factory=StatsConfig)
-    #: a static source ("store", "stats") that proposed on this many steps of a row without one
-    #: accepted draft stops being asked for that row (the request is not in its data); 0 = never.
-    #: The context is always asked: it grows with the answer, so its matches come later.
+    #: the lookup sources' configurations, each an instance of the config class its source
+    #: registered (:attr:`.registry.SourceSpec.config`); a source without one here runs on its
+    #: config's defaults
+    configs: tuple = ()
+    #: a static source (:attr:`.registry.SourceSpec.static`: "store", "stats") that proposed on
+    #: this many steps of a row without one accepted draft stops being asked for that row (the
+    #: request is not in its data); 0 = never. The context is always asked: it grows with the
+    #: answer, so its matches come later.
     mute_after: int = 16
 
-
-#: the sources whose data does not change during a request (see ``LookupConfig.mute_after``)
-STATIC_SOURCES = ("store", "stats")
+    def of(self, name: str) -> Any:
+        """The configuration of the lookup source ``name``."""
+        kind = spec_of(name).config
+        for config in self.configs:
+            if type(config) is kind:
+                return config
+        return kind()
 
 
 @dataclass
@@ -46,29 +52,27 @@ class SourceRecord:
     hits: int = 0
 
 
-#: the lookup sources, most local first (Hierarchy Drafting's order)
-LOOKUP_SOURCES = ("context", "store", "stats")
-#: each source's class: its ``propose_rows`` drafts for every row of a step at once
-SOURCE_CLASSES = {"context": ContextSource, "store": StoreSource, "stats": StatsSource}
-
-
 class LookupSources:
-    """The chosen ``sources`` (default: context, plus store and bigram statistics when a store
-    is given); "store" and "stats" need the store (the bigram table is read from it)."""
+    """The chosen lookup ``sources`` (default: every registered one there is data for: the
+    context, plus the store and its bigram statistics when a store is given)."""
 
     def __init__(self, store: ModelStore | None = None, config: LookupConfig = LookupConfig(),
                  hitrate: HitRate | None = None, sources: Sequence[str] | None = None):
+        loaded = {"store": store}
         if sources is None:
-            sources = LOOKUP_SOURCES if store is not None else ("context",)
-        unknown = [s for s in sources if s not in LOOKUP_SOURCES]
+            sources = available([k for k, v in loaded.items() if v is not None], lookups_only=True)
+        unknown = [s for s in sources if s not in lookup_names()]
         if unknown:
-            raise ValueError(f"Unknown lookup source(s) {unknown}; choose from {list(LOOKUP_SOURCES)}.")
-        if store is None and any(s in ("store", "stats") for s in sources):
-            raise ValueError("The 'store' and 'stats' lookup sources need a model store: build one with "
+            raise ValueError(f"Unknown lookup source(s) {unknown}; choose from {list(lookup_names())}.")
+        if store is None and needing("store", sources):
+            names = " and ".join(repr(n) for n in needing("store", lookup_names()))
+            rest = " or ".join(repr(n) for n in lookup_names() if not needing("store", [n]))
+            raise ValueError(f"The {names} lookup sources need a model store: build one with "
                              "`python scripts/build_store.py --data <the base's answers.jsonl> --out <heads dir>/"
-                             "lookup_store.safetensors`, or draft with 'context' only.")
+                             f"lookup_store.safetensors`, or draft with {rest} only.")
         self.store, self.config, self.sources = store, config, tuple(sources)
-        self.table = BigramTable.from_store(store) if "stats" in self.sources else None
+        self.specs = [spec_of(name) for name in self.sources]
+        self.shared = [spec.shared(loaded) for spec in self.specs]  # what every row of a source reads
         self.hitrate = hitrate if hitrate is not None else HitRate()
         self.rows: dict[int, list] = {}
         self.records: dict[int, list[SourceRecord]] = {}  # per row, per source: steps proposed, steps hit
@@ -82,11 +86,8 @@ class LookupSources:
 
     def start(self, row: int, prompt: Sequence[int]) -> None:
         """Seed a row with its prompt (each source indexes it once)."""
-        cfg = self.config
-        make = {"context": lambda: ContextSource(prompt, cfg.context),
-                "store": lambda: StoreSource(self.store, prompt, cfg.store),
-                "stats": lambda: StatsSource(self.table, prompt, cfg.stats)}
-        self.rows[row] = [make[name]() for name in self.sources]
+        self.rows[row] = [spec.start(prompt, self.config.of(spec.name), shared)
+                          for spec, shared in zip(self.specs, self.shared)]
         self.records[row] = [SourceRecord() for _ in self.sources]
 
     def extend(self, row: int, tokens: Sequence[int]) -> None:
@@ -96,8 +97,8 @@ class LookupSources:
     def muted(self, row: int) -> list[str]:
         """The static sources this row no longer asks (see ``LookupConfig.mute_after``)."""
         limit = self.config.mute_after
-        return [name for name, record in zip(self.sources, self.records[row])
-                if limit and name in STATIC_SOURCES and record.steps >= limit and record.hits == 0]
+        return [spec.name for spec, record in zip(self.specs, self.records[row])
+                if limit and spec.static and record.steps >= limit and record.hits == 0]
 
     def tries_rows(self, rows: Sequence[int], budget: int) -> list[CandidateBatch]:
         """Each source's tries for ``rows`` (up to ``budget`` nodes a row), every row at once and
@@ -105,8 +106,8 @@ class LookupSources:
         costs nothing)."""
         muted = {row: self.muted(row) for row in rows}
         batches = self.hitrate.rescore_all([
-            SOURCE_CLASSES[name].propose_rows([None if name in muted[row] else self.rows[row][k] for row in rows], budget)
-            for k, name in enumerate(self.sources)])
+            spec.propose_rows([None if spec.name in muted[row] else self.rows[row][k] for row in rows], budget)
+            for k, spec in enumerate(self.specs)])
         self._last = (list(rows), batches)
         return batches
 

@@ -8,8 +8,9 @@ from typing import Sequence
 
 import numpy as np
 
-from .candidates import CandidateBatch, Candidates, Source
+from .candidates import CandidateBatch, Candidates
 from .hitrate import default_q
+from .registry import SourceSpec, source_id
 
 STATS_BUCKET = 1  # the chain is conditioned on one token
 
@@ -77,7 +78,8 @@ class StatsSource:
         total = int(sizes.sum())
         if total == 0:
             return CandidateBatch.empty(rows)
-        q = default_q(Source.STATS, STATS_BUCKET) if q is None else q
+        source = source_id("stats")
+        q = default_q(source, STATS_BUCKET) if q is None else q
         row = np.repeat(np.arange(rows, dtype=np.int64), sizes)
         first = np.arange(total) == np.repeat(np.cumsum(sizes) - sizes, sizes)  # each chain's depth-1 node
         share = np.array([p for _, shares in chains for p in shares], dtype=np.float64)
@@ -86,5 +88,17 @@ class StatsSource:
         score = np.concatenate([np.cumprod(factor[s - n: s]) for s, n in zip(np.cumsum(sizes).tolist(), sizes.tolist()) if n])
         return CandidateBatch(rows, row, np.where(first, -1, np.arange(total) - 1),
                               np.array([t for tokens, _ in chains for t in tokens], dtype=np.int64), depth, score,
-                              np.full(total, Source.STATS, dtype=np.int8), np.full(total, STATS_BUCKET, dtype=np.int16),
+                              np.full(total, source, dtype=np.int8), np.full(total, STATS_BUCKET, dtype=np.int16),
                               share)
+
+
+def stats_prior(bucket: int) -> float:
+    """The bigram table is the least trusted source: one token of context."""
+    return 0.4
+
+
+#: bigram chains from the model store's statistics: needs the store, learns nothing during a request
+STATS = SourceSpec("stats", stats_prior, StatsConfig,
+                   start=lambda prompt, config, table: StatsSource(table, prompt, config),
+                   propose_rows=StatsSource.propose_rows, static=True, needs=("store",),
+                   shared=lambda loaded: BigramTable.from_store(loaded["store"]))

@@ -19,7 +19,7 @@ import json
 import mmap
 import os
 import struct
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -28,8 +28,6 @@ import numpy as np
 from ...heads.atomic import atomic_file
 from ...heads.errors import DraftheadsError
 from ...heads.hardware import available_ram_bytes
-from .candidates import CandidateBatch, Candidates, Source
-from .tries import counted_tries
 
 FORMAT = "draftheads-lookup-store"
 FORMAT_VERSION = 1
@@ -364,37 +362,3 @@ class ModelStore:
 def first_true(mask: np.ndarray, default: int) -> np.ndarray:
     """(S,) the first True column of each row of ``mask`` (S, D), ``default`` where none."""
     return np.where(mask.any(axis=1), mask.argmax(axis=1), default) if mask.size else np.full(mask.shape[0], default)
-
-
-class StoreSource:
-    """One row's view of a :class:`ModelStore`: only the last n tokens matter, so an append is
-    O(1) and nothing is rescanned."""
-
-    def __init__(self, store: ModelStore, prompt: Sequence[int], config: StoreConfig = StoreConfig()):
-        self.store, self.config = store, config
-        self.tail: list[int] = list(prompt)[-store.header.n:]
-
-    def extend(self, tokens: Sequence[int]) -> None:
-        self.tail = (self.tail + [int(t) for t in tokens])[-self.store.header.n:]
-
-    def propose(self, budget: int, q: float | None = None) -> Candidates:
-        return StoreSource.propose_rows([self], budget, q).split()[0]
-
-    @staticmethod
-    def propose_rows(sources: Sequence["StoreSource | None"], budget: int, q: float | None = None) -> CandidateBatch:
-        """Every row's proposal at once (``None``: a row that does not ask the store): the
-        longest store match of each row's tail, its sampled continuations counted into a trie
-        (``q`` = the prior for the match length unless given), the ``budget`` best nodes kept.
-        The rows share one store and configuration."""
-        live = [(row, s) for row, s in enumerate(sources) if s is not None]
-        if budget <= 0 or not live:
-            return CandidateBatch.empty(len(sources))
-        store, cfg = live[0][1].store, live[0][1].config
-        m, lo, hi = store.match_many([s.tail for _, s in live], cfg.min_match)
-        seqs, lengths, owner = store.continuations(lo, hi, replace(cfg, max_depth=min(cfg.max_depth, budget)))
-        if not lengths.size:
-            return CandidateBatch.empty(len(sources))
-        rows = np.array([row for row, _ in live], dtype=np.int64)
-        bucket = np.zeros(len(sources), dtype=np.int64)
-        bucket[rows] = m
-        return counted_tries(seqs, lengths, rows[owner], len(sources), Source.STORE, bucket, budget, q)

@@ -3,8 +3,8 @@ best nodes — written once over a :class:`~.candidates.CandidateBatch` (every r
 once: a handful of array operations per step, however many rows), with one-row forms
 (:func:`count_trie`, :func:`merge`, :func:`select`) that run the same code on a batch of one.
 
-Why arrays and not a dict per node: at batch 16 the per-row Python version cost 17 ms a step
-against a ~100 ms forward, eating what the lookups' extra τ saved (issue 29).
+Why arrays and not a dict per node: a step's drafting must not grow with its rows in Python,
+or at a large batch it eats what the lookups' extra τ saves. evidence: results/drafting_phases
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .candidates import BUCKET_STRIDE, CandidateBatch, Candidates, Source
+from .candidates import BUCKET_STRIDE, CandidateBatch, Candidates
 from .hitrate import default_q
 
 def padded(seqs: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -67,7 +67,7 @@ def count_rows(seqs: np.ndarray, lengths: np.ndarray, seq_row: np.ndarray, rows:
                           np.full(node_row.size, source, dtype=np.int8), bucket[node_row].astype(np.int16), share)
 
 
-def continuation_tries(found: Sequence[tuple[int, int, Sequence[Sequence[int]]]], rows: int, source: Source,
+def continuation_tries(found: Sequence[tuple[int, int, Sequence[Sequence[int]]]], rows: int, source: int,
                        budget: int, q: float | None = None) -> CandidateBatch:
     """A lookup source's tries for a step: ``found`` lists (row, match length, continuations)
     for the rows it matched in; each row's continuations counted into a trie (:func:`count_rows`,
@@ -85,7 +85,7 @@ def continuation_tries(found: Sequence[tuple[int, int, Sequence[Sequence[int]]]]
     return counted_tries(block, lengths, np.asarray(seq_row), rows, source, bucket, budget, q)
 
 
-def counted_tries(seqs: np.ndarray, lengths: np.ndarray, seq_row: np.ndarray, rows: int, source: Source,
+def counted_tries(seqs: np.ndarray, lengths: np.ndarray, seq_row: np.ndarray, rows: int, source: int,
                   bucket: np.ndarray, budget: int, q: float | None = None) -> CandidateBatch:
     """A lookup source's continuations (:func:`count_rows`'s arguments; bucket (rows,) each row's
     match length) counted into tries, ``q`` the prior for each row's match length unless given,

@@ -17,19 +17,12 @@ FINISH_POWER = 8
 
 
 #: what a padding slot left out of the linear layers still costs, as a share of a computed one
-#: (attention, norms, the gather and scatter). SmolLM2 bf16 at bs 16, context 300, one verify
-#: forward + LM head (medians of 5, 2026-11-26): 60 tokens padded to 9 slots a row 133-145 ms
-#: with the padding skipped (174 ms computed), 54 padded to 13: 156 ms (239), against ~22-25 ms
-#: per computed slot a row — ~0.3. But in whole per-row runs (bf16, bs 16, dev mix, every
-#: step's verify + LM head against its price, 2026-11-26) steps that skipped padding took 1.11x
-#: their price at 0.3 and 0.93x at 0.6, where one-width steps took 0.88-0.95x: 0.55 prices both
-#: alike
+#: (attention, norms, the gather and scatter): the share at which whole per-row runs' steps that
+#: skip padding take what they are priced at, as one-width steps do. evidence: results/ragged_verify
 PADDED_SLOT_SHARE = 0.55
 #: what a padding slot of a ragged step costs when the base verifies the rows packed
-#: (:class:`~..attention.RaggedRows`: only attention sees the padding). SmolLM2 bf16 at bs 16,
-#: context 600, one verify forward + LM head (medians of 5, 2026-11-26), priced against the
-#: one-width steps of the same run: 32 real slots as 2×9 + 14×1 cost what 3 slots a row do
-#: (share 0.14), 60 real slots padded to 9 what ~5 do (0.24)
+#: (:class:`~..attention.RaggedRows`: only attention sees the padding), priced against the
+#: one-width steps of the same run. evidence: results/ragged_verify
 PACKED_PADDING_SHARE = 0.2
 
 
@@ -97,6 +90,11 @@ class WidthChooser:
         rate = (w.sum() + gain) / self.cost.step_ms_many(batch, slots.ravel(), ctx).reshape(slots.shape)
         c, q = np.unravel_index(int(np.argmax(rate)), rate.shape)
         return np.bincount(tries.row[order[:q][allowed[c, :q]]], minlength=batch)
+
+
+def width_scores(tries: CandidateBatch) -> np.ndarray:
+    """(B, K) the rows' best-first scores as :meth:`WidthChooser.choose` reads them."""
+    return tries.score_block(int(tries.sizes().max(initial=0)))
 
 
 def finish_weights(remaining: np.ndarray, emitted: np.ndarray, power: float = FINISH_POWER) -> np.ndarray:

@@ -14,8 +14,8 @@ import torch
 from draftheads.cli import drafting_line, main as cli_main
 from draftheads.decoding import DraftHeadsModel
 from draftheads.decoding.cost import CostModel
-from draftheads.decoding.drafters import STORE_NAME, CandidateBatch, Candidates, HeadsDrafter, LookupSources, MergedDrafter, WidthChooser
-from draftheads.decoding.drafters.candidates import Source
+from draftheads.decoding.drafters import STORE_NAME, CandidateBatch, Candidates, HeadsDrafter, HeadsWorth, LookupSources, MergedDrafter, WidthChooser
+from draftheads.decoding.drafters import source_id
 from draftheads.decoding.drafters import auto_drafts
 from draftheads.heads.linear import packing_available
 from helpers import OracleHeads, saved_tree_heads, tiny_llama
@@ -57,40 +57,45 @@ def test_from_pretrained_drafts_with_heads_and_lookups_by_default_and_follows_th
 
 def chain(scores):
     n = len(scores)
-    return Candidates.from_lists(list(range(-1, n - 1)), list(range(10, 10 + n)), scores, [Source.CONTEXT] * n,
+    return Candidates.from_lists(list(range(-1, n - 1)), list(range(10, 10 + n)), scores, [source_id("context")] * n,
                                  [4] * n, [1.0] * n)
 
 
 def merged(ms: float | None, gain: float | None) -> MergedDrafter:
     drafter = MergedDrafter(object(), LookupSources(None, sources=("context",)), WidthChooser(CostModel.from_table((1, 33), (10.0, 20.0))))
-    drafter._heads_ms, drafter._heads_gain = ms, gain
+    drafter.worth.ms, drafter.worth.gain = ms, gain
     return drafter
+
+
+def heads_pay(drafter: MergedDrafter, tries: CandidateBatch) -> bool:
+    """Whether the drafter's heads propose this step (context 64)."""
+    return drafter.worth.pays(tries, 64, drafter.width)
 
 
 def test_the_heads_are_skipped_only_where_a_lookup_match_carries_the_step():
     confident = CandidateBatch.from_rows([chain([0.97, 0.95, 0.93, 0.9, 0.88, 0.85])])
     nothing = CandidateBatch.from_rows([Candidates.empty()])
     weak = CandidateBatch.from_rows([chain([0.2, 0.05])])
-    assert merged(None, None)._heads_pay(confident, 64)  # not measured yet: the heads propose
-    assert not merged(1.0, 1.0)._heads_pay(confident, 64)  # 0.03 of a chain to gain, 1 ms to pay
-    assert merged(1.0, 1.0)._heads_pay(nothing, 64)  # the heads are all there is
-    assert merged(1.0, 1.0)._heads_pay(weak, 64)
-    assert not merged(50.0, 1.0)._heads_pay(weak, 64)  # heads dearer than the step they would help
+    assert heads_pay(merged(None, None), confident)  # not measured yet: the heads propose
+    assert not heads_pay(merged(1.0, 1.0), confident)  # 0.03 of a chain to gain, 1 ms to pay
+    assert heads_pay(merged(1.0, 1.0), nothing)  # the heads are all there is
+    assert heads_pay(merged(1.0, 1.0), weak)
+    assert not heads_pay(merged(50.0, 1.0), weak)  # heads dearer than the step they would help
     drafter = merged(1.0, 1.0)
-    drafter._heads_recheck.skipped_in_a_row = drafter.recheck_heads_every
-    assert drafter._heads_pay(confident, 64)  # measured afresh now and then
+    drafter.worth.recheck.skipped_in_a_row = drafter.worth.recheck_every
+    assert heads_pay(drafter, confident)  # measured afresh now and then
 
 
 def test_in_a_batch_the_heads_always_propose():
     """A batch lasts as long as its slowest row, usually one no lookup matches: the heads are what
-    drafts for it, so above ``weigh_heads_up_to`` live rows they are not weighed against their cost."""
+    drafts for it, so above ``HeadsWorth.weigh_up_to`` live rows they are not weighed against their cost."""
     confident = CandidateBatch.from_rows([chain([0.97, 0.95, 0.93, 0.9, 0.88, 0.85])] * 2)
-    assert merged(1.0, 1.0)._heads_pay(confident, 64)
+    assert heads_pay(merged(1.0, 1.0), confident)
     one = CandidateBatch.from_rows([chain([0.97, 0.95, 0.93, 0.9, 0.88, 0.85])])
-    assert not merged(1.0, 1.0)._heads_pay(one, 64)  # the same chain, one row: skipped
+    assert not heads_pay(merged(1.0, 1.0), one)  # the same chain, one row: skipped
     weighed = merged(1.0, 1.0)
-    weighed.weigh_heads_up_to = 2
-    assert not weighed._heads_pay(confident, 64)
+    weighed.worth.weigh_up_to = 2
+    assert not heads_pay(weighed, confident)
 
 
 def test_rechecks_back_off_while_the_heads_do_not_pay_and_reset_when_they_do():
@@ -99,18 +104,18 @@ def test_rechecks_back_off_while_the_heads_do_not_pay_and_reset_when_they_do():
     drafter = merged(1.0, 1.0)
     waits = []
     for _ in range(5):  # a recheck, then the step after it still finds the heads not paying
-        drafter._heads_recheck.skipped_in_a_row = drafter._heads_recheck.wait
-        assert drafter._heads_pay(confident, 64)  # the recheck
-        drafter._heads_recheck.skipped_in_a_row = 0
-        assert not drafter._heads_pay(confident, 64)
-        waits.append(drafter._heads_recheck.wait)
-    assert waits == [16, 32, 64, 64, 64]  # doubled up to recheck_heads_max
-    drafter._heads_recheck.skipped_in_a_row = drafter._heads_recheck.wait
-    assert drafter._heads_pay(confident, 64)
-    assert drafter._heads_pay(weak, 64)  # after this recheck they pay: the usual wait again
-    assert drafter._heads_recheck.wait == drafter.recheck_heads_every
-    sooner = MergedDrafter(object(), LookupSources(None, sources=("context",)), recheck_heads_every=4)
-    assert sooner._heads_recheck.wait == 4  # the first wait is the configured one, before any request
+        drafter.worth.recheck.skipped_in_a_row = drafter.worth.recheck.wait
+        assert heads_pay(drafter, confident)  # the recheck
+        drafter.worth.recheck.skipped_in_a_row = 0
+        assert not heads_pay(drafter, confident)
+        waits.append(drafter.worth.recheck.wait)
+    assert waits == [16, 32, 64, 64, 64]  # doubled up to recheck_most
+    drafter.worth.recheck.skipped_in_a_row = drafter.worth.recheck.wait
+    assert heads_pay(drafter, confident)
+    assert heads_pay(drafter, weak)  # after this recheck they pay: the usual wait again
+    assert drafter.worth.recheck.wait == drafter.worth.recheck_every
+    sooner = MergedDrafter(object(), LookupSources(None, sources=("context",)), worth=HeadsWorth(recheck_every=4))
+    assert sooner.worth.recheck.wait == 4  # the first wait is the configured one, before any request
 
 
 def test_skipping_the_heads_keeps_the_output_and_saves_their_calls(tmp_path, monkeypatch):

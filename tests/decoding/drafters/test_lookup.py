@@ -13,7 +13,7 @@ from hypothesis import given, settings, strategies as st
 from helpers import STORE_RECORDS as RECORDS, FakeTokenizer, check_trie, write_store
 from draftheads.decoding.drafters import (BigramTable, Candidates, ContextConfig, ContextSource, HitRate, LookupConfig,
                                           LookupSources, ModelStore,
-                                          NgramIndex, Source, StatsSource, StoreConfig, StoreError, StoreHeader,
+                                          NgramIndex, source_id, StatsSource, StoreConfig, StoreError, StoreHeader,
                                           StoreSource, SuffixAutomaton, build_arrays, count_trie,
                                           merge, save_store, tokenizer_identity)
 from draftheads.decoding.drafters.store import FORMAT_VERSION
@@ -72,7 +72,7 @@ def test_context_branches_follow_the_most_recent_occurrences_and_stop_at_eos():
     prompt = [7, 8, 1, 9, 7, 8, 2, 5, 5, 7, 8]
     trie = ContextSource(prompt, ContextConfig(max_ngram=2, max_depth=3, eos_token_id=5)).propose(10)
     assert set(trie.paths()) == {(1,), (1, 9), (1, 9, 7), (2,), (2, 5)}  # (2, 5) stops at EOS 5
-    assert set(trie.bucket.tolist()) == {2} and set(trie.source.tolist()) == {Source.CONTEXT}
+    assert set(trie.bucket.tolist()) == {2} and set(trie.source.tolist()) == {source_id("context")}
     assert np.allclose(trie.share[trie.depth == 1], 0.5)
 
 
@@ -86,7 +86,7 @@ def as_trie(chains, source):
 @settings(max_examples=200, deadline=None)
 @given(chains_st, chains_st, st.integers(0, 12))
 def test_merge_keeps_budget_prefix_closure_and_shared_prefixes(a_chains, b_chains, budget):
-    a, b = as_trie(a_chains, Source.CONTEXT), as_trie(b_chains, Source.STORE)
+    a, b = as_trie(a_chains, source_id("context")), as_trie(b_chains, source_id("store"))
     merged = merge([a, b], budget)
     check_trie(merged)
     union = {**{p: a.score[i] for p, i in a.paths().items()}}
@@ -111,25 +111,25 @@ def test_merge_keeps_budget_prefix_closure_and_shared_prefixes(a_chains, b_chain
 def test_select_by_one_sort_keeps_what_the_best_first_walk_keeps(chains, budget):
     """The sort-based selection and the heap walk from the root keep equally good nodes (the
     same scores; which of two equal-score nodes is kept may differ), both prefix-closed."""
-    trie = as_trie(chains, Source.CONTEXT)
+    trie = as_trie(chains, source_id("context"))
     by_sort, by_heap = select(trie, budget), select_by_heap(trie, budget)
     check_trie(by_sort)
     assert sorted(by_sort.score.tolist()) == pytest.approx(sorted(by_heap.score.tolist()))
 
 
 def test_select_walks_a_trie_whose_scores_grow_along_a_path():
-    grows = Candidates.from_lists([-1, 0, -1], [4, 5, 6], [0.1, 0.9, 0.5], [Source.CONTEXT] * 3, [1] * 3, [1.0] * 3)
+    grows = Candidates.from_lists([-1, 0, -1], [4, 5, 6], [0.1, 0.9, 0.5], [source_id("context")] * 3, [1] * 3, [1.0] * 3)
     assert list(select(grows, 2).paths()) == [(6,), (4,)]  # (4, 5) scores 0.9 but needs (4,) first
     assert list(select(grows, 3).paths()) == [(6,), (4,), (4, 5)]
 
 
 def test_merge_takes_the_winning_source_and_budget_one_keeps_the_best_root_child():
-    ctx = count_trie([[4, 5]], Source.CONTEXT, 3, 0.8)
-    store = count_trie([[4, 6], [4, 6], [9]], Source.STORE, 2, 0.5)
+    ctx = count_trie([[4, 5]], source_id("context"), 3, 0.8)
+    store = count_trie([[4, 6], [4, 6], [9]], source_id("store"), 2, 0.5)
     merged = merge([store, ctx], 10)
     paths = merged.paths()
-    assert merged.source[paths[(4,)]] == Source.CONTEXT and merged.score[paths[(4,)]] == pytest.approx(0.8)
-    assert merged.source[paths[(4, 6)]] == Source.STORE
+    assert merged.source[paths[(4,)]] == source_id("context") and merged.score[paths[(4,)]] == pytest.approx(0.8)
+    assert merged.source[paths[(4, 6)]] == source_id("store")
     assert list(merge([store, ctx], 1).paths()) == [(4,)]
     assert len(merge([store, ctx], 0)) == 0
     with pytest.raises(ValueError, match="budget"):
@@ -244,11 +244,11 @@ def test_bigram_table_and_stats_chain(tmp_path):
 
 def test_hit_rate_learns_and_rescores():
     est = HitRate()
-    trie = count_trie([[1, 2, 3]], Source.STORE, 3, 1.0)
-    prior = est.q(Source.STORE, 3)
+    trie = count_trie([[1, 2, 3]], source_id("store"), 3, 1.0)
+    prior = est.q(source_id("store"), 3)
     for _ in range(50):
         assert est.observe(0, trie, [1, 2, 9]) == 2  # two accepted, the third rejected
-    q = est.q(Source.STORE, 3)
+    q = est.q(source_id("store"), 3)
     assert q == pytest.approx((100 + 8 * prior) / (150 + 8))
     scored = est.rescore(trie)
     assert scored.score.tolist() == pytest.approx([q, q * q, q ** 3])
@@ -302,7 +302,7 @@ def test_lookup_drafter_merges_rows_sources_and_learns(tmp_path):
     drafter.start(7, [6, 7, 8, 1, 6, 7])
     trie = drafter.propose(7, 6)
     check_trie(trie)
-    assert len(trie) == 6 and Source.CONTEXT in set(trie.source.tolist()) and len(set(trie.source.tolist())) >= 2
+    assert len(trie) == 6 and source_id("context") in set(trie.source.tolist()) and len(set(trie.source.tolist())) >= 2
     assert trie.path(0) == (8,)  # context and store agree on the first token
     before = drafter.hitrate.accepted.sum()
     assert drafter.observe(7, trie, [8, 1]) >= 1 and drafter.hitrate.accepted.sum() > before
@@ -312,7 +312,7 @@ def test_lookup_drafter_merges_rows_sources_and_learns(tmp_path):
     assert 7 not in drafter.rows
     only_context = LookupSources()
     only_context.start(0, [1, 2, 1])
-    assert set(only_context.propose(0, 4).source.tolist()) == {Source.CONTEXT}
+    assert set(only_context.propose(0, 4).source.tolist()) == {source_id("context")}
 
 
 def test_head_candidates_share_the_scale():
@@ -321,10 +321,10 @@ def test_head_candidates_share_the_scale():
     assert heads.score.tolist() == pytest.approx([0.6, 0.3, 0.2])
     est = HitRate()
     assert est.rescore(heads).score.tolist() == pytest.approx([0.6, 0.3, 0.2])  # prior: face value
-    lookup = count_trie([[5, 9]], Source.CONTEXT, 4, 0.9)
+    lookup = count_trie([[5, 9]], source_id("context"), 4, 0.9)
     merged = merge([heads, lookup], 3)
     assert merged.paths().keys() == {(5,), (5, 9), (5, 6)}  # 0.81 and the head's 0.3 beat its 0.2
-    assert merged.source[merged.paths()[(5,)]] == Source.CONTEXT
+    assert merged.source[merged.paths()[(5,)]] == source_id("context")
 
 
 def test_build_store_script_holds_out_the_last_records(tmp_path, monkeypatch, capsys):

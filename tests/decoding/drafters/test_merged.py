@@ -30,7 +30,7 @@ def repetitive_prompts(draw_lists, gen: torch.Generator) -> list[list[int]]:
 
 def merged(model, heads, tree, lookup_nodes: int = 12, eos: int | None = None) -> DraftHeadsModel:
     decoder = DraftHeadsModel(model, heads, tree=tree)
-    lookup = LookupSources(None, LookupConfig(ContextConfig(eos_token_id=eos)), sources=("context",))
+    lookup = LookupSources(None, LookupConfig((ContextConfig(eos_token_id=eos),)), sources=("context",))
     decoder.drafter = MergedDrafter(heads, lookup, WidthChooser(LINEAR_COST), lookup_nodes=lookup_nodes)
     return decoder
 
@@ -223,7 +223,7 @@ def test_the_lookup_drafter_is_a_drafter_the_loop_runs():
 def test_reach_counts_the_continuation_a_tree_accepts():
     """What the heads bought on a step is counted against what the lookups' own tree would have
     accepted of the base's continuation (reach), not against the heads-sourced nodes."""
-    from draftheads.decoding.drafters.merged import reach
+    from draftheads.decoding.drafters.worth import reach
 
     # root → 5 → 6 → 7, and root → 9
     tree = Candidates.from_lists([-1, 0, 1, -1], [5, 6, 7, 9], [0.9, 0.8, 0.7, 0.1], [0] * 4, [0] * 4, [1.0] * 4)
@@ -309,8 +309,8 @@ def test_stats_report_drafting_milliseconds_per_step():
 def test_drafts_from_a_candidate_batch_are_the_drafts_from_its_rows(chains_per_row):
     """Drafts.from_candidates (every row at once) builds the very tensors Drafts.from_rows builds
     from the same tries row by row: tokens, parents, depths, path slots, valid slots."""
-    from draftheads.decoding.drafters import CandidateBatch, Candidates, count_trie, Source
-    tries = [count_trie(chains, Source.CONTEXT, 2, 0.9) if chains else Candidates.empty() for chains in chains_per_row]
+    from draftheads.decoding.drafters import CandidateBatch, Candidates, count_trie, source_id
+    tries = [count_trie(chains, source_id("context"), 2, 0.9) if chains else Candidates.empty() for chains in chains_per_row]
     roots = torch.arange(len(tries)) + 100
     batch = CandidateBatch.from_rows(tries)
     got = Drafts.from_candidates(roots, batch)

@@ -16,7 +16,8 @@ from draftheads.decoding.cost import LINEAR_COST
 from draftheads.decoding.drafters import (DraftState, MergedDrafter, WidthChooser, build_drafter,
                                          check_review, review)
 from draftheads.decoding.drafters import Candidates, ContextConfig, HitRate, LookupConfig, LookupSources
-from draftheads.decoding.drafters.candidates import BUCKET_STRIDE, Source
+from draftheads.decoding.drafters import source_id
+from draftheads.decoding.drafters.candidates import BUCKET_STRIDE
 from draftheads.decoding.drafters.hitrate import default_q
 from draftheads.decoding.drafters.hitrate import REVIEW_EDGES, reviewed_bucket
 from draftheads.decoding.tree import chain_tree
@@ -110,7 +111,7 @@ def test_review_rescores_each_lookup_node_by_the_heads_opinion(family, seed, cha
         assert all(int(x) % BUCKET_STRIDE == 3 for x in scored.bucket)
         # each node's score, computed here from the counts set above: Π along its path of
         # min(1, q), q the top bin's smoothed rate (50 accepted of 50) or the prior elsewhere
-        k, prior = hitrate.config.strength, default_q(Source(1), min(3, hitrate.config.max_bucket))
+        k, prior = hitrate.config.strength, default_q(source_id("context"), min(3, hitrate.config.max_bucket))
         expected: list[float] = []
         for i, bin_ in enumerate(bins):
             q = (50.0 + k * prior) / (50.0 + k) if bin_ == 5 else prior
@@ -121,7 +122,7 @@ def test_review_rescores_each_lookup_node_by_the_heads_opinion(family, seed, cha
 
 def reviewed_decoder(model, heads, tree) -> DraftHeadsModel:
     decoder = DraftHeadsModel(model, heads, tree=tree)
-    lookup = LookupSources(None, LookupConfig(ContextConfig()), sources=("context",))
+    lookup = LookupSources(None, LookupConfig((ContextConfig(),)), sources=("context",))
     decoder.drafter = MergedDrafter(heads, lookup, WidthChooser(LINEAR_COST), lookup_nodes=12, review=True)
     return decoder
 

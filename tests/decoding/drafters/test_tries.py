@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from draftheads.decoding.drafters import (BigramTable, CandidateBatch, Candidates, ContextConfig, ContextSource,
-                                          HitRate, ModelStore, Source, StatsConfig, StatsSource, StoreConfig,
+                                          HitRate, ModelStore, source_id, StatsConfig, StatsSource, StoreConfig,
                                           StoreSource, count_trie, merge, merge_rows, select, select_rows)
 from draftheads.decoding.drafters.heads_drafter import heads_batch
 from draftheads.decoding.drafters.tries import count_rows, padded, select_by_heap
@@ -30,7 +30,7 @@ def same(a: Candidates, b: Candidates) -> None:
         assert getattr(a, name).tolist() == getattr(b, name).tolist(), name
 
 
-def trie_of(chains, source=Source.CONTEXT, bucket=2, q=0.9) -> Candidates:
+def trie_of(chains, source=source_id("context"), bucket=2, q=0.9) -> Candidates:
     return count_trie(chains, source, bucket, q)
 
 
@@ -60,7 +60,7 @@ def test_one_sort_selection_is_the_best_first_walk_node_for_node(chains, budget)
 @given(rows_st, st.lists(st.integers(0, 12), min_size=5, max_size=5))
 def test_every_row_of_a_batch_gets_what_it_gets_alone(rows, budgets):
     """count, select and merge over a batch of rows == the same call on each row by itself."""
-    sources = [Source.CONTEXT, Source.STORE, Source.STATS]
+    sources = [source_id("context"), source_id("store"), source_id("stats")]
     per_source = [[trie_of(chains_per_source[k], sources[k], 1 + b, 0.8) if k < len(chains_per_source)
                    else Candidates.empty() for b, chains_per_source in enumerate(rows)] for k in range(3)]
     budget = np.array(budgets[: len(rows)])
@@ -79,14 +79,14 @@ def test_every_row_of_a_batch_gets_what_it_gets_alone(rows, budgets):
     chains = [c for chains_per_source in rows for c in chains_per_source[0]]
     owner = [b for b, chains_per_source in enumerate(rows) for _ in chains_per_source[0]]
     block, lengths = padded(chains)
-    together = count_rows(block, lengths, owner, len(rows), Source.CONTEXT, np.arange(1, len(rows) + 1),
+    together = count_rows(block, lengths, owner, len(rows), source_id("context"), np.arange(1, len(rows) + 1),
                           np.full(len(rows), 0.8)).split()
     for b, got in enumerate(together):
         same(got, per_source[0][b])
 
 
 def test_a_batch_of_hand_made_rows_whose_scores_grow_walks_those_rows():
-    grows = Candidates.from_lists([-1, 0, -1], [4, 5, 6], [0.1, 0.9, 0.5], [Source.CONTEXT] * 3, [1] * 3, [1.0] * 3)
+    grows = Candidates.from_lists([-1, 0, -1], [4, 5, 6], [0.1, 0.9, 0.5], [source_id("context")] * 3, [1] * 3, [1.0] * 3)
     plain = trie_of([[1, 2], [1, 3]])
     kept = select_rows(CandidateBatch.from_rows([grows, plain]), 2).split()
     assert list(kept[0].paths()) == [(6,), (4,)]
@@ -97,7 +97,7 @@ def test_a_batch_of_hand_made_rows_whose_scores_grow_walks_those_rows():
 
 def test_rescoring_a_batch_is_rescoring_each_row():
     est = HitRate()
-    tries = [trie_of([[1, 2, 3], [1, 2]], Source.STORE, 3, 1.0), Candidates.empty(), trie_of([[4], [5, 6]])]
+    tries = [trie_of([[1, 2, 3], [1, 2]], source_id("store"), 3, 1.0), Candidates.empty(), trie_of([[4], [5, 6]])]
     for _ in range(5):
         est.observe(0, tries[0], [1, 2, 9])
     for alone, together in zip(tries, est.rescore(CandidateBatch.from_rows(tries)).split()):
@@ -139,7 +139,7 @@ def test_each_lookup_source_proposes_for_every_row_what_it_proposes_for_one(tmp_
         same(got, source.propose(5))
         n, conts = source.continuations(5)
         if conts:  # the best 5 (which of tied nodes: see test_a_sources_cut_keeps_...)
-            exact = select(count_trie(conts, Source.CONTEXT, n, 0.35 + 0.1 * n), 5)
+            exact = select(count_trie(conts, source_id("context"), n, 0.35 + 0.1 * n), 5)
             assert sorted(got.score.tolist()) == sorted(exact.score.tolist()) and len(got) == len(exact)
 
 
@@ -165,7 +165,7 @@ def walk_observe(est: HitRate, row: int, proposed: Candidates, accepted_tokens) 
 @settings(max_examples=100, deadline=None)
 @given(rows_st, st.lists(st.lists(st.integers(0, 3), max_size=4), min_size=5, max_size=5))
 def test_observing_a_batch_counts_what_observing_each_row_counts(rows, accepted):
-    tries = [merge([trie_of(c, Source.CONTEXT + k, 1 + k, 0.7) for k, c in enumerate(per_source)], 6)
+    tries = [merge([trie_of(c, source_id("context") + k, 1 + k, 0.7) for k, c in enumerate(per_source)], 6)
              for per_source in rows]
     accepted = accepted[: len(tries)]
     one, batch = HitRate(), HitRate()
