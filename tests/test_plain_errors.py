@@ -13,7 +13,7 @@ import warnings
 import pytest
 
 from draftheads.cli import main
-from draftheads.heads import fewrow
+from draftheads.decoding.base import fewrow
 from draftheads.prompts import PromptFileError, read_prompts
 
 
