@@ -1,6 +1,6 @@
 """Tree speculative decoding: base wrapper, trees, acceptance, KV bookkeeping, the loop."""
 from .accept import Acceptance, greedy_accept
-from .base import load_base
+from .base.loading import load_base
 from .fingerprint import BaseFingerprint, fingerprint
 from .head_context import HeadContext
 from .generate import DraftHeadsModel

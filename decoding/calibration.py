@@ -15,13 +15,14 @@ from pathlib import Path
 import torch
 
 from ..heads.errors import UnwritablePathError
-from ..heads.fewrow import kernel_identity
-from ..heads.hardware import cpu_model, isa_limits
+from .base.fewrow import kernel_identity
+from .base.hardware import cpu_model, isa_limits
 from ..heads.protocol import write_text_atomic
 from .accept import greedy_tokens
-from .base import cache_root, lm_logits, verify
-from .attention import PACKED_SDPA, uses_packed_sdpa
-from .cache import tree_attention_mask
+from .base.forward import lm_logits, verify
+from .base.loading import cache_root
+from .base.attention import PACKED_SDPA, uses_packed_sdpa
+from .base.cache import tree_attention_mask
 from .fingerprint import fingerprint
 from .cost import CostModel, CostSurfaceError, LatencyTable, Row, load_cost_surface
 from .tree import Tree, chain_tree, tree_from_paths
@@ -91,7 +92,7 @@ def calibration_path(key: dict, config: CalibrationConfig) -> Path:
 def _synthetic_cache(model, bs: int, ctx: int):
     """A cache of ``ctx`` random keys/values per row: costs are independent of the values, and
     this skips a prefill of bs × ctx tokens (the slowest part of a naive calibration)."""
-    from .cache import reserved_cache
+    from .base.cache import reserved_cache
 
     cfg = model.config
     param = next(model.parameters())
@@ -146,7 +147,7 @@ def measure_overhead(model, bs: int, q: int, ctx: int = 64, reps: int = 3) -> fl
     """ms of the loop's work around the forward: greedy acceptance, KV compaction of the
     accepted path, and the per-row Python bookkeeping of emitting tokens."""
     from .accept import greedy_accept
-    from .cache import KVState
+    from .base.cache import KVState
 
     device = next(model.parameters()).device
     tree = chain_tree(q - 1)

@@ -13,12 +13,15 @@ from typing import Sequence
 import torch
 
 from ..heads import DraftHeads, load_heads
-from ..heads.hardware import bf16_native
-from ..heads.linear import wearing
+from .base.binding import wearing
+from .base.hardware import bf16_native
 from .accept import Typical
-from .attention import use_packed_sdpa
-from .base import check_base, dtype_name, holding_packing, load_base, plan_packing, ragged_capable, refresh_packing
-from .base import use_packed_linears
+from .base.attention import use_packed_sdpa
+from .base.check import check_base
+from .base.forward import ragged_capable
+from .base.loading import dtype_name, load_base
+from .base.packing import holding_packing, plan_packing, refresh_heads, refresh_packing, use_packed_heads
+from .base.packing import use_packed_linears
 from .fingerprint import fingerprint
 from .calibration import CalibrationConfig, calibrate
 from .cost import CostModel
@@ -74,9 +77,9 @@ class DraftHeadsModel:
         self.base = base
         self.packed_linears = packed_linears
         check_base(base, probe=False)  # an architecture the loop cannot run is refused before anything
-        if packed_attention:  # grouped-query SDPA without copying the KV cache (decoding/attention.py)
+        if packed_attention:  # grouped-query SDPA without copying the KV cache (decoding/base/attention.py)
             use_packed_sdpa(base)
-        if packed_linears:  # oneDNN-packed weights for our forwards only (heads/linear.py)
+        if packed_linears:  # oneDNN-packed weights for our forwards only (decoding/base/packing.py)
             use_packed_linears(base)
         check_base(base)  # the decoder's forwards, fast paths included, against the model's own (once)
         self.tokenizer = tokenizer
@@ -299,7 +302,7 @@ class DraftHeadsModel:
             return
         if not shares_base_tensors(self.heads, self.base):
             attach_heads(self.heads, self.base, self.packed_linears)
-        self.heads.drop_stale_copies(memo)
+        refresh_heads(self.heads, memo)
 
     def _delegates(self, request: Request, generator) -> bool:
         """Plain decoding by the base itself: the policy prefers it for this batch, and nothing
@@ -318,7 +321,7 @@ def attach_heads(heads: DraftHeads, base, packed_linears: bool = True) -> None:
     heads.to(base.dtype)
     heads.draft_dtype = drafting_dtype(base)
     if packed_linears:
-        heads.use_packed_readout()
+        use_packed_heads(heads)
         plan_packing([heads.draft_weight(heads.draft_dtype)] + [p for p in heads.parameters() if p.dim() == 2])
 
 

@@ -12,7 +12,7 @@ import torch
 
 from ..heads import DraftHeads
 from .accept import Acceptance
-from .cache import KVState
+from .base.cache import KVState
 from .drafters.drafts import Drafts
 
 

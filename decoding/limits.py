@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from ..heads.errors import DraftheadsError, MissingPathError
-from ..heads.hardware import available_ram_bytes
-from .cache import RESERVE_FRACTION, RESERVE_SLOTS
+from .base.hardware import available_ram_bytes
+from .base.cache import RESERVE_FRACTION, RESERVE_SLOTS
 from .tree import Tree
 
 
@@ -45,7 +45,7 @@ class DtypeError(InputError):
 def parse_dtype(value: Any, name: str = "dtype") -> torch.dtype | None:
     """The package's one dtype parser: a floating torch dtype or its name ("bfloat16", "bf16",
     "torch.float16"...) → the torch dtype; ``None`` or ``"auto"`` → ``None`` (the loader then
-    picks the base's native dtype where the hardware computes it: ``decoding.base.choose_dtype``)."""
+    picks the base's native dtype where the hardware computes it: ``decoding.base.loading.choose_dtype``)."""
     if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
         return None
     if isinstance(value, torch.dtype):
@@ -221,7 +221,7 @@ def decode_memory_bytes(config, batch: int, width: int, new_tokens: int, tree_no
     cache at its longest (prompt + new tokens + one tree per row), the prefill's activations
     (hidden states, MLP, the 4D mask and attention scores of a width × width prompt) and the
     verification logits (tree nodes × vocabulary per row). The cache keeps room ahead
-    (:func:`~draftheads.decoding.cache.reserved_layer_class`), and a layer that outgrows its
+    (:func:`~draftheads.decoding.base.cache.reserved_layer_class`), and a layer that outgrows its
     room holds its old buffer until the copy is done."""
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads

@@ -17,8 +17,8 @@ import torch
 from transformers import StoppingCriteriaList
 
 from .accept import Acceptor
-from .base import lm_logits, prefill
-from .cache import KVState
+from .base.forward import lm_logits, prefill
+from .base.cache import KVState
 from .drafters import Drafter, DraftState
 from .head_context import HeadContext
 from .output import Emitter, generated_counts

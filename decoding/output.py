@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import forward_all, lm_logits
+from .base.forward import forward_all, lm_logits
 from .sequences import Sequences
 
 

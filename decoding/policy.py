@@ -15,7 +15,7 @@ from typing import Iterable, Protocol, Sequence
 import torch
 
 from ..heads import CheckpointError, DraftHeads
-from .base import dtype_name
+from .base.loading import dtype_name
 from .calibration import CalibrationConfig, calibrate
 from .cost import CostModel
 from .limits import InputError

@@ -17,10 +17,11 @@ from typing import Iterator
 
 import torch
 
-from ..heads.linear import computed_rows, packed_forward
+from .base.binding import packed_forward
+from .base.rows import computed_rows
 from .accept import Acceptance
-from .base import lm_logits, verify
-from .cache import KVState
+from .base.forward import lm_logits, verify
+from .base.cache import KVState
 from .drafters import Drafter, Drafts, DraftState
 from .head_context import HeadContext
 from .tree import Tree

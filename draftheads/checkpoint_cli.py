@@ -28,14 +28,14 @@ def load_base_model(name: str | None):
     """The frozen base alone (no tokenizer: these commands only need its LM head and fingerprint)."""
     from transformers import AutoModelForCausalLM
 
-    from .decoding.base import resolve_base
+    from .decoding.base.loading import resolve_base
 
     path, _ = resolve_base(name)
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().requires_grad_(False)
 
 
 def base_label(name: str | None) -> str:
-    from .decoding.base import EMBEDDED_NAME
+    from .decoding.base.loading import EMBEDDED_NAME
 
     return name or EMBEDDED_NAME
 
@@ -105,7 +105,7 @@ def cmd_import_medusa(args) -> int:
     check_output_dir(args.out, source)  # before a base loads: never over the checkpoint being read
     records = prompt_records(args.trees_from, args.limit) if args.trees_from else None  # a bad file fails now
     if args.trees_from:
-        from .decoding.base import load_base
+        from .decoding.base.loading import load_base
 
         base, tokenizer = load_base(args.base)
     else:

@@ -29,13 +29,13 @@ from typing import Callable, Sequence
 import torch
 
 from .decoding import DraftHeadsModel
-from .decoding.attention import release_packed_sdpa
-from .decoding.base import release_packing
+from .decoding.base.attention import release_packed_sdpa
+from .decoding.base.packing import release_packing
 from .decoding.drafters import parse_drafts
 from .decoding.limits import InputError, parse_tree_option
 from .decoding.options import refuse_options
 from .decoding.request import prepared_call
-from .heads.linear import release_linears
+from .decoding.base.binding import release_linears
 
 #: the model keyword arguments transformers prepares for any decoding loop (the decoder makes its
 #: own cache and positions); anything else (``assistant_model``, ...) is refused by name

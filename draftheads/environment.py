@@ -10,10 +10,12 @@ import sys
 
 import torch
 
-from .decoding.base import cache_root, packing_cache_path, read_packing_cache
-from .heads.hardware import bf16_native, cpu_model, fp16_native, isa_limits
-from .heads.fewrow import kernel_status, load_kernel
-from .heads.linear import PACKED_DTYPES, PATHS, STACKED_DTYPES, fastest_paths, packing_available
+from .decoding.base.fewrow import kernel_status, load_kernel
+from .decoding.base.hardware import bf16_native, cpu_model, fp16_native, isa_limits
+from .decoding.base.loading import cache_root
+from .decoding.base.packing import packing_cache_path, read_packing_cache
+from .decoding.base.plan import PACKED_DTYPES, PATHS, fastest_paths, packing_available
+from .decoding.base.siblings import STACKED_DTYPES
 
 PACKAGES = ("draftheads", "torch", "transformers", "accelerate", "datasets", "huggingface_hub", "safetensors", "numpy")
 
@@ -87,7 +89,8 @@ def base_section(base: str, dtype: str = "auto") -> dict[str, str]:
     """``--base``: the base loaded and bound as the decoder binds it (fast paths set up, the check
     against its own forward run), then what of it the decoder honours and which paths it runs."""
     from .decoding import DraftHeadsModel
-    from .decoding.base import base_report, load_base
+    from .decoding.base.check import base_report
+    from .decoding.base.loading import load_base
 
     model, _ = load_base(base, dtype=dtype)
     DraftHeadsModel(model, None)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .decoding.base import from_checkout
+from .decoding.base.loading import from_checkout
 
 
 def find_heads(path: str | None) -> str | None:

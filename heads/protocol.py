@@ -15,7 +15,7 @@ import tempfile
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import torch
 from torch import nn
@@ -26,12 +26,22 @@ from .atomic import atomic_directory, check_output_dir, current_umask, write_tex
 from .card import basic_card
 from .errors import cannot_write
 from .hub import resolve_checkpoint, upload_checkpoint
-from .linear import FingerprintMemo, PackedWeight, fingerprint_of, packed_matmul, packs, refresh_linears
-from .linear import use_packed_linears as wrap_linears
+from .content import FingerprintMemo, fingerprint_of
 
-#: heads → the packed copy of their draft readout, kept beside them: in their ``__dict__``,
-#: oneDNN's opaque tensors would make ``deepcopy``, ``pickle`` and ``torch.save`` of them fail
-_READOUTS: "weakref.WeakKeyDictionary[nn.Module, PackedWeight]" = weakref.WeakKeyDictionary()
+
+class FastReadout(Protocol):
+    """A faster draft readout a decoder hands the heads (:meth:`DraftHeads.use_readout`): its
+    ``product`` is None where it has none (then the plain product). Heads import nothing from
+    ``decoding``, so they take the decoder's packed copy of their draft rows as this interface."""
+
+    def product(self, states: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None: ...
+    def clear(self) -> None: ...
+    def drop_stale(self, weight: torch.Tensor, memo: FingerprintMemo | None = None) -> bool: ...
+
+
+#: heads → their fast draft readout, kept beside them: in their ``__dict__``, the decoder's
+#: opaque packed tensors would make ``deepcopy``, ``pickle`` and ``torch.save`` of them fail
+_READOUTS: "weakref.WeakKeyDictionary[nn.Module, FastReadout]" = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -137,25 +147,26 @@ class DraftHeads(nn.Module):
         when one is set; through a packed copy of the rows when the decoder asked for it)."""
         dtype = self.draft_dtype or states.dtype
         weight = self.draft_weight(dtype)
-        packed = _READOUTS.get(self)
-        if packed is not None and not torch.is_grad_enabled() and packs(weight, states.numel() // states.shape[-1]):
-            return packed_matmul(states.to(dtype), weight, packed)
+        fast = _READOUTS.get(self)
+        if fast is not None and not torch.is_grad_enabled():
+            logits = fast.product(states, weight)
+            if logits is not None:
+                return logits
         return states.to(dtype) @ weight.t()
 
-    def use_packed_readout(self) -> None:
-        """Decoding only: read drafts out through oneDNN-packed LM-head rows (1.5-2× faster on
-        CPU, see :mod:`.linear`), and run the heads' own linear layers packed inside the
-        decoder's :func:`~.linear.packed_forward` blocks. Drafts only propose, so their rounding
-        never changes an output. The copies are kept beside the heads (nothing in them changes)."""
+    def use_readout(self, fast: FastReadout) -> None:
+        """Decoding only: read drafts out through ``fast`` (the decoder's packed copy of the draft
+        rows, :func:`draftheads.decoding.base.packing.use_packed_heads`) where it has a product.
+        Drafts only propose, so their rounding never changes an output. Kept beside the heads
+        (nothing in them changes); a readout already set stays."""
         if self not in _READOUTS:
-            _READOUTS[self] = PackedWeight()
-        wrap_linears(self)
+            _READOUTS[self] = fast
 
     def drop_stale_copies(self, memo: FingerprintMemo | None = None) -> None:
         """Before a decoding call: the draft rows gathered or cast from the shared LM head
-        (:meth:`draft_weight`), the readout's packed copy and the heads' own layers' copies are
-        made again where the weight they came from changed since — through ``.data`` too, which
-        changes neither a tensor's storage nor its version."""
+        (:meth:`draft_weight`) and the fast readout's copy are made again where the weight they came
+        from changed since — through ``.data`` too, which changes neither a tensor's storage nor
+        its version."""
         if self._shared is None:
             return
         readout = _READOUTS.get(self)
@@ -166,7 +177,6 @@ class DraftHeads(nn.Module):
                 readout.clear()
         elif readout is not None:
             readout.drop_stale(self.draft_weight(self.draft_dtype), memo)
-        refresh_linears(self, memo)
 
     def embed(self, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Input embeddings of base token ids from the frozen, shared table (never a copy), for

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from draftheads.decoding.base import load_base
+from draftheads.decoding.base.loading import load_base
 from draftheads.decoding.fingerprint import fingerprint
 from draftheads.heads.protocol import CONFIG_NAME, fingerprint_diffs
 

@@ -1,7 +1,7 @@
 """What a product of a few rows costs on this machine, per path: ``F.linear``, oneDNN's packed
-product and the few-row kernel (heads/fewrow.py: float32, and bfloat16 where native), for the weight shapes of the embedded
+product and the few-row kernel (decoding/base/fewrow.py: float32, and bfloat16 where native), for the weight shapes of the embedded
 base (SmolLM2-135M) and the shipped heads' draft vocabulary, at the row counts a verification
-step uses. The same measurement the decoder makes at load (``heads.linear.measure_shape``:
+step uses. The same measurement the decoder makes at load (``decoding.base.plan.measure_shape``:
 interleaved, best of ``--reps``), saved as JSON + PNG.
 
     python scripts/bench_linear_paths.py --out results/cpu_classes/linear_paths_avx512
@@ -15,11 +15,11 @@ from pathlib import Path
 
 import torch
 
-from draftheads.decoding.base import cache_root
+from draftheads.decoding.base.loading import cache_root
 from draftheads.heads.atomic import write_text_atomic
-from draftheads.heads.fewrow import kernel_status, load_kernel
-from draftheads.heads.hardware import cpu_key
-from draftheads.heads.linear import ROW_BUCKETS, fastest_paths, measure_shape
+from draftheads.decoding.base.fewrow import kernel_status, load_kernel
+from draftheads.decoding.base.hardware import cpu_key
+from draftheads.decoding.base.plan import ROW_BUCKETS, fastest_paths, measure_shape
 
 #: SmolLM2-135M: q/o 576×576, k/v 192×576, gate/up 1536×576, down 576×1536, LM head 49152×576;
 #: the shipped heads read out through 8192 rows of it

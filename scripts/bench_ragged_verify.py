@@ -1,7 +1,7 @@
 """What a ragged verification step costs, three ways: rows of different node counts padded to
 the widest and computed whole, the padding left out of the linear layers and the LM head only
 (``computed_rows``), and the rows packed into one sequence with only attention unpacking them
-(:class:`draftheads.decoding.attention.RaggedRows`, what the decoder runs). Uniform steps of
+(:class:`draftheads.decoding.base.attention.RaggedRows`, what the decoder runs). Uniform steps of
 1-4 slots a row are the yardstick: a ragged step should cost about what its real slots cost.
 
     python scripts/bench_ragged_verify.py --batch-size 16 --context 1000 --out results/ragged_verify/bf16
@@ -21,11 +21,13 @@ from pathlib import Path
 
 import torch
 
-from draftheads.decoding.attention import RaggedRows, use_packed_sdpa
-from draftheads.decoding.base import dtype_name, lm_logits, load_base, use_packed_linears, verify
-from draftheads.decoding.cache import tree_attention_mask
+from draftheads.decoding.base.attention import RaggedRows, use_packed_sdpa
+from draftheads.decoding.base.cache import tree_attention_mask
+from draftheads.decoding.base.forward import lm_logits, verify
+from draftheads.decoding.base.loading import dtype_name, load_base
+from draftheads.decoding.base.packing import use_packed_linears
 from draftheads.decoding.calibration import _synthetic_cache, device_name
-from draftheads.heads.linear import computed_rows
+from draftheads.decoding.base.rows import computed_rows
 from draftheads.plots import figure
 
 #: node counts per row of 16 (cut or repeated to the batch size): one long row, a few, a spread

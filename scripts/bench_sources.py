@@ -80,7 +80,7 @@ SPEC_BENCH_CATEGORIES = ("translation", "summarization", "qa", "math_reasoning",
 def spec_bench_answers(path: str, per_category: int, max_new_tokens: int) -> dict[str, list[dict]]:
     """The base's greedy answers to the first ``per_category`` prompts of each Spec-Bench
     category (the model is loaded only here, never for timing; answers cached)."""
-    from draftheads.decoding.base import load_base, dtype_name
+    from draftheads.decoding.base.loading import dtype_name, load_base
     from draftheads.head_scoring import answers_cache_path, base_answers
     from draftheads.prompts import read_prompts
 

@@ -28,7 +28,7 @@ def load_tokenizer(name: str | None):
     """The tokenizer only (no weights are loaded): the embedded base's unless ``name`` is given."""
     from transformers import AutoTokenizer
 
-    from draftheads.decoding.base import resolve_base
+    from draftheads.decoding.base.loading import resolve_base
 
     path, _ = resolve_base(name)
     return AutoTokenizer.from_pretrained(path)

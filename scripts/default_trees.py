@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 
 from draftheads.decoding import DraftHeadsModel
-from draftheads.decoding.base import dtype_name, parse_dtype
+from draftheads.decoding.base.loading import dtype_name
+from draftheads.decoding.limits import parse_dtype
 from draftheads.decoding.calibration import CalibrationConfig, calibrate
 from draftheads.decoding.policy import best_budget
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from draftheads.prompts import read_prompts
-from draftheads.decoding.base import load_base
+from draftheads.decoding.base.loading import load_base
 from draftheads.decoding.fingerprint import fingerprint
 from draftheads.head_scoring import answer_features, answers_cache_path, base_answers, score_heads
 from draftheads.heads import load_heads

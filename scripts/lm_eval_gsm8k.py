@@ -23,7 +23,7 @@ import torch
 import yaml
 
 import draftheads
-from draftheads.decoding.base import load_base
+from draftheads.decoding.base.loading import load_base
 from draftheads.prompts import DATA_DIR
 
 REPO = Path(__file__).resolve().parents[1]

@@ -33,7 +33,7 @@ import torch
 
 from draftheads.bench import left_pad
 from draftheads.decoding import DraftHeadsModel, tree_for_budget
-from draftheads.heads.hardware import proc_kib
+from draftheads.decoding.base.hardware import proc_kib
 from draftheads.prompts import read_prompts
 
 

@@ -50,7 +50,7 @@ def pytest_terminal_summary(terminalreporter):
 
 @pytest.fixture(scope="session")
 def smollm2():
-    from draftheads.decoding.base import load_base
+    from draftheads.decoding.base.loading import load_base
 
     if os.environ.get("DRAFTHEADS_SKIP_SMOLLM2"):
         pytest.skip("DRAFTHEADS_SKIP_SMOLLM2 is set")
@@ -59,7 +59,7 @@ def smollm2():
 
 @pytest.fixture(scope="session")
 def smollm2_bf16():
-    from draftheads.decoding.base import load_base
+    from draftheads.decoding.base.loading import load_base
 
     if os.environ.get("DRAFTHEADS_SKIP_SMOLLM2"):
         pytest.skip("DRAFTHEADS_SKIP_SMOLLM2 is set")

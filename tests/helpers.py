@@ -32,9 +32,9 @@ FIXTURES = REPO / "tests" / "data"
 
 
 def record_packed_steps(monkeypatch) -> list:
-    """The :class:`~draftheads.decoding.attention.RaggedRows` of every step
-    :func:`~draftheads.decoding.base.verify` runs packed, appended as they run."""
-    from draftheads.decoding import attention
+    """The :class:`~draftheads.decoding.base.attention.RaggedRows` of every step
+    :func:`~draftheads.decoding.base.forward.verify` runs packed, appended as they run."""
+    from draftheads.decoding.base import attention
 
     seen: list = []
     original = attention.RaggedRows.from_valid.__func__

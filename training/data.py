@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from ..heads.errors import DraftheadsError
-from ..decoding.base import from_checkout
+from ..decoding.base.loading import from_checkout
 from .features import Example, Features, hidden_states, selfdistill_examples, shift_targets, \
     shift_teacher
 

@@ -15,7 +15,7 @@ from typing import Iterable, Iterator
 import torch
 from tqdm.auto import tqdm
 
-from ..decoding.architecture import decoder_body
+from ..decoding.base.architecture import decoder_body
 from ..heads.atomic import atomic_file
 
 MAX_TARGETS = 9  # future tokens stored per position: x_{t+1} (the root) + enough for up to 8 heads

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from ..heads.errors import MissingPathError
-from ..decoding.base import load_base
+from ..decoding.base.loading import load_base
 from ..decoding.fingerprint import fingerprint
 from ..decoding.limits import DTYPES
 
@@ -40,7 +40,7 @@ def base_dims(name: str) -> tuple[int, int] | None:
     folder's or cached Hub id's ``config.json``, a GGUF file's header — without loading a
     weight, so training data and head options are checked against it before the base loads.
     None when the config cannot be read here (loading the base then reports why)."""
-    from ..decoding.base import embedded_gguf_path
+    from ..decoding.base.loading import embedded_gguf_path
 
     try:
         if name in ("embedded", "") or name.endswith(".gguf"):

@@ -195,7 +195,7 @@ def column_map(text: str) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..decoding.base import load_base
+    from ..decoding.base.loading import load_base
     from ..decoding.fingerprint import fingerprint
 
     config = parse_selfdistill_args(argv)

@@ -27,7 +27,7 @@ import numpy as np
 
 from ...heads.atomic import atomic_file
 from ...heads.errors import DraftheadsError
-from ...heads.hardware import available_ram_bytes
+from ..base.hardware import available_ram_bytes
 
 FORMAT = "draftheads-lookup-store"
 FORMAT_VERSION = 1

@@ -12,11 +12,14 @@ import torch
 
 from helpers import OracleHeads, tiny_llama
 from draftheads.decoding import DraftHeadsModel, tree_from_paths
-from draftheads.decoding import base as base_module
+from draftheads.decoding.base import binding as binding_module, loading as loading_module, packed as packed_module
+from draftheads.decoding.base import plan as plan_module, rows as rows_module, siblings as siblings_module
 from draftheads.decoding.accept import greedy_tokens
-from draftheads.decoding.base import choose_dtype, lm_logits, native_dtype, prefill, use_packed_linears
-from draftheads.heads import linear as linear_module
-from draftheads.heads.linear import PackedLinear, packed_linears, packing_available
+from draftheads.decoding.base.binding import PackedLinear, packed_linears
+from draftheads.decoding.base.forward import lm_logits, prefill
+from draftheads.decoding.base.loading import choose_dtype, native_dtype
+from draftheads.decoding.base.packing import use_packed_linears
+from draftheads.decoding.base.plan import packing_available
 from draftheads.decoding.policy import default_budget
 from draftheads.decoding.limits import DtypeError, InputTypeError, parse_dtype
 from draftheads.decoding.step import PHASES, PhaseTimer
@@ -42,16 +45,16 @@ def test_parse_dtype_refuses_what_is_not_a_float_dtype(bad, error, message):
 
 
 def test_auto_takes_the_native_dtype_only_where_the_hardware_computes_it(monkeypatch):
-    monkeypatch.setattr(base_module, "native_cpu_dtypes", lambda: {torch.float32, torch.bfloat16})
+    monkeypatch.setattr(loading_module, "native_cpu_dtypes", lambda: {torch.float32, torch.bfloat16})
     assert choose_dtype("auto", torch.bfloat16) is torch.bfloat16
     assert choose_dtype(None, torch.float16) is torch.float32  # fp16 is emulated on this CPU: fp32
     assert choose_dtype("auto", torch.float32) is torch.float32
-    monkeypatch.setattr(base_module, "native_cpu_dtypes", lambda: {torch.float32})
+    monkeypatch.setattr(loading_module, "native_cpu_dtypes", lambda: {torch.float32})
     assert choose_dtype("auto", torch.bfloat16) is torch.float32
 
 
 def test_an_explicit_dtype_wins_with_a_warning_when_emulated(monkeypatch):
-    monkeypatch.setattr(base_module, "native_cpu_dtypes", lambda: {torch.float32})
+    monkeypatch.setattr(loading_module, "native_cpu_dtypes", lambda: {torch.float32})
     with pytest.warns(UserWarning, match="no native bfloat16 arithmetic.*'auto' picks float32"):
         assert choose_dtype("bfloat16", torch.bfloat16) is torch.bfloat16
     with warnings.catch_warnings():
@@ -71,7 +74,7 @@ def test_native_dtype_reads_the_config_and_calls_gguf_bfloat16(tmp_path):
 
 def test_load_base_refuses_a_bad_dtype_before_loading():
     with pytest.raises(DtypeError, match="dtype='bogus' is not a dtype"):
-        base_module.load_base("/nonexistent/model", dtype="bogus")
+        loading_module.load_base("/nonexistent/model", dtype="bogus")
 
 
 # -- the cheaper step's pieces -------------------------------------------------------------------
@@ -88,7 +91,7 @@ def test_packed_forwards_are_bit_identical_in_bfloat16(rows):
     head's logits; and the base's own forward (outside the decoder) still runs F.linear."""
     plain, packed = tiny_llama(1, dtype=torch.bfloat16), tiny_llama(1, dtype=torch.bfloat16)
     assert use_packed_linears(packed)
-    assert linear_module.binding(packed.model).linears  # bound beside the model, which keeps its plain layers
+    assert binding_module.binding(packed.model).linears  # bound beside the model, which keeps its plain layers
     assert not any(isinstance(m, PackedLinear) for m in packed.modules())
     assert packed.state_dict().keys() == plain.state_dict().keys()
     ids = torch.randint(3, 96, (2, rows))
@@ -118,7 +121,7 @@ def test_packed_forwards_stay_within_float32_rounding(rows):
 def test_float64_is_never_packed():
     model = tiny_llama(1)
     assert not use_packed_linears(model)
-    assert linear_module.binding(model.model) is None
+    assert binding_module.binding(model.model) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -227,17 +230,17 @@ def test_stacked_siblings_are_bit_identical_in_bfloat16(monkeypatch, rows):
     leave the verify forward's hidden states bit-identical, and the stacked product did run."""
     stacked = tiny_llama(1, dtype=torch.bfloat16)
     use_packed_linears(stacked)
-    products = linear_module.binding(stacked.model).products
+    products = binding_module.binding(stacked.model).products
     assert len(products) == 2 * stacked.config.num_hidden_layers
     calls = []
-    real_output = linear_module.SiblingProduct.output
-    monkeypatch.setattr(linear_module.SiblingProduct, "output",
+    real_output = siblings_module.SiblingProduct.output
+    monkeypatch.setattr(siblings_module.SiblingProduct, "output",
                         lambda self, index, x: calls.append(index) or real_output(self, index, x))
     ids = torch.randint(3, 96, (2, rows))
-    monkeypatch.setattr(linear_module.PLAN, "fusion_pays", lambda *a: False)
+    monkeypatch.setattr(plan_module.PLAN, "fusion_pays", lambda *a: False)
     _, hidden_plain = prefill(stacked, ids, torch.ones_like(ids))
     assert not calls
-    monkeypatch.setattr(linear_module.PLAN, "fusion_pays", lambda *a: True)
+    monkeypatch.setattr(plan_module.PLAN, "fusion_pays", lambda *a: True)
     _, hidden_stacked = prefill(stacked, ids, torch.ones_like(ids))
     assert torch.equal(hidden_plain, hidden_stacked)
     assert sorted(set(calls)) == [0, 1, 2] and len(calls) == 5 * stacked.config.num_hidden_layers
@@ -247,19 +250,21 @@ def test_stacked_siblings_are_bit_identical_in_bfloat16(monkeypatch, rows):
 def test_a_sibling_takes_its_slice_once_and_only_for_the_same_input(monkeypatch):
     """The stacked product is reused only by a sibling called with the very tensor the first
     sibling saw, unchanged; another tensor, an in-place change or a second call recompute."""
-    monkeypatch.setattr(linear_module, "STACKED_DTYPES", (torch.float32,))
-    monkeypatch.setattr(linear_module.PLAN, "fusion_pays", lambda *a: True)
-    monkeypatch.setattr(linear_module.SiblingProduct, "pays", lambda self, rows: True)
+    monkeypatch.setattr(siblings_module, "STACKED_DTYPES", (torch.float32,))
+    monkeypatch.setattr(plan_module.PLAN, "fusion_pays", lambda *a: True)
+    monkeypatch.setattr(siblings_module.SiblingProduct, "pays", lambda self, rows: True)
     parent = torch.nn.Module()
     for name, out in (("q_proj", 6), ("k_proj", 2), ("v_proj", 2)):
         parent.add_module(name, torch.nn.Linear(8, out, bias=False))
-    linear_module.use_packed_linears(parent)
-    (product,) = linear_module.fuse_siblings(parent)
+    binding_module.use_packed_linears(parent)
+    (product,) = binding_module.fuse_siblings(parent)
     computed = []
-    real_matmul = linear_module.packed_matmul
-    monkeypatch.setattr(linear_module, "packed_matmul", lambda *a, **k: computed.append(1) or real_matmul(*a, **k))
+    real_matmul = packed_module.packed_matmul
+    counted = lambda *a, **k: computed.append(1) or real_matmul(*a, **k)
+    for module in (siblings_module, binding_module):  # the stacked and the single products
+        monkeypatch.setattr(module, "packed_matmul", counted)
     x, other = torch.randn(3, 8), torch.randn(3, 8)
-    with linear_module.packed_forward(parent):
+    with binding_module.packed_forward(parent):
         q, k = parent.q_proj(x), parent.k_proj(x)
         assert len(computed) == 1
         k_other = parent.k_proj(other)
@@ -280,10 +285,10 @@ def test_float32_siblings_stay_separate_and_groups_need_one_input_size():
     input sizes are never grouped."""
     model = tiny_llama(1, dtype=torch.float32)
     use_packed_linears(model)
-    assert linear_module.fuse_siblings(model.model) == []
+    assert binding_module.fuse_siblings(model.model) == []
     parent = torch.nn.Module()
     parent.gate_proj, parent.up_proj = torch.nn.Linear(8, 4).to(torch.bfloat16), torch.nn.Linear(6, 4).to(torch.bfloat16)
-    assert linear_module.sibling_groups(parent) == []
+    assert siblings_module.sibling_groups(parent) == []
 
 
 # -- padding slots left out of the linear layers ----------------------------------------------
@@ -291,19 +296,21 @@ def test_float32_siblings_stay_separate_and_groups_need_one_input_size():
 def test_linear_layers_compute_only_the_rows_asked_and_siblings_still_share_one_product(monkeypatch):
     """Under ``computed_rows``: each wrapped linear (siblings stacked or not) returns its rows as
     computed on the full input, zeros elsewhere; q/k/v still take their slices of one product."""
-    monkeypatch.setattr(linear_module, "STACKED_DTYPES", (torch.float32,))
-    monkeypatch.setattr(linear_module.SiblingProduct, "pays", lambda self, rows: True)
+    monkeypatch.setattr(siblings_module, "STACKED_DTYPES", (torch.float32,))
+    monkeypatch.setattr(siblings_module.SiblingProduct, "pays", lambda self, rows: True)
     parent = torch.nn.Module()
     for name, out in (("q_proj", 6), ("k_proj", 2), ("v_proj", 2), ("o_proj", 8)):
         parent.add_module(name, torch.nn.Linear(8, out, bias=name == "o_proj"))
-    linear_module.use_packed_linears(parent)
-    (product,) = linear_module.fuse_siblings(parent)
+    binding_module.use_packed_linears(parent)
+    (product,) = binding_module.fuse_siblings(parent)
     computed = []
-    real_matmul = linear_module.packed_matmul
-    monkeypatch.setattr(linear_module, "packed_matmul", lambda x, *a, **k: computed.append(x.shape[0]) or real_matmul(x, *a, **k))
+    real_matmul = packed_module.packed_matmul
+    counted = lambda x, *a, **k: computed.append(x.shape[0]) or real_matmul(x, *a, **k)
+    for module in (siblings_module, binding_module):  # the stacked and the single products
+        monkeypatch.setattr(module, "packed_matmul", counted)
     x = torch.randn(2, 5, 8)
     valid = torch.tensor([[True, True, False, False, False], [True, True, True, True, False]])
-    with linear_module.packed_forward(parent), linear_module.computed_rows(valid):
+    with binding_module.packed_forward(parent), rows_module.computed_rows(valid):
         outs = {name: getattr(parent, name)(x) for name in ("q_proj", "k_proj", "v_proj", "o_proj")}
     assert computed[0] == int(valid.sum()) and len(computed) == 2  # one stacked q/k/v product, then o_proj
     for name, got in outs.items():
@@ -311,5 +318,5 @@ def test_linear_layers_compute_only_the_rows_asked_and_siblings_still_share_one_
         full = torch.nn.functional.linear(x, linear.weight, linear.bias)
         torch.testing.assert_close(got[valid], full[valid], rtol=1e-5, atol=1e-6)
         assert not got[~valid].any()
-    with linear_module.computed_rows(torch.ones(2, 5, dtype=torch.bool)):  # nothing to leave out: as outside
+    with rows_module.computed_rows(torch.ones(2, 5, dtype=torch.bool)):  # nothing to leave out: as outside
         assert torch.equal(parent.o_proj(x), torch.nn.functional.linear(x, parent.o_proj.weight, parent.o_proj.bias))

@@ -7,8 +7,8 @@ import torch
 from transformers import GenerationConfig
 
 from draftheads.decoding.accept import Acceptor
-from draftheads.decoding.base import lm_logits, prefill
-from draftheads.decoding.cache import KVState
+from draftheads.decoding.base.forward import lm_logits, prefill
+from draftheads.decoding.base.cache import KVState
 from draftheads.decoding.drafters import DraftState, Drafts
 from draftheads.decoding.head_context import HeadContext
 from draftheads.decoding.sequences import Sequences

@@ -124,7 +124,7 @@ def test_prefix_layer_cache_matches_a_full_pass():
 def test_bf16_drafting_changes_drafts_not_outputs(family):
     """Heads may read out in bfloat16 (the decoder's default for fp32 bases on CPUs with native
     bf16): drafts are only proposals, so the output stays the base's own."""
-    from draftheads.heads.hardware import bf16_native
+    from draftheads.decoding.base.hardware import bf16_native
     from draftheads.decoding.generate import drafting_dtype
 
     model = tiny_llama(5)

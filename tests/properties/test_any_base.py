@@ -13,8 +13,8 @@ import transformers
 
 from helpers import OracleHeads, run_inprocess, tiny_recipe
 from draftheads.decoding import DraftHeadsModel, tree_from_paths
-from draftheads.decoding import architecture
-from draftheads.decoding.architecture import UnsupportedBaseError
+from draftheads.decoding.base import architecture
+from draftheads.decoding.base.architecture import UnsupportedBaseError
 from draftheads.heads import DraftheadsError, load_heads
 
 VOCAB, WINDOW = 96, 8
@@ -210,9 +210,9 @@ def test_a_logit_transform_the_decoder_would_skip_is_refused(name, monkeypatch):
 
 @pytest.mark.parametrize("name", ["mistral-window", "qwen2-window", "gemma2", "gemma3", "starcoder2"])
 def test_windows_the_decoder_would_ignore_are_refused(name, monkeypatch):
-    from draftheads.decoding import base
+    from draftheads.decoding.base import forward
 
-    monkeypatch.setattr(base, "layer_masks", lambda layout, mask, positions: mask)
+    monkeypatch.setattr(forward, "layer_masks", lambda layout, mask, positions: mask)
     assert "token tree" in refused(fresh_base(name))
 
 
@@ -260,7 +260,7 @@ def test_a_gguf_of_an_architecture_transformers_cannot_read_is_one_line(tmp_path
     import gguf
     import numpy as np
 
-    from draftheads.decoding.base import load_base
+    from draftheads.decoding.base.loading import load_base
 
     monkeypatch.setenv("DRAFTHEADS_CACHE", str(tmp_path / "cache"))
     writer = gguf.GGUFWriter(str(tmp_path / "rwkv.gguf"), "rwkv6")
@@ -276,17 +276,17 @@ def test_a_gguf_of_an_architecture_transformers_cannot_read_is_one_line(tmp_path
 
 
 def test_a_packaged_base_not_installed_names_the_pip_command(monkeypatch):
-    from draftheads.decoding import base
+    from draftheads.decoding.base import loading
 
-    monkeypatch.setitem(base.PACKAGED_BASES, "absent-base", ("draftheads_no_such_module", "absent-base-gguf"))
+    monkeypatch.setitem(loading.PACKAGED_BASES, "absent-base", ("draftheads_no_such_module", "absent-base-gguf"))
     with pytest.raises(DraftheadsError, match=r"'absent-base' is not installed: `pip install absent-base-gguf`"):
-        base.resolve_base("absent-base")
+        loading.resolve_base("absent-base")
 
 
 def test_the_report_names_windows_transforms_and_the_fast_paths_each_base_runs():
     """``draftheads env --base``: what of the architecture is honoured, and each fast path that
     cannot serve the base named off with why."""
-    from draftheads.decoding.base import base_report
+    from draftheads.decoding.base.check import base_report
 
     gemma2 = fresh_base("gemma2")
     DraftHeadsModel(gemma2, None)

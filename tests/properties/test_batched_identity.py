@@ -41,14 +41,14 @@ def test_kv_cache_length_is_prompt_plus_accepted_per_row():
     heads = OracleHeads(free[:, ids.shape[1]:].tolist(), vocab=96, error=0.3, seed=1)
     drafter = DraftHeadsModel(model, heads, tree=tree_from_paths([(0,), (1,), (0, 0), (0, 0, 0)]))
     seen = []
-    commit = __import__("draftheads.decoding.cache", fromlist=["KVState"]).KVState.commit
+    commit = __import__("draftheads.decoding.base.cache", fromlist=["KVState"]).KVState.commit
 
     def spy(self, slots, count):
         commit(self, slots, count)
         seen.append((self.valid.sum(1).tolist(), self.next_pos.tolist(), self.length_with_tree()))
 
     from unittest import mock
-    with mock.patch("draftheads.decoding.cache.KVState.commit", spy):
+    with mock.patch("draftheads.decoding.base.cache.KVState.commit", spy):
         out = drafter.generate(ids, attention_mask=mask, max_new_tokens=30, pad_token_id=PAD)
     assert out.tolist() == free.tolist()
     prompt_lengths = mask.sum(1).tolist()

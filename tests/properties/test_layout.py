@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import draftheads
-from draftheads.decoding.base import from_checkout, source_root
+from draftheads.decoding.base.loading import from_checkout, source_root
 
 REPO = Path(__file__).resolve().parents[2]
 NOT_PACKAGES = ("draftheads.scripts", "draftheads.tests", "draftheads.recipes", "draftheads.draftheads")
@@ -56,7 +56,7 @@ def test_a_fresh_interpreter_elsewhere_sees_the_same_layout(tmp_path):
     code = f"""
 import importlib.util, json
 import draftheads, draftheads.heads, draftheads.decoding.drafters, draftheads.training
-from draftheads.decoding.base import from_checkout, source_root
+from draftheads.decoding.base.loading import from_checkout, source_root
 print(json.dumps({{
     "missing": [n for n in {list(NOT_PACKAGES)!r} if importlib.util.find_spec(n) is None],
     "files": {{n: __import__("sys").modules[n].__file__ for n in {list(SUBPACKAGES)!r}}},

@@ -19,10 +19,11 @@ from torch import nn
 
 from draftheads import custom_generate
 from draftheads.custom_generate import _DECODERS, unbind
-from draftheads.decoding import base as base_module
-from draftheads.heads import fewrow
-from draftheads.heads import linear as linear_module
-from draftheads.heads.linear import PackedLinear, PackedWeight, PackingPlan, packing_available
+from draftheads.decoding.base import binding as binding_module, fewrow, packed as packed_module
+from draftheads.decoding.base import packing as packing_module, plan as plan_module, siblings as siblings_module
+from draftheads.decoding.base.binding import PackedLinear
+from draftheads.decoding.base.packed import PackedWeight
+from draftheads.decoding.base.plan import PackingPlan, packing_available
 from helpers import saved_tree_heads, tiny_llama
 
 IDS = torch.tensor([[5, 17, 33, 8, 9, 5, 17, 33]])
@@ -42,13 +43,13 @@ def bound(request, monkeypatch, tmp_path):
         pytest.skip(f"the few-row kernel is off here ({fewrow.kernel_status()})")
     plan = PackingPlan()
     monkeypatch.setattr(plan, "path_of", lambda key, rows: "fewrow" if request.param == "fewrow" else "packed")
-    monkeypatch.setattr(linear_module, "PLAN", plan)
-    monkeypatch.setattr(base_module, "PLAN", plan)
-    monkeypatch.setattr(base_module, "measure_shape", lambda dtype, out, inp: {
-        name: [1.0] * len(linear_module.ROW_BUCKETS) for name in ("linear_ms", "packed_ms", "fewrow_ms")})
+    for module in (plan_module, packed_module, siblings_module, packing_module):  # each reads the plan
+        monkeypatch.setattr(module, "PLAN", plan)
+    monkeypatch.setattr(packing_module, "measure_shape", lambda dtype, out, inp: {
+        name: [1.0] * len(plan_module.ROW_BUCKETS) for name in ("linear_ms", "packed_ms", "fewrow_ms")})
     if request.param == "stacked":
-        monkeypatch.setattr(linear_module, "STACKED_DTYPES", (torch.float32,))
-        monkeypatch.setattr(linear_module.SiblingProduct, "pays", lambda self, rows: True)
+        monkeypatch.setattr(siblings_module, "STACKED_DTYPES", (torch.float32,))
+        monkeypatch.setattr(siblings_module.SiblingProduct, "pays", lambda self, rows: True)
     model = lively_llama(0)
     heads = saved_tree_heads(tmp_path / "heads", model)
     return model, custom_generate(heads, drafts="heads", tree=3), request.param
@@ -70,8 +71,10 @@ def lively_llama(seed: int) -> nn.Module:
 def products_taken(monkeypatch) -> list:
     """Every product the decoder's layers computed through a copy, appended as they run."""
     taken: list = []
-    real = linear_module.packed_matmul
-    monkeypatch.setattr(linear_module, "packed_matmul", lambda *a, **k: taken.append(1) or real(*a, **k))
+    real = packed_module.packed_matmul
+    counted = lambda *a, **k: taken.append(1) or real(*a, **k)
+    for module in (siblings_module, binding_module):  # the stacked and the single products
+        monkeypatch.setattr(module, "packed_matmul", counted)
     return taken
 
 
@@ -129,7 +132,7 @@ def test_the_packed_class_is_worn_only_while_the_decoder_runs(bound):
     model, fn, _ = bound
     layer = model.model.layers[1].self_attn.o_proj
     seen = []
-    layer.register_forward_pre_hook(lambda module, args: seen.append((type(module), linear_module.packing_active())))
+    layer.register_forward_pre_hook(lambda module, args: seen.append((type(module), binding_module.packing_active())))
     ours(model, fn)
     assert (PackedLinear, True) in seen and type(layer) is nn.Linear
 
@@ -148,7 +151,7 @@ def test_the_packed_class_is_worn_only_while_the_decoder_runs(bound):
     with pytest.raises(KeyboardInterrupt):
         ours(model, fn, streamer=Failing())
     assert all(type(model.get_submodule(name)) is nn.Linear for name in plain_linears(tiny_llama(0)))
-    assert not linear_module._LIVE
+    assert not binding_module._LIVE
     seen.clear()
     model(IDS)
     assert seen == [(nn.Linear, False)]
@@ -157,12 +160,12 @@ def test_the_packed_class_is_worn_only_while_the_decoder_runs(bound):
 def test_unbind_releases_everything_and_a_deleted_model_is_freed(bound):
     model, fn, _ = bound
     ours(model, fn)
-    assert model in _DECODERS and model in base_module._PACKED_BASES
-    assert linear_module.binding(model.model) is not None
+    assert model in _DECODERS and model in packing_module._PACKED_BASES
+    assert binding_module.binding(model.model) is not None
     heads = next(iter(_DECODERS[model].values())).heads
     unbind(model)
-    assert model not in _DECODERS and model not in base_module._PACKED_BASES
-    assert linear_module.binding(model.model) is None and linear_module.binding(heads) is None
+    assert model not in _DECODERS and model not in packing_module._PACKED_BASES
+    assert binding_module.binding(model.model) is None and binding_module.binding(heads) is None
     assert model.config._attn_implementation == "sdpa"
     assert ours(model, fn) == theirs(model)  # binds again
     other = lively_llama(0)  # (the fixture's model is held by pytest)

@@ -13,7 +13,7 @@ import torch
 from helpers import REPO
 from draftheads.bench import PROMPT_LOOKUP_TOKENS, hf_greedy, padded_pair
 from draftheads.decoding import DraftHeadsModel
-from draftheads.heads.hardware import bf16_native
+from draftheads.decoding.base.hardware import bf16_native
 from draftheads.decoding.guarantee import BAND_ULPS, NEAR_TIE, first_divergence, ulp, within_band
 from draftheads.prompts import chat_input, read_prompts
 

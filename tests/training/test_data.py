@@ -21,7 +21,7 @@ from draftheads.training.train import preflight
 def smollm2_tokenizer():
     from transformers import AutoTokenizer
 
-    from draftheads.decoding.base import resolve_base
+    from draftheads.decoding.base.loading import resolve_base
 
     return AutoTokenizer.from_pretrained(resolve_base(None)[0])
 

@@ -1,4 +1,4 @@
-"""Grouped-query packing for tree verification (decoding/attention.py): the same hidden
+"""Grouped-query packing for tree verification (decoding/base/attention.py): the same hidden
 states as transformers' SDPA with repeated key/value heads, and no effect on any forward
 that did not ask for it (the base's own generate)."""
 from __future__ import annotations
@@ -8,9 +8,9 @@ import copy
 import torch
 
 from helpers import left_pad, record_packed_steps, tiny_llama
-from draftheads.decoding.attention import use_packed_sdpa, uses_packed_sdpa
-from draftheads.decoding.base import prefill, verify
-from draftheads.decoding.cache import tree_attention_mask
+from draftheads.decoding.base.attention import use_packed_sdpa, uses_packed_sdpa
+from draftheads.decoding.base.forward import prefill, verify
+from draftheads.decoding.base.cache import tree_attention_mask
 from draftheads.decoding.generate import DraftHeadsModel
 from draftheads.decoding.calibration import _synthetic_cache
 
@@ -97,7 +97,7 @@ def test_base_generate_is_untouched_and_only_grouped_sdpa_bases_switch():
 def test_the_mask_is_repeated_once_per_forward_and_redone_when_it_changes():
     """Every layer gets the same 4D mask tensor: its repetition is made once and reused; a new
     mask, an in-place change or another group size repeat it again."""
-    from draftheads.decoding.attention import repeated_mask
+    from draftheads.decoding.base.attention import repeated_mask
 
     mask = torch.rand(2, 1, 3, 7) > 0.5
     first = repeated_mask(mask, 3)
@@ -167,7 +167,7 @@ def test_ragged_rows_verified_packed_equal_the_padded_block(monkeypatch):
 def test_ragged_rows_on_a_base_without_the_packed_attention_verify_the_padded_block():
     """Another attention implementation (eager here) cannot unpack rows: the same call verifies
     the padded block, with the same states at the real slots."""
-    from draftheads.decoding.base import ragged_capable
+    from draftheads.decoding.base.forward import ragged_capable
 
     model = tiny_llama(0)
     model.set_attn_implementation("eager")
@@ -182,7 +182,7 @@ def test_ragged_attention_splits_off_only_the_few_long_rows():
     """One row of nine slots among fifteen of one: the first slot of every row in one call, the
     long row's other eight in a second (one call would make every row pay nine); rows of alike
     sizes, or two rows, stay in one call."""
-    from draftheads.decoding.attention import RaggedRows
+    from draftheads.decoding.base.attention import RaggedRows
 
     def rows(sizes):
         width = max(sizes)

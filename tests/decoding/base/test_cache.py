@@ -1,4 +1,4 @@
-"""decoding/cache.py: each row keeps exactly its accepted tree slots, right after its real
+"""decoding/base/cache.py: each row keeps exactly its accepted tree slots, right after its real
 region, whatever the other rows accepted; finished rows leave — in transformers' own cache and
 in the decoder's, whose layers keep room ahead and write new slots in place."""
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from draftheads.decoding import cache as cache_module
-from draftheads.decoding.cache import KVState, reserved_cache
+from draftheads.decoding.base import cache as cache_module
+from draftheads.decoding.base.cache import KVState, reserved_cache
 
 KINDS = {"dynamic": DynamicCache, "reserved": lambda: reserved_cache(None)}
 

@@ -13,13 +13,12 @@ import pytest
 import torch
 
 from draftheads import environment
-from draftheads.decoding import base as base_module
+from draftheads.decoding.base import loading, packing
 from draftheads.decoding.calibration import CalibrationConfig, calibration_path, write_calibration
 from draftheads.decoding.cost import CostModel
-from draftheads.heads import hardware
-from draftheads.heads import linear as linear_module
+from draftheads.decoding.base import hardware
 from draftheads.heads.errors import DamagedFileError
-from draftheads.heads.linear import ROW_BUCKETS, PackingPlan
+from draftheads.decoding.base.plan import ROW_BUCKETS, PackingPlan, packing_available
 from helpers import save_tiny_base
 
 GOOD = {"linear_ms": [1.0] * len(ROW_BUCKETS), "packed_ms": [0.5] * len(ROW_BUCKETS),
@@ -56,29 +55,29 @@ BAD_ENTRIES = {
 def test_a_bad_packing_entry_is_dropped_with_one_warning_and_measured_again(tmp_path, monkeypatch, case):
     monkeypatch.setenv("DRAFTHEADS_CACHE", str(tmp_path))
     key, entry = BAD_ENTRIES[case]
-    path = base_module.packing_cache_path()
+    path = packing.packing_cache_path()
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps({"key": hardware.cpu_key(), "shapes": {"float32 3x4": GOOD, key: entry}}))
     with pytest.warns(UserWarning, match=f"Ignoring 1 malformed entries of the packing cache {path}") as seen:
-        assert base_module.read_packing_cache(path) == {"float32 3x4": GOOD}
+        assert packing.read_packing_cache(path) == {"float32 3x4": GOOD}
     assert len(seen) == 1
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the same one warning
         report = environment.collect()  # `draftheads env` reads the same file
     assert report["packing cache"] == str(path)
-    if not linear_module.packing_available(torch.float32):
+    if not packing_available(torch.float32):
         return
     measured = []
     plan = PackingPlan()
-    monkeypatch.setattr(base_module, "PLAN", plan)
-    monkeypatch.setattr(base_module, "measure_shape", lambda dtype, out, inp: measured.append((out, inp)) or dict(GOOD))
+    monkeypatch.setattr(packing, "PLAN", plan)
+    monkeypatch.setattr(packing, "measure_shape", lambda dtype, out, inp: measured.append((out, inp)) or dict(GOOD))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        base_module.plan_packing([torch.zeros(3, 4), torch.zeros(8, 4)])
+        packing.plan_packing([torch.zeros(3, 4), torch.zeros(8, 4)])
     assert measured == [(8, 4)]  # the dropped shape measured again, the good one read
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the rewritten file is clean
-        assert set(base_module.read_packing_cache(path)) == {"float32 3x4", "float32 8x4"}
+        assert set(packing.read_packing_cache(path)) == {"float32 3x4", "float32 8x4"}
 
 
 # -- a converted base ----------------------------------------------------------------------------
@@ -110,26 +109,26 @@ def converted(tmp_path, monkeypatch):
         save_tiny_base(target)
         return target
 
-    monkeypatch.setattr(base_module, "_convert_gguf", convert)
+    monkeypatch.setattr(loading, "_convert_gguf", convert)
     return gguf, conversions
 
 
 @pytest.mark.parametrize("damage", list(DAMAGE))
 def test_a_damaged_converted_base_is_converted_again_with_one_warning(converted, damage):
     gguf, conversions = converted
-    path, _ = base_module.resolve_base(str(gguf))
+    path, _ = loading.resolve_base(str(gguf))
     assert len(conversions) == 1
     folder = conversions[0]
     DAMAGE[damage](folder)
     with pytest.warns(UserWarning, match=rf"the converted base {folder} is damaged \(\w+\.\w+ .*\); converting "
                                          "tiny.gguf again") as seen:
-        model, _ = base_module.load_base(str(gguf), dtype="float32")
+        model, _ = loading.load_base(str(gguf), dtype="float32")
     assert len(seen) == 1 and len(conversions) == 2
     assert model.config.vocab_size == 96
     assert not [p for p in folder.parent.iterdir() if p.name.startswith(".")]  # nothing left aside
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the new conversion is read silently
-        assert base_module.resolve_base(str(gguf))[0] == path and len(conversions) == 2
+        assert loading.resolve_base(str(gguf))[0] == path and len(conversions) == 2
 
 
 @pytest.mark.parametrize("keep", [0, 8, 100, -100])
@@ -140,7 +139,7 @@ def test_a_truncated_weights_file_of_the_users_is_one_line_naming_it(tmp_path, k
     truncate(weights, keep if keep >= 0 else weights.stat().st_size + keep)
     with pytest.raises(DamagedFileError, match=r"'.*my-model' could not be loaded: model.safetensors cannot be "
                                                r"read: .*\. Download or save the model again\.") as raised:
-        base_module.load_base(str(folder), dtype="float32")
+        loading.load_base(str(folder), dtype="float32")
     assert "\n" not in str(raised.value) and isinstance(raised.value, ValueError)
 
 
@@ -153,8 +152,8 @@ def test_the_cache_path_expands_the_home_folder(tmp_path, monkeypatch, value, ex
     monkeypatch.setenv("HOME", str(home))
     monkeypatch.chdir(cwd)
     monkeypatch.setenv("DRAFTHEADS_CACHE", value)
-    assert base_module.cache_root() == home / expected
-    assert base_module.packing_cache_path().is_relative_to(home)
+    assert loading.cache_root() == home / expected
+    assert packing.packing_cache_path().is_relative_to(home)
     target = calibration_path({"base": "x"}, CalibrationConfig())
     write_calibration(target, CostModel.from_table((1, 2), (1.0, 2.0)))
     assert target.is_file() and not os.listdir(cwd)  # no folder named "~" where the user stands

@@ -1,4 +1,4 @@
-"""The few-row kernels (heads/fewrow.py), float32 and bfloat16: agreement with F.linear, how they
+"""The few-row kernels (decoding/base/fewrow.py), float32 and bfloat16: agreement with F.linear, how they
 are built and rebuilt (a C compiler that fails is named with its first line of output, not taken
 for a permissions problem, and ``CC`` is split as make splits it), and how the packing plan picks
 them only where they measured fastest."""
@@ -13,9 +13,11 @@ import warnings
 import pytest
 import torch
 
-from draftheads.decoding import base as base_module
-from draftheads.heads import fewrow, linear
-from draftheads.heads.linear import PackingPlan, ROW_BUCKETS, fastest_paths, shape_key, valid_timings
+from draftheads.decoding.base import fewrow, packed, packing, plan as plan_module, siblings
+from draftheads.decoding.base.plan import PackingPlan, ROW_BUCKETS, fastest_paths, shape_key, valid_timings
+
+#: the modules that read the process's packing plan (a test replaces it in each)
+PLAN_READERS = (plan_module, packed, siblings, packing)
 
 from helpers import tiny_llama
 
@@ -114,12 +116,13 @@ def test_stacked_bf16_products_through_the_kernel_are_exact(bf16_kernel, monkeyp
     n = len(ROW_BUCKETS)
     for shape in ((64, 48), (16, 48), (96, 48)):
         plan.add(shape_key(torch.bfloat16, *shape), entry([9.0] * n, [9.0] * n, [1.0] * n))
-    monkeypatch.setattr(linear, "PLAN", plan)
-    linear.stacking_exact.cache_clear()
+    for module in PLAN_READERS:
+        monkeypatch.setattr(module, "PLAN", plan)
+    siblings.stacking_exact.cache_clear()
     try:
-        assert all(linear.stacking_exact(torch.bfloat16, ((64, 48), (16, 48), (16, 48))))
+        assert all(siblings.stacking_exact(torch.bfloat16, ((64, 48), (16, 48), (16, 48))))
     finally:
-        linear.stacking_exact.cache_clear()
+        siblings.stacking_exact.cache_clear()
 
 
 def entry(linear_ms, packed_ms, fewrow_ms=None):
@@ -148,12 +151,12 @@ def test_shapes_measured_before_the_kernel_are_measured_again(kernel_dir):
     plan = PackingPlan()
     weight = torch.zeros(12, 8)
     plan.add(shape_key(torch.float32, 12, 8), entry([1.0] * len(ROW_BUCKETS), [1.0] * len(ROW_BUCKETS)))
-    assert plan.missing([weight]) == ([(torch.float32, 12, 8)] if linear.packing_available(torch.float32) else [])
-    plan.add(shape_key(torch.float32, 12, 8), linear.measure_shape(torch.float32, 12, 8, reps=1))
+    assert plan.missing([weight]) == ([(torch.float32, 12, 8)] if plan_module.packing_available(torch.float32) else [])
+    plan.add(shape_key(torch.float32, 12, 8), plan_module.measure_shape(torch.float32, 12, 8, reps=1))
     assert plan.missing([weight]) == [] and valid_timings(plan.timings["float32 12x8"])
 
 
-@pytest.mark.skipif(not linear.packing_available(torch.float32), reason="this torch build has no oneDNN packed linear")
+@pytest.mark.skipif(not plan_module.packing_available(torch.float32), reason="this torch build has no oneDNN packed linear")
 def test_float32_decoding_through_the_kernel_follows_the_base(kernel_dir, monkeypatch):
     """Every linear of a tiny float32 base and its LM head forced onto the kernel (trees of 2-8
     slots): the decoder's greedy output equals transformers' greedy generate."""
@@ -167,11 +170,13 @@ def test_float32_decoding_through_the_kernel_follows_the_base(kernel_dir, monkey
     n = len(ROW_BUCKETS)
     for w in [p for p in model.parameters() if p.dim() == 2]:
         plan.add(shape_key(w.dtype, w.shape[0], w.shape[1]), entry([9.0] * n, [9.0] * n, [1.0] * n))
-    monkeypatch.setattr(linear, "PLAN", plan)
-    monkeypatch.setattr(base_module, "PLAN", plan)
+    for module in PLAN_READERS:
+        monkeypatch.setattr(module, "PLAN", plan)
     calls = []
-    real = linear.fewrow_linear
-    monkeypatch.setattr(linear, "fewrow_linear", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    real = fewrow.fewrow_linear
+    counted = lambda *a, **k: calls.append(a[0].shape) or real(*a, **k)
+    for module in (packed, plan_module):  # the products and the measurement
+        monkeypatch.setattr(module, "fewrow_linear", counted)
     for paths in ([(0,)], [(0,), (1,), (0, 0)], [(0,), (0, 0), (0, 0, 0), (1,), (2,), (1, 0), (0, 1)]):
         heads = OracleHeads([reference[0, 5:].tolist()], vocab=96, error=0.3, seed=4)
         ours = DraftHeadsModel(model, heads, tree=tree_from_paths(paths)).generate(prompt, max_new_tokens=40)

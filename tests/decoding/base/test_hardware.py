@@ -1,5 +1,5 @@
 """Fast paths decided from what torch reports, per dtype, and where packing pays by measurement
-(heads/hardware.py, heads/linear.py, decoding/base.py's packing cache)."""
+(decoding/base/: hardware.py, plan.py, packing.py's packing cache)."""
 from __future__ import annotations
 
 import json
@@ -11,9 +11,9 @@ import warnings
 import pytest
 import torch
 
-from draftheads.decoding import base as base_module
-from draftheads.heads import hardware, linear
-from draftheads.heads.linear import PackingPlan, ROW_BUCKETS, row_bucket, shape_key, valid_timings
+from draftheads.decoding.base import hardware, loading, packing
+from draftheads.decoding.base import plan as plan_module
+from draftheads.decoding.base.plan import PackingPlan, ROW_BUCKETS, row_bucket, shape_key, valid_timings
 
 AVX2_LIMIT = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 is_x86 = pytest.mark.skipif(not hardware.is_x86(), reason="the AVX2 limit is an x86 setting")
@@ -29,10 +29,10 @@ def test_an_avx2_limit_is_honoured_and_float32_still_packs():
     """Under the three ISA variables torch reports AVX2: bfloat16 is not native (auto → float32),
     and float32 packing does not depend on bfloat16's (the bug that made AVX2 CPUs 0.78x)."""
     out = run_python("import torch, json\n"
-                     "from draftheads.heads import fewrow, hardware, linear\n"
-                     "from draftheads.decoding.base import choose_dtype\n"
+                     "from draftheads.decoding.base import fewrow, hardware, plan\n"
+                     "from draftheads.decoding.base.loading import choose_dtype\n"
                      "print(json.dumps([torch.backends.cpu.get_cpu_capability(), hardware.bf16_native(),\n"
-                     "  linear.packing_available(torch.float32), linear.packing_available(torch.bfloat16),\n"
+                     "  plan.packing_available(torch.float32), plan.packing_available(torch.bfloat16),\n"
                      "  str(choose_dtype('auto', torch.bfloat16)), hardware.cpu_key()['isa_limits'],\n"
                      "  fewrow.bf16_kernel_supported()]))", AVX2_LIMIT)
     capability, bf16, fp32_packs, bf16_packs, auto, limits, bf16_kernel = json.loads(out)
@@ -44,22 +44,22 @@ def test_an_avx2_limit_is_honoured_and_float32_still_packs():
 
 
 def test_float32_packing_never_depends_on_bfloat16(monkeypatch):
-    monkeypatch.setattr(linear, "bf16_native", lambda: False)
-    linear.packing_available.cache_clear()
+    monkeypatch.setattr(plan_module, "bf16_native", lambda: False)
+    plan_module.packing_available.cache_clear()
     try:
-        assert linear.packing_available(torch.bfloat16) is False
-        assert linear.packing_available(torch.float32) is torch.backends.mkldnn.is_available()
-        assert linear.packing_available(torch.float64) is False
+        assert plan_module.packing_available(torch.bfloat16) is False
+        assert plan_module.packing_available(torch.float32) is torch.backends.mkldnn.is_available()
+        assert plan_module.packing_available(torch.float64) is False
     finally:
-        linear.packing_available.cache_clear()
+        plan_module.packing_available.cache_clear()
 
 
 def test_native_dtypes_follow_torch_not_proc_cpuinfo(monkeypatch):
-    monkeypatch.setattr(base_module, "native_cpu_dtypes", lambda: {torch.float32})
-    assert base_module.native_half_dtypes("cpu") == set()
-    assert base_module.choose_dtype("auto", torch.bfloat16) is torch.float32
-    monkeypatch.setattr(base_module, "native_cpu_dtypes", lambda: {torch.float32, torch.bfloat16})
-    assert base_module.choose_dtype("auto", torch.bfloat16) is torch.bfloat16
+    monkeypatch.setattr(loading, "native_cpu_dtypes", lambda: {torch.float32})
+    assert loading.native_half_dtypes("cpu") == set()
+    assert loading.choose_dtype("auto", torch.bfloat16) is torch.float32
+    monkeypatch.setattr(loading, "native_cpu_dtypes", lambda: {torch.float32, torch.bfloat16})
+    assert loading.choose_dtype("auto", torch.bfloat16) is torch.bfloat16
 
 
 @pytest.mark.parametrize("rows, bucket", [(1, 0), (2, 1), (3, 1), (4, 2), (9, 3), (17, 4), (127, 6), (128, 7), (5000, 7)])
@@ -78,9 +78,9 @@ def test_the_plan_packs_only_where_packing_measured_faster():
     assert plan.pays(weight.double(), 1)  # another dtype is another shape
 
 
-@pytest.mark.skipif(not linear.packing_available(torch.float32), reason="this torch build has no oneDNN packed linear")
+@pytest.mark.skipif(not plan_module.packing_available(torch.float32), reason="this torch build has no oneDNN packed linear")
 def test_measure_shape_times_both_paths_at_every_bucket():
-    entry = linear.measure_shape(torch.float32, 24, 16, reps=1)
+    entry = plan_module.measure_shape(torch.float32, 24, 16, reps=1)
     assert valid_timings(entry)
     assert len(entry["linear_ms"]) == len(entry["packed_ms"]) == len(ROW_BUCKETS)
 
@@ -90,7 +90,7 @@ def test_an_unreadable_packing_cache_is_measured_again_with_a_warning(tmp_path, 
     path = tmp_path / "packing.json"
     path.write_text(content)
     with pytest.warns(UserWarning, match=f"Ignoring the packing cache {path}"):
-        assert base_module.read_packing_cache(path) == {}
+        assert packing.read_packing_cache(path) == {}
 
 
 def test_malformed_cache_entries_are_dropped_not_trusted(tmp_path):
@@ -101,30 +101,30 @@ def test_malformed_cache_entries_are_dropped_not_trusted(tmp_path):
     path = tmp_path / "packing.json"
     path.write_text(json.dumps({"key": hardware.cpu_key(), "shapes": shapes}))
     with pytest.warns(UserWarning, match=f"Ignoring {len(bad)} malformed entries of the packing cache {path}"):
-        assert base_module.read_packing_cache(path) == {"float32 4x4": good}
+        assert packing.read_packing_cache(path) == {"float32 4x4": good}
 
 
 def test_packing_cache_round_trip_and_an_unwritable_cache(tmp_path, monkeypatch):
-    monkeypatch.setattr(base_module, "PLAN", PackingPlan())
-    monkeypatch.setattr(base_module, "measure_shape", lambda dtype, out, inp: {
+    monkeypatch.setattr(packing, "PLAN", PackingPlan())
+    monkeypatch.setattr(packing, "measure_shape", lambda dtype, out, inp: {
         "linear_ms": [1.0] * len(ROW_BUCKETS), "packed_ms": [float(out)] * len(ROW_BUCKETS)})
     monkeypatch.setenv("DRAFTHEADS_CACHE", str(tmp_path / "cache"))
     weights = [torch.zeros(3, 4), torch.zeros(5, 4), torch.zeros(5, 4).double()]
-    base_module.plan_packing(weights)
-    path = base_module.packing_cache_path()
+    packing.plan_packing(weights)
+    path = packing.packing_cache_path()
     assert set(json.loads(path.read_text())["shapes"]) == ({"float32 3x4", "float32 5x4"}
-                                                            if linear.packing_available(torch.float32) else set())
-    monkeypatch.setattr(base_module, "PLAN", PackingPlan())
+                                                            if plan_module.packing_available(torch.float32) else set())
+    monkeypatch.setattr(packing, "PLAN", PackingPlan())
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        base_module.plan_packing(weights)  # read back, nothing measured, nothing to warn about
-    assert set(base_module.PLAN.timings) == set(json.loads(path.read_text())["shapes"])
-    if not linear.packing_available(torch.float32):
+        packing.plan_packing(weights)  # read back, nothing measured, nothing to warn about
+    assert set(packing.PLAN.timings) == set(json.loads(path.read_text())["shapes"])
+    if not plan_module.packing_available(torch.float32):
         return
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     monkeypatch.setenv("DRAFTHEADS_CACHE", str(blocker))
-    monkeypatch.setattr(base_module, "PLAN", PackingPlan())
+    monkeypatch.setattr(packing, "PLAN", PackingPlan())
     with pytest.warns(UserWarning, match="Cannot write the packing cache .* kept for this process only"):
-        base_module.plan_packing(weights)
-    assert "float32 3x4" in base_module.PLAN.timings
+        packing.plan_packing(weights)
+    assert "float32 3x4" in packing.PLAN.timings

@@ -17,7 +17,7 @@ from draftheads.decoding.cost import CostModel
 from draftheads.decoding.drafters import STORE_NAME, CandidateBatch, Candidates, HeadsDrafter, HeadsWorth, LookupSources, MergedDrafter, WidthChooser
 from draftheads.decoding.drafters import source_id
 from draftheads.decoding.drafters import auto_drafts
-from draftheads.heads.linear import packing_available
+from draftheads.decoding.base.plan import packing_available
 from helpers import OracleHeads, saved_tree_heads, tiny_llama
 
 
@@ -150,7 +150,7 @@ def test_env_reports_what_torch_runs_here(capsys):
     assert "float32" in info["native CPU dtypes"]
 
 
-@pytest.mark.skipif(not __import__("draftheads.heads.hardware", fromlist=["is_x86"]).is_x86(),
+@pytest.mark.skipif(not __import__("draftheads.decoding.base.hardware", fromlist=["is_x86"]).is_x86(),
                     reason="the AVX2 limit is an x86 setting")
 def test_env_under_an_avx2_limit():
     env = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}

@@ -122,7 +122,7 @@ def test_padded_drafts_are_the_trees_they_stand_for(shapes):
 
 def test_per_row_steps_are_verified_packed_and_stay_identical(monkeypatch):
     """The per-row property test's path, shown to be taken: rows given different node counts are
-    verified packed (:class:`~draftheads.decoding.attention.RaggedRows`) and the output is still
+    verified packed (:class:`~draftheads.decoding.base.attention.RaggedRows`) and the output is still
     transformers' greedy output."""
     model = MODELS[0]
     prompts = [[5, 6, 7, 8] * 6, [9, 10] * 8 + [11], [12, 13, 14, 15, 16, 17, 18], [20, 21] * 5]
@@ -142,7 +142,7 @@ def test_per_row_sampling_packed_draws_what_the_padded_block_draws(monkeypatch):
     """Sampling over per-row trees (whose losslessness the χ² tests of ``properties/test_sampling.py`` check
     on the padded block) draws the same tokens when the ragged steps are verified packed: same
     seed, same output, the packed path taken."""
-    from draftheads.decoding import base
+    from draftheads.decoding.base import forward
 
     model = MODELS[1]
     prompts = [[5, 6, 7, 8] * 6, [9, 10] * 8 + [11], [12, 13, 14, 15, 16, 17, 18], [20, 21] * 5]
@@ -150,10 +150,10 @@ def test_per_row_sampling_packed_draws_what_the_padded_block_draws(monkeypatch):
     free = model.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=PAD)
     monkeypatch.setattr(drafts_module, "SKIP_PADDING_SLOTS", 1)
     packed = record_packed_steps(monkeypatch)
-    capable = base.verifies_ragged
+    capable = forward.verifies_ragged
 
     def sample(ragged: bool) -> list:
-        monkeypatch.setattr(base, "verifies_ragged", capable if ragged else (lambda model, cache: False))
+        monkeypatch.setattr(forward, "verifies_ragged", capable if ragged else (lambda model, cache: False))
         decoder = merged(model, OracleHeads(free[:, ids.shape[1]:].tolist(), vocab=96, error=0.3, seed=1),
                          tree_from_paths([(0,), (1,), (0, 0)]))
         decoder.drafter.width.per_row = True

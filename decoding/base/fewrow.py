@@ -1,26 +1,20 @@
-"""Kernels for products of a few rows, float32 and bfloat16, compiled on first use (``heads/fewrow.c``).
+"""Kernels for products of a few rows, float32 and bfloat16, compiled on first use (``fewrow.c``).
 
 Why: tree verification multiplies every weight of the base by a handful of rows (the tree's
 nodes). On a CPU without AVX512 neither of torch's paths does that at the cost of one row:
 MKL's ``F.linear`` is a matrix-vector product for 1 row and a slow small-matrix one above it,
-and oneDNN's packed product spends ~1.5× its 1-row time at 5 rows. This kernel reads each
-weight once per call in 16-feature blocks while up to 6 rows accumulate in registers, so a
-5-row product costs about what one row does. Measured on an AVX2-only AMD EPYC, one thread, µs,
-``F.linear`` / oneDNN packed / this kernel (scripts/profile_step.py, README "Hardware"):
-SmolLM2's 49,152 × 576 LM head at 5 rows 29,500 / 15,700 / 10,400; its 1,536 × 576 MLP
-projection 380 / 237 / 142; 576 × 576 143 / 109 / 52.
-
-Where bfloat16 is native (AVX512-BF16), oneDNN's packed bf16 product reads SmolLM2's layer
-weights at ~13 GB/s for a few rows, half of what this machine streams; the bf16 kernel
-(VDPBF16PS, the same blocking) reads them at ~26: the 30 layers' linear products
-(212 MB) at 1 / 8 / 12 rows took 15.1 / 13.3 / 13.7 ms packed and 7.9 / 9.3 / 10.2 ms through it
-(AMD EPYC with AVX512-BF16, 2 threads, each of the 30 layers' own weights, medians of 7). Its
-sums are float32 in input order, rounded to bf16 once as ``F.linear`` rounds: ~0.1 % of outputs
-land one bf16 ulp from ``F.linear``'s (a different summation order), which the bfloat16
-guarantee (a first divergence within the dtype's rounding) allows.
+and oneDNN's packed product costs more at 5 rows than at 1. This kernel reads each weight once
+per call in 16-feature blocks while up to 6 rows accumulate in registers, so a 5-row product
+costs about what one row does. Where bfloat16 is native (AVX512-BF16), oneDNN's packed bf16
+product reads the weights at about half the memory bandwidth for a few rows; the bf16 kernel
+(VDPBF16PS, the same blocking) streams them. Its sums are float32 in input order, rounded to
+bf16 once as ``F.linear`` rounds: a few outputs land one bf16 ulp from ``F.linear``'s (a
+different summation order), which the bfloat16 guarantee (a first divergence within the dtype's
+rounding) allows.
+evidence: results/cpu_classes (scripts/bench_linear_paths.py, scripts/profile_step.py)
 
 Which path a (shape, row count) takes is decided by measurement on this machine
-(:class:`~.linear.PackingPlan`): the kernel is one more candidate beside ``F.linear`` and the
+(:class:`~.plan.PackingPlan`): the kernel is one more candidate beside ``F.linear`` and the
 packed product, never assumed faster. Float32 results differ from ``F.linear`` by float32
 rounding (one accumulation chain per output), which the float32 guarantee allows; each dtype's
 kernel is checked against ``F.linear`` before first use.
@@ -47,8 +41,8 @@ from pathlib import Path
 
 import torch
 
-from .atomic import atomic_file
-from .errors import DraftheadsError
+from ...heads.atomic import atomic_file
+from ...heads.errors import DraftheadsError
 from .hardware import bf16_native, is_x86
 
 SOURCE = Path(__file__).with_name("fewrow.c")
@@ -136,10 +130,11 @@ def first_line(text: str) -> str:
 
 
 def _compile(compiler: list[str], target: Path) -> None:
-    """Build into a temporary file renamed over ``target`` (:func:`~.atomic.atomic_file`): a
-    reader never sees half a library. A compiler that cannot run or fails is a
-    :class:`CompilerError` naming it and its first line of output (an unwritable cache folder
-    stays :func:`~.errors.cannot_write`'s error)."""
+    """Build into a temporary file renamed over ``target``
+    (:func:`~draftheads.heads.atomic.atomic_file`): a reader never sees half a library. A
+    compiler that cannot run or fails is a :class:`CompilerError` naming it and its first line
+    of output (an unwritable cache folder stays
+    :func:`~draftheads.heads.errors.cannot_write`'s error)."""
     command = shlex.join(compiler)
     with atomic_file(target) as tmp:
         try:

@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from ..heads.errors import DraftheadsError
+from ...heads.errors import DraftheadsError
 
 #: the layer types a tree can be verified through, and whether the type has a window
 FULL, SLIDING = "full_attention", "sliding_attention"
@@ -176,7 +176,7 @@ PROBE_LENGTH, PROBE_MAX = 16, 96
 def check_base(model, lm_logits: Callable, verify_tree: Callable) -> None:
     """Refuse, with one line, a base the decoder would decode differently from its own forward.
     ``lm_logits(model, states)``: the decoder's LM head; ``verify_tree(model, prompt, tokens,
-    parents)`` → the decoder's logits at a tree's nodes (its prefill, :func:`~.base.verify`, LM head). The probe: ``split`` tokens of
+    parents)`` → the decoder's logits at a tree's nodes (its prefill, :func:`~.forward.verify`, LM head). The probe: ``split`` tokens of
     prefill, then a tree of the rest as a chain with a wrong sibling inserted after its root (a
     base whose attention ignores the tree's mask lets the chain see it), long enough to cross the
     smallest attention window when that is short."""

@@ -7,9 +7,8 @@ That copies the whole KV cache of every layer at every step. For a single query 
 transformers already avoids the copy by folding the ``n_rep`` query heads of a group into the
 query axis (``pack_gqa``); this does the same for ``q`` tokens: the group's ``n_rep × q`` query
 rows attend to the group's one key/value head, under the row's mask repeated ``n_rep`` times.
-Same math per query row (SmolLM2, fp32: bit-identical in the measured cases), no cache copy:
-7 % off a bs-4 five-node verification step and 35 % off a bs-16 two-node step on the 2-core CPU
-(README, "Batched decoding").
+Same math per query row (bit-identical in float32 on SmolLM2), no cache copy.
+evidence: results/batch (README, "Batched decoding")
 
 It is registered through transformers' public ``AttentionInterface`` under
 :data:`PACKED_SDPA` and packs only when the forward was called with ``PACK_FLAG=True`` (the
@@ -52,10 +51,11 @@ def _attend_ragged(module, rows: "RaggedRows", query: torch.Tensor, key: torch.T
     """A packed forward's attention: query (1, H, K, D) → (1, K, H, D). Every row attends to its
     own cache under the step's mask (B, 1, N, T). Why in two calls: the attention kernel costs
     each row its padded query slots, so one row with nine nodes among rows with one would make
-    all of them pay nine (at bs 16, context 600, bf16: 2.3 ms a layer against 0.7); the first
+    all of them pay nine; the first
     ``s`` slots of every row go in one call over the cache as it is, the slots past ``s`` of
     the few longer rows in a second over their gathered cache rows (:attr:`RaggedRows.split`).
-    A query row's softmax never mixes with another's, so the split changes no result."""
+    A query row's softmax never mixes with another's, so the split changes no result.
+    evidence: results/ragged_verify"""
     unpacked = rows.unpack(query)  # (B, H, N, D)
     short, long = rows.split
     if long is None:
@@ -102,7 +102,7 @@ class RaggedRows:
     (:func:`~.cache.reserved_layer_class`) unpacks the new keys and values into the row's N tree
     slots, and :func:`packed_gqa_sdpa` unpacks the queries, attends per row under the step's 4D
     mask and packs the output back. vLLM flattens a batch's tokens the same way; here it only
-    runs inside :func:`ragged_rows` (the decoder's :func:`~.base.verify`)."""
+    runs inside :func:`ragged_rows` (the decoder's :func:`~.forward.verify`)."""
 
     index: torch.Tensor  # (K,) long, ascending: flat position b·N + j of each real slot
     batch: int  # B
@@ -164,9 +164,8 @@ class RaggedRows:
         return y.reshape(self.batch * self.width, *y.shape[2:]).index_select(0, self.index)[None]
 
 
-#: the attention kernel's cost in query row-slots (SmolLM2 bf16, bs 16, context 600, 2 cores,
-#: 2026-11-26: 0.74 ms a layer at 1 slot a row, 2.3 ms at 9, ~0.012 ms a row-slot): a row's
-#: pass over its cache (~0.046 ms), gathering a row's cache for the second call, a call's overhead
+#: the attention kernel's cost in query row-slots: a row's pass over its cache, gathering a
+#: row's cache for the second call, a call's overhead (evidence: results/ragged_verify)
 ATTENTION_ROW_PASS, ATTENTION_ROW_GATHER, ATTENTION_CALL = 4.0, 2.5, 2.0
 
 
@@ -195,8 +194,7 @@ _REPEATED: tuple = (None, -1, 0, None)
 def repeated_mask(mask: torch.Tensor, n_rep: int) -> torch.Tensor:
     """mask (B, 1, q, T) → (B, 1, n_rep·q, T), row r·q + i = row i. transformers builds one
     mask per forward and hands the same tensor to every layer, so the repetition is kept for
-    that tensor (same object, same version) instead of redone per layer (~10 µs × 30 layers a
-    SmolLM2 step, more at long contexts)."""
+    that tensor (same object, same version) instead of redone per layer."""
     global _REPEATED
     version = -2 if mask.is_inference() else mask._version
     last, last_version, last_rep, repeated = _REPEATED

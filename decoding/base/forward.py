@@ -1,0 +1,127 @@
+"""The forwards the decoder runs on the base: the prompt (:func:`prefill`, :func:`forward_all`),
+a tree step over every row's slots (:func:`verify`) and the LM head (:func:`lm_logits`), each
+inside the base's packed context (:func:`~.packing.forward_context`).
+
+Everything goes through transformers' public API (4D attention masks, ``position_ids``,
+``Cache``); no modeling file is copied or patched.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+
+from ..fingerprint import lm_head_weight
+from .architecture import additive_mask, apply_logit_transforms, attention_layout, decoder_body, layer_masks
+from .attention import PACK_FLAG, RaggedRows, ragged_rows, uses_packed_sdpa
+from .cache import reserved_cache, reserved_layer_class
+from .packed import packed_matmul
+from .packing import forward_context, packed_lm_head
+from .plan import packs
+from .rows import subset_product
+
+
+@torch.no_grad()
+def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+    """Run the prompt; returns (cache, last hidden state per row (B, d)). Positions follow
+    transformers' ``generate`` (cumulative sum of the mask), so left padding matches it."""
+    cache, hidden = forward_all(model, input_ids, attention_mask)
+    return cache, hidden[:, -1]
+
+
+@torch.no_grad()
+def forward_all(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+    """The base over whole sequences into a fresh cache: (cache, hidden states (B, T, d)),
+    positions as transformers' ``generate`` numbers them (cumulative sum of the mask)."""
+    position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
+    cache = reserved_cache(model.config)
+    with forward_context(model):
+        out = decoder_body(model)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               use_cache=True, **cache_kwargs(model, cache), **_pack_kwargs(model))
+    return cache, out.last_hidden_state
+
+
+@torch.no_grad()
+def verify(model, tokens: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, cache,
+           valid: torch.Tensor | None = None) -> torch.Tensor:
+    """One base forward over every tree slot of every row; returns hidden states (B, N, d).
+    The cache grows by N slots per row (the caller keeps the accepted ones).
+
+    ``valid`` (B, N): which slots are real, when rows carry different node counts. Where the
+    base can (:func:`verifies_ragged`), the forward then runs only the real slots, packed into
+    one sequence (:class:`~.attention.RaggedRows`): a step costs what its real slots cost, not
+    the widest row's times B. The padding slots' states come out zero (nobody reads them)."""
+    mask = model_masks(model, mask, position_ids)  # windows, before positions are packed
+    rows = None
+    if valid is not None and not bool(valid.all()) and verifies_ragged(model, cache):
+        rows = RaggedRows.from_valid(valid)
+        tokens = tokens.reshape(-1).index_select(0, rows.index)[None]
+        position_ids = position_ids.expand(valid.shape).reshape(-1).index_select(0, rows.index)[None]
+    with forward_context(model), ragged_rows(rows):
+        out = decoder_body(model)(input_ids=tokens, attention_mask=mask, position_ids=position_ids,
+                               use_cache=True, **cache_kwargs(model, cache), **_pack_kwargs(model))
+    states = out.last_hidden_state
+    return states if rows is None else rows.scatter(states[0])
+
+
+def model_masks(model, mask: torch.Tensor, position_ids: torch.Tensor):
+    """A tree step's boolean mask (B, 1, N, T+N) → what the base's forward takes: cut to each
+    layer type's attention window, in the form its attention implementation reads
+    (:mod:`.architecture`)."""
+    masks = layer_masks(attention_layout(model.config), mask, position_ids)
+    if getattr(model.config, "_attn_implementation", None) != "eager":
+        return masks  # SDPA and the others read the boolean mask
+    dtype = next(model.parameters()).dtype
+    if isinstance(masks, dict):
+        return {kind: additive_mask(m, dtype) for kind, m in masks.items()}
+    return additive_mask(masks, dtype)
+
+
+def verifies_ragged(model, cache) -> bool:
+    """Whether :func:`verify` can run a ragged step packed into ``cache``: the base is
+    :func:`ragged_capable` and every layer of the cache is the decoder's reserved layer (it
+    unpacks the rows' new keys and values)."""
+    return ragged_capable(model) and all(type(layer) is reserved_layer_class() for layer in getattr(cache, "layers", ()))
+
+
+def ragged_capable(model) -> bool:
+    """Whether the base attends through :mod:`.attention`'s function (which unpacks a packed
+    forward's rows); other attention implementations verify ragged steps as the padded block."""
+    return uses_packed_sdpa(model)
+
+
+def cache_kwargs(model, cache) -> dict:
+    """The cache under the keyword the installed transformers wants: ``LlamaModel.forward``
+    renamed ``past_key_values`` to ``cache`` (the old name warns, and goes in 5.40)."""
+    return {_cache_keyword(type(decoder_body(model))): cache}
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_keyword(model_class: type) -> str:
+    parameters = inspect.signature(model_class.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
+def lm_logits(model, states: torch.Tensor) -> torch.Tensor:
+    """states (B, N, d) → the base's logits (B, N, V) through its own LM head weight (through
+    the packed copy when the base was prepared by :func:`~.packing.use_packed_linears`), then
+    whatever its causal LM applies after the head (:data:`~.architecture.LOGIT_TRANSFORMS`)."""
+    logits = subset_product(states, states.shape[-1], functools.partial(_lm_head, model))
+    return apply_logit_transforms(model.config, logits)
+
+
+def _lm_head(model, states: torch.Tensor) -> torch.Tensor:
+    packed = packed_lm_head(model)
+    weight = lm_head_weight(model)
+    if (packed is not None and states.dtype == weight.dtype and packs(weight, states.numel() // states.shape[-1])
+            and getattr(model.get_output_embeddings(), "bias", None) is None):
+        return packed_matmul(states, weight, packed)
+    return model.get_output_embeddings()(states)
+
+
+def _pack_kwargs(model) -> dict:
+    """Ask for grouped-query packing when the base runs :mod:`.attention`'s SDPA (the keyword
+    means nothing to other attention implementations, so it is only passed to that one)."""
+    return {PACK_FLAG: True} if uses_packed_sdpa(model) else {}
+

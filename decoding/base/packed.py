@@ -1,0 +1,97 @@
+"""A weight's packed copies, kept beside it: the oneDNN-packed copy and the few-row kernel's
+blocked copy (:mod:`.fewrow`), each made on first use and checked against the weight's content
+(:func:`~draftheads.heads.content.content_fingerprint`) before each decoding call; and the one
+product through them (:func:`packed_matmul`) that the plan picks (:mod:`.plan`)."""
+from __future__ import annotations
+
+import torch
+
+from ...heads.content import FingerprintMemo, fingerprint_of
+from .fewrow import block_weight, fewrow_linear
+from .plan import PLAN, fewrow_applies, packs
+
+
+def tensor_key(weight: torch.Tensor) -> tuple:
+    """What identifies a weight's tensor cheaply (dtype, device, storage, autograd version, shape):
+    a copy whose key differs is remade on its next use."""
+    return weight.dtype, weight.device, weight.data_ptr(), weight._version, tuple(weight.shape)
+
+
+class PackedWeight:
+    """A weight's oneDNN-packed copy and its few-row kernel copy, each made on first use and kept
+    with the fingerprint of the content it was made from
+    (:func:`~draftheads.heads.content.content_fingerprint`). A copy is remade when the weight is
+    another tensor or was changed through autograd (:func:`tensor_key`, checked on every use, for
+    free), and dropped by :meth:`drop_stale` — called before each decoding call — when the
+    content changed any other way."""
+
+    def __init__(self) -> None:
+        self._copies: dict[str, tuple[tuple, torch.Tensor, tuple[torch.Tensor, ...]]] = {}
+
+    def key(self, weight: torch.Tensor) -> tuple:
+        return tensor_key(weight)
+
+    def fingerprint(self, weight: torch.Tensor, memo: FingerprintMemo | None = None) -> tuple[torch.Tensor, ...]:
+        return (fingerprint_of(weight, memo),)
+
+    def source(self, weight: torch.Tensor) -> torch.Tensor:
+        """The tensor a copy is made from."""
+        return weight.detach().contiguous()
+
+    def _copy(self, kind: str, weight: torch.Tensor, make) -> torch.Tensor:
+        key = self.key(weight)
+        cached = self._copies.get(kind)
+        if cached is None or cached[0] != key:
+            cached = self._copies[kind] = (key, make(self.source(weight)), self.fingerprint(weight))
+        return cached[1]
+
+    def get(self, weight: torch.Tensor) -> torch.Tensor:
+        return self._copy("packed", weight, lambda w: torch.ops.mkldnn._reorder_linear_weight(w, 8))
+
+    def blocked(self, weight: torch.Tensor) -> torch.Tensor:
+        return self._copy("fewrow", weight, block_weight)
+
+    def drop_stale(self, weight: torch.Tensor, memo: FingerprintMemo | None = None) -> bool:
+        """Drop every copy not made from ``weight`` as it is now (another tensor, or other content);
+        returns whether one was dropped. Reads the weight once (none when no copy was made)."""
+        if not self._copies:
+            return False
+        key = self.key(weight)
+        current = None
+        stale = []
+        for kind, (made_key, _, made_from) in self._copies.items():
+            if made_key == key:
+                current = current if current is not None else self.fingerprint(weight, memo)
+                if all(torch.equal(a, b) for a, b in zip(made_from, current)):
+                    continue
+            stale.append(kind)
+        for kind in stale:
+            del self._copies[kind]
+        return bool(stale)
+
+    def clear(self) -> None:
+        self._copies.clear()
+
+
+def packed_matmul(x: torch.Tensor, weight: torch.Tensor, cache: PackedWeight,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., in) · weightᵀ (weight (out, in)) through the copy in ``cache`` that the plan picks
+    for this row count (packed, or the few-row kernel); callers check :func:`packs` and that
+    ``x`` has the weight's dtype."""
+    if PLAN.path(weight, x.numel() // x.shape[-1]) == "fewrow" and fewrow_applies(weight):
+        return fewrow_linear(x, cache.blocked(weight), weight.shape[0], bias)
+    return torch.ops.mkldnn._linear_pointwise(x, cache.get(weight), bias, "none", [], "")
+
+
+class PackedReadout(PackedWeight):
+    """The packed copy of heads' draft readout rows, handed to the heads
+    (:meth:`~draftheads.heads.protocol.DraftHeads.use_readout`): heads import nothing from
+    ``decoding``, so they take the product as this object and call :meth:`product`."""
+
+    def product(self, states: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+        """states (..., d) · weightᵀ (weight (V, d)) in the weight's dtype through the packed copy,
+        or None where the plan keeps ``F.linear`` for this shape and row count (the heads then
+        multiply as they always do)."""
+        if packs(weight, states.numel() // states.shape[-1]):
+            return packed_matmul(states.to(weight.dtype), weight, self)
+        return None

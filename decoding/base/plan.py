@@ -1,0 +1,257 @@
+"""Where packing pays: per dtype from what torch and oneDNN report, per weight shape and row count
+by measurement (:class:`PackingPlan`).
+
+Why packing: on a CPU, ``F.linear`` re-lays out the weight for oneDNN (bfloat16) or runs MKL's
+sgemm (float32, slow for a few rows) on every call; a weight packed once into oneDNN's blocked
+layout and multiplied through its linear primitive is faster for bfloat16 at every row count and
+for float32 at a few rows. Packed bfloat16 results are bit-identical to ``F.linear`` (same
+accumulation); float32 results differ by float32 rounding, which the float32 guarantee
+(identical, or a first divergence at a near-tie) allows. A third path, the few-row kernel
+(:mod:`.fewrow`: float32 on AVX2, bfloat16 on AVX512-BF16), reads each weight once for up to 6
+rows; its bf16 sums land within one bf16 rounding of ``F.linear``'s, which the bfloat16
+guarantee (a first divergence within the dtype's rounding) allows.
+evidence: results/cpu_classes
+
+Where packing pays is a property of the machine, the dtype, the weight's shape and the row
+count (on an AVX2 CPU a 1-row product can be faster through MKL), so it is decided **per
+dtype** from what torch and oneDNN report (:func:`packing_available`: a limited ISA, e.g.
+``ONEDNN_MAX_CPU_ISA=AVX2``, is honoured) and **per shape and row count by measurement**
+(:class:`PackingPlan`: a few timings per weight shape at load, cached per machine by the
+decoder, :mod:`.packing`). Unmeasured shapes take the packed path wherever the dtype packs. The
+packed path is only taken inside the decoder's own forwards (:mod:`.binding`).
+"""
+from __future__ import annotations
+
+import functools
+import math
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from .fewrow import block_weight, fewrow_linear, kernel, kernel_dtypes
+from .hardware import bf16_native
+
+
+PACKED_DTYPES = (torch.bfloat16, torch.float32)
+#: the row counts at which a shape's two paths are timed: powers of two, so a call's rows fall
+#: in the bucket of the largest one not above them (verification: bs × tree nodes, 1 to ~128)
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+@functools.lru_cache(maxsize=None)
+def packing_available(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's packed linear runs here for ``dtype`` and agrees with ``F.linear``
+    (bit-exact for bfloat16, within float32 rounding for float32). Per dtype: float32 packing
+    never depends on bfloat16's (on AVX2 oneDNN refuses bf16 packing but packs float32), and
+    bfloat16 packs only where it is native (:func:`bf16_native`)."""
+    if dtype not in PACKED_DTYPES or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16 and not bf16_native():
+        return False
+    try:
+        generator = torch.Generator().manual_seed(0)
+        weight = torch.randn(24, 16, generator=generator).to(dtype)
+        x = torch.randn(3, 16, generator=generator).to(dtype)
+        packed = torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(weight, 8), None,
+                                                    "none", [], "")
+        reference = nn.functional.linear(x, weight)
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return False
+    if dtype == torch.bfloat16:
+        return torch.equal(packed, reference)
+    return torch.allclose(packed, reference, rtol=1e-4, atol=1e-5)
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` (out, in) can take the packed path at all (CPU, a dtype that packs here)."""
+    return weight.device.type == "cpu" and weight.dim() == 2 and packing_available(weight.dtype)
+
+
+# -- where packing pays: measured per shape and row count ----------------------------------------
+ShapeKey = str  # "float32 1728x576": dtype, out × in features
+
+
+def shape_key(dtype: torch.dtype, out_features: int, in_features: int) -> ShapeKey:
+    return f"{str(dtype).removeprefix('torch.')} {out_features}x{in_features}"
+
+
+def row_bucket(rows: int) -> int:
+    """The index in :data:`ROW_BUCKETS` of the largest bucket not above ``rows``."""
+    return min(len(ROW_BUCKETS) - 1, max(0, int(rows).bit_length() - 1))
+
+
+def _best_ms(fn, reps: int) -> float:
+    """Best-of-``reps`` milliseconds per call; each timing repeats the call until it spans ~2 ms
+    (a 1-row product of a small weight takes microseconds)."""
+    start = time.perf_counter()
+    fn()  # warm-up: first calls allocate
+    calls = max(1, min(200, int(2e-3 / max(time.perf_counter() - start, 1e-6))))
+    best = math.inf
+    for _ in range(reps):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best * 1e3
+
+
+def measure_shape(dtype: torch.dtype, out_features: int, in_features: int, reps: int = 3) -> dict[str, list[float]]:
+    """ms per call of ``F.linear``, of the packed product and (where it is loaded for the dtype) of the
+    few-row kernel for a random weight of this shape at every row count of :data:`ROW_BUCKETS`,
+    interleaved (one noisy spell hits every path alike)."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, 8)
+    paths = {"linear_ms": lambda x: nn.functional.linear(x, weight),
+             "packed_ms": lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")}
+    if fewrow_applies(weight):
+        blocked = block_weight(weight)
+        paths["fewrow_ms"] = lambda x: fewrow_linear(x, blocked, out_features)
+    timings: dict[str, list[float]] = {name: [] for name in paths}
+    with torch.no_grad():
+        for rows in ROW_BUCKETS:
+            x = torch.randn(rows, in_features, generator=generator).to(dtype)
+            for name, path in paths.items():
+                timings[name].append(round(_best_ms(lambda: path(x), reps), 4))
+    return timings
+
+
+#: the longest a measured product may take, ms: anything above is no measurement (a JSON file
+#: carries integers of any size, which float conversion — ``math.isfinite`` included — overflows on)
+MAX_MS = 1e6
+
+
+def plausible_ms(value) -> bool:
+    """A time a measurement can give: a number (not a bool) above 0 and below :data:`MAX_MS`
+    (compared, never converted: NaN, infinities and huge integers all fail)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < MAX_MS
+
+
+def _timing_list(value) -> bool:
+    return isinstance(value, list) and len(value) == len(ROW_BUCKETS) and all(plausible_ms(v) for v in value)
+
+
+def valid_timings(entry) -> bool:
+    """A measured shape as :func:`measure_shape` writes it: lists of plausible ms
+    (:func:`plausible_ms`), one per row bucket, for ``F.linear`` and the packed path, and for the
+    kernel where it was measured (a cached entry is checked with this before it is used)."""
+    return (isinstance(entry, dict) and all(_timing_list(entry.get(name)) for name in ("linear_ms", "packed_ms"))
+            and ("fewrow_ms" not in entry or _timing_list(entry["fewrow_ms"])))
+
+
+_SHAPE_KEY = re.compile(r"(?P<dtype>[a-z0-9]+) [1-9][0-9]{0,8}x[1-9][0-9]{0,8}")
+
+
+def valid_shape_key(key) -> bool:
+    """A key as :func:`shape_key` writes it: a dtype that packs, then positive ``out``x``in``
+    features ("float32 1728x576"); a cached entry under any other key is dropped."""
+    match = _SHAPE_KEY.fullmatch(key) if isinstance(key, str) else None
+    return match is not None and match["dtype"] in {str(d).removeprefix("torch.") for d in PACKED_DTYPES}
+
+
+#: packing is the measured-faster path almost everywhere; it is turned off for a (shape, rows)
+#: point only where it measured more than this much slower (timing noise only adds time)
+PACK_TOLERANCE = 1.1
+#: the paths a product can take: "linear" (``F.linear``), "packed" (oneDNN), "fewrow" (the kernel)
+PATHS = ("linear", "packed", "fewrow")
+
+
+def fastest_paths(entry: dict[str, list[float]], kernel_loaded: bool = True) -> tuple[str, ...]:
+    """Per row bucket of a measured shape, the path taken: packed unless it measured more than
+    :data:`PACK_TOLERANCE` slower than ``F.linear``; the few-row kernel (when loaded and
+    measured) where it beat both."""
+    chosen = []
+    for bucket, (p, f) in enumerate(zip(entry["packed_ms"], entry["linear_ms"])):
+        path, ms = ("packed", p) if p <= f * PACK_TOLERANCE else ("linear", f)
+        if kernel_loaded and "fewrow_ms" in entry and entry["fewrow_ms"][bucket] < min(p, f):
+            path = "fewrow"
+        chosen.append(path)
+    return tuple(chosen)
+
+
+def packed_wins(entry: dict[str, list[float]]) -> tuple[bool, ...]:
+    """Per row bucket of a measured shape: whether a faster path than ``F.linear`` is taken."""
+    return tuple(path != "linear" for path in fastest_paths(entry))
+
+
+def fewrow_applies(weight: torch.Tensor) -> bool:
+    """Whether the few-row kernel can multiply by ``weight``: on the CPU, in a dtype the loaded
+    kernel multiplies here (:func:`~.fewrow.kernel_dtypes`), bfloat16 with an even input width."""
+    return (weight.device.type == "cpu" and weight.dtype in kernel_dtypes()
+            and (weight.dtype != torch.bfloat16 or weight.shape[-1] % 2 == 0))
+
+
+@dataclass
+class PackingPlan:
+    """Per weight shape and dtype, the measured ms of each path per row bucket; the fastest is
+    taken (:func:`fastest_paths`). Shapes never measured pack wherever the dtype packs."""
+
+    timings: dict[ShapeKey, dict[str, list[float]]] = field(default_factory=dict)
+    _verdicts: dict[ShapeKey, tuple[str, ...]] = field(default_factory=dict, repr=False)
+    _fusions: dict[tuple[ShapeKey, int], bool] = field(default_factory=dict, repr=False)
+
+    def path(self, weight: torch.Tensor, rows: int) -> str:
+        """The path a product of ``rows`` rows with ``weight`` takes (one of :data:`PATHS`)."""
+        return self.path_of(shape_key(weight.dtype, weight.shape[0], weight.shape[1]), rows)
+
+    def path_of(self, key: ShapeKey, rows: int) -> str:
+        verdict = self._verdicts.get(key)
+        if verdict is None:
+            entry = self.timings.get(key)
+            if entry is None:
+                return "packed"
+            verdict = self._verdicts[key] = fastest_paths(entry, kernel() is not None)
+        return verdict[row_bucket(rows)]
+
+    def pays(self, weight: torch.Tensor, rows: int) -> bool:
+        return self.path(weight, rows) != "linear"
+
+    def best_ms(self, key: ShapeKey, rows: int) -> float | None:
+        """The measured ms of the path taken for ``rows`` rows of shape ``key`` (None: unmeasured)."""
+        entry = self.timings.get(key)
+        if entry is None:
+            return None
+        bucket = row_bucket(rows)
+        return entry[f"{self.path_of(key, rows)}_ms"][bucket]
+
+    def fusion_pays(self, fused: ShapeKey, members: tuple[ShapeKey, ...], rows: int) -> bool:
+        """Whether one product of the stacked weight (``fused``) measured faster than the
+        ``members``' products one by one, at ``rows`` rows (unmeasured: no)."""
+        verdict = self._fusions.get((fused, row_bucket(rows)))
+        if verdict is None:
+            together = self.best_ms(fused, rows)
+            alone = [self.best_ms(key, rows) for key in members]
+            verdict = together is not None and None not in alone and together < sum(alone)
+            self._fusions[(fused, row_bucket(rows))] = verdict
+        return verdict
+
+    def missing(self, weights: Iterable[torch.Tensor]) -> list[tuple[torch.dtype, int, int]]:
+        """The (dtype, out, in) shapes among ``weights`` that pack here but were not measured yet
+        (or were measured before the few-row kernel was loaded, for the shapes it applies to)."""
+        shapes = {(w.dtype, int(w.shape[0]), int(w.shape[1])) for w in weights if can_pack(w)}
+        kernel_shapes = {(w.dtype, int(w.shape[0]), int(w.shape[1])) for w in weights if fewrow_applies(w)}
+
+        def unmeasured(s) -> bool:
+            entry = self.timings.get(shape_key(*s))
+            return entry is None or (s in kernel_shapes and "fewrow_ms" not in entry)
+        return sorted((s for s in shapes if unmeasured(s)), key=str)
+
+    def add(self, key: ShapeKey, entry: dict[str, list[float]]) -> None:
+        self.timings[key] = entry
+        self._verdicts.pop(key, None)
+        self._fusions.clear()
+
+
+#: the process's plan (the decoder fills it at load, from its per-machine cache or by measuring)
+PLAN = PackingPlan()
+
+
+def packs(weight: torch.Tensor, rows: int) -> bool:
+    """Whether a product of ``rows`` rows with ``weight`` takes a path other than ``F.linear``:
+    the dtype packs here and the shape measured faster that way at that row count."""
+    return can_pack(weight) and PLAN.pays(weight, rows)
+
