@@ -1,7 +1,8 @@
 """``DraftHeadsModel``: load a base and its heads, configure the drafting and the tree policy,
-and the drop-in ``generate()``. The rest lives in modules named for it: the request and its
-checks (:mod:`.request`, :mod:`.limits`), the loop (:mod:`.loop`, one step in :mod:`.step`),
-the tree policies (:mod:`.policy`), the drafters (:mod:`.drafters`).
+and the drop-in ``generate()``. The rest lives in modules named for it: the options
+(:mod:`.config`), the request and its checks (:mod:`.request`, :mod:`.limits`), the loop
+(:mod:`.loop`, one step in :mod:`.step`), the tree policies (:mod:`.policy`), the drafters
+(:mod:`.drafters`).
 """
 from __future__ import annotations
 
@@ -24,15 +25,15 @@ from .base.packing import holding_packing, plan_packing, refresh_heads, refresh_
 from .base.packing import use_packed_linears
 from .fingerprint import fingerprint
 from .calibration import CalibrationConfig, calibrate
+from .config import AUTO, DecodingConfig, TreeOption, decoding_config, split_options
 from .cost import CostModel
-from .drafters import Drafter, HeadsDrafter, MergedDrafter, auto_drafts, build_drafter, check_review, check_store_argument, open_store, parse_drafts
+from .drafters import Drafter, HeadsDrafter, MergedDrafter, auto_drafts, build_drafter, check_review, open_store, parse_drafts
 from .drafters import needing
-from .limits import check_base_path, check_generator, parse_dtype, parse_tree_option
+from .limits import check_base_path, check_generator, parse_dtype
 from .loop import DecodingStats, plain_generate, speculate
 from .policy import AdaptivePolicy, FixedTree, TreePolicy, as_policy, best_budget, default_tree, resolve_tree, tree_for_budget
 from .request import Call, Request, eos_token_ids, make_request, prepare_call
 from .step import PhaseTimer
-from .tree import Tree
 
 
 #: the quick calibration behind the defaults (:meth:`DraftHeadsModel.calibrate_defaults`):
@@ -44,36 +45,26 @@ QUICK_CONTEXTS = (QUICK_CONTEXT, 1024)
 QUICK_CALIBRATION = CalibrationConfig(batch_sizes=(1,), contexts=QUICK_CONTEXTS, reps=3,
                                       extra_nodes=(3, 5, 9, 17, 33))
 #: the share of the checkpoint's expected drafted tokens that open-ended prompts reach (its τ
-#: is measured on held-out self-distilled text; on MT-Bench the accepted part measured 0.66-0.88)
+#: is measured on held-out self-distilled text, which MT-Bench's prompts accept less of)
 DEFAULT_TAU_SCALE = 0.75
-#: In merged drafting (heads + lookups) the heads offer the stored tree for this many times the
-#: heads-alone default budget. The heads-alone default is priced as if every node were verified;
-#: a merged step verifies only the nodes the width chooser finds worth their cost, so a larger
-#: offer costs just the heads' proposal (a few hundred µs more) and gives the chooser the heads'
-#: second choices to weigh against the lookups'. Dev mix, bf16, 18 prompts, 2 runs: budget 4 →
-#: 8 raised τ 2.29 → 2.50 and the speedup 2.14× → 2.28×; 16 kept τ but lost on proposal time.
-MERGED_OFFER_SCALE = 2
 
 
 class DraftHeadsModel:
     """A frozen base model plus draft heads, with a ``generate()`` that returns exactly what
     the base's greedy ``generate()`` returns, faster."""
 
-    #: What happens to a row that finished while others decode: ``"shrink"`` drops it from the
-    #: batch (cache rows included), ``"mask"`` keeps verifying its (ignored) tree. Shrinking
-    #: measured faster (README, "Batched decoding"); ``"mask"`` stays for that comparison.
-    finished_rows: str = "shrink"
-    #: When the policy says at the start that speculation does not pay for this batch (large
-    #: batches; see ``AdaptivePolicy.prefers_plain``), run the base's own ``generate`` instead of
-    #: the tree loop with a 1-node tree (vLLM's ``speculative_disable_by_batch_size``). Off by
-    #: default: the loop's plain step costs what the base's does (same forward, ~1-2 % of
-    #: bookkeeping), and only the loop drops finished rows from the batch (the base's generate
-    #: keeps computing them: MT-Bench at bs 16 and 128 tokens averaged 13.7 live rows of 16) and
-    #: switches to trees again when the live batch has shrunk to where they pay.
-    delegate_plain: bool = False
-
-    def __init__(self, base, heads: DraftHeads | None = None, tokenizer=None, tree: Tree | TreePolicy | None = None,
-                 packed_attention: bool = True, packed_linears: bool = True):
+    def __init__(self, base, heads: DraftHeads | None = None, tokenizer=None, tree: TreeOption = None,
+                 decoding: DecodingConfig | None = None, **options):
+        """``decoding`` (default: :class:`~.config.DecodingConfig`'s defaults) with ``tree`` and
+        the keyword ``options`` (its fields: ``packed_attention=False``, ...) applied over it.
+        Built here: the packing, the heads' binding and the tree (``tree=None``: the checkpoint's
+        default tree; :meth:`from_pretrained` also prices it on this machine); the drafting is
+        chosen by :meth:`from_pretrained` or :meth:`use_drafts` (until then: the heads alone)."""
+        if tree is not None:
+            options["tree"] = tree
+        #: the options this model decodes with (:mod:`.config`)
+        self.decoding: DecodingConfig = decoding_config(decoding, **options)
+        packed_attention, packed_linears = self.decoding.packed_attention, self.decoding.packed_linears
         self.base = base
         self.packed_linears = packed_linears
         check_base(base, probe=False)  # an architecture the loop cannot run is refused before anything
@@ -86,6 +77,7 @@ class DraftHeadsModel:
         self.heads = heads
         if heads is not None:
             attach_heads(heads, base, packed_linears)
+        tree = resolve_tree(self.decoding.tree, base, heads, self.decoding.calibration)
         if tree is None:
             tree = default_tree(heads, base.dtype)
         self.policy: TreePolicy = as_policy(tree)
@@ -96,7 +88,7 @@ class DraftHeadsModel:
         #: this machine's bs-1 step times (:meth:`calibrate_defaults`); None: not measured
         self.step_table: CostModel | None = None
         #: the heads-alone node budget this machine's quick calibration chose (None: the tree was
-        #: given); :meth:`use_drafts` offers ``MERGED_OFFER_SCALE`` times it when lookups join
+        #: given); :meth:`use_drafts` offers ``decoding.merged_offer_scale`` times it when lookups join
         self.default_budget: int | None = None
         self._default_policy: TreePolicy | None = None
         self._stores: dict = {}  # lookup_store argument → the opened (read-only, mapped) store
@@ -105,54 +97,44 @@ class DraftHeadsModel:
     # -- loading ---------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, heads_path: str | Path | None = None, base=None, tokenizer=None,
-                        base_name_or_path: str | None = None, dtype: torch.dtype | str | None = "auto", tree=None,
-                        packed_attention: bool = True, packed_linears: bool = True,
-                        drafts: str | Sequence[str] = "auto", lookup_store: str | Path | None = None,
-                        review: bool = False, calibration: CalibrationConfig | None = None,
-                        **hub_kwargs) -> "DraftHeadsModel":
-        """Load heads from a local checkpoint directory or a Hub id (``hub_kwargs``: ``revision``,
-        ``cache_dir``, ``token``, ``local_files_only``; ``HF_HUB_OFFLINE=1`` reads the cache only)
-        and the base they were made for (default: the embedded SmolLM2), in ``dtype``:
-        ``"auto"`` (default) is the base's native dtype where the hardware computes it natively
-        (bf16 on CPUs with AVX512-BF16/AMX and on GPUs), else float32; an explicit dtype wins.
-        The heads are cast to the base's dtype. ``drafts``: who fills the trees — "auto"
-        (default: the heads and every lookup source there is data for, see :func:`auto_drafts`),
-        "heads" (the heads alone), or any comma-separated mix of the registered sources (see
-        :meth:`use_drafts`); ``lookup_store``: the model store for those needing one (default: the
-        one shipped beside the heads; a store named is opened and checked even when unused);
-        ``review``: the heads review lookup drafts (see :meth:`use_drafts`); ``calibration``: the
-        grid ``tree="adaptive"`` measures on first use (default: :class:`~.calibration.CalibrationConfig`).
-        ``tree=None`` (default): the stored tree this machine's quick calibration prices best
-        (:meth:`calibrate_defaults`; seconds, once per machine, cached)."""
-        tree = parse_tree_option(tree)  # every argument is checked before anything loads
-        auto = isinstance(drafts, str) and drafts.strip().lower() == "auto"
-        sources = None if auto else parse_drafts(drafts)
-        if sources is not None:
-            check_review(review, sources)
-        check_store_argument(lookup_store)
+                        base_name_or_path: str | None = None, dtype: torch.dtype | str | None = "auto",
+                        decoding: DecodingConfig | None = None, **kwargs) -> "DraftHeadsModel":
+        """Load heads from a local checkpoint directory or a Hub id and the base they were made
+        for (default: the embedded SmolLM2), in ``dtype``: ``"auto"`` (default) is the base's
+        native dtype where the hardware computes it natively (bf16 on CPUs with AVX512-BF16/AMX
+        and on GPUs), else float32; an explicit dtype wins. The heads are cast to the base's dtype.
+
+        ``decoding``: a :class:`~.config.DecodingConfig`; ``kwargs`` that name its fields are
+        applied over it (``tree``, ``drafts``, ``lookup_store``, ``review``, ``calibration``,
+        ``packed_attention``, ``packed_linears``, ``finished_rows``, ``delegate_plain``,
+        ``merged_offer_scale``; see :mod:`.config`), the others go to the Hub (``revision``,
+        ``cache_dir``, ``token``, ``local_files_only``; ``HF_HUB_OFFLINE=1`` reads the cache only).
+        ``drafts="auto"`` (default): the heads and every lookup source there is data for
+        (:func:`auto_drafts`); ``tree=None`` (default): the stored tree this machine's quick
+        calibration prices best (:meth:`calibrate_defaults`; seconds, once per machine, cached)."""
+        options, hub_kwargs = split_options(kwargs)
+        config = decoding_config(decoding, **options)  # every option is checked before anything loads
         if base is None:
             check_base_path(base_name_or_path)
             parse_dtype(dtype)
             base, tokenizer = load_base(base_name_or_path, dtype=dtype)
         check_base(base, probe=False)
-        if packed_attention:  # before an adaptive tree's calibration, which measures the loop's forward
+        if config.packed_attention:  # before an adaptive tree's calibration, which measures the loop's forward
             use_packed_sdpa(base)
-        if packed_linears:
+        if config.packed_linears:
             use_packed_linears(base)
         check_base(base)  # before anything measures or binds heads to a base it would refuse
         heads = None
         if heads_path is not None:
             heads = load_heads(heads_path, expected_fingerprint=fingerprint(base).with_sketch(base),
                                base_name=getattr(base, "name_or_path", None) or None, **hub_kwargs)
-            attach_heads(heads, base, packed_linears)  # bound before an adaptive tree's calibration drafts with them
-        model = cls(base, heads, tokenizer, resolve_tree(tree, base, heads, calibration),
-                    packed_attention=packed_attention, packed_linears=packed_linears)
-        if tree is None:
+            attach_heads(heads, base, config.packed_linears)  # bound before an adaptive tree's calibration drafts with them
+        model = cls(base, heads, tokenizer, decoding=config)
+        if config.tree is None:
             model.calibrate_defaults()
-        if auto:
-            sources = auto_drafts(heads, lookup_store)
-            check_review(review, sources)
-        model.use_drafts(sources, lookup_store, review)
+        sources = auto_drafts(heads, config.lookup_store) if config.drafts == AUTO else config.drafts
+        check_review(config.review, sources)
+        model._build_drafter(sources, config.lookup_store, config.review)
         return model
 
     def calibrate_defaults(self, config: CalibrationConfig | None = None) -> None:
@@ -177,10 +159,16 @@ class DraftHeadsModel:
         (:class:`~.drafters.MergedDrafter`). ``lookup_store``: the store file (default:
         ``lookup_store.safetensors`` beside the heads). ``review=True`` (the vertical cascade): the
         heads rescore each lookup draft within their depth before it takes a verification slot
-        (their probability of its token joins its calibrated hit rate)."""
-        sources = parse_drafts(drafts)
-        check_review(review, sources)  # before the store is opened
-        check_store_argument(lookup_store)
+        (their probability of its token joins its calibrated hit rate). ``model.decoding`` records
+        the choice."""
+        if isinstance(drafts, str) and drafts.strip().lower() == AUTO:
+            parse_drafts(drafts)  # "auto" is from_pretrained's choice, refused here as before
+        config = self.decoding.replace(drafts=drafts, lookup_store=lookup_store, review=review)  # before the store opens
+        self._build_drafter(config.drafts, lookup_store, review)
+        self.decoding = config
+
+    def _build_drafter(self, sources: tuple[str, ...], lookup_store: str | Path | None, review: bool) -> None:
+        """The drafter of checked ``sources`` (:meth:`use_drafts`), the store opened once per file."""
         self.draft_sources = sources
         store = None
         uses_store = bool(needing("store", sources))
@@ -194,10 +182,11 @@ class DraftHeadsModel:
         self.drafter = build_drafter(sources, self.heads, store, self.step_cost(), eos[0] if eos else None, review,
                                      ragged_capable(self.base))
         if self.offers_larger_tree() and isinstance(self.drafter, MergedDrafter) and self.drafter.heads is not None:
-            self.drafter.heads_tree = tree_for_budget(self.heads, self.default_budget * MERGED_OFFER_SCALE)
+            offer = self.default_budget * self.decoding.merged_offer_scale
+            self.drafter.heads_tree = tree_for_budget(self.heads, offer)
 
     def offers_larger_tree(self) -> bool:
-        """Whether merged drafting offers the heads' larger tree (``MERGED_OFFER_SCALE``): only
+        """Whether merged drafting offers the heads' larger tree (``decoding.merged_offer_scale``): only
         while the policy is the default fixed tree this machine's calibration chose — a pinned
         tree or an adaptive policy (which sizes trees per batch) is followed as it is."""
         return bool(self.default_budget) and self.policy is self._default_policy
@@ -278,16 +267,17 @@ class DraftHeadsModel:
             acceptance: str | Typical | None = None, timer: PhaseTimer | None = None):
         """Decode a prepared call (:func:`~.request.prepare_call`, or what transformers hands a
         ``custom_generate`` callable: :func:`~.request.prepared_call`); see :meth:`generate`."""
+        decoding = self.decoding  # the per-call switches, read once
         request = make_request(self.base, self.policy.max_nodes, call, streamer, acceptance)
         started = time.perf_counter()
-        if self._delegates(request, generator):
+        if decoding.delegate_plain and self._delegates(request, generator):
             output, self.last_stats = plain_generate(self.base, request, started, streamer)
             return output
         self.refresh()
         drafter = self.drafter if self.drafter is not None else HeadsDrafter(self.heads)
         with holding_packing(self.base), wearing(self.heads):
             output, self.last_stats = speculate(self.base, self.heads, self.policy, drafter, request, started,
-                                                generator, streamer, timer, self.finished_rows == "shrink")
+                                                generator, streamer, timer, decoding.finished_rows == "shrink")
         return output
 
     def refresh(self) -> None:
@@ -305,10 +295,11 @@ class DraftHeadsModel:
         refresh_heads(self.heads, memo)
 
     def _delegates(self, request: Request, generator) -> bool:
-        """Plain decoding by the base itself: the policy prefers it for this batch, and nothing
-        asked for what only the loop provides (a ``torch.Generator`` for seeded sampling) or
-        came prepared by transformers (its lists cannot be handed back to it)."""
-        return bool(self.delegate_plain and generator is None and request.plain is not None
+        """With ``decoding.delegate_plain`` on, plain decoding by the base itself: the policy
+        prefers it for this batch, and nothing asked for what only the loop provides (a
+        ``torch.Generator`` for seeded sampling) or came prepared by transformers (its lists
+        cannot be handed back to it)."""
+        return bool(generator is None and request.plain is not None
                     and self.policy.prefers_plain(request.batch, request.prompt_len))
 
 
@@ -342,8 +333,7 @@ def shares_base_tensors(heads: DraftHeads, base) -> bool:
 def drafting_dtype(base) -> torch.dtype | None:
     """The dtype heads read out their drafts in. A float32 base on a CPU with native bf16
     drafts in bf16: the draft readout (a (P, d) × (d, V_draft) product) is memory-bound and
-    fp32 GEMMs with a few rows are slow here (measured 1.5–8.7 ms vs 1.1–1.5 ms for P = 1–8
-    rows × 8,192 tokens, one thread). Drafts only propose: verification stays in the base's
+    fp32 GEMMs with a few rows are slower than bf16 ones there. Drafts only propose: verification stays in the base's
     dtype, so outputs do not change. Other dtypes/devices draft in the base's dtype."""
     param = next(base.parameters())
     if param.dtype == torch.float32 and param.device.type == "cpu" and bf16_native():

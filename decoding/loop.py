@@ -36,8 +36,9 @@ def tau(accepted: int, steps: int) -> float:
 
 def decode_rate(new_tokens: int, first_tokens: int, seconds: float, prefill_seconds: float) -> float:
     """Decode-phase tokens per second: the tokens after each row's first, over the time after
-    the prefill. At bs 16 on long prompts the prefill was 14.6 s of 21 s for every strategy and
-    for transformers alike, so end-to-end rates hide what decoding gains; 0 without a decode phase."""
+    the prefill. Every strategy and transformers pay the same prefill, which on long prompts in
+    a batch is most of a run, so end-to-end rates hide what decoding gains; 0 without a decode
+    phase. evidence: results/batch_phases_bf16"""
     decode_seconds = seconds - prefill_seconds
     return (new_tokens - first_tokens) / decode_seconds if decode_seconds > 0 else 0.0
 

@@ -169,7 +169,7 @@ class AdaptivePolicy:
 
     def prefers_plain(self, batch_size: int, context_length: int) -> bool:
         """Whether plain decoding has the best expected goodput for this batch. With the
-        decoder's ``delegate_plain`` on, the whole call then goes to the base's own ``generate``
+        decoder's ``decoding.delegate_plain`` on, the whole call then goes to the base's own ``generate``
         (as vLLM's ``speculative_disable_by_batch_size`` does); off (the default), the loop runs
         plain steps itself, drops finished rows, and may return to trees as the batch shrinks."""
         return self.rank(batch_size, context_length)[0].budget == 0

@@ -43,11 +43,13 @@ def count_argument(minimum: int = 1):
 
 def load_model(args):
     from .decoding import DraftHeadsModel
+    from .decoding.config import DecodingConfig
 
     drafts = getattr(args, "draft_sources", None) or "auto"
     review = args.review and args.command == "generate"  # the bench compares with and without
+    decoding = DecodingConfig(tree=args.tree, drafts=drafts, review=review)
     return DraftHeadsModel.from_pretrained(find_heads(args.heads), base_name_or_path=args.base, dtype=args.dtype,
-                                           tree=args.tree, drafts=drafts, review=review)
+                                           decoding=decoding)
 
 
 def check_review_option(review: bool, drafts) -> None:

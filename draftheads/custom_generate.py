@@ -31,8 +31,8 @@ import torch
 from .decoding import DraftHeadsModel
 from .decoding.base.attention import release_packed_sdpa
 from .decoding.base.packing import release_packing
-from .decoding.drafters import parse_drafts
-from .decoding.limits import InputError, parse_tree_option
+from .decoding.config import DecodingConfig, decoding_config, split_options
+from .decoding.limits import InputError
 from .decoding.options import refuse_options
 from .decoding.request import prepared_call
 from .decoding.base.binding import release_linears
@@ -46,18 +46,21 @@ _PREPARED = {"attention_mask", "position_ids", "use_cache", "cache", "past_key_v
 _DECODERS: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, DraftHeadsModel]]" = weakref.WeakKeyDictionary()
 
 
-def custom_generate(heads: str | Path, drafts: str | Sequence[str] = "auto", tree=None,
-                    lookup_store: str | Path | None = None, **hub_kwargs) -> Callable:
+def custom_generate(heads: str | Path, drafts: str | Sequence[str] | None = None, tree=None,
+                    lookup_store: str | Path | None = None, decoding: DecodingConfig | None = None,
+                    **kwargs) -> Callable:
     """The function to pass as ``model.generate(..., custom_generate=fn)`` (see the module
     docstring). ``heads``: a head checkpoint folder or Hub id, made for that model (its
-    fingerprint is checked on first use); ``drafts``, ``tree``, ``lookup_store`` and
-    ``hub_kwargs`` as in :meth:`DraftHeadsModel.from_pretrained`. Arguments are checked now."""
+    fingerprint is checked on first use); ``drafts`` (None: ``decoding``'s, by default "auto"),
+    ``tree``, ``lookup_store``, ``decoding`` and ``kwargs`` (the other
+    :class:`~draftheads.decoding.config.DecodingConfig` fields, and the Hub's arguments) as in
+    :meth:`DraftHeadsModel.from_pretrained`. Arguments are checked now."""
     check_heads_argument(heads)
-    tree = parse_tree_option(tree)
-    if not (isinstance(drafts, str) and drafts.strip().lower() == "auto"):
-        parse_drafts(drafts)
-    key = (str(heads), drafts if isinstance(drafts, str) else tuple(drafts), tree, str(lookup_store),
-           tuple(sorted(hub_kwargs.items())))
+    options, hub_kwargs = split_options(kwargs)
+    given = {"drafts": drafts, "tree": tree, "lookup_store": lookup_store}
+    options.update({name: value for name, value in given.items() if value is not None})
+    config = decoding_config(decoding, **options)
+    key = (str(heads), config, tuple(sorted(hub_kwargs.items())))
 
     def generate(model, input_ids: torch.Tensor, logits_processor=None, stopping_criteria=None,
                  generation_config=None, synced_gpus: bool = False, streamer=None, **model_kwargs):
@@ -69,7 +72,7 @@ def custom_generate(heads: str | Path, drafts: str | Sequence[str] = "auto", tre
         if streamer is None and dropped.get("streamer") is not None:
             streamer = PromptAlreadyStreamed(dropped["streamer"])
         decoder = decoder_for(model, key, lambda: DraftHeadsModel.from_pretrained(
-            heads, base=model, tokenizer=None, drafts=drafts, tree=tree, lookup_store=lookup_store, **hub_kwargs))
+            heads, base=model, tokenizer=None, decoding=config, **hub_kwargs))
         check_placement(model, decoder)
         attention_mask = model_kwargs.get("attention_mask")
         if attention_mask is None:  # transformers drops an all-ones mask before calling us

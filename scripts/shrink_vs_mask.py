@@ -17,7 +17,7 @@ outs = {}
 m.generate(ids[:2], attention_mask=mask[:2], max_new_tokens=4, pad_token_id=2)
 for rnd in range(2):
     for mode in ("shrink", "mask"):
-        m.finished_rows = mode
+        m.decoding = m.decoding.replace(finished_rows=mode)
         t = time.perf_counter()
         out = m.generate(ids, attention_mask=mask, max_new_tokens=48, pad_token_id=2, eos_token_id=eos)
         dt = time.perf_counter() - t

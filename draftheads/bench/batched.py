@@ -121,7 +121,9 @@ class BatchBench:
                                       pad_token_id=self.pad, logits_processor=[clock])
             return out, None, clock.since(started)
         model.policy = self.policies.get(name, self.adaptive)
-        model.finished_rows = "mask" if name.endswith(":mask") else "shrink"
+        finished_rows = "mask" if name.endswith(":mask") else "shrink"
+        if model.decoding.finished_rows != finished_rows:
+            model.decoding = model.decoding.replace(finished_rows=finished_rows)
         with drafting(model, self.drafters.get(name.removeprefix("adaptive+"))):  # None: the heads alone
             out = model.generate(ids, attention_mask=mask, max_new_tokens=new, pad_token_id=self.pad)
         return out, model.last_stats, model.last_stats.prefill_seconds

@@ -145,8 +145,9 @@ def drafting(model, drafter) -> Iterator[None]:
 
 
 
-#: what a bench may change on a model (tree policy, drafter, its sources, finished-row handling)
-MODEL_STATE = ("policy", "drafter", "draft_sources", "finished_rows")
+#: what a bench may change on a model (tree policy, drafter, its sources, its decoding options:
+#: finished-row handling, the drafting :meth:`~draftheads.decoding.DraftHeadsModel.use_drafts` records)
+MODEL_STATE = ("policy", "drafter", "draft_sources", "decoding")
 
 
 @contextmanager

@@ -6,11 +6,12 @@ import pytest
 
 from draftheads.bench import keep_fastest, model_state, rotated
 from draftheads.bench.summary import run_tau
+from draftheads.decoding.config import DecodingConfig
 from draftheads.decoding.loop import tau
 
 
 class Model:
-    finished_rows = "shrink"  # inherited from the class, as DraftHeadsModel's
+    decoding = DecodingConfig()  # inherited from the class: what the block sets must go again
 
     def __init__(self):
         self.policy, self.drafter, self.draft_sources = "pinned", None, ("heads",)
@@ -20,10 +21,11 @@ def test_model_state_puts_back_what_the_block_changed_even_on_error():
     model = Model()
     with pytest.raises(RuntimeError):
         with model_state(model):
-            model.policy, model.drafter, model.draft_sources, model.finished_rows = "adaptive", object(), (), "mask"
+            model.policy, model.drafter, model.draft_sources = "adaptive", object(), ()
+            model.decoding = model.decoding.replace(finished_rows="mask")
             raise RuntimeError("a strategy failed")
     assert (model.policy, model.drafter, model.draft_sources) == ("pinned", None, ("heads",))
-    assert "finished_rows" not in vars(model) and model.finished_rows == "shrink"
+    assert "decoding" not in vars(model) and model.decoding.finished_rows == "shrink"
 
 
 def test_strategies_rotate_and_the_fastest_repeat_counts():

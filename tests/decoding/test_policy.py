@@ -208,9 +208,9 @@ def test_adaptive_decoding_matches_hf_batched_greedy(case, finished_rows):
     continuations = free[:, ids.shape[1]:].tolist()
     firsts = {row[0] for row in continuations}
     eos = [2] + [t for t in continuations[case % 5][3 + case:] if t not in firsts][:1]  # rows end at different steps
-    drafter = DraftHeadsModel(MODEL, None, tree=batch_sensitive_policy())
-    drafter.finished_rows = finished_rows
-    drafter.delegate_plain = False  # keep 5 rows in the loop: the tree must change as the batch shrinks
+    # delegate_plain off: keep 5 rows in the loop, the tree must change as the batch shrinks
+    drafter = DraftHeadsModel(MODEL, None, tree=batch_sensitive_policy(), finished_rows=finished_rows,
+                              delegate_plain=False)
     for rows in (slice(0, 5), slice(4, 5)):  # the batch, then its last row alone
         drafter.heads = OracleHeads(continuations[rows], vocab=96, error=0.2, seed=case)
         sub_mask = mask[rows][:, mask[rows].any(0)]
@@ -240,8 +240,8 @@ def test_plain_choice_hands_the_batch_to_the_base_generate():
     reference = MODEL.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=PAD,
                                return_dict_in_generate=True, output_scores=True)
     drafter = DraftHeadsModel(MODEL, None, tree=batch_sensitive_policy())
-    assert not drafter.delegate_plain  # off by default: the loop drops finished rows, the base's generate does not
-    drafter.delegate_plain = True
+    assert not drafter.decoding.delegate_plain  # off by default: the loop drops finished rows, the base's generate does not
+    drafter.decoding = drafter.decoding.replace(delegate_plain=True)
     drafter.heads = OracleHeads(reference.sequences[:, ids.shape[1]:].tolist(), vocab=96, error=0.0, seed=0)
     ours = drafter.generate(ids, attention_mask=mask, max_new_tokens=16, pad_token_id=PAD,
                             return_dict_in_generate=True, output_scores=True)

@@ -166,17 +166,15 @@ def test_env_under_an_avx2_limit():
 
 def test_merged_default_offers_the_heads_a_larger_tree_and_keeps_the_output(tmp_path, monkeypatch):
     """With lookups merged in, the default model's heads fill the stored tree for
-    MERGED_OFFER_SCALE × the heads-alone budget (the width chooser verifies what pays of it); the
+    decoding.merged_offer_scale × the heads-alone budget (the width chooser verifies what pays of it); the
     policy keeps the heads-alone tree, drafts="heads" gets no offer, a pinned tree none either,
     and the output is still the base's own (float64)."""
-    import draftheads.decoding.generate as generate
     from draftheads.decoding.policy import FixedTree, tree_for_budget
 
     monkeypatch.setenv("DRAFTHEADS_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(generate, "MERGED_OFFER_SCALE", 3)
     base = tiny_llama(0)
     folder = saved_tree_heads(tmp_path / "heads", base)
-    model = DraftHeadsModel.from_pretrained(folder, base=base, drafts="heads,context")
+    model = DraftHeadsModel.from_pretrained(folder, base=base, drafts="heads,context", merged_offer_scale=3)
     model.default_budget = 1  # as if this machine's calibration had chosen the 1-node tree (not timing's pick)
     model.policy = model._default_policy = FixedTree(tree_for_budget(model.heads, 1))
     model.use_drafts("heads,context")

@@ -236,12 +236,12 @@ def test_batched_bench_runs_lookup_strategies_end_to_end(tmp_path, monkeypatch):
     decoder = DraftHeadsModel(model, tiny_heads(), tree=tree_from_paths([(0,)]))
     motifs = [[5, 6, 7], [9, 10, 11, 12], [20, 21], [30, 31, 32, 33, 34]]
     prompts = [{"prompt": " ".join(map(str, (m * 6)[: 12 + i])), "category": f"c{i % 2}"} for i, m in enumerate(motifs)]
-    before = (decoder.policy, decoder.drafter, decoder.draft_sources)
+    before = (decoder.policy, decoder.drafter, decoder.draft_sources, decoder.decoding)
     payload = run_batch_bench(decoder, prompts, [1, 2], [0, 1, 3], 12, tmp_path / "out", max_batches=2,
                               drafts=("heads", "context"), review=True, log=lambda *_: None)
     # the bench set policies, drafters and finished-row handling per strategy; all are back
-    assert (decoder.policy, decoder.drafter, decoder.draft_sources) == before
-    assert "finished_rows" not in vars(decoder) and decoder.finished_rows == "shrink"
+    assert (decoder.policy, decoder.drafter, decoder.draft_sources, decoder.decoding) == before
+    assert decoder.decoding.finished_rows == "shrink"
     for bs in ("1", "2"):
         strategies = payload["results"][bs]["strategies"]
         assert list(strategies) == ["hf", "adaptive", "adaptive+context", "adaptive+heads+context",

@@ -1,0 +1,171 @@
+"""The decoding options of a :class:`~.generate.DraftHeadsModel`, in one typed, checked object.
+
+``DraftHeadsModel.from_pretrained(path, tree=4, drafts="heads")`` builds a :class:`DecodingConfig`
+from its keyword arguments; ``from_pretrained(path, decoding=DecodingConfig(tree=4))`` passes one
+(keyword arguments given beside it win, as in transformers' ``generation_config``). The model
+keeps it as ``model.decoding``. What is read when:
+
+- ``tree``, ``calibration``, ``packed_attention``, ``packed_linears``: when the model is built;
+- ``drafts``, ``lookup_store``, ``review``, ``merged_offer_scale``: when the drafting is chosen
+  (``from_pretrained``, :meth:`~.generate.DraftHeadsModel.use_drafts`);
+- ``finished_rows``, ``delegate_plain``: at every ``generate`` call (change them with
+  ``model.decoding = model.decoding.replace(finished_rows="mask")``).
+
+:meth:`DecodingConfig.to_dict` / :meth:`DecodingConfig.from_dict` are a symmetric pair (JSON-plain).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Union
+
+from .calibration import CalibrationConfig
+from .drafters import check_review, check_store_argument, parse_drafts
+from .limits import InputError, InputTypeError, check_count, parse_tree_option
+from .tree import Tree, tree_from_paths
+
+#: ``drafts=`` value that lets the model choose its sources when the heads load
+#: (:func:`~.drafters.auto_drafts`: the heads and every lookup source there is data for)
+AUTO = "auto"
+#: what ``finished_rows`` may be: "shrink" drops a finished row from the batch (cache rows
+#: included); "mask" keeps verifying its (ignored) tree, kept as the comparison point.
+#: Shrinking is faster. evidence: results/batch
+FINISHED_ROWS = ("shrink", "mask")
+#: In merged drafting (heads + lookups) the heads offer the stored tree for this many times the
+#: heads-alone default budget: that default is priced as if every node were verified, while a
+#: merged step verifies only the nodes the width chooser finds worth their cost, so a larger
+#: offer costs only the heads' proposal and lets the chooser weigh the heads' second choices
+#: against the lookups' (a scale of 4 lost on the heads' proposal time)
+MERGED_OFFER_SCALE = 2
+
+#: ``tree=``: None (the checkpoint's default, priced on this machine by ``from_pretrained``),
+#: "adaptive", a node budget, a :class:`~.tree.Tree` or a :class:`~.policy.TreePolicy`
+TreeOption = Union[None, int, str, Tree, Any]
+
+
+@dataclass(frozen=True)
+class DecodingConfig:
+    """How a :class:`~.generate.DraftHeadsModel` decodes (see the module docstring for when
+    each field is read). Every field is checked on construction, and in :meth:`replace`."""
+
+    #: which tree each step verifies: None (the stored tree this machine's quick calibration
+    #: prices best), "adaptive" (per live batch, :class:`~.policy.AdaptivePolicy`), a node
+    #: budget ≥ 0 (0: plain decoding), a Tree or any TreePolicy
+    tree: TreeOption = None
+    #: who fills the trees: "auto", or a comma-separated mix (str or tuple) of the sources
+    #: (:func:`~.drafters.parse_drafts`); kept as the checked tuple of names
+    drafts: str | tuple[str, ...] = AUTO
+    #: the model store the "store"/"stats" sources read (None: the one beside the heads); a
+    #: store named is opened and checked even when the drafts do not use it
+    lookup_store: str | Path | None = None
+    #: the heads rescore lookup drafts before they take a slot (the vertical cascade)
+    review: bool = False
+    #: the grid ``tree="adaptive"`` measures on first use (None: :class:`~.calibration.CalibrationConfig`)
+    calibration: CalibrationConfig | None = None
+    #: grouped-query SDPA without copying the KV cache (decoding/attention.py)
+    packed_attention: bool = True
+    #: oneDNN-packed weights for the decoder's own forwards (heads/linear.py)
+    packed_linears: bool = True
+    #: what a row that finished while others decode does: one of :data:`FINISHED_ROWS`
+    finished_rows: str = "shrink"
+    #: when the policy says at the start that speculation does not pay for this batch (see
+    #: ``AdaptivePolicy.prefers_plain``), run the base's own ``generate`` instead of the loop's
+    #: plain steps (vLLM's ``speculative_disable_by_batch_size``). Off by default: a plain loop
+    #: step costs what the base's does, and only the loop drops finished rows from the batch and
+    #: goes back to trees once the live batch has shrunk to where they pay (the base's generate
+    #: keeps computing finished rows)
+    delegate_plain: bool = False
+    #: see :data:`MERGED_OFFER_SCALE`
+    merged_offer_scale: int = MERGED_OFFER_SCALE
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__  # frozen: the checked, normalized values replace the given ones
+        set_(self, "tree", parse_tree_option(self.tree))
+        auto = isinstance(self.drafts, str) and self.drafts.strip().lower() == AUTO
+        set_(self, "drafts", AUTO if auto else parse_drafts(self.drafts))
+        if auto:  # auto's sources are known once the heads load; the type is checked now
+            if not isinstance(self.review, bool):
+                check_review(self.review, ())
+        else:
+            check_review(self.review, self.drafts)
+        check_store_argument(self.lookup_store)
+        if self.calibration is not None and not isinstance(self.calibration, CalibrationConfig):
+            raise InputTypeError(f"calibration={self.calibration!r}: pass a draftheads.decoding.calibration."
+                                 "CalibrationConfig (the grid tree='adaptive' measures) or None (the default grid).")
+        for name in ("packed_attention", "packed_linears", "delegate_plain"):
+            if not isinstance(getattr(self, name), bool):
+                raise InputTypeError(f"{name}={getattr(self, name)!r}: expected True or False.")
+        if self.finished_rows not in FINISHED_ROWS:
+            raise InputError(f"finished_rows={self.finished_rows!r}: expected 'shrink' (finished rows leave the "
+                             "batch) or 'mask' (their trees are verified and ignored).")
+        check_count("merged_offer_scale", self.merged_offer_scale, 1)
+
+    def replace(self, **changes) -> "DecodingConfig":
+        """A copy with ``changes`` (checked like the constructor's arguments)."""
+        unknown = sorted(set(changes) - set(field_names()))
+        if unknown:
+            raise InputTypeError(f"unknown decoding option(s) {', '.join(unknown)}; the options are "
+                                 f"{', '.join(field_names())}.")
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        """JSON-plain fields; :meth:`from_dict` reads them back to an equal config. A tree given
+        as a Tree is written as its rank paths; a policy object cannot be written."""
+        out = {f: getattr(self, f) for f in field_names()}
+        out["tree"] = _tree_to_json(self.tree)
+        out["drafts"] = self.drafts if self.drafts == AUTO else list(self.drafts)
+        out["lookup_store"] = None if self.lookup_store is None else str(self.lookup_store)
+        if self.calibration is not None:
+            out["calibration"] = {k: list(v) if isinstance(v, tuple) else v
+                                  for k, v in dataclasses.asdict(self.calibration).items()}
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "DecodingConfig":
+        """The config :meth:`to_dict` wrote (missing fields take their defaults)."""
+        if not isinstance(data, dict):
+            raise InputTypeError(f"a decoding config is a dict of options, got {type(data).__name__}.")
+        fields = dict(data)
+        unknown = sorted(set(fields) - set(field_names()))
+        if unknown:
+            raise InputError(f"unknown decoding option(s) {', '.join(unknown)} in the saved config; the options "
+                             f"are {', '.join(field_names())}.")
+        if isinstance(fields.get("tree"), dict):
+            fields["tree"] = tree_from_paths([tuple(p) for p in fields["tree"]["paths"]])
+        if isinstance(fields.get("drafts"), list):
+            fields["drafts"] = tuple(fields["drafts"])
+        if isinstance(fields.get("calibration"), dict):
+            fields["calibration"] = CalibrationConfig(**{k: tuple(v) if isinstance(v, list) else v
+                                                         for k, v in fields["calibration"].items()})
+        return cls(**fields)
+
+
+def field_names() -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(DecodingConfig))
+
+
+def _tree_to_json(tree: TreeOption):
+    if tree is None or isinstance(tree, (int, str)):
+        return tree
+    if isinstance(tree, Tree):
+        return {"paths": [list(p) for p in tree.paths]}
+    raise InputError(f"decoding.tree is a {type(tree).__name__} object, which a saved config cannot hold; save "
+                     "tree='adaptive', a node budget or a Tree instead.")
+
+
+def decoding_config(decoding: DecodingConfig | None = None, **options) -> DecodingConfig:
+    """``decoding`` (default: all defaults) with the keyword ``options`` applied over it: what
+    ``from_pretrained`` and ``DraftHeadsModel(...)`` build from their arguments."""
+    if decoding is None:
+        return DecodingConfig().replace(**options) if options else DecodingConfig()
+    if not isinstance(decoding, DecodingConfig):
+        raise InputTypeError(f"decoding={decoding!r}: pass a draftheads.decoding.config.DecodingConfig or None, "
+                             "or the options as keyword arguments.")
+    return decoding.replace(**options) if options else decoding
+
+
+def split_options(kwargs: dict) -> tuple[dict, dict]:
+    """``from_pretrained``'s keyword arguments → (decoding options, the rest: Hub arguments)."""
+    names = set(field_names())
+    return ({k: v for k, v in kwargs.items() if k in names}, {k: v for k, v in kwargs.items() if k not in names})
