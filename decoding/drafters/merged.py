@@ -54,7 +54,7 @@ class MergedDrafter:
     worth: HeadsWorth = field(default_factory=HeadsWorth)
     #: the tree the heads fill in place of the policy's (None: the policy's). The default model
     #: sets a larger one than the heads-alone default (``MERGED_OFFER_SCALE`` in
-    #: :mod:`draftheads.decoding.generate`): the width chooser verifies only what pays of it
+    #: :mod:`draftheads.decoding.config`): the width chooser verifies only what pays of it
     heads_tree: Tree | None = None
     #: steps of the current request this drafter proposed with and without the heads (reports, tests)
     heads_steps: int = 0
