@@ -15,14 +15,15 @@ import torch
 
 from ..heads.protocol import TreeSpec
 
-Path = tuple[int, ...]
+#: a node named by its rank at each depth, root first: ``(r1, r2, ...)`` (Medusa's "path")
+Ranks = tuple[int, ...]
 
 
 @dataclass(frozen=True, eq=False)
 class Tree:
     """A prefix-closed set of rank paths plus its derived index buffers (CPU tensors)."""
 
-    paths: tuple[Path, ...]  # sorted by (length, ranks); slot i+1 holds paths[i]
+    paths: tuple[Ranks, ...]  # sorted by (length, ranks); slot i+1 holds paths[i]
     parent: torch.Tensor  # (N,) long, -1 at the root
     depth: torch.Tensor  # (N,) long
     rank: torch.Tensor  # (N,) long
@@ -55,9 +56,9 @@ class Tree:
         return f"Tree(nodes={len(self.paths)}, depth={self.max_depth})"
 
 
-def normalize_paths(paths: Iterable[Sequence[int]]) -> tuple[Path, ...]:
+def normalize_paths(paths: Iterable[Sequence[int]]) -> tuple[Ranks, ...]:
     """Validate and sort: every rank a non-negative int, no duplicates, every prefix present."""
-    seen: set[Path] = set()
+    seen: set[Ranks] = set()
     for raw in paths:
         path = tuple(raw)
         if not path:
@@ -74,7 +75,7 @@ def normalize_paths(paths: Iterable[Sequence[int]]) -> tuple[Path, ...]:
 
 
 @functools.lru_cache(maxsize=256)
-def _build(paths: tuple[Path, ...]) -> Tree:
+def _build(paths: tuple[Ranks, ...]) -> Tree:
     slot = {(): 0} | {p: i + 1 for i, p in enumerate(paths)}
     n = len(paths) + 1
     depth_max = max((len(p) for p in paths), default=0)
@@ -101,7 +102,7 @@ def chain_tree(length: int) -> Tree:
     return tree_from_paths([(0,) * k for k in range(1, length + 1)])
 
 
-def tree_from_ranks(ranks: torch.Tensor, budget: int, max_rank: int | None = None) -> tuple[list[Path], float]:
+def tree_from_ranks(ranks: torch.Tensor, budget: int, max_rank: int | None = None) -> tuple[list[Ranks], float]:
     """Medusa's greedy tree: repeatedly add the path with the highest *measured* acceptance
     probability whose parent is already in the tree, until ``budget`` nodes.
 
@@ -112,12 +113,12 @@ def tree_from_ranks(ranks: torch.Tensor, budget: int, max_rank: int | None = Non
     """
     positions, depth_max = ranks.shape
     cap = int(ranks.max()) if max_rank is None else max_rank
-    chosen: list[Path] = []
+    chosen: list[Ranks] = []
     # rows of positions still consistent with each chosen path (for cheap child evaluation)
-    support: dict[Path, torch.Tensor] = {(): torch.ones(positions, dtype=torch.bool)}
-    frontier: dict[Path, float] = {}
+    support: dict[Ranks, torch.Tensor] = {(): torch.ones(positions, dtype=torch.bool)}
+    frontier: dict[Ranks, float] = {}
 
-    def expand(path: Path) -> None:
+    def expand(path: Ranks) -> None:
         if len(path) >= depth_max:
             return
         rows = support[path]
