@@ -2,7 +2,7 @@
 from .accept import Acceptance, greedy_accept
 from .base.loading import load_base
 from .fingerprint import BaseFingerprint, fingerprint
-from .head_context import HeadContext
+from .head_state import HeadState
 from .generate import DraftHeadsModel
 from .calibration import calibrate
 from .cost import CostModel, load_cost_surface
@@ -11,5 +11,5 @@ from .policy import AdaptivePolicy, FixedTree, TreePolicy, default_tree, tree_fo
 from .tree import Tree, chain_tree, tree_from_paths, tree_from_ranks
 
 __all__ = ["Acceptance", "AdaptivePolicy", "BaseFingerprint", "CostModel", "DecodingStats", "DraftHeadsModel", "FixedTree",
-           "HeadContext", "Tree", "TreePolicy", "calibrate", "chain_tree", "default_tree", "fingerprint", "greedy_accept", "load_base", "load_cost_surface", "tree_for_budget",
+           "HeadState", "Tree", "TreePolicy", "calibrate", "chain_tree", "default_tree", "fingerprint", "greedy_accept", "load_base", "load_cost_surface", "tree_for_budget",
            "tree_from_paths", "tree_from_ranks"]

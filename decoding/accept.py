@@ -71,7 +71,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .drafters.drafts import Drafts, children_table
+from .drafters.step_trees import StepTrees, children_table
 from .processors import NodeProcessors, node_prefixes
 from .sequences import Sequences
 
@@ -101,7 +101,7 @@ def greedy_accept(tokens: torch.Tensor, parent: torch.Tensor, depth: torch.Tenso
                   predicted: torch.Tensor, valid: torch.Tensor | None = None) -> Acceptance:
     """tokens, predicted (B, N): drafted tokens and the base's argmax per slot; parent, depth
     (N,) or (B, N); path_slots (N, D+1) or (B, N, D+1); valid (B, N) masks the padding slots of
-    per-row trees (:class:`~.drafters.Drafts`)."""
+    per-row trees (:class:`~.drafters.StepTrees`)."""
     batch, nodes = tokens.shape
     parent, depth, path_slots = _per_row(batch, nodes, parent, depth, path_slots)
     parent_safe = parent.clamp(min=0)
@@ -142,7 +142,7 @@ def lossless_accept(tokens: torch.Tensor, probs: torch.Tensor, parent: torch.Ten
     tokens (B, N) tree tokens (column 0 = the root, already emitted); probs (B, N, V) the
     base's *processed* next-token distribution at every slot; parent, depth (N,) or (B, N);
     path_slots (N, D+1) or (B, N, D+1); children (B, N, W) each slot's children (default: from
-    ``parent`` by :func:`~.drafts.children_table`; padding slots are nobody's child); uniforms (B, D, W) in [0, 1), one per (level, child
+    ``parent`` by :func:`~.step_trees.children_table`; padding slots are nobody's child); uniforms (B, D, W) in [0, 1), one per (level, child
     trial), drawn before the walk so the random stream does not depend on the outcome;
     bonus_uniform (B,).
 
@@ -285,7 +285,7 @@ class Acceptor:
                              "logits processors yet (they differ there); ask for one of them.")
         self.last_scores: torch.Tensor | None = None
 
-    def _scores(self, logits: torch.Tensor, rows: torch.Tensor, drafts: Drafts | None = None) -> torch.Tensor:
+    def _scores(self, logits: torch.Tensor, rows: torch.Tensor, drafts: StepTrees | None = None) -> torch.Tensor:
         """logits (B, N, V) at the rows' tree slots (N = 1 and no drafts: after the prompt) → the
         processed float32 scores, each slot's processors given that slot's own tokens so far."""
         batch, nodes, vocab = logits.shape
@@ -321,7 +321,7 @@ class Acceptor:
             return greedy_tokens(scores)
         return sample_from(scores.softmax(-1), self._uniform(logits.shape[0])).to(logits.device)
 
-    def accept(self, drafts: Drafts, logits: torch.Tensor, rows: torch.Tensor) -> Acceptance:
+    def accept(self, drafts: StepTrees, logits: torch.Tensor, rows: torch.Tensor) -> Acceptance:
         """The verified drafts (one tree per row), logits (B, N, V) at their slots; rows (B,)
         the original batch rows still decoding (for their tokens so far)."""
         tokens, parent, depth, path_slots, valid = (drafts.tokens, drafts.parent, drafts.depth, drafts.path_slots,

@@ -2,7 +2,7 @@
 
     prefill → root token per row
     loop: tree ← policy ; decode_step (drafter.propose → base.verify → accept → cache.commit →
-          heads' context, drafter.observe) ; emit path + bonus per row ; finished rows leave
+          heads' state, drafter.observe) ; emit path + bonus per row ; finished rows leave
     assemble the output
 
 and the plain path where the policy hands the whole call to the base's own ``generate``.
@@ -20,7 +20,7 @@ from .accept import Acceptor
 from .base.forward import lm_logits, prefill
 from .base.cache import KVState
 from .drafters import Drafter, DraftState
-from .head_context import HeadContext
+from .head_state import HeadState
 from .output import Emitter, generated_counts
 from .request import Request
 from .sequences import Sequences
@@ -152,7 +152,7 @@ def speculate(base, heads, policy, drafter: Drafter, request: Request, started: 
     out.emit_first(roots, acceptor.reported(logits) if request.want_scores else None)
     prefilled = time.perf_counter()
     drafter.start(sequences.prompts())
-    stats = decode(base, policy, sequences, out, acceptor, drafter, kv, HeadContext(heads, hidden), roots, timer,
+    stats = decode(base, policy, sequences, out, acceptor, drafter, kv, HeadState(heads, hidden), roots, timer,
                    shrink)
     stats.prefill_seconds, stats.first_tokens = prefilled - started, request.batch
     stats.new_tokens, stats.seconds = sequences.new_tokens, time.perf_counter() - started
@@ -163,7 +163,7 @@ def speculate(base, heads, policy, drafter: Drafter, request: Request, started: 
                            logits.shape[-1]), stats
 
 
-def decode(base, policy, sequences: Sequences, out: Emitter, acceptor: Acceptor, drafter: Drafter, kv: KVState, context: HeadContext,
+def decode(base, policy, sequences: Sequences, out: Emitter, acceptor: Acceptor, drafter: Drafter, kv: KVState, heads_state: HeadState,
            roots: torch.Tensor, timer: PhaseTimer | None = None, shrink: bool = True) -> DecodingStats:
     """The loop: choose a tree for the live rows, run one :func:`decode_step`, emit what each
     row accepted; finished rows leave the batch when ``shrink``. roots (B,)."""
@@ -173,12 +173,12 @@ def decode(base, policy, sequences: Sequences, out: Emitter, acceptor: Acceptor,
             keep = running.nonzero().squeeze(1)  # finished rows leave: no compute for their trees
             live, roots = live[keep], roots[keep]
             kv.select_rows(keep.to(device))
-            context.select_rows(keep.to(device))
+            heads_state.select_rows(keep.to(device))
         active = out.running(live).to(device)  # all True when shrinking; finished rows masked otherwise
         tree = policy.choose(live.numel(), kv.length)
-        state = DraftState(roots, context.hidden, live.tolist(), _rooms(out, live), kv.length,
+        state = DraftState(roots, heads_state.hidden, live.tolist(), _rooms(out, live), kv.length,
                            sequences.generated)
-        step = decode_step(base, drafter, acceptor, kv, context, state, tree, timer)
+        step = decode_step(base, drafter, acceptor, kv, heads_state, state, tree, timer)
         result = step.acceptance
         policy.observe(step.drafts.shape, result.accepted[active])
         stats.record(step.drafts.num_nodes, result.accepted[active], live.numel())

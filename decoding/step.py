@@ -2,7 +2,7 @@
 (``scripts/profile_step.py``) times exactly the same code phase by phase.
 
     propose (a tree per row) → tree inputs → verify (base forward over the trees) → LM head
-            → accept → commit (keep the accepted cache slots) → head context (+ the drafter hears
+            → accept → commit (keep the accepted cache slots) → head state (+ the drafter hears
             what each row accepted)
 
 A step never emits tokens or decides stopping: that is the loop's business
@@ -22,11 +22,12 @@ from .base.rows import computed_rows
 from .accept import Acceptance
 from .base.forward import lm_logits, verify
 from .base.cache import KVState
-from .drafters import Drafter, Drafts, DraftState
-from .head_context import HeadContext
+from .drafters import Drafter, StepTrees, DraftState
+from .head_state import HeadState
 from .tree import Tree
 
-#: the phases of a step, in order (the profiler's table rows)
+#: the phases of a step, in order (the profiler's table rows; "context" is the heads' state step, a key
+#: of saved phases_ms results, so the name stays)
 PHASES = ("propose", "tree_inputs", "forward", "lm_head", "accept", "commit", "context")
 
 
@@ -62,7 +63,7 @@ def _untimed(name: str, device: torch.device) -> Iterator[None]:
 
 @dataclass
 class StepResult:
-    drafts: Drafts  # the trees that were verified, one per live row
+    drafts: StepTrees  # the trees that were verified, one per live row
     logits: torch.Tensor  # (B, N, V) the base's logits at every tree slot
     acceptance: Acceptance  # per row: deepest accepted slot, accepted drafts, path, bonus token
     drafting_seconds: float = 0.0  # the drafter's proposal (lookups, heads, merge, width choice)
@@ -73,14 +74,14 @@ class StepResult:
         return self.drafts.tokens
 
 
-def decode_step(base, drafter: Drafter, acceptor, kv: KVState, context: HeadContext, state: DraftState,
+def decode_step(base, drafter: Drafter, acceptor, kv: KVState, heads_state: HeadState, state: DraftState,
                 tree: Tree, timer: PhaseTimer | None = None) -> StepResult:
     """One verification step for the live batch.
 
     ``state``: each live row's root token, head input, caller row index and room (see
     :class:`~.drafters.DraftState`); ``tree``: the policy's choice (its size is the node budget;
     a 1-node tree is a plain decoding step). The drafter returns a tree per row; the base
-    verifies them in one forward; the cache in ``kv`` and the heads' ``context`` advance by each
+    verifies them in one forward; the cache in ``kv`` and the heads' ``heads_state`` advance by each
     row's accepted slots; the drafter hears what each row accepted."""
     device = state.roots.device
     phase = timer.phase if timer is not None else _untimed
@@ -102,7 +103,7 @@ def decode_step(base, drafter: Drafter, acceptor, kv: KVState, context: HeadCont
     with phase("commit", device):
         kv.commit(result.path + past, result.accepted + 1)
     with phase("context", device):
-        context.step(states, drafts, result)
+        heads_state.step(states, drafts, result)
         drafter.observe(drafts, result, state.rows)
     if timer is not None:
         timer.steps += 1

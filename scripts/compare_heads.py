@@ -13,7 +13,7 @@ Per checkpoint:
   dtype, on MT-Bench and on each Spec-Bench category. The HF baseline runs once per prompt and
   every checkpoint right after it, so all see the same machine state; every output is checked
   token by token against HF (``bench.divergence`` flags near-ties);
-* drafting latency: ms per step of ``heads.propose`` (+ the HeadContext step for contextual
+* drafting latency: ms per step of ``heads.propose`` (+ the HeadState step for contextual
   families) on real hidden states along a real greedy decode, next to the verify forward;
 * parameters (the heads' own, not the frozen base), family label, tree, train time/throughput.
 

@@ -9,7 +9,7 @@ from .features import Features
 from .losses import label_ranks, topk_accuracy
 from .objective import head_labels
 from .recipe import Recipe
-from .sources import chunk_rows, head_logits, sequence_chunks
+from .batches import chunk_rows, head_logits, sequence_chunks
 
 
 EVAL_RANK_CAP = 16  # ranks beyond this only matter as "missed" for trees and top-k

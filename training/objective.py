@@ -15,7 +15,7 @@ from .frozen import FrozenParts
 from .losses import (draft_vocab, generator_objective, head_cross_entropy, head_targets, label_counts, mask_labels,
                      teacher_kl, teacher_logits)
 from .recipe import Recipe
-from .sources import head_logits
+from .batches import head_logits
 
 
 def head_labels(table: Features, rows: torch.Tensor, heads: DraftHeads, source: str) -> torch.Tensor:

@@ -45,7 +45,7 @@ from .recipe import Recipe, RecipeError, load_recipe
 from .report import JsonlLog, finish, metric_fields
 from .resume import RECIPE_FILE, Progress, resume_point, save_checkpoint
 from .run_state import check_checkpoint_files, load_run_state
-from .sources import FeatureSource, OnTheFlySource, cached_features, micro_batch_items, split_examples
+from .batches import FeatureBatches, OnTheFlyBatches, cached_features, micro_batch_items, split_examples
 
 
 # -- data -----------------------------------------------------------------------------------------------
@@ -191,8 +191,8 @@ def train(recipe: Recipe) -> dict:
 
     accelerator, output_dir, resume = start_run(recipe)
     dtype = DTYPES[recipe.train.dtype]
-    parts, source, eval_table, label_ids = prepare_data(recipe, accelerator, dtype)
-    run = prepare_run(recipe, accelerator, output_dir, dtype, parts, source, label_ids)
+    parts, batches, eval_table, label_ids = prepare_data(recipe, accelerator, dtype)
+    run = prepare_run(recipe, accelerator, output_dir, dtype, parts, batches, label_ids)
     if resume is not None:
         accelerator.load_state(str(resume))
         load_run_state(resume, run.own_state)
@@ -205,7 +205,7 @@ def train(recipe: Recipe) -> dict:
                unit="step", disable=not accelerator.is_local_main_process)
     started = time.perf_counter()
     while run.progress.step < run.total:
-        metrics = optimizer_step(run, source)
+        metrics = optimizer_step(run, batches)
         now = time.perf_counter()
         run.progress.train_seconds += now - started
         bar.update(1)
@@ -243,7 +243,7 @@ def start_run(recipe: Recipe):
 
 
 def prepare_data(recipe: Recipe, accelerator, dtype: torch.dtype):
-    """The frozen parts, the training source (cached features, or the base on the fly), the
+    """The frozen parts, the training batches (cached features, or the base on the fly), the
     held-out table and the label ids the draft vocabulary is counted from."""
     k = recipe.heads.num_heads
     chunking = recipe.train.chunk_length if getattr(REGISTRY.get(recipe.heads.family), "contextual", False) else None
@@ -257,24 +257,24 @@ def prepare_data(recipe: Recipe, accelerator, dtype: torch.dtype):
     train_examples, eval_examples = split_examples(examples, recipe.data.eval_examples)
     if recipe.data.features_dir:
         cache = Path(recipe.data.features_dir)
-        source = FeatureSource(cached_features(base, train_examples, cache / "train", parts.fingerprint, accelerator),
+        batches = FeatureBatches(cached_features(base, train_examples, cache / "train", parts.fingerprint, accelerator),
                                k, chunking)
         eval_table = cached_features(base, eval_examples, cache / "eval", parts.fingerprint, accelerator)
-        return parts, source, eval_table, source.table.teacher[:, 1: k + 1]  # the base itself is not kept
+        return parts, batches, eval_table, batches.table.teacher[:, 1: k + 1]  # the base itself is not kept
     label_ids = torch.tensor([t for e in train_examples for t in e.input_ids[e.response_start:]])
-    return parts, OnTheFlySource(base, train_examples, k, chunking), example_features(base, eval_examples), label_ids
+    return parts, OnTheFlyBatches(base, train_examples, k, chunking), example_features(base, eval_examples), label_ids
 
 
-def prepare_run(recipe: Recipe, accelerator, output_dir: Path, dtype: torch.dtype, parts, source,
+def prepare_run(recipe: Recipe, accelerator, output_dir: Path, dtype: torch.dtype, parts, batches,
                 label_ids: torch.Tensor) -> Run:
     """Fresh heads, the step count, optimizer and schedule, KOALA's discriminator, accelerate's
     wrapping, and the state draftheads checkpoints itself."""
     heads = new_heads(recipe, parts, label_ids, dtype).to(accelerator.device)
     heads.train()
     world, batch = accelerator.num_processes, recipe.train.batch_size
-    micro_per_epoch = len(source) // (batch * world)
+    micro_per_epoch = len(batches) // (batch * world)
     if micro_per_epoch == 0:
-        raise DataError(f"{len(source)} training items cannot fill one global batch of {batch} × {world} processes; "
+        raise DataError(f"{len(batches)} training items cannot fill one global batch of {batch} × {world} processes; "
                         "lower train.batch_size.")
     total = recipe.train.max_steps or max(1, int(recipe.train.epochs * micro_per_epoch) // recipe.train.grad_accum)
     optimizer = torch.optim.AdamW(heads.parameters(), lr=recipe.train.lr, weight_decay=recipe.train.weight_decay)
@@ -296,7 +296,7 @@ def prepare_run(recipe: Recipe, accelerator, output_dir: Path, dtype: torch.dtyp
                adversary, progress, own_state, total, weights)
 
 
-def optimizer_step(run: Run, source) -> dict:
+def optimizer_step(run: Run, batches) -> dict:
     """One optimizer step over ``grad_accum`` micro-batches (the data order a pure function of
     seed and step); updates the progress and returns the step's reduced per-head metrics."""
     recipe, accelerator = run.recipe, run.accelerator
@@ -304,9 +304,9 @@ def optimizer_step(run: Run, source) -> dict:
     positions, step_loss, step_metrics = 0, torch.zeros(()), {}
     for micro_in_step in range(accum):
         micro = run.progress.step * accum + micro_in_step
-        items = micro_batch_items(len(source), micro, batch, accelerator.num_processes, accelerator.process_index,
+        items = micro_batch_items(len(batches), micro, batch, accelerator.num_processes, accelerator.process_index,
                                   recipe.train.seed)
-        table, rows, next_rows = source.batch(items)
+        table, rows, next_rows = batches.batch(items)
         with accelerator.accumulate(run.model):
             loss, metrics = compute_loss(run.model, run.heads, table, rows, next_rows, recipe, run.weights, run.dtype,
                                          accelerator, run.adversary, run.progress.step)

@@ -9,7 +9,7 @@
 * the candidate trie (:class:`Candidates`, every row's at once :class:`CandidateBatch`), its
   operations (:mod:`.tries`), and the hit-rate calibration
   (:class:`HitRate`) that puts every source's scores on the scale of P(accepted);
-* one step's padded trees (:class:`Drafts`), what the verifier and the acceptance rules read.
+* one step's padded trees (:class:`StepTrees`), what the verifier and the acceptance rules read.
 
 Nothing here imports the loop's acceptance, cache or output at run time.
 """
@@ -19,13 +19,13 @@ from .candidates import CandidateBatch, Candidates
 from .tries import count_rows, count_trie, merge, merge_rows, select, select_rows
 from .context_source import CONTEXT, ContextConfig, ContextSource, NgramIndex, SuffixAutomaton
 from .hitrate import HitRate, HitRateConfig, default_q
-from .drafts import Drafts, children_table
+from .step_trees import StepTrees, children_table
 from .choice import (STORE_NAME, auto_drafts, build_drafter, check_review, check_store_argument, open_store,
                      parse_drafts)
 from .heads_drafter import HEADS, HeadsDrafter, heads_batch
 from .lookup import LookupConfig, LookupSources
 from .merged import LookupDrafter, MergedDrafter
-from .interface import Drafter, DraftState, LookupSource, plain_drafts
+from .interface import Drafter, DraftState, LookupSource, plain_step
 from .review import review
 from .width import WidthChooser
 from .worth import HeadsWorth
@@ -37,10 +37,10 @@ from .sources import BUILT_IN  # importing it registers them
 
 __all__ = ["auto_drafts", "BigramTable", "BUILT_IN", "build_arrays", "build_drafter", "CandidateBatch", "Candidates",
            "check_review", "check_store_argument", "children_table", "CONTEXT", "ContextConfig", "ContextSource",
-           "count_rows", "count_trie", "default_q", "Drafter", "Drafts", "DraftState", "HEADS", "heads_batch",
+           "count_rows", "count_trie", "default_q", "Drafter", "StepTrees", "DraftState", "HEADS", "heads_batch",
            "HeadsDrafter", "HeadsWorth", "HitRate", "HitRateConfig", "lookup_names", "LookupConfig", "LookupDrafter",
            "LookupSource", "LookupSources", "merge", "merge_rows", "MergedDrafter", "ModelStore", "needing",
-           "NgramIndex", "open_store", "parse_drafts", "plain_drafts", "register", "REGISTRY", "review", "save_store",
+           "NgramIndex", "open_store", "parse_drafts", "plain_step", "register", "REGISTRY", "review", "save_store",
            "select", "select_rows", "source_id", "source_names", "SourceSpec", "spec_of", "STATS", "StatsConfig",
            "StatsSource", "STORE", "STORE_NAME", "StoreConfig", "StoreError", "StoreHeader", "StoreSource",
            "SuffixAutomaton", "tokenizer_identity", "TokenizerIdentity", "unregister", "WidthChooser"]

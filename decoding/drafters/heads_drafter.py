@@ -11,8 +11,8 @@ import torch
 from ...heads import DraftHeads
 from ..tree import Tree
 from .candidates import CandidateBatch, path_products
-from .drafts import Drafts
-from .interface import DraftState, plain_drafts
+from .step_trees import StepTrees
+from .interface import DraftState, plain_step
 from .registry import SourceSpec, source_id
 
 if TYPE_CHECKING:
@@ -28,13 +28,13 @@ class HeadsDrafter:
     def start(self, prompts: Sequence[Sequence[int]]) -> None:
         """Heads read hidden states, not token histories."""
 
-    def propose(self, state: DraftState, tree: Tree) -> Drafts:
+    def propose(self, state: DraftState, tree: Tree) -> StepTrees:
         tree = tree.fitting(min(state.room))
         if self.heads is None or tree.num_nodes == 1:
-            return plain_drafts(state.roots)
-        return Drafts.uniform(tree, self.heads.propose(state.hidden, state.roots, tree.spec))
+            return plain_step(state.roots)
+        return StepTrees.uniform(tree, self.heads.propose(state.hidden, state.roots, tree.spec))
 
-    def observe(self, drafts: Drafts, result: Acceptance, rows: Sequence[int]) -> None:
+    def observe(self, drafts: StepTrees, result: Acceptance, rows: Sequence[int]) -> None:
         """Nothing to learn: the policy observes acceptance itself."""
 
 

@@ -2,7 +2,7 @@
 
 A :class:`Drafter` sees each live row's state (:class:`DraftState`) and the policy's tree (its
 node budget, and the shape the heads fill) and returns one tree per row
-(:class:`~.drafts.Drafts`); after the verification it hears what each row accepted. A
+(:class:`~.step_trees.StepTrees`); after the verification it hears what each row accepted. A
 :class:`LookupSource` is one row's lookup source (context, store, statistics, or any other
 registered in :mod:`.registry`): it hears the row's new tokens and proposes a scored candidate
 trie.
@@ -19,9 +19,9 @@ import torch
 
 from ..tree import Tree, chain_tree
 from .candidates import Candidates
-from .drafts import Drafts
+from .step_trees import StepTrees
 
-if TYPE_CHECKING:  # the acceptance rules read drafts (accept → drafters.drafts): no run-time import back
+if TYPE_CHECKING:  # the acceptance rules read drafts (accept → drafters.step_trees): no run-time import back
     from ..accept import Acceptance
 
 
@@ -30,7 +30,7 @@ class DraftState:
     """What a drafter may read about the live rows before a step."""
 
     roots: torch.Tensor  # (B,) the token each row ends with (emitted, not yet in the cache)
-    hidden: torch.Tensor  # (B, d) what the heads read (HeadContext.hidden)
+    hidden: torch.Tensor  # (B, d) what the heads read (HeadState.hidden)
     rows: list[int]  # (B,) each live row's index in the caller's batch
     room: list[int]  # (B,) the deepest draft each row may still use (tokens left - 1)
     context_length: int  # cache columns (the cost model's ctx)
@@ -42,14 +42,14 @@ class Drafter(Protocol):
 
     def start(self, prompts: Sequence[Sequence[int]]) -> None: ...
 
-    def propose(self, state: DraftState, tree: Tree) -> Drafts: ...
+    def propose(self, state: DraftState, tree: Tree) -> StepTrees: ...
 
-    def observe(self, drafts: Drafts, result: Acceptance, rows: Sequence[int]) -> None: ...
+    def observe(self, drafts: StepTrees, result: Acceptance, rows: Sequence[int]) -> None: ...
 
 
-def plain_drafts(roots: torch.Tensor) -> Drafts:
+def plain_step(roots: torch.Tensor) -> StepTrees:
     """No drafts: a 1-node tree per row (a plain decoding step)."""
-    return Drafts.uniform(chain_tree(0), roots[:, None])
+    return StepTrees.uniform(chain_tree(0), roots[:, None])
 
 
 class LookupSource(Protocol):

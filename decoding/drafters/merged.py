@@ -16,7 +16,7 @@ from ...heads import DraftHeads
 from ..cost import LINEAR_COST
 from ..tree import Tree
 from .candidates import CandidateBatch
-from .drafts import Drafts
+from .step_trees import StepTrees
 from .heads_drafter import heads_batch
 from .lookup import LookupConfig, LookupSources
 from .interface import DraftState
@@ -72,7 +72,7 @@ class MergedDrafter:
             self.lookup.start(row, prompt)
             self._seen[row] = 0
 
-    def propose(self, state: DraftState, tree: Tree) -> Drafts:
+    def propose(self, state: DraftState, tree: Tree) -> StepTrees:
         if self.heads_tree is not None and tree.num_nodes > 1:  # a plain step stays plain
             tree = self.heads_tree
         tree = tree.fitting(min(state.room))
@@ -113,7 +113,7 @@ class MergedDrafter:
             width, keep = (priced[0], priced[0] - 1) if priced and not self.width.per_row else self._cut(tries, ctx)
         # best-first order: each row's first nodes (width − 1, or its own count) are a prefix-closed tree
         self._proposed = tries.first(keep)
-        return Drafts.from_candidates(state.roots, self._proposed)
+        return StepTrees.from_candidates(state.roots, self._proposed)
 
     def _count_heads_step(self, proposed: bool) -> None:
         """A step the heads could draft in: they proposed, or their worth check skipped them."""
@@ -153,7 +153,7 @@ class MergedDrafter:
         counts = self.width.counts(tries, ctx, self._weights)
         return 1.0 + float(counts.sum()) / max(tries.rows, 1), counts
 
-    def observe(self, drafts: Drafts, result: Acceptance, rows: Sequence[int]) -> None:
+    def observe(self, drafts: StepTrees, result: Acceptance, rows: Sequence[int]) -> None:
         """Each row's accepted drafts calibrate the hit rates of the sources that proposed them."""
         accepted = drafts.accepted_tokens(result.path, result.accepted)
         self.lookup.observe_rows(rows, self._proposed, accepted)

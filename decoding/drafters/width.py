@@ -7,7 +7,7 @@ import numpy as np
 
 from ..cost import LINEAR_COST, CostModel
 from .candidates import CandidateBatch
-from .drafts import SKIP_PADDING_SLOTS
+from .step_trees import SKIP_PADDING_SLOTS
 
 
 #: how steeply a row's worth falls as its projected finish moves ahead of the batch's last
@@ -62,7 +62,7 @@ class WidthChooser:
 
         The step is priced at the slots it computes plus what its padding still costs: rows
         are padded to the widest, and where the padding is left out of the linear layers
-        (:meth:`~.drafts.Drafts.skips_padding`) a padding slot still costs about
+        (:meth:`~.step_trees.StepTrees.skips_padding`) a padding slot still costs about
         :data:`PADDED_SLOT_SHARE` of a real one (attention, norms, the gather and scatter).
 
         ``weights`` (B,): what a token of each row is worth (:func:`finish_weights`; None: 1

@@ -9,8 +9,8 @@ from transformers import GenerationConfig
 from draftheads.decoding.accept import Acceptor
 from draftheads.decoding.base.forward import lm_logits, prefill
 from draftheads.decoding.base.cache import KVState
-from draftheads.decoding.drafters import DraftState, Drafts
-from draftheads.decoding.head_context import HeadContext
+from draftheads.decoding.drafters import DraftState, StepTrees
+from draftheads.decoding.head_state import HeadState
 from draftheads.decoding.sequences import Sequences
 from draftheads.decoding.step import PHASES, PhaseTimer, decode_step
 from draftheads.decoding.tree import chain_tree
@@ -26,9 +26,9 @@ class ChainDrafter:
     def start(self, prompts):
         pass
 
-    def propose(self, state: DraftState, tree) -> Drafts:
+    def propose(self, state: DraftState, tree) -> StepTrees:
         tokens = torch.tensor([[int(r)] + self.chains[b] for b, r in enumerate(state.roots.tolist())])
-        return Drafts.uniform(chain_tree(tokens.shape[1] - 1), tokens)
+        return StepTrees.uniform(chain_tree(tokens.shape[1] - 1), tokens)
 
     def observe(self, drafts, result, rows):
         self.observed.append((result.accepted.tolist(), list(rows)))
@@ -51,7 +51,7 @@ def test_a_step_keeps_what_the_base_would_have_said_and_only_that():
     drafter = ChainDrafter([greedy[0][1:4], [greedy[1][1], wrong, greedy[1][3]]])
     timer = PhaseTimer()
     state = DraftState(roots, hidden, [0, 1], [8, 8], kv.length, sequences.generated)
-    step = decode_step(model, drafter, acceptor, kv, HeadContext(None, hidden), state, chain_tree(3), timer)
+    step = decode_step(model, drafter, acceptor, kv, HeadState(None, hidden), state, chain_tree(3), timer)
     result = step.acceptance
     assert result.accepted.tolist() == [3, 1]
     assert result.bonus.tolist() == [greedy[0][4], greedy[1][2]]

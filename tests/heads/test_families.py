@@ -89,7 +89,7 @@ def test_prefix_layer_cache_matches_a_full_pass():
     from transformers import DynamicCache
 
     from draftheads.decoding.accept import Acceptance
-    from draftheads.decoding.head_context import HeadContext
+    from draftheads.decoding.head_state import HeadState
 
     model = tiny_llama(0)
     heads = random_heads("hydra++", model)
@@ -98,7 +98,7 @@ def test_prefix_layer_cache_matches_a_full_pass():
     sequence = torch.randn(2, 7, d, dtype=model.dtype)  # the hidden states the rows accept
     full = heads.contextualize(sequence, torch.arange(7).expand(2, 7),
                                torch.ones(7, 7, dtype=torch.bool).tril()[None, None].expand(2, 1, 7, 7))
-    context = HeadContext(heads, sequence[:, 0])
+    context = HeadState(heads, sequence[:, 0])
     assert torch.allclose(context.hidden, full[:, 0], atol=1e-10)
     tree = tree_from_paths([[0], [1], [0, 0]])  # slots: root, (0), (1), (0, 0)
     position = [1, 1]

@@ -397,12 +397,12 @@ MIXED = [TREES["d2w2"] + [(5,), (5, 0), (5, 0, 0)], TREES["d1w4"] + [(5,), (5, 0
 
 
 def mixed_shapes():
-    """One padded Drafts with a row per shape (its tables are indexed by each draw's shape)."""
-    from draftheads.decoding.drafters.drafts import Drafts
+    """One padded StepTrees with a row per shape (its tables are indexed by each draw's shape)."""
+    from draftheads.decoding.drafters.step_trees import StepTrees
 
     trees_ = [tree_from_paths(paths) for paths in MIXED]
     parents = [(t.parent[1:] - 1).tolist() for t in trees_]
-    return trees_, Drafts.from_rows(torch.zeros(len(trees_), dtype=torch.long), parents,
+    return trees_, StepTrees.from_rows(torch.zeros(len(trees_), dtype=torch.long), parents,
                                     [[0] * (t.num_nodes - 1) for t in trees_])
 
 

@@ -22,7 +22,7 @@ from draftheads.training.losses import (IGNORE, discriminator_bce, generator_adv
                                         head_weights, r1_penalty, teacher_logits)
 from draftheads.training.recipe import AdversarialSection, RecipeError, load_recipe
 from draftheads.training.objective import head_labels
-from draftheads.training.sources import head_logits
+from draftheads.training.batches import head_logits
 
 LOG2 = math.log(2.0)
 

@@ -175,7 +175,7 @@ def test_contextual_family_trains_on_sequence_chunks_and_decodes_identically(tin
     """Hydra++ (prefix layer over the context): the framework feeds it whole sequence chunks
     (batch_size counts chunks), KL + CE fall, and the saved heads decode token-identically."""
     from draftheads.decoding import DraftHeadsModel
-    from draftheads.training.sources import chunk_rows, sequence_chunks
+    from draftheads.training.batches import chunk_rows, sequence_chunks
 
     report = run_inprocess(tiny_recipe(
         tiny_setup, "hydrapp", heads__family="hydra++", heads__extra={"prefix_heads": 2}, train__batch_size=4,

@@ -14,7 +14,7 @@ from draftheads.decoding.cost import LINEAR_COST, CostModel
 from draftheads.decoding.drafters import (DraftState, HeadsDrafter, MergedDrafter, WidthChooser, build_drafter, CandidateBatch, parse_drafts)
 from draftheads.decoding.drafters import Candidates, ContextConfig, LookupConfig, LookupSources
 from draftheads.decoding.drafters import drafts as drafts_module
-from draftheads.decoding.drafters.drafts import Drafts
+from draftheads.decoding.drafters.step_trees import StepTrees
 
 MODELS = {seed: tiny_llama(seed) for seed in range(2)}
 PAD = 0
@@ -73,7 +73,7 @@ def test_rows_really_verify_different_trees_and_lookups_get_accepted():
     free = model.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=PAD)
     heads = OracleHeads(free[:, ids.shape[1]:].tolist(), vocab=96, error=0.5, seed=0)
     tree = tree_from_paths([(0,), (1,), (0, 0)])
-    seen: list[Drafts] = []
+    seen: list[StepTrees] = []
     decoder = merged(model, heads, tree)
     propose = decoder.drafter.propose
 
@@ -97,11 +97,11 @@ def test_rows_really_verify_different_trees_and_lookups_get_accepted():
 @settings(max_examples=200, deadline=None)
 @given(shapes=st.lists(trees(max_depth=4, max_nodes=10), min_size=1, max_size=5))
 def test_padded_drafts_are_the_trees_they_stand_for(shapes):
-    """Drafts.from_rows(per-row tries) has, row by row, the parents, depths, ancestor mask,
+    """StepTrees.from_rows(per-row tries) has, row by row, the parents, depths, ancestor mask,
     root→slot paths and children of the tree built from the same paths; padding slots see
     only themselves and are nobody's child."""
     built = [tree_from_paths(p) for p in shapes]
-    drafts = Drafts.from_rows(torch.arange(len(built)), [(t.parent[1:] - 1).tolist() for t in built],
+    drafts = StepTrees.from_rows(torch.arange(len(built)), [(t.parent[1:] - 1).tolist() for t in built],
                               [list(range(100, 100 + t.num_nodes - 1)) for t in built])
     children = drafts.children()
     for b, tree in enumerate(built):
@@ -265,7 +265,7 @@ def test_per_row_counts_never_price_worse_than_one_width_for_every_row():
     """The per-row search includes one width for every row (every node under a cap), so under the
     cost model its choice yields at least the expected tokens per ms of the width chooser's."""
     import numpy as np
-    from draftheads.decoding.drafters.drafts import SKIP_PADDING_SLOTS
+    from draftheads.decoding.drafters.step_trees import SKIP_PADDING_SLOTS
     from draftheads.decoding.drafters.width import PADDED_SLOT_SHARE
 
     rng = np.random.default_rng(0)
@@ -307,13 +307,13 @@ def test_stats_report_drafting_milliseconds_per_step():
 @given(st.lists(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=5), min_size=0, max_size=5),
                 min_size=1, max_size=4))
 def test_drafts_from_a_candidate_batch_are_the_drafts_from_its_rows(chains_per_row):
-    """Drafts.from_candidates (every row at once) builds the very tensors Drafts.from_rows builds
+    """StepTrees.from_candidates (every row at once) builds the very tensors StepTrees.from_rows builds
     from the same tries row by row: tokens, parents, depths, path slots, valid slots."""
     from draftheads.decoding.drafters import CandidateBatch, Candidates, count_trie, source_id
     tries = [count_trie(chains, source_id("context"), 2, 0.9) if chains else Candidates.empty() for chains in chains_per_row]
     roots = torch.arange(len(tries)) + 100
     batch = CandidateBatch.from_rows(tries)
-    got = Drafts.from_candidates(roots, batch)
-    want = Drafts.from_rows(roots, [t.parent.tolist() for t in tries], [t.token.tolist() for t in tries])
+    got = StepTrees.from_candidates(roots, batch)
+    want = StepTrees.from_rows(roots, [t.parent.tolist() for t in tries], [t.token.tolist() for t in tries])
     for name in ("tokens", "parent", "depth", "path_slots", "valid"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name

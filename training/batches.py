@@ -31,7 +31,7 @@ def cached_features(base, examples: list[Example], directory: Path, fp: dict, ac
     return load_shards(paths, fp)
 
 
-class FeatureSource:
+class FeatureBatches:
     """Training items = cached positions (the fast path); for contextual families (Hydra++,
     whose layer reads the context) items are sequence chunks and a batch is their rows,
     right-padded with -1 (B, T)."""
@@ -85,9 +85,9 @@ def head_logits(model, table: Features, rows: torch.Tensor, num_heads: int, devi
     return logits[valid.to(device)], rows[valid]
 
 
-class OnTheFlySource:
+class OnTheFlyBatches:
     """Training items = examples; each batch runs the frozen base over its sequences (for
-    contextual families the batch's rows come as sequence chunks, as in :class:`FeatureSource`)."""
+    contextual families the batch's rows come as sequence chunks, as in :class:`FeatureBatches`)."""
 
     def __init__(self, base, examples: list[Example], num_heads: int, chunk_length: int | None = None):
         self.base, self.examples, self.num_heads, self.chunk_length = base, examples, num_heads, chunk_length

@@ -1,4 +1,4 @@
-"""One step's drafts: a token tree per live row, padded to a common width.
+"""One step's trees (:class:`StepTrees`): a token tree per live row, padded to a common width.
 
 Rows of a batch may verify different trees (heads plus lookups give each row its own shape);
 the base still runs one forward over a dense (B, N) block. A row with fewer than N nodes
@@ -24,13 +24,13 @@ if TYPE_CHECKING:
     from .candidates import CandidateBatch
 
 #: a step leaves its padding slots out of the base's linear layers and LM head when at least
-#: this many of its slots are padding (:meth:`Drafts.skips_padding`): gathering and scattering
+#: this many of its slots are padding (:meth:`StepTrees.skips_padding`): gathering and scattering
 #: the rows has its own cost, which a handful of padding slots does not repay
 SKIP_PADDING_SLOTS = 16
 
 
 @dataclass(eq=False)
-class Drafts:
+class StepTrees:
     tokens: torch.Tensor  # (B, N) long; column 0 = the roots
     parent: torch.Tensor  # (B, N) long; -1 at the root and at padding slots
     depth: torch.Tensor  # (B, N) long; 0 at the root and at padding slots
@@ -71,7 +71,7 @@ class Drafts:
         return children_table(self.parent)
 
     @classmethod
-    def uniform(cls, tree: Tree, tokens: torch.Tensor) -> "Drafts":
+    def uniform(cls, tree: Tree, tokens: torch.Tensor) -> "StepTrees":
         """Every row drafts ``tree``: tokens (B, N) fill it."""
         batch, device = tokens.shape[0], tokens.device
         expand = lambda t: t.to(device).expand(batch, *t.shape)  # noqa: E731
@@ -80,7 +80,7 @@ class Drafts:
 
     @classmethod
     def from_rows(cls, roots: torch.Tensor, parents: Sequence[Sequence[int]],
-                  tokens: Sequence[Sequence[int]]) -> "Drafts":
+                  tokens: Sequence[Sequence[int]]) -> "StepTrees":
         """Per-row tries → padded drafts. roots (B,); for row b, ``parents[b]`` and ``tokens[b]`` list
         its draft nodes parents-first, a parent given as the node's index in that list (-1 = the
         root). Children keep their list order (the order the lossless walk tries them in)."""
@@ -98,7 +98,7 @@ class Drafts:
                 continue
             up = np.asarray(parents[b], dtype=np.int64)
             if np.any(up >= np.arange(n)) or np.any(up < -1):
-                raise ValueError(f"Drafts.from_rows: row {b} lists a node before its parent (parents first, -1 = root).")
+                raise ValueError(f"StepTrees.from_rows: row {b} lists a node before its parent (parents first, -1 = root).")
             slot_parent = up + 1  # list index → slot (the root is slot 0)
             parent[b, 1: n + 1] = slot_parent
             for i in range(1, n + 1):
@@ -121,7 +121,7 @@ class Drafts:
                    torch.from_numpy(path_slots).to(device), torch.from_numpy(valid).to(device))
 
     @classmethod
-    def from_candidates(cls, roots: torch.Tensor, kept: "CandidateBatch") -> "Drafts":
+    def from_candidates(cls, roots: torch.Tensor, kept: "CandidateBatch") -> "StepTrees":
         """:meth:`from_rows` for every row of a :class:`~.candidates.CandidateBatch` at once
         (row b's nodes parents-first, in the order its slots take): a few array operations per
         depth level instead of a Python walk per node, which was most of this step's cost at

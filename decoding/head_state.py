@@ -13,10 +13,10 @@ import torch
 from ..heads import DraftHeads
 from .accept import Acceptance
 from .base.cache import KVState
-from .drafters.drafts import Drafts
+from .drafters.step_trees import StepTrees
 
 
-class HeadContext:
+class HeadState:
     """Per-row head input (``hidden``, (B, d)) maintained across verification steps."""
 
     def __init__(self, heads: DraftHeads | None, last_hidden: torch.Tensor):
@@ -35,7 +35,7 @@ class HeadContext:
             self.kv = KVState.after_prefill(cache, first)
             self.hidden = out[:, 0]
 
-    def step(self, states: torch.Tensor, drafts: Drafts, result: Acceptance) -> None:
+    def step(self, states: torch.Tensor, drafts: StepTrees, result: Acceptance) -> None:
         """After a verification: ``states`` (B, N, d) of every tree slot; keep the accepted ones."""
         rows = torch.arange(states.shape[0], device=states.device)
         if self.kv is None:
