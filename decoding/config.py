@@ -1,32 +1,36 @@
 """The decoding options of a :class:`~.generate.DraftHeadsModel`, in one typed, checked object.
 
-``DraftHeadsModel.from_pretrained(path, tree=4, drafts="heads")`` builds a :class:`DecodingConfig`
+``DraftHeadsModel.from_pretrained(path, tree=4, sources="heads")`` builds a :class:`DecodingConfig`
 from its keyword arguments; ``from_pretrained(path, decoding=DecodingConfig(tree=4))`` passes one
 (keyword arguments given beside it win, as in transformers' ``generation_config``). The model
 keeps it as ``model.decoding``. What is read when:
 
 - ``tree``, ``calibration``, ``packed_attention``, ``packed_linears``: when the model is built;
-- ``drafts``, ``lookup_store``, ``review``, ``merged_offer_scale``: when the drafting is chosen
-  (``from_pretrained``, :meth:`~.generate.DraftHeadsModel.use_drafts`);
+- ``sources``, ``lookup_store``, ``review``, ``merged_offer_scale``: when the drafting is chosen
+  (``from_pretrained``, :meth:`~.generate.DraftHeadsModel.use_sources`);
 - ``finished_rows``, ``delegate_plain``: at every ``generate`` call (change them with
   ``model.decoding = model.decoding.replace(finished_rows="mask")``).
 
 :meth:`DecodingConfig.to_dict` / :meth:`DecodingConfig.from_dict` are a symmetric pair (JSON-plain).
+``drafts=`` is the old name of ``sources=``: :meth:`DecodingConfig.replace` (and so ``from_pretrained``)
+still takes it, with a FutureWarning (:func:`renamed_sources`).
 """
 from __future__ import annotations
 
 import dataclasses
+import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
 
 from .calibration import CalibrationConfig
-from .drafters import check_review, check_store_argument, parse_drafts
+from .drafters import check_review, check_store_argument, parse_sources
 from .limits import InputError, InputTypeError, check_count, parse_tree_option
 from .tree import Tree, tree_from_paths
 
-#: ``drafts=`` value that lets the model choose its sources when the heads load
-#: (:func:`~.drafters.auto_drafts`: the heads and every lookup source there is data for)
+#: ``sources=`` value that lets the model choose its sources when the heads load
+#: (:func:`~.drafters.auto_sources`: the heads and every lookup source there is data for)
 AUTO = "auto"
 #: what ``finished_rows`` may be: "shrink" drops a finished row from the batch (cache rows
 #: included); "mask" keeps verifying its (ignored) tree, kept as the comparison point.
@@ -54,10 +58,10 @@ class DecodingConfig:
     #: budget ≥ 0 (0: plain decoding), a Tree or any TreePolicy
     tree: TreeOption = None
     #: who fills the trees: "auto", or a comma-separated mix (str or tuple) of the sources
-    #: (:func:`~.drafters.parse_drafts`); kept as the checked tuple of names
-    drafts: str | tuple[str, ...] = AUTO
+    #: (:func:`~.drafters.parse_sources`); kept as the checked tuple of names
+    sources: str | tuple[str, ...] = AUTO
     #: the model store the "store"/"stats" sources read (None: the one beside the heads); a
-    #: store named is opened and checked even when the drafts do not use it
+    #: store named is opened and checked even when the sources do not use it
     lookup_store: str | Path | None = None
     #: the heads rescore lookup drafts before they take a slot (the vertical cascade)
     review: bool = False
@@ -82,13 +86,13 @@ class DecodingConfig:
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: the checked, normalized values replace the given ones
         set_(self, "tree", parse_tree_option(self.tree))
-        auto = isinstance(self.drafts, str) and self.drafts.strip().lower() == AUTO
-        set_(self, "drafts", AUTO if auto else parse_drafts(self.drafts))
+        auto = isinstance(self.sources, str) and self.sources.strip().lower() == AUTO
+        set_(self, "sources", AUTO if auto else parse_sources(self.sources))
         if auto:  # auto's sources are known once the heads load; the type is checked now
             if not isinstance(self.review, bool):
                 check_review(self.review, ())
         else:
-            check_review(self.review, self.drafts)
+            check_review(self.review, self.sources)
         check_store_argument(self.lookup_store)
         if self.calibration is not None and not isinstance(self.calibration, CalibrationConfig):
             raise InputTypeError(f"calibration={self.calibration!r}: pass a draftheads.decoding.calibration."
@@ -102,7 +106,9 @@ class DecodingConfig:
         check_count("merged_offer_scale", self.merged_offer_scale, 1)
 
     def replace(self, **changes) -> "DecodingConfig":
-        """A copy with ``changes`` (checked like the constructor's arguments)."""
+        """A copy with ``changes`` (checked like the constructor's arguments; ``drafts=``: see
+        :func:`renamed_sources`)."""
+        changes = renamed_sources(changes)
         unknown = sorted(set(changes) - set(field_names()))
         if unknown:
             raise InputTypeError(f"unknown decoding option(s) {', '.join(unknown)}; the options are "
@@ -114,7 +120,7 @@ class DecodingConfig:
         as a Tree is written as its rank paths; a policy object cannot be written."""
         out = {f: getattr(self, f) for f in field_names()}
         out["tree"] = _tree_to_json(self.tree)
-        out["drafts"] = self.drafts if self.drafts == AUTO else list(self.drafts)
+        out["sources"] = self.sources if self.sources == AUTO else list(self.sources)
         out["lookup_store"] = None if self.lookup_store is None else str(self.lookup_store)
         if self.calibration is not None:
             out["calibration"] = {k: list(v) if isinstance(v, tuple) else v
@@ -127,18 +133,48 @@ class DecodingConfig:
         if not isinstance(data, dict):
             raise InputTypeError(f"a decoding config is a dict of options, got {type(data).__name__}.")
         fields = dict(data)
+        if OLD_SOURCES in fields and "sources" not in fields:  # a config saved before sources= had its name
+            fields["sources"] = fields.pop(OLD_SOURCES)
         unknown = sorted(set(fields) - set(field_names()))
         if unknown:
             raise InputError(f"unknown decoding option(s) {', '.join(unknown)} in the saved config; the options "
                              f"are {', '.join(field_names())}.")
         if isinstance(fields.get("tree"), dict):
             fields["tree"] = tree_from_paths([tuple(p) for p in fields["tree"]["paths"]])
-        if isinstance(fields.get("drafts"), list):
-            fields["drafts"] = tuple(fields["drafts"])
+        if isinstance(fields.get("sources"), list):
+            fields["sources"] = tuple(fields["sources"])
         if isinstance(fields.get("calibration"), dict):
             fields["calibration"] = CalibrationConfig(**{k: tuple(v) if isinstance(v, list) else v
                                                          for k, v in fields["calibration"].items()})
         return cls(**fields)
+
+
+#: the old name of ``sources=``, still accepted (with a FutureWarning) where options are given
+OLD_SOURCES = "drafts"
+
+
+def renamed_sources(options: dict) -> dict:
+    """``options`` with the old ``drafts=`` given as ``sources=``: a FutureWarning says so, and
+    giving both is one error line (which would win is not for us to guess)."""
+    if OLD_SOURCES not in options:
+        return options
+    options = dict(options)
+    value = options.pop(OLD_SOURCES)
+    if "sources" in options:
+        raise InputError("sources= and drafts= both given: drafts= is the old name of sources=; pass sources= only.")
+    warnings.warn("drafts= is now sources=; drafts= still works but will be removed: pass sources= instead.",
+                  FutureWarning, stacklevel=user_frame())
+    options["sources"] = value
+    return options
+
+
+def user_frame() -> int:
+    """The ``stacklevel`` that names the first caller outside draftheads (a warning points at the user's line)."""
+    package = __name__.split(".")[0]
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] == package:
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def field_names() -> tuple[str, ...]:
@@ -167,5 +203,5 @@ def decoding_config(decoding: DecodingConfig | None = None, **options) -> Decodi
 
 def split_options(kwargs: dict) -> tuple[dict, dict]:
     """``from_pretrained``'s keyword arguments → (decoding options, the rest: Hub arguments)."""
-    names = set(field_names())
+    names = set(field_names()) | {OLD_SOURCES}
     return ({k: v for k, v in kwargs.items() if k in names}, {k: v for k, v in kwargs.items() if k not in names})

@@ -7,6 +7,7 @@ and the drop-in ``generate()``. The rest lives in modules named for it: the opti
 from __future__ import annotations
 
 import time
+import warnings
 import weakref
 from pathlib import Path
 from typing import Sequence
@@ -27,7 +28,7 @@ from .fingerprint import fingerprint
 from .calibration import CalibrationConfig, calibrate
 from .config import AUTO, DecodingConfig, TreeOption, decoding_config, split_options
 from .cost import CostModel
-from .drafters import Drafter, HeadsDrafter, MergedDrafter, auto_drafts, build_drafter, check_review, open_store, parse_drafts
+from .drafters import Drafter, HeadsDrafter, MergedDrafter, auto_sources, build_drafter, check_review, open_store, parse_sources
 from .drafters import needing
 from .limits import check_base_path, check_generator, parse_dtype
 from .loop import DecodingStats, plain_generate, speculate
@@ -59,7 +60,7 @@ class DraftHeadsModel:
         the keyword ``options`` (its fields: ``packed_attention=False``, ...) applied over it.
         Built here: the packing, the heads' binding and the tree (``tree=None``: the checkpoint's
         default tree; :meth:`from_pretrained` also prices it on this machine); the drafting is
-        chosen by :meth:`from_pretrained` or :meth:`use_drafts` (until then: the heads alone)."""
+        chosen by :meth:`from_pretrained` or :meth:`use_sources` (until then: the heads alone)."""
         if tree is not None:
             options["tree"] = tree
         #: the options this model decodes with (:mod:`.config`)
@@ -84,11 +85,11 @@ class DraftHeadsModel:
         #: who fills the trees; None: the heads alone (:class:`~.drafters.HeadsDrafter` over ``self.heads``)
         self.drafter: Drafter | None = None
         #: the sources ``drafter`` merges (("heads",) for the heads alone), named in reports
-        self.draft_sources: tuple[str, ...] = ("heads",) if heads is not None else ()
+        self.sources: tuple[str, ...] = ("heads",) if heads is not None else ()
         #: this machine's bs-1 step times (:meth:`calibrate_defaults`); None: not measured
         self.step_table: CostModel | None = None
         #: the heads-alone node budget this machine's quick calibration chose (None: the tree was
-        #: given); :meth:`use_drafts` offers ``decoding.merged_offer_scale`` times it when lookups join
+        #: given); :meth:`use_sources` offers ``decoding.merged_offer_scale`` times it when lookups join
         self.default_budget: int | None = None
         self._default_policy: TreePolicy | None = None
         self._stores: dict = {}  # lookup_store argument → the opened (read-only, mapped) store
@@ -105,12 +106,12 @@ class DraftHeadsModel:
         and on GPUs), else float32; an explicit dtype wins. The heads are cast to the base's dtype.
 
         ``decoding``: a :class:`~.config.DecodingConfig`; ``kwargs`` that name its fields are
-        applied over it (``tree``, ``drafts``, ``lookup_store``, ``review``, ``calibration``,
+        applied over it (``tree``, ``sources``, ``lookup_store``, ``review``, ``calibration``,
         ``packed_attention``, ``packed_linears``, ``finished_rows``, ``delegate_plain``,
         ``merged_offer_scale``; see :mod:`.config`), the others go to the Hub (``revision``,
         ``cache_dir``, ``token``, ``local_files_only``; ``HF_HUB_OFFLINE=1`` reads the cache only).
-        ``drafts="auto"`` (default): the heads and every lookup source there is data for
-        (:func:`auto_drafts`); ``tree=None`` (default): the stored tree this machine's quick
+        ``sources="auto"`` (default): the heads and every lookup source there is data for
+        (:func:`auto_sources`); ``tree=None`` (default): the stored tree this machine's quick
         calibration prices best (:meth:`calibrate_defaults`; seconds, once per machine, cached)."""
         options, hub_kwargs = split_options(kwargs)
         config = decoding_config(decoding, **options)  # every option is checked before anything loads
@@ -132,7 +133,7 @@ class DraftHeadsModel:
         model = cls(base, heads, tokenizer, decoding=config)
         if config.tree is None:
             model.calibrate_defaults()
-        sources = auto_drafts(heads, config.lookup_store) if config.drafts == AUTO else config.drafts
+        sources = auto_sources(heads, config.lookup_store) if config.sources == AUTO else config.sources
         check_review(config.review, sources)
         model._build_drafter(sources, config.lookup_store, config.review)
         return model
@@ -150,8 +151,8 @@ class DraftHeadsModel:
             self.default_budget = best_budget(self.heads, cost, 1, QUICK_CONTEXT, DEFAULT_TAU_SCALE)[0].budget
             self.policy = self._default_policy = FixedTree(tree_for_budget(self.heads, self.default_budget))
 
-    def use_drafts(self, drafts: str | Sequence[str], lookup_store: str | Path | None = None,
-                   review: bool = False) -> None:
+    def use_sources(self, sources: str | Sequence[str], lookup_store: str | Path | None = None,
+                    review: bool = False) -> None:
         """Choose who fills the trees: "heads" (the checkpoint's heads alone), or a mix of heads
         and lookup sources — "context" (suffix matches in the prompt and the answer so far),
         "store" (matches in the base's own answers, a file shipped beside the heads), "stats"
@@ -161,18 +162,25 @@ class DraftHeadsModel:
         heads rescore each lookup draft within their depth before it takes a verification slot
         (their probability of its token joins its calibrated hit rate). ``model.decoding`` records
         the choice."""
-        if isinstance(drafts, str) and drafts.strip().lower() == AUTO:
-            parse_drafts(drafts)  # "auto" is from_pretrained's choice, refused here as before
-        config = self.decoding.replace(drafts=drafts, lookup_store=lookup_store, review=review)  # before the store opens
-        self._build_drafter(config.drafts, lookup_store, review)
+        if isinstance(sources, str) and sources.strip().lower() == AUTO:
+            parse_sources(sources)  # "auto" is from_pretrained's choice, refused here as before
+        config = self.decoding.replace(sources=sources, lookup_store=lookup_store, review=review)  # before the store opens
+        self._build_drafter(config.sources, lookup_store, review)
         self.decoding = config
 
+    def use_drafts(self, drafts: str | Sequence[str], lookup_store: str | Path | None = None,
+                   review: bool = False) -> None:
+        """The old name of :meth:`use_sources` (a FutureWarning says so)."""
+        warnings.warn("use_drafts() is now use_sources(); use_drafts() still works but will be removed.",
+                      FutureWarning, stacklevel=2)
+        self.use_sources(drafts, lookup_store, review)
+
     def _build_drafter(self, sources: tuple[str, ...], lookup_store: str | Path | None, review: bool) -> None:
-        """The drafter of checked ``sources`` (:meth:`use_drafts`), the store opened once per file."""
-        self.draft_sources = sources
+        """The drafter of checked ``sources`` (:meth:`use_sources`), the store opened once per file."""
+        self.sources = sources
         store = None
         uses_store = bool(needing("store", sources))
-        if uses_store or lookup_store is not None:  # a store named is checked even when these drafts skip it
+        if uses_store or lookup_store is not None:  # a store named is checked even when these sources skip it
             key = None if lookup_store is None else str(Path(lookup_store).resolve())
             if key not in self._stores:  # opened and checked once per file, shared by every drafter
                 self._stores[key] = open_store(lookup_store, self.heads, self.tokenizer,

@@ -70,7 +70,7 @@ REFUSED: dict[str, tuple[tuple, str]] = {
     "output_hidden_states": ((False,), f"draftheads returns no hidden states; drop it or {_OWN_GENERATE}"),
     "token_healing": ((False,), "heal the prompt's last token before the call instead"),
     "assistant_model": ((), f"{_NO_DRAFTER}; drop it, or {_OWN_GENERATE}"),
-    "prompt_lookup_num_tokens": ((), f"{_NO_DRAFTER} and draftheads drafts lookups itself (drafts='auto' or "
+    "prompt_lookup_num_tokens": ((), f"{_NO_DRAFTER} and draftheads drafts lookups itself (sources='auto' or "
                                      "'heads,context'); drop it"),
     "assistant_early_exit": ((), f"{_NO_DRAFTER}; drop it, or {_OWN_GENERATE}"),
     "use_mtp": ((False,), f"{_NO_DRAFTER}; drop it, or {_OWN_GENERATE}"),

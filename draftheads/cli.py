@@ -13,7 +13,7 @@ import torch
 
 from .decoding.limits import DTYPE_CHOICES, InputError, check_count
 from .heads.errors import DraftheadsError, one_line
-from .options import draft_source_list, drafts_argument, find_heads, tree_argument
+from .options import add_sources_option, find_heads, renamed_sources_option, source_list, tree_argument
 from .prompts import chat_input, cost_surfaces, round_robin
 from .prompts import read_prompts as _read_prompts
 
@@ -45,19 +45,19 @@ def load_model(args):
     from .decoding import DraftHeadsModel
     from .decoding.config import DecodingConfig
 
-    drafts = getattr(args, "draft_sources", None) or "auto"
-    review = args.review and args.command == "generate"  # the bench compares with and without
-    decoding = DecodingConfig(tree=args.tree, drafts=drafts, review=review)
+    generate = args.command == "generate"  # the bench compares sources (and review) with and without
+    sources = (args.sources if generate else None) or "auto"
+    decoding = DecodingConfig(tree=args.tree, sources=sources, review=args.review and generate)
     return DraftHeadsModel.from_pretrained(find_heads(args.heads), base_name_or_path=args.base, dtype=args.dtype,
                                            decoding=decoding)
 
 
-def check_review_option(review: bool, drafts) -> None:
-    """``--review`` needs ``--drafts`` mixing heads and lookups: one error line, before any model loads."""
+def check_review_option(review: bool, sources) -> None:
+    """``--review`` needs ``--sources`` mixing heads and lookups: one error line, before any model loads."""
     from .decoding.drafters import check_review
 
     try:
-        check_review(review, drafts or ("heads",))
+        check_review(review, sources or ("heads",))
     except InputError as err:
         raise InputError(f"--review: {err}") from None
 
@@ -79,7 +79,7 @@ def cmd_generate(args) -> int:
     from .decoding.guarantee import first_divergence
     from .streamer import DraftColourStreamer
 
-    check_review_option(args.review, args.draft_sources)
+    check_review_option(args.review, args.sources)
     model = load_model(args)
     ids = chat_input(model.tokenizer, args.prompt)
     warm_up_paths(model, baseline=not args.no_baseline)
@@ -111,7 +111,7 @@ def cmd_generate(args) -> int:
 
 def drafting_line(model) -> str:
     """What filled the trees, in words: the sources, the tree, and how often the heads proposed."""
-    sources = " + ".join(model.draft_sources) or "none (plain decoding)"
+    sources = " + ".join(model.sources) or "none (plain decoding)"
     drafter = model.drafter
     offer = getattr(drafter, "heads_tree", None)  # the merged drafter's larger offer (MERGED_OFFER_SCALE)
     tree = offer.num_nodes if offer is not None else (model.policy.tree.num_nodes if hasattr(model.policy, "tree")
@@ -120,7 +120,7 @@ def drafting_line(model) -> str:
     if getattr(drafter, "heads", None) is not None and hasattr(drafter, "skipped_heads_steps"):
         line += (f"; the heads proposed on {drafter.heads_steps} of "
                  f"{drafter.heads_steps + drafter.skipped_heads_steps} steps (skipped where a lookup match carried the step)")
-    return line + " (--drafts heads: the heads alone)"
+    return line + " (--sources heads: the heads alone)"
 
 
 def int_list(value: str, minimum: int = 0) -> list[int]:
@@ -151,11 +151,11 @@ def cmd_bench(args) -> int:
     from .bench import run_batch_bench, run_bench
 
     read_prompts(args.prompts, args.limit)  # a bad prompt file fails before the model loads
-    check_review_option(args.review, args.drafts)
+    check_review_option(args.review, args.sources)
     if args.twin and not args.parts:
         raise InputError("--twin is the control of --parts: add --parts.")
-    if args.parts and (args.drafts or args.batch_sizes):
-        raise InputError("--parts compares the default with its parts in the bs-1 bench: drop --drafts/--batch-sizes.")
+    if args.parts and (args.sources or args.batch_sizes):
+        raise InputError("--parts compares the default with its parts in the bs-1 bench: drop --sources/--batch-sizes.")
     model = load_model(args)
     if args.batch_sizes:
         if min(args.batch_sizes) < 1:
@@ -174,7 +174,7 @@ def cmd_bench(args) -> int:
         out = Path(args.out if args.out != "results/bench" else "results/batch")
         payload = run_batch_bench(model, prompts, args.batch_sizes, budgets, args.max_new_tokens, out,
                                   max_batches=per_size, compare_mask=not args.no_mask_compare,
-                                  recalibrate=args.recalibrate, repeats=args.repeats, drafts=args.drafts, review=args.review,
+                                  recalibrate=args.recalibrate, repeats=args.repeats, sources=args.sources, review=args.review,
                                   meta=vars(args), surfaces=cost_surfaces())
         summary = {bs: {name: {k: s[k] for k in ("tokens_per_second", "decode_tokens_per_second", "prefill_seconds",
                                                  "drafting_ms_per_step") if k in s}
@@ -183,7 +183,7 @@ def cmd_bench(args) -> int:
         return 0
     prompts = read_prompts(args.prompts, args.limit)
     results = run_bench(model, prompts, args.max_new_tokens, Path(args.out), meta=vars(args),
-                        control=not args.no_control, drafts=args.drafts, turn2=args.turn2,
+                        control=not args.no_control, sources=args.sources, turn2=args.turn2,
                         review=args.review, parts=args.parts, repeats=args.repeats, twin=args.twin)
     print(bench_table(results))
     return 0
@@ -256,16 +256,15 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default: the checkpoint's)")
     common.add_argument("--review", action="store_true",
                         help="vertical cascade: the heads rescore lookup drafts before they take verification "
-                             "slots (with --drafts mixing heads and lookups; the bench then also runs the reviewed mix)")
+                             "slots (with --sources mixing heads and lookups; the bench then also runs the reviewed mix)")
     common.add_argument("--max-new-tokens", type=count_argument(1), default=None,
                         help="default 128 (32 for the batched bench, which runs ~9 strategies x 6 batch sizes)")
     gen = sub.add_parser("generate", parents=[common], help="answer one prompt, streaming")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--no-baseline", action="store_true", help="skip the plain-generate comparison")
-    gen.add_argument("--drafts", dest="draft_sources", type=drafts_argument, default=None,
-                     help=f"who fills the trees: a comma-separated subset of {draft_source_list()} (or 'all'; "
-                          "default: the heads and every lookup source there is data for): the heads and lookups "
-                          "merge into one tree per step")
+    add_sources_option(gen, help=f"who fills the trees: a comma-separated subset of {source_list()} (or 'all'; "
+                                 "default: the heads and every lookup source there is data for): the heads and lookups "
+                                 "merge into one tree per step")
     gen.set_defaults(func=cmd_generate)
     bench = sub.add_parser("bench", parents=[common], help="HF generate vs draftheads on a prompt file")
     bench.add_argument("--prompts", required=True, nargs="+",
@@ -293,10 +292,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-control", action="store_true",
                        help="skip the controls (HF prompt lookup on each prompt, HF on each pair of prompts as a "
                             "padded batch of 2): faster, but no peer speed and no identity control")
-    bench.add_argument("--drafts", type=drafts_argument, default=None,
-                       help=f"compare draft sources: a comma-separated subset of {draft_source_list()} (or "
-                            "'all'); runs each alone, the lookups together and all merged, beside HF prompt lookup; "
-                            "with --batch-sizes: the adaptive policy with the heads alone vs with the lookups")
+    add_sources_option(bench, help=f"compare draft sources: a comma-separated subset of {source_list()} (or "
+                                   "'all'); runs each alone, the lookups together and all merged, beside HF prompt lookup; "
+                                   "with --batch-sizes: the adaptive policy with the heads alone vs with the lookups")
     bench.add_argument("--parts", action="store_true",
                        help="time the default drafting beside its parts, the heads alone and the lookups alone, "
                             "and report the default against the better of them per category")
@@ -342,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     """Every subcommand runs under one catch: a :class:`DraftheadsError` (whatever its kind:
     checkpoint, store, recipe, data, prompt, input...) or an OS error on a path the user gave
     ends the command with one ``error:`` line on stderr and exit status 2, never a traceback."""
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     if getattr(args, "max_new_tokens", 1) is None:
         args.max_new_tokens = 32 if getattr(args, "batch_sizes", None) else 128
     try:
@@ -353,6 +351,15 @@ def main(argv: list[str] | None = None) -> int:
         if err.filename is None:  # not about a path: a bug or the machine, keep the traceback
             raise
         fail(f"{err.filename}: {err.strerror or err}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, old option names (``--drafts``) read as the new ones (with a FutureWarning)."""
+    args = build_parser().parse_args(argv)
+    try:
+        return renamed_sources_option(args)
+    except DraftheadsError as err:
+        fail(str(err))
 
 
 def fail(message: str) -> None:

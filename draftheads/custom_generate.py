@@ -46,18 +46,19 @@ _PREPARED = {"attention_mask", "position_ids", "use_cache", "cache", "past_key_v
 _DECODERS: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, DraftHeadsModel]]" = weakref.WeakKeyDictionary()
 
 
-def custom_generate(heads: str | Path, drafts: str | Sequence[str] | None = None, tree=None,
+def custom_generate(heads: str | Path, sources: str | Sequence[str] | None = None, tree=None,
                     lookup_store: str | Path | None = None, decoding: DecodingConfig | None = None,
                     **kwargs) -> Callable:
     """The function to pass as ``model.generate(..., custom_generate=fn)`` (see the module
     docstring). ``heads``: a head checkpoint folder or Hub id, made for that model (its
-    fingerprint is checked on first use); ``drafts`` (None: ``decoding``'s, by default "auto"),
+    fingerprint is checked on first use); ``sources`` (None: ``decoding``'s, by default "auto"; the
+    old name ``drafts=`` still works, with a FutureWarning),
     ``tree``, ``lookup_store``, ``decoding`` and ``kwargs`` (the other
     :class:`~draftheads.decoding.config.DecodingConfig` fields, and the Hub's arguments) as in
     :meth:`DraftHeadsModel.from_pretrained`. Arguments are checked now."""
     check_heads_argument(heads)
     options, hub_kwargs = split_options(kwargs)
-    given = {"drafts": drafts, "tree": tree, "lookup_store": lookup_store}
+    given = {"sources": sources, "tree": tree, "lookup_store": lookup_store}
     options.update({name: value for name, value in given.items() if value is not None})
     config = decoding_config(decoding, **options)
     key = (str(heads), config, tuple(sorted(hub_kwargs.items())))
@@ -145,7 +146,7 @@ def refuse_assistance(assistant_model, generation_config) -> None:
                          "the draft model); drop assistant_model, or call generate() without custom_generate.")
     if getattr(generation_config, "prompt_lookup_num_tokens", None):
         raise InputError("custom_generate: prompt_lookup_num_tokens cannot be combined with draftheads' heads "
-                         "(draftheads drafts lookups itself: drafts='auto' or 'heads,context'); drop it.")
+                         "(draftheads drafts lookups itself: sources='auto' or 'heads,context'); drop it.")
 
 
 def check_placement(model, decoder: DraftHeadsModel) -> None:

@@ -243,9 +243,9 @@ def cmd_demo(args) -> int:
 
     heads = find_heads(args.heads)
     model = DraftHeadsModel.from_pretrained(heads, base_name_or_path=args.base, dtype=args.dtype, tree=args.tree,
-                                            drafts=args.draft_sources or "auto", review=args.review)
+                                            sources=args.sources or "auto", review=args.review)
     warm_up_paths(model)  # before the page counts anything
-    sources = " + ".join(model.draft_sources) or "none (plain decoding)"
+    sources = " + ".join(model.sources) or "none (plain decoding)"
     title = (f"base `{args.base or 'SmolLM2-135M-Instruct (embedded)'}` · heads `{heads}` · "
              f"{str(model.base.dtype).removeprefix('torch.')} · drafting {sources} · "
              f"up to {args.max_new_tokens} new tokens, greedy")
@@ -258,13 +258,12 @@ def cmd_demo(args) -> int:
 
 def add_command(sub, common) -> None:
     """Register ``demo`` on the ``draftheads`` parser (``common``: --heads, --base, --dtype, ...)."""
-    from .options import drafts_argument
+    from .options import add_sources_option
 
     demo = sub.add_parser("demo", parents=[common], help="a local Gradio page: the answer streaming with accepted "
                                                          "drafts coloured, plain generate beside it, tokens/s and τ")
-    demo.add_argument("--drafts", dest="draft_sources", type=drafts_argument, default=None,
-                      help="who fills the trees, as for `draftheads generate` (default: the heads and every lookup "
-                           "source there is data for)")
+    add_sources_option(demo, help="who fills the trees, as for `draftheads generate` (default: the heads and every lookup "
+                                   "source there is data for)")
     demo.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1: this machine only)")
     demo.add_argument("--port", type=int, default=7860, help="port (default 7860)")
     demo.set_defaults(func=cmd_demo)

@@ -1,8 +1,9 @@
 """Command-line option values shared by the CLI and the scripts (nothing imports the CLI):
-where a ``--heads`` argument points, and ``--tree``."""
+where a ``--heads`` argument points, ``--tree`` and ``--sources``."""
 from __future__ import annotations
 
 import argparse
+import warnings
 
 from .decoding.base.loading import from_checkout
 
@@ -26,18 +27,46 @@ def tree_argument(value: str) -> str | int:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
-def draft_source_list() -> str:
-    """The registered draft sources as ``--drafts`` spells them: ``heads,context,store,stats``."""
+def source_list() -> str:
+    """The registered draft sources as ``--sources`` spells them: ``heads,context,store,stats``."""
     from .decoding.drafters import source_names
 
     return ",".join(source_names())
 
 
-def drafts_argument(value: str) -> tuple[str, ...]:
-    """``--drafts``: a comma-separated subset of the registered draft sources (or ``all``)."""
-    from .decoding.drafters import parse_drafts
+def sources_argument(value: str) -> tuple[str, ...]:
+    """``--sources``: a comma-separated subset of the registered draft sources (or ``all``)."""
+    from .decoding.drafters import parse_sources
 
     try:
-        return parse_drafts(value)
+        return parse_sources(value)
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
+
+
+#: where ``--drafts``, the old name of ``--sources``, is parsed to (absent unless given)
+OLD_SOURCES_DEST = "old_drafts"
+
+
+def add_sources_option(parser: argparse.ArgumentParser, help: str) -> None:
+    """``--sources`` into ``args.sources``, and its old name ``--drafts`` (hidden; read by
+    :func:`renamed_sources_option` after parsing)."""
+    parser.add_argument("--sources", type=sources_argument, default=None, help=help)
+    parser.add_argument("--drafts", dest=OLD_SOURCES_DEST, type=sources_argument, default=argparse.SUPPRESS,
+                        help=argparse.SUPPRESS)
+
+
+def renamed_sources_option(args: argparse.Namespace) -> argparse.Namespace:
+    """``--drafts`` given → ``args.sources``, with a FutureWarning; both given → one error line."""
+    if not hasattr(args, OLD_SOURCES_DEST):
+        return args
+    from .decoding.limits import InputError
+
+    old = getattr(args, OLD_SOURCES_DEST)
+    delattr(args, OLD_SOURCES_DEST)
+    if args.sources is not None:
+        raise InputError("--sources and --drafts both given: --drafts is the old name of --sources; pass --sources only.")
+    warnings.warn("--drafts is now --sources; --drafts still works but will be removed: pass --sources instead.",
+                  FutureWarning, stacklevel=2)
+    args.sources = old
+    return args

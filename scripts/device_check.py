@@ -110,7 +110,7 @@ def run(device: str, dtypes: list[str], new: int) -> dict:
         base = tiny_base(device, dtype)
         model = DraftHeadsModel(base, random_heads(base), tree=tree_from_paths([tuple(p) for p in TREE]))
         for drafts in DRAFTS:
-            model.use_drafts(drafts)
+            model.use_sources(drafts)
             for shape, batch in (("bs1", None), ("bs4", prompts(4, seed=1)), ("bs8", prompts(8, seed=2))):
                 case = {"dtype": name, "drafts": drafts, "shape": shape}
                 try:

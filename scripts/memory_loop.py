@@ -4,7 +4,7 @@ and the batch size alternate, call after call. Growth beyond noise would mean so
 cache, a drafter's per-row state, a re-opened store, stats, scores) is kept between calls.
 
 Each call takes the next (drafting configuration, batch size) pair in turn — by default
-``use_drafts("heads")`` / ``use_drafts("all")`` × batch size 1 / 4, so the drafter is rebuilt
+``use_sources("heads")`` / ``use_sources("all")`` × batch size 1 / 4, so the drafter is rebuilt
 on every call — with 8 new tokens. RSS is read after a gc every ``--every`` calls; the report
 gives the RSS at the start, after ``--warmup`` calls and at the end, and the largest drift
 from the warm-up value over the rest of the loop, which must stay within ``--tolerance-mib``.
@@ -13,7 +13,7 @@ from the warm-up value over the rest of the loop, which must stay within ``--tol
 heads and a lookup store built from the model's own answers (a minute or two on 2 cores);
 ``--heads <checkpoint>`` runs that checkpoint on its base (the embedded SmolLM2 by default) with
 MT-Bench prompts (about 20 minutes on one core). This script was ``scripts/rss_loop.py``;
-``results/rss_loop/rss.json`` is its earlier run with the heads alone (``--drafts heads``).
+``results/rss_loop/rss.json`` is its earlier run with the heads alone (``--sources heads``).
 
     python scripts/memory_loop.py --out results/memory_loop/memory.json
 """
@@ -95,18 +95,18 @@ def batches(prompts: list[list[int]], size: int, pad: int) -> list[tuple[torch.T
 
 def run_loop(model: DraftHeadsModel, plan: list[tuple[str, int]], inputs: dict[int, list], store: Path | None,
              calls: int, every: int, max_new_tokens: int, pad: int) -> dict:
-    """``calls`` generate calls, each with the next (drafts, batch size) of ``plan``; RSS after a
+    """``calls`` generate calls, each with the next (sources, batch size) of ``plan``; RSS after a
     gc at call 1 and every ``every`` calls."""
     rss, started = {}, time.perf_counter()
     for call in range(1, calls + 1):
-        drafts, size = plan[(call - 1) % len(plan)]
-        model.use_drafts(drafts, lookup_store=store)
+        sources, size = plan[(call - 1) % len(plan)]
+        model.use_sources(sources, lookup_store=store)
         ids, mask = inputs[size][(call - 1) // len(plan) % len(inputs[size])]
         model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, pad_token_id=pad)
         if call == 1 or call % every == 0:
             gc.collect()
             rss[call] = round(rss_mib(), 2)
-            print(f"call {call} ({drafts}, bs {size}): RSS {rss[call]} MiB, {time.perf_counter() - started:.0f} s",
+            print(f"call {call} ({sources}, bs {size}): RSS {rss[call]} MiB, {time.perf_counter() - started:.0f} s",
                   flush=True)
     return {"rss_mib_after_call": rss, "seconds": round(time.perf_counter() - started, 1)}
 
@@ -125,7 +125,7 @@ def main() -> int:
     parser.add_argument("--heads", default="tiny", help="'tiny' (random model, default) or a head checkpoint")
     parser.add_argument("--base", default=None, help="with a checkpoint: its base (default: embedded SmolLM2)")
     parser.add_argument("--prompts", default="mt-bench", help="with a checkpoint: a built-in prompt set or a JSON-lines file")
-    parser.add_argument("--drafts", default="heads;all", help="drafting configurations to alternate, ';'-separated")
+    parser.add_argument("--sources", default="heads;all", help="drafting configurations to alternate, ';'-separated")
     parser.add_argument("--batch-sizes", default="1,4")
     parser.add_argument("--calls", type=int, default=1000)
     parser.add_argument("--max-new-tokens", type=int, default=8)
@@ -137,7 +137,7 @@ def main() -> int:
     parser.add_argument("--out", default="results/memory_loop/memory.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    configs = [d.strip() for d in args.drafts.split(";") if d.strip()]
+    configs = [d.strip() for d in args.sources.split(";") if d.strip()]
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     with tempfile.TemporaryDirectory(prefix="memory-loop-") as tmp:
         if args.heads == "tiny":

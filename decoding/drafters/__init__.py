@@ -20,8 +20,8 @@ from .tries import count_rows, count_trie, merge, merge_rows, select, select_row
 from .context_source import CONTEXT, ContextConfig, ContextSource, NgramIndex, SuffixAutomaton
 from .hitrate import HitRate, HitRateConfig, default_q
 from .step_trees import StepTrees, children_table
-from .choice import (STORE_NAME, auto_drafts, build_drafter, check_review, check_store_argument, open_store,
-                     parse_drafts)
+from .choice import (STORE_NAME, auto_sources, build_drafter, check_review, check_store_argument, open_store,
+                     parse_sources)
 from .heads_drafter import HEADS, HeadsDrafter, heads_batch
 from .lookup import LookupConfig, LookupSources
 from .merged import LookupDrafter, MergedDrafter
@@ -35,12 +35,12 @@ from .store import (ModelStore, StoreConfig, StoreError, StoreHeader, TokenizerI
 from .store_source import STORE, StoreSource
 from .sources import BUILT_IN  # importing it registers them
 
-__all__ = ["auto_drafts", "BigramTable", "BUILT_IN", "build_arrays", "build_drafter", "CandidateBatch", "Candidates",
+__all__ = ["auto_sources", "BigramTable", "BUILT_IN", "build_arrays", "build_drafter", "CandidateBatch", "Candidates",
            "check_review", "check_store_argument", "children_table", "CONTEXT", "ContextConfig", "ContextSource",
            "count_rows", "count_trie", "default_q", "Drafter", "StepTrees", "DraftState", "HEADS", "heads_batch",
            "HeadsDrafter", "HeadsWorth", "HitRate", "HitRateConfig", "lookup_names", "LookupConfig", "LookupDrafter",
            "LookupSource", "LookupSources", "merge", "merge_rows", "MergedDrafter", "ModelStore", "needing",
-           "NgramIndex", "open_store", "parse_drafts", "plain_step", "register", "REGISTRY", "review", "save_store",
+           "NgramIndex", "open_store", "parse_sources", "plain_step", "register", "REGISTRY", "review", "save_store",
            "select", "select_rows", "source_id", "source_names", "SourceSpec", "spec_of", "STATS", "StatsConfig",
            "StatsSource", "STORE", "STORE_NAME", "StoreConfig", "StoreError", "StoreHeader", "StoreSource",
            "SuffixAutomaton", "tokenizer_identity", "TokenizerIdentity", "unregister", "WidthChooser"]

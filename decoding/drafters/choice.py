@@ -1,4 +1,4 @@
-"""Which drafter a model uses: the source names (``drafts=``, read from the registry
+"""Which drafter a model uses: the source names (``sources=``, read from the registry
 :mod:`.registry`), the store file beside the heads, and the drafter built from them.
 """
 from __future__ import annotations
@@ -22,21 +22,21 @@ from .width import PACKED_PADDING_SHARE, PADDED_SLOT_SHARE, WidthChooser
 STORE_NAME = "lookup_store.safetensors"
 
 
-def parse_drafts(drafts: str | Sequence[str]) -> tuple[str, ...]:
+def parse_sources(sources: str | Sequence[str]) -> tuple[str, ...]:
     """``"heads,context"`` / ``["heads", "context"]`` / ``"all"`` → the source names, checked,
     in the registry's order."""
     known = source_names()
-    if not isinstance(drafts, (str, list, tuple)) or any(not isinstance(n, str) for n in
-                                                          ([] if isinstance(drafts, str) else drafts)):
-        raise InputTypeError(f"drafts must be a str such as 'heads,context' (or 'all') or a list/tuple of such names, "
-                             f"got {type(drafts).__name__} {drafts!r}; the sources are {', '.join(known)}.")
-    names = drafts.split(",") if isinstance(drafts, str) else list(drafts)
+    if not isinstance(sources, (str, list, tuple)) or any(not isinstance(n, str) for n in
+                                                           ([] if isinstance(sources, str) else sources)):
+        raise InputTypeError(f"sources must be a str such as 'heads,context' (or 'all') or a list/tuple of such names, "
+                             f"got {type(sources).__name__} {sources!r}; the sources are {', '.join(known)}.")
+    names = sources.split(",") if isinstance(sources, str) else list(sources)
     names = [n.strip().lower() for n in names if n.strip()]
     if names == ["all"]:
         return known
     unknown = [n for n in names if n not in known]
     if unknown or not names:
-        raise InputError(f"drafts={drafts!r}: expected a comma-separated subset of {', '.join(known)} "
+        raise InputError(f"sources={sources!r}: expected a comma-separated subset of {', '.join(known)} "
                          "(or 'all').")
     return tuple(n for n in known if n in names)
 
@@ -46,20 +46,20 @@ def check_review(review: bool, sources: Sequence[str]) -> None:
     if not isinstance(review, bool):
         raise InputError(f"review={review!r}: expected True (the heads rescore lookup drafts) or False.")
     if review and (HEADS.name not in sources or not [s for s in sources if s != HEADS.name]):
-        raise InputError(f"review=True: the heads review lookup drafts, so drafts must include 'heads' and at "
+        raise InputError(f"review=True: the heads review lookup drafts, so sources must include 'heads' and at "
                          f"least one of {', '.join(lookup_names())} (got {','.join(sources)}).")
 
 
 def build_drafter(sources: Sequence[str], heads: DraftHeads | None, store=None, cost: CostModel | None = None,
                   eos_token_id: int | None = None, review: bool = False, packed_ragged: bool = False) -> Drafter:
-    """The drafter for ``sources`` (:func:`parse_drafts`): the heads alone → :class:`HeadsDrafter`;
+    """The drafter for ``sources`` (:func:`parse_sources`): the heads alone → :class:`HeadsDrafter`;
     any lookup → :class:`MergedDrafter` (with the heads when "heads" is among them).
     ``packed_ragged``: the base verifies ragged rows packed (:func:`~..base.verifies_ragged`),
     so the width chooser prices a ragged step's padding at :data:`~.width.PACKED_PADDING_SHARE`."""
     if heads is None and needing("heads", sources):
-        raise InputError(f"drafts include {', '.join(repr(n) for n in needing('heads', sources))} but no head "
+        raise InputError(f"sources include {', '.join(repr(n) for n in needing('heads', sources))} but no head "
                          f"checkpoint was loaded: pass heads_path, or draft with lookups only "
-                         f"(drafts='{','.join(lookup_names())}').")
+                         f"(sources='{','.join(lookup_names())}').")
     check_review(review, sources)
     lookups = [s for s in sources if s != HEADS.name]  # LookupSources names any unknown one
     if not lookups:
@@ -91,8 +91,8 @@ def open_store(path: str | Path | None, heads: DraftHeads | None, tokenizer, voc
                            vocab_limit=vocab)
 
 
-def auto_drafts(heads: DraftHeads | None, lookup_store: str | Path | None = None) -> tuple[str, ...]:
-    """``drafts="auto"``: every registered source there is data for — the heads (when loaded),
+def auto_sources(heads: DraftHeads | None, lookup_store: str | Path | None = None) -> tuple[str, ...]:
+    """``sources="auto"``: every registered source there is data for — the heads (when loaded),
     the context, and the store and its bigram statistics when there is a store (``lookup_store``,
     or one shipped beside the heads). Faster than the heads alone on every Spec-Bench category:
     the merged tree spends each step's slots on whichever source is likelier to be accepted.

@@ -1,11 +1,11 @@
 """The draft sources by name: each declares once what the rest of drafting derives from it.
 
-A :class:`SourceSpec` names a source (its ``drafts=`` name), its prior hit rate, and for a
+A :class:`SourceSpec` names a source (its ``sources=`` name), its prior hit rate, and for a
 lookup source its configuration dataclass, how a row's source starts and how a step's rows
 propose at once, whether it is static (its data never changes during a request, so it is muted
 for a row where it keeps missing) and what must be loaded for it (a head checkpoint, a model
-store). The names ``drafts=`` and the CLI accept, the hit-rate priors, the lookup sources'
-configurations and classes, ``drafts="auto"``'s choice and the missing-file checks all read
+store). The names ``sources=`` and the CLI accept, the hit-rate priors, the lookup sources'
+configurations and classes, ``sources="auto"``'s choice and the missing-file checks all read
 this registry. A new source is one module building its spec and one :func:`register` line
 (the built-in ones: :mod:`.sources`); register before building a model.
 
@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 #: what a source may need loaded (``SourceSpec.needs``)
 LOADABLE = {"heads": "a head checkpoint", "store": "a model store"}
-#: words ``drafts=`` gives a meaning of its own, so no source may take them as its name
+#: words ``sources=`` gives a meaning of its own, so no source may take them as its name
 RESERVED = ("all", "auto", "none")
 #: a node's source id is an int8
 MOST_SOURCES = 127
@@ -115,7 +115,7 @@ def source_count() -> int:
 
 
 def source_names() -> tuple[str, ...]:
-    """Every source ``drafts=`` accepts, in id order."""
+    """Every source ``sources=`` accepts, in id order."""
     return tuple(REGISTRY)
 
 

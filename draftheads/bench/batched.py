@@ -54,12 +54,12 @@ def prompt_label(prompts: list[dict]) -> str:
 
 
 def batch_draft_combos(sources: Sequence[str], review: bool = False) -> list[tuple[str, ...]]:
-    """What the batched bench runs beside the heads-only policy for ``--drafts``: the lookups
+    """What the batched bench runs beside the heads-only policy for ``--sources``: the lookups
     together (the Hierarchy Drafting hierarchy, no heads), every source merged, and with
     ``review`` every source merged under the vertical cascade (a trailing "review")."""
-    from ..decoding.drafters import parse_drafts
+    from ..decoding.drafters import parse_sources
 
-    sources = parse_drafts(sources)
+    sources = parse_sources(sources)
     lookups = tuple(s for s in sources if s != "heads")
     combos = [lookups] if lookups else []
     if lookups and "heads" in sources:
@@ -84,7 +84,7 @@ class BatchBench:
     names: list[str]
 
     @classmethod
-    def prepare(cls, model, budgets: list[int], compare_mask: bool, drafts: Sequence[str] | None, review: bool,
+    def prepare(cls, model, budgets: list[int], compare_mask: bool, sources: Sequence[str] | None, review: bool,
                 log=print, recalibrate: bool = False) -> "BatchBench":
         """Calibrate, build every strategy's policy and drafter. Sets ``model.policy`` (callers
         restore the model with :func:`~.runs.model_state`)."""
@@ -103,13 +103,13 @@ class BatchBench:
         model.policy = adaptive  # the drafters below size their trees with its cost model
         drafters = {}
         with drafting(model, model.drafter):  # configuration name → its drafter
-            for combo in batch_draft_combos(drafts, review) if drafts else []:
+            for combo in batch_draft_combos(sources, review) if sources else []:
                 name = "+".join(combo)
                 drafters[name] = config_drafter(model, combo)
                 if "heads" in combo and combo[-1] != "review":  # the same drafting, each row its own node count
                     drafters[name + PER_ROW] = config_drafter(model, combo)
                     drafters[name + PER_ROW].width.per_row = True
-        names = strategy_names(budgets, compare_mask and not drafts, list(drafters))
+        names = strategy_names(budgets, compare_mask and not sources, list(drafters))
         return cls(model, pad, eos, cost, adaptive, policies, drafters, names)
 
     def run(self, name: str, ids: torch.Tensor, mask: torch.Tensor, new: int):
@@ -176,14 +176,14 @@ def batches_of(encoded: list[list[int]], bs: int, max_batches: int | dict[int, i
 def run_batch_bench(model, prompts: list[dict], batch_sizes: list[int], budgets: list[int], max_new_tokens: int,
                     out_dir: Path, max_batches: int | dict[int, int] = 4, compare_mask: bool = True, meta: dict | None = None,
                     surfaces: list[Path] = (), log=print, recalibrate: bool = False, repeats: int = 1,
-                    drafts: Sequence[str] | None = None, review: bool = False) -> dict:
+                    sources: Sequence[str] | None = None, review: bool = False) -> dict:
     """One run, the same batches for every strategy (the first ``bs × max_batches`` prompts
     in the order given — the CLI deals categories round-robin — chat template, left padding),
     strategies interleaved per batch (in a rotating order) so they share the machine's state.
     Throughput = new tokens (to EOS) over the batch / wall seconds; with ``repeats`` > 1 each
     strategy runs each batch that often and its fastest run counts (the mean over all runs is
     saved too). The adaptive policy chooses among exactly the compared budgets, so "best fixed
-    tree" is the best of its own options. With ``drafts`` (source names) the adaptive policy
+    tree" is the best of its own options. With ``sources`` (source names) the adaptive policy
     with the heads alone runs against the same policy with lookups (:func:`batch_draft_combos`),
     whose merged trees are sized by its cost model. The model's policy, drafter and
     finished-row handling are as they were afterwards."""
@@ -191,7 +191,7 @@ def run_batch_bench(model, prompts: list[dict], batch_sizes: list[int], budgets:
 
     out_dir.mkdir(parents=True, exist_ok=True)
     with model_state(model):
-        bench = BatchBench.prepare(model, budgets, compare_mask, drafts, review, log, recalibrate)
+        bench = BatchBench.prepare(model, budgets, compare_mask, sources, review, log, recalibrate)
         encoded = [chat_input(model.tokenizer, p["prompt"])[0].tolist() for p in prompts]
         bench.warm_up(encoded[:2])
         results: dict = {}

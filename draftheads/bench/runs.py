@@ -84,13 +84,13 @@ def eos_ids(base) -> list[int]:
 
 
 def draft_configs(model, sources: tuple[str, ...], review: bool = False) -> dict[str, object]:
-    """The bench's drafting configurations for ``sources`` (``--drafts``): each source alone, the
+    """The bench's drafting configurations for ``sources`` (``--sources``): each source alone, the
     lookups together (the Hierarchy Drafting hierarchy), with ``review`` every source merged
     under the vertical cascade, and every source merged (last: the headline). name → a drafter
     for ``model.drafter`` (None: the heads alone)."""
-    from ..decoding.drafters import parse_drafts
+    from ..decoding.drafters import parse_sources
 
-    sources = parse_drafts(sources)
+    sources = parse_sources(sources)
     lookups = tuple(s for s in sources if s != "heads")
     wanted = [(s,) for s in sources]
     if len(lookups) > 1:
@@ -115,7 +115,7 @@ def part_configs(model, twin: bool = False) -> dict[str, object]:
     it is never much slower than the better of its parts. ``twin``: also a second drafter of
     the default's very sources and settings, which learns on its own: how far two identical
     configurations read apart in the same run is the noise floor of that comparison."""
-    sources = tuple(model.draft_sources)
+    sources = tuple(model.sources)
     lookups = tuple(s for s in sources if s != "heads")
     own = model.drafter
     with drafting(model, own):
@@ -130,7 +130,7 @@ def config_drafter(model, combo: tuple[str, ...]):
     """The drafter of one bench configuration: source names, a trailing "review" for the
     vertical cascade. Sets ``model.drafter`` (callers restore theirs with :func:`drafting`)."""
     reviewed = combo[-1] == "review"
-    model.use_drafts(combo[:-1] if reviewed else combo, review=reviewed)
+    model.use_sources(combo[:-1] if reviewed else combo, review=reviewed)
     return model.drafter
 
 
@@ -146,8 +146,8 @@ def drafting(model, drafter) -> Iterator[None]:
 
 
 #: what a bench may change on a model (tree policy, drafter, its sources, its decoding options:
-#: finished-row handling, the drafting :meth:`~draftheads.decoding.DraftHeadsModel.use_drafts` records)
-MODEL_STATE = ("policy", "drafter", "draft_sources", "decoding")
+#: finished-row handling, the drafting :meth:`~draftheads.decoding.DraftHeadsModel.use_sources` records)
+MODEL_STATE = ("policy", "drafter", "sources", "decoding")
 
 
 @contextmanager

@@ -156,10 +156,10 @@ def bench_pair(model, pair: list[dict], max_new_tokens: int, control: bool, conf
 
 
 def run_bench(model, prompts: list[dict], max_new_tokens: int, out_dir: Path, meta: dict | None = None,
-              control: bool = True, log=print, drafts: tuple[str, ...] | None = None,
+              control: bool = True, log=print, sources: tuple[str, ...] | None = None,
               turn2: bool = False, review: bool = False, parts: bool = False, repeats: int = 1,
               twin: bool = False) -> dict:
-    """Prompts in pairs: each prompt alone through HF plain, draftheads (under each ``drafts``
+    """Prompts in pairs: each prompt alone through HF plain, draftheads (under each ``sources``
     configuration, see :func:`~.runs.draft_configs`) and HF prompt lookup, then (``control``) the
     pair once more as one padded batch of 2 through HF plain. ``turn2``: MT-Bench second turns
     too. ``parts``: the model's own drafting beside its parts, the heads alone and the lookups
@@ -169,7 +169,7 @@ def run_bench(model, prompts: list[dict], max_new_tokens: int, out_dir: Path, me
     base = model.base
     out_dir.mkdir(parents=True, exist_ok=True)
     with model_state(model):
-        configs = draft_configs(model, drafts, review) if drafts else (part_configs(model, twin) if parts else None)
+        configs = draft_configs(model, sources, review) if sources else (part_configs(model, twin) if parts else None)
         warm_up(model, configs, control)
         if turn2:
             prompts = prompts + second_turns(model, prompts, max_new_tokens)
@@ -183,7 +183,7 @@ def run_bench(model, prompts: list[dict], max_new_tokens: int, out_dir: Path, me
     by_category = {c: summarize([r for r in rows if group(r) == c]) for c in dict.fromkeys(group(r) for r in rows)}
     results = {"meta": run_meta(meta, base, max_new_tokens=max_new_tokens, prompts=len(rows),
                                 cpu_capability=torch.backends.cpu.get_cpu_capability(), tree_nodes=tree_nodes,
-                                default_drafts=list(model.draft_sources), drafts=list(configs) if configs else None),
+                                default_drafts=list(model.sources), drafts=list(configs) if configs else None),
                "overall": overall, "by_category": by_category, "per_prompt": rows}
     (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     plot(rows, overall, out_dir / "results.png")

@@ -14,17 +14,17 @@ class Model:
     decoding = DecodingConfig()  # inherited from the class: what the block sets must go again
 
     def __init__(self):
-        self.policy, self.drafter, self.draft_sources = "pinned", None, ("heads",)
+        self.policy, self.drafter, self.sources = "pinned", None, ("heads",)
 
 
 def test_model_state_puts_back_what_the_block_changed_even_on_error():
     model = Model()
     with pytest.raises(RuntimeError):
         with model_state(model):
-            model.policy, model.drafter, model.draft_sources = "adaptive", object(), ()
+            model.policy, model.drafter, model.sources = "adaptive", object(), ()
             model.decoding = model.decoding.replace(finished_rows="mask")
             raise RuntimeError("a strategy failed")
-    assert (model.policy, model.drafter, model.draft_sources) == ("pinned", None, ("heads",))
+    assert (model.policy, model.drafter, model.sources) == ("pinned", None, ("heads",))
     assert "decoding" not in vars(model) and model.decoding.finished_rows == "shrink"
 
 
@@ -125,10 +125,10 @@ def test_parts_is_refused_beside_another_comparison(capsys):
     from draftheads.cli import main
 
     with pytest.raises(SystemExit) as exit_info:
-        main(["bench", "--prompts", "mt-bench@1", "--parts", "--drafts", "all"])
+        main(["bench", "--prompts", "mt-bench@1", "--parts", "--sources", "all"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["error: --parts compares the default with its parts in the bs-1 bench: drop --drafts/--batch-sizes."]
+    assert err == ["error: --parts compares the default with its parts in the bs-1 bench: drop --sources/--batch-sizes."]
 
 
 def test_twin_without_parts_is_refused(capsys):

@@ -26,7 +26,7 @@ def setup(tmp_path, monkeypatch):
 
 def test_the_callable_equals_the_models_own_greedy_generate(setup):
     model, heads = setup
-    fn = custom_generate(heads, drafts="heads,context", tree=3)
+    fn = custom_generate(heads, sources="heads,context", tree=3)
     ids = torch.tensor([[5, 17, 33, 8, 9, 5, 17, 33]])
     mask = torch.ones_like(ids)
     reference = model.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False)
@@ -87,8 +87,8 @@ def test_bad_use_is_refused_with_one_clear_line(setup, tmp_path):
     model, heads = setup
     with pytest.raises(InputError, match="expected a head checkpoint folder"):
         custom_generate(42)
-    with pytest.raises(ValueError, match="drafts="):
-        custom_generate(heads, drafts="bogus")
+    with pytest.raises(ValueError, match="sources="):
+        custom_generate(heads, sources="bogus")
     ids = torch.tensor([[5, 6, 7]])
     other = tiny_llama(1)
     with pytest.raises(CheckpointError, match="another base"):

@@ -27,7 +27,7 @@ def tiny(tmp_path, monkeypatch):
 
 def test_the_event_streams_coloured_drafts_then_plain_generate(tiny):
     model = DraftHeadsModel.from_pretrained(tiny / "heads", base_name_or_path=str(tiny / "base"), dtype="float64",
-                                            drafts="heads,context", tree=3)  # pinned: drafts are accepted
+                                            sources="heads,context", tree=3)  # pinned: drafts are accepted
     updates = list(answer(model, "w5 w6 w7 w8 w5 w6", 30))
     fast_html, fast_line, plain_html, plain_line, verdict = updates[-1]
     assert verdict.startswith("speedup ") and verdict.endswith("identical to plain generate (float64)")
@@ -80,8 +80,8 @@ def test_options_and_a_missing_gradio_are_one_line_before_the_model_loads(tiny, 
         main([*args, "--port", "70000"])
     assert capsys.readouterr().err.strip() == "error: --port must be 1-65535, got 70000."
     with pytest.raises(SystemExit):
-        main([*args, "--drafts", "bogus"])
-    assert capsys.readouterr().err.startswith("error: draftheads demo: argument --drafts")
+        main([*args, "--sources", "bogus"])
+    assert capsys.readouterr().err.startswith("error: draftheads demo: argument --sources")
     monkeypatch.setitem(sys.modules, "gradio", None)  # as if not installed
     with pytest.raises(SystemExit):
         main(args)

@@ -145,7 +145,7 @@ def test_the_demo_page_in_a_real_browser(tmp_path):
     base = save_tiny_base(tmp_path / "base")
     saved_tree_heads(tmp_path / "heads", base)
     demo = Demo(["--base", str(tmp_path / "base"), "--heads", str(tmp_path / "heads"), "--dtype", "float64",
-                 "--drafts", "heads,context", "--tree", "3", "--max-new-tokens", "40"], tmp_path / "cache", tmp_path / "demo.log")
+                 "--sources", "heads,context", "--tree", "3", "--max-new-tokens", "40"], tmp_path / "cache", tmp_path / "demo.log")
     try:
         seen = ask_in_browser(demo.url, "w5 w6 w7 w8 w5 w6", tmp_path / "demo.png")
     finally:

@@ -94,12 +94,12 @@ GENERATE = [
     (["--base", "ROOT/base", "--heads", "/nonexistent/heads"], "/nonexistent/heads/config.json not found"),
     (["--base", "ROOT/base", "--heads", "ROOT/broken-heads"], "broken-heads/config.json is not valid JSON"),
     (["--base", "ROOT/base", "--heads", "ROOT/base"], "is a model's config (model_type 'llama'), not draft heads"),
-    (["--base", "ROOT/base", "--heads", "none", "--drafts", "store"], "No lookup_store.safetensors beside the heads"),
-    (["--base", "ROOT/base", "--heads", "ROOT/heads", "--drafts", "all"], "No lookup_store.safetensors beside the heads"),
-    (["--base", "ROOT/base", "--heads", "none", "--drafts", "context", "--review"], "--review: review=True"),
+    (["--base", "ROOT/base", "--heads", "none", "--sources", "store"], "No lookup_store.safetensors beside the heads"),
+    (["--base", "ROOT/base", "--heads", "ROOT/heads", "--sources", "all"], "No lookup_store.safetensors beside the heads"),
+    (["--base", "ROOT/base", "--heads", "none", "--sources", "context", "--review"], "--review: review=True"),
     (["--base", "ROOT/base", "--heads", "ROOT/heads", "--prompt", "   "], "the prompt is empty"),
     (["--base", "ROOT/base", "--heads", "ROOT/heads", "--review"], "--review: review=True"),
-    (["--base", "ROOT/base", "--heads", "ROOT/heads", "--drafts", "heads,nope"], "argument --drafts: drafts="),
+    (["--base", "ROOT/base", "--heads", "ROOT/heads", "--sources", "heads,nope"], "argument --sources: sources="),
     (["--base", "ROOT/base", "--tree", "big"], "argument --tree: tree='big'"),
     (["--base", "ROOT/base", "--dtype", "int8"], "argument --dtype: invalid choice"),
 ]
@@ -290,4 +290,4 @@ def test_generate_times_each_side_twice_and_names_its_drafting(files, capsys):
     assert ours.startswith("[draftheads] float64:") and "(the faster of two runs)" in ours
     assert plain.startswith("[plain HF generate, same dtype]") and "(the faster of two runs); speedup" in plain
     assert "identical" in plain, plain
-    assert drafting.startswith("[drafting] heads") and "(--drafts heads: the heads alone)" in drafting
+    assert drafting.startswith("[drafting] heads") and "(--sources heads: the heads alone)" in drafting

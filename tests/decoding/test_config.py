@@ -31,9 +31,9 @@ from helpers import left_pad, saved_tree_heads, tiny_llama
     ({"calibration": {"reps": 2}}, InputTypeError, "calibration={'reps': 2}: pass a draftheads.decoding.calibration"),
     ({"tree": "big"}, InputError, "tree='big': expected 'adaptive' or a node budget"),
     ({"tree": -1}, InputError, "tree (a node budget) must be ≥ 0"),
-    ({"drafts": "bogus"}, InputError, "drafts='bogus': expected a comma-separated subset"),
+    ({"sources": "bogus"}, InputError, "sources='bogus': expected a comma-separated subset"),
     ({"review": "yes"}, InputError, "review='yes': expected True"),
-    ({"drafts": "heads", "review": True}, InputError, "review=True: the heads review lookup drafts"),
+    ({"sources": "heads", "review": True}, InputError, "review=True: the heads review lookup drafts"),
     ({"lookup_store": 3}, InputTypeError, "lookup_store must be a path"),
 ])
 def test_each_bad_option_is_refused_in_one_line_naming_it(options, error, line):
@@ -52,8 +52,8 @@ def test_an_unknown_option_names_the_options():
 
 
 def test_equal_options_make_equal_configs():
-    assert DecodingConfig(drafts=" Heads, context") == DecodingConfig(drafts=("heads", "context"))
-    assert DecodingConfig(drafts="AUTO").drafts == "auto"
+    assert DecodingConfig(sources=" Heads, context") == DecodingConfig(sources=("heads", "context"))
+    assert DecodingConfig(sources="AUTO").sources == "auto"
     assert DecodingConfig(tree=" 4 ") == DecodingConfig(tree=4)
     assert DecodingConfig(tree="Adaptive").tree == "adaptive"
     assert DecodingConfig(finished_rows="mask") != DecodingConfig()
@@ -63,19 +63,19 @@ def test_from_pretrained_keywords_build_the_config_the_model_holds(tmp_path, mon
     monkeypatch.setenv("DRAFTHEADS_CACHE", str(tmp_path / "cache"))
     base = tiny_llama(0)
     folder = saved_tree_heads(tmp_path / "heads", base)
-    options = dict(tree=3, drafts="heads,context", finished_rows="mask", delegate_plain=True, merged_offer_scale=3)
+    options = dict(tree=3, sources="heads,context", finished_rows="mask", delegate_plain=True, merged_offer_scale=3)
     model = DraftHeadsModel.from_pretrained(folder, base=base, **options)
     assert model.decoding == DecodingConfig(**options)
-    assert model.draft_sources == ("heads", "context")
+    assert model.sources == ("heads", "context")
     # a config passed whole, keyword options over it (they win)
-    given = DraftHeadsModel.from_pretrained(folder, base=base, decoding=DecodingConfig(**options), drafts="heads")
-    assert given.decoding == DecodingConfig(**{**options, "drafts": "heads"}) and given.draft_sources == ("heads",)
+    given = DraftHeadsModel.from_pretrained(folder, base=base, decoding=DecodingConfig(**options), sources="heads")
+    assert given.decoding == DecodingConfig(**{**options, "sources": "heads"}) and given.sources == ("heads",)
     # "auto" stays what was asked; the sources it chose are the model's
     auto = DraftHeadsModel.from_pretrained(folder, base=base, tree=3)
-    assert auto.decoding.drafts == "auto" and auto.draft_sources == ("heads", "context")
-    # use_drafts records the new choice
-    auto.use_drafts("heads")
-    assert auto.decoding == DecodingConfig(tree=3, drafts="heads")
+    assert auto.decoding.sources == "auto" and auto.sources == ("heads", "context")
+    # use_sources records the new choice
+    auto.use_sources("heads")
+    assert auto.decoding == DecodingConfig(tree=3, sources="heads")
     # the switches are the instance's own: another model keeps the defaults
     other = DraftHeadsModel(base, None)
     assert other.decoding.finished_rows == "shrink" and not other.decoding.delegate_plain
@@ -95,7 +95,7 @@ def test_a_model_decodes_as_its_config_says(tmp_path, monkeypatch):
     reference = base.generate(ids, do_sample=False, **kwargs)
     rows = {}
     for finished_rows in ("shrink", "mask"):
-        model = DraftHeadsModel.from_pretrained(folder, base=base, tree=3, drafts="heads", finished_rows=finished_rows)
+        model = DraftHeadsModel.from_pretrained(folder, base=base, tree=3, sources="heads", finished_rows=finished_rows)
         assert model.generate(ids, **kwargs).tolist() == reference.tolist()
         rows[finished_rows] = set(model.last_stats.batch_sizes)
     assert rows["mask"] == {2} and 1 in rows["shrink"]
@@ -105,22 +105,22 @@ def test_custom_generate_builds_the_same_config(tmp_path, monkeypatch):
     monkeypatch.setenv("DRAFTHEADS_CACHE", str(tmp_path / "cache"))
     model = tiny_llama(0)
     heads = saved_tree_heads(tmp_path / "heads", model)
-    fn = custom_generate(heads, drafts="heads", tree=3, finished_rows="mask")
+    fn = custom_generate(heads, sources="heads", tree=3, finished_rows="mask")
     with pytest.raises(InputError, match="finished_rows='drop'"):  # checked when the callable is made
         custom_generate(heads, finished_rows="drop")
     ids = torch.tensor([[5, 17, 33, 8, 9]])
     reference = model.generate(ids, max_new_tokens=10, do_sample=False)
     assert model.generate(ids, max_new_tokens=10, do_sample=False, custom_generate=fn).tolist() == reference.tolist()
     (decoder,) = _DECODERS[model].values()
-    assert decoder.decoding == DecodingConfig(drafts="heads", tree=3, finished_rows="mask")
+    assert decoder.decoding == DecodingConfig(sources="heads", tree=3, finished_rows="mask")
     # a config passed whole is the same config
-    again = custom_generate(heads, decoding=DecodingConfig(drafts="heads", tree=3, finished_rows="mask"))
+    again = custom_generate(heads, decoding=DecodingConfig(sources="heads", tree=3, finished_rows="mask"))
     model.generate(ids, max_new_tokens=10, do_sample=False, custom_generate=again)
     assert len(_DECODERS[model]) == 1  # the same options share the decoder
 
 
 def test_to_dict_and_from_dict_are_a_symmetric_pair():
-    config = DecodingConfig(tree=tree_from_paths([(0,), (1,), (0, 0)]), drafts="heads,context,store",
+    config = DecodingConfig(tree=tree_from_paths([(0,), (1,), (0, 0)]), sources="heads,context,store",
                             lookup_store=Path("/tmp/store.safetensors"), review=True,
                             calibration=CalibrationConfig(batch_sizes=(1, 2), reps=2), packed_attention=False,
                             packed_linears=False, finished_rows="mask", delegate_plain=True, merged_offer_scale=4)
@@ -129,7 +129,7 @@ def test_to_dict_and_from_dict_are_a_symmetric_pair():
     assert back.tree.paths == config.tree.paths  # a Tree compares by identity; its paths are what it is
     assert back.replace(tree=None) == config.replace(tree=None, lookup_store=str(config.lookup_store))
     assert back.to_dict() == written
-    for plain in (DecodingConfig(), DecodingConfig(tree="adaptive", drafts="context"), DecodingConfig(tree=0)):
+    for plain in (DecodingConfig(), DecodingConfig(tree="adaptive", sources="context"), DecodingConfig(tree=0)):
         assert DecodingConfig.from_dict(json.loads(json.dumps(plain.to_dict()))) == plain
     with pytest.raises(InputError, match="decoding.tree is a FixedTree object"):
         DecodingConfig(tree=FixedTree(tree_from_paths([(0,)]))).to_dict()

@@ -76,7 +76,7 @@ def ctx(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("DRAFTHEADS_CACHE", str(folder / "cache"))
         model = varied_llama()
-        fn = custom_generate(saved_tree_heads(folder / "heads", model), drafts="heads,context", tree=3)
+        fn = custom_generate(saved_tree_heads(folder / "heads", model), sources="heads,context", tree=3)
         ids, mask = left_pad(PROMPTS)
         plain = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
         yield Context(model, fn, ids, mask, plain[0, ids.shape[1]:].tolist(), plain.tolist(), tiny_llama(1),

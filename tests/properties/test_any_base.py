@@ -128,7 +128,7 @@ def test_greedy_padded_batch_merged_with_lookups_matches_the_bases_generate(name
     reference = base_greedy(model, ids, mask, 30)
     heads = OracleHeads([row[ids.shape[1]:] for row in reference.tolist()], vocab=VOCAB, error=0.5)
     decoder = DraftHeadsModel(model, heads, tree=tree_from_paths(TREE))
-    decoder.use_drafts("heads,context")
+    decoder.use_sources("heads,context")
     out = decoder.generate(ids, attention_mask=mask, max_new_tokens=30, eos_token_id=None)
     assert out.tolist() == reference.tolist()
     assert decoder.last_stats.steps < 30  # trees were accepted beyond their roots
@@ -143,7 +143,7 @@ def test_sampling_draws_from_the_bases_own_logits(name):
     ids, mask = prompts(3, 2, 2 * WINDOW)
     heads = OracleHeads([[5] * 40, [7] * 40], vocab=VOCAB, error=0.5)
     decoder = DraftHeadsModel(model, heads, tree=tree_from_paths(TREE))
-    decoder.use_drafts("heads,context")
+    decoder.use_sources("heads,context")
     out = decoder.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=True, temperature=0.8,
                            eos_token_id=None, generator=torch.Generator().manual_seed(0),
                            return_dict_in_generate=True, output_logits=True)

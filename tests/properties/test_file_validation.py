@@ -110,7 +110,7 @@ def test_store_ids_are_range_checked_against_the_bases_vocabulary(tmp_path):
                                                              "t", 1, 5))
     model = DraftHeadsModel(MODEL, None)
     with pytest.raises(StoreError, match=rf"{path} holds token id 152, outside this vocabulary \[0, 96\)"):
-        model.use_drafts("context,store", lookup_store=path)
+        model.use_sources("context,store", lookup_store=path)
 
 
 # -- a foreign Medusa checkpoint -------------------------------------------------------------------

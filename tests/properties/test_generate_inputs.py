@@ -165,17 +165,17 @@ def test_counts_refuse_non_positive_and_non_integers(value, error):
 # -- arguments of the wrong type -----------------------------------------------------------------------
 @pytest.mark.parametrize("drafts", [None, 42, ["heads", 42], ("heads", None), b"heads", {"heads"}, 1.5])
 def test_drafts_of_the_wrong_type_name_the_argument(drafts):
-    for call in (lambda: drafter().use_drafts(drafts),
-                 lambda: DraftHeadsModel.from_pretrained(None, base=MODEL, drafts=drafts)):
-        with pytest.raises(InputTypeError, match=rf"drafts must be a str .* or a list/tuple of such names, got "
+    for call in (lambda: drafter().use_sources(drafts),
+                 lambda: DraftHeadsModel.from_pretrained(None, base=MODEL, sources=drafts)):
+        with pytest.raises(InputTypeError, match=rf"sources must be a str .* or a list/tuple of such names, got "
                                                  rf"{type(drafts).__name__}"):
             call()
 
 
 @pytest.mark.parametrize("store", [42, 3.5, ["a.safetensors"], b"store.safetensors"])
 def test_lookup_store_of_the_wrong_type_names_the_argument(store):
-    for call in (lambda: drafter().use_drafts("heads,context", lookup_store=store),
-                 lambda: DraftHeadsModel.from_pretrained(None, base=MODEL, drafts="context", lookup_store=store)):
+    for call in (lambda: drafter().use_sources("heads,context", lookup_store=store),
+                 lambda: DraftHeadsModel.from_pretrained(None, base=MODEL, sources="context", lookup_store=store)):
         with pytest.raises(InputTypeError, match=rf"lookup_store must be a path .* got {type(store).__name__}"):
             call()
 
@@ -184,9 +184,9 @@ def test_lookup_store_of_the_wrong_type_names_the_argument(store):
 def test_a_named_lookup_store_is_checked_even_when_unused(tmp_path, drafts):
     missing = tmp_path / "missing.safetensors"
     with pytest.raises(StoreError, match=rf"store file {missing} does not exist"):
-        drafter().use_drafts(drafts, lookup_store=missing)
+        drafter().use_sources(drafts, lookup_store=missing)
     with pytest.raises(StoreError, match=rf"store file {missing} does not exist"):
-        DraftHeadsModel.from_pretrained(None, base=MODEL, drafts="context", lookup_store=missing)
+        DraftHeadsModel.from_pretrained(None, base=MODEL, sources="context", lookup_store=missing)
 
 
 @pytest.mark.parametrize("generator", [42, "seed", torch.tensor(3), object()])

@@ -52,7 +52,7 @@ def bound(request, monkeypatch, tmp_path):
         monkeypatch.setattr(siblings_module.SiblingProduct, "pays", lambda self, rows: True)
     model = lively_llama(0)
     heads = saved_tree_heads(tmp_path / "heads", model)
-    return model, custom_generate(heads, drafts="heads", tree=3), request.param
+    return model, custom_generate(heads, sources="heads", tree=3), request.param
 
 
 def lively_llama(seed: int) -> nn.Module:

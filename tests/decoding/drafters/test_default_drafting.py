@@ -1,4 +1,4 @@
-"""The best drafting by default (decoding/drafters/choice.py: auto_drafts; decoding/generate.py: calibrate_defaults;
+"""The best drafting by default (decoding/drafters/choice.py: auto_sources; decoding/generate.py: calibrate_defaults;
 decoding/drafters/merged.py: MergedDrafter skips the heads where a lookup match carries the step), and
 ``draftheads env``."""
 from __future__ import annotations
@@ -16,7 +16,7 @@ from draftheads.decoding import DraftHeadsModel
 from draftheads.decoding.cost import CostModel
 from draftheads.decoding.drafters import STORE_NAME, CandidateBatch, Candidates, HeadsDrafter, HeadsWorth, LookupSources, MergedDrafter, WidthChooser
 from draftheads.decoding.drafters import source_id
-from draftheads.decoding.drafters import auto_drafts
+from draftheads.decoding.drafters import auto_sources
 from draftheads.decoding.base.plan import packing_available
 from helpers import OracleHeads, saved_tree_heads, tiny_llama
 
@@ -30,10 +30,10 @@ def heads_in(folder, store: bool):
 
 
 def test_auto_takes_the_heads_and_every_lookup_there_is_data_for(tmp_path):
-    assert auto_drafts(heads_in(tmp_path / "a", store=False)) == ("heads", "context")
-    assert auto_drafts(heads_in(tmp_path / "b", store=True)) == ("heads", "context", "store", "stats")
-    assert auto_drafts(None) == ("context",)
-    assert auto_drafts(None, lookup_store="some/store.safetensors") == ("context", "store", "stats")
+    assert auto_sources(heads_in(tmp_path / "a", store=False)) == ("heads", "context")
+    assert auto_sources(heads_in(tmp_path / "b", store=True)) == ("heads", "context", "store", "stats")
+    assert auto_sources(None) == ("context",)
+    assert auto_sources(None, lookup_store="some/store.safetensors") == ("context", "store", "stats")
 
 
 def test_from_pretrained_drafts_with_heads_and_lookups_by_default_and_follows_the_base(tmp_path, monkeypatch):
@@ -42,7 +42,7 @@ def test_from_pretrained_drafts_with_heads_and_lookups_by_default_and_follows_th
     monkeypatch.setenv("DRAFTHEADS_CACHE", str(tmp_path / "cache"))
     base = tiny_llama(0)
     model = DraftHeadsModel.from_pretrained(saved_tree_heads(tmp_path / "heads", base), base=base)
-    assert model.draft_sources == ("heads", "context")
+    assert model.sources == ("heads", "context")
     assert isinstance(model.drafter, MergedDrafter) and model.drafter.heads is model.heads
     assert model.step_table is not None and model.drafter.width.cost is model.step_table
     assert list((tmp_path / "cache" / "calibration").glob("*.json"))  # measured once, cached
@@ -51,8 +51,8 @@ def test_from_pretrained_drafts_with_heads_and_lookups_by_default_and_follows_th
     reference = base.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=30, do_sample=False)
     assert model.generate(prompt, max_new_tokens=30).tolist() == reference.tolist()
     assert "heads + context" in drafting_line(model)
-    only_heads = DraftHeadsModel.from_pretrained(tmp_path / "heads", base=base, drafts="heads")
-    assert only_heads.draft_sources == ("heads",) and isinstance(only_heads.drafter, HeadsDrafter)
+    only_heads = DraftHeadsModel.from_pretrained(tmp_path / "heads", base=base, sources="heads")
+    assert only_heads.sources == ("heads",) and isinstance(only_heads.drafter, HeadsDrafter)
 
 
 def chain(scores):
@@ -129,12 +129,12 @@ def test_skipping_the_heads_keeps_the_output_and_saves_their_calls(tmp_path, mon
     continuation = reference[0, prompt.shape[1]:].tolist()
     assert len(set(continuation)) == 1  # what makes the context match carry the step
     uncalibrated = DraftHeadsModel(base, OracleHeads([continuation], vocab=96, error=0.9, seed=1))
-    uncalibrated.use_drafts("heads,context")
+    uncalibrated.use_sources("heads,context")
     assert uncalibrated.generate(prompt, max_new_tokens=48).tolist() == reference.tolist()
     assert uncalibrated.drafter.skipped_heads_steps == 0
     model = DraftHeadsModel(base, OracleHeads([continuation], vocab=96, error=0.9, seed=1))
     model.calibrate_defaults()
-    model.use_drafts("heads,context")
+    model.use_sources("heads,context")
     assert model.generate(prompt, max_new_tokens=48).tolist() == reference.tolist()
     assert model.drafter.heads_steps >= 1 and model.drafter.skipped_heads_steps >= 1
 
@@ -167,17 +167,17 @@ def test_env_under_an_avx2_limit():
 def test_merged_default_offers_the_heads_a_larger_tree_and_keeps_the_output(tmp_path, monkeypatch):
     """With lookups merged in, the default model's heads fill the stored tree for
     decoding.merged_offer_scale × the heads-alone budget (the width chooser verifies what pays of it); the
-    policy keeps the heads-alone tree, drafts="heads" gets no offer, a pinned tree none either,
+    policy keeps the heads-alone tree, sources="heads" gets no offer, a pinned tree none either,
     and the output is still the base's own (float64)."""
     from draftheads.decoding.policy import FixedTree, tree_for_budget
 
     monkeypatch.setenv("DRAFTHEADS_CACHE", str(tmp_path / "cache"))
     base = tiny_llama(0)
     folder = saved_tree_heads(tmp_path / "heads", base)
-    model = DraftHeadsModel.from_pretrained(folder, base=base, drafts="heads,context", merged_offer_scale=3)
+    model = DraftHeadsModel.from_pretrained(folder, base=base, sources="heads,context", merged_offer_scale=3)
     model.default_budget = 1  # as if this machine's calibration had chosen the 1-node tree (not timing's pick)
     model.policy = model._default_policy = FixedTree(tree_for_budget(model.heads, 1))
-    model.use_drafts("heads,context")
+    model.use_sources("heads,context")
     assert model.drafter.heads_tree.num_nodes == tree_for_budget(model.heads, 3).num_nodes == 4
     assert model.policy.tree.num_nodes in (1, 2, 4)
     filled = []
@@ -188,11 +188,11 @@ def test_merged_default_offers_the_heads_a_larger_tree_and_keeps_the_output(tmp_
     assert model.generate(prompt, max_new_tokens=30).tolist() == reference.tolist()
     assert filled and max(filled) == 4
     assert "heads' tree 4 nodes" in drafting_line(model)
-    model.use_drafts("heads")
+    model.use_sources("heads")
     assert not hasattr(model.drafter, "heads_tree") or model.drafter.heads_tree is None
-    pinned = DraftHeadsModel.from_pretrained(folder, base=base, drafts="heads,context", tree=1)
+    pinned = DraftHeadsModel.from_pretrained(folder, base=base, sources="heads,context", tree=1)
     assert pinned.default_budget is None and pinned.drafter.heads_tree is None
     model.policy = FixedTree(tree_for_budget(model.heads, 1))  # a policy set later (the batched bench's) is followed
-    model.use_drafts("heads,context")
+    model.use_sources("heads,context")
     assert model.drafter.heads_tree is None
 

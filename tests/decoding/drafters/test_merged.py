@@ -11,9 +11,9 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from helpers import OracleHeads, left_pad, record_packed_steps, tiny_llama, trees
 from draftheads.decoding import DraftHeadsModel, tree_from_paths
 from draftheads.decoding.cost import LINEAR_COST, CostModel
-from draftheads.decoding.drafters import (DraftState, HeadsDrafter, MergedDrafter, WidthChooser, build_drafter, CandidateBatch, parse_drafts)
+from draftheads.decoding.drafters import (DraftState, HeadsDrafter, MergedDrafter, WidthChooser, build_drafter, CandidateBatch, parse_sources)
 from draftheads.decoding.drafters import Candidates, ContextConfig, LookupConfig, LookupSources
-from draftheads.decoding.drafters import drafts as drafts_module
+from draftheads.decoding.drafters import step_trees as step_trees_module
 from draftheads.decoding.drafters.step_trees import StepTrees
 
 MODELS = {seed: tiny_llama(seed) for seed in range(2)}
@@ -56,11 +56,11 @@ def test_merged_per_row_trees_greedy_matches_hf(seed, paths, max_new, eos_pick, 
     heads = OracleHeads(continuations, vocab=96, error=error, seed=seed) if with_heads else None
     decoder = merged(model, heads, tree_from_paths(paths) if with_heads else tree_from_paths([]))
     decoder.drafter.width.per_row = per_row
-    threshold, drafts_module.SKIP_PADDING_SLOTS = drafts_module.SKIP_PADDING_SLOTS, 1 if per_row else drafts_module.SKIP_PADDING_SLOTS
+    threshold, step_trees_module.SKIP_PADDING_SLOTS = step_trees_module.SKIP_PADDING_SLOTS, 1 if per_row else step_trees_module.SKIP_PADDING_SLOTS
     try:
         ours = decoder.generate(ids, attention_mask=mask, max_new_tokens=max_new, pad_token_id=PAD, eos_token_id=eos)
     finally:
-        drafts_module.SKIP_PADDING_SLOTS = threshold
+        step_trees_module.SKIP_PADDING_SLOTS = threshold
     assert ours.tolist() == reference.tolist()
 
 
@@ -132,7 +132,7 @@ def test_per_row_steps_are_verified_packed_and_stay_identical(monkeypatch):
     decoder = merged(model, heads, tree_from_paths([(0,), (1,), (0, 0)]))
     decoder.drafter.width.per_row = True
     packed = record_packed_steps(monkeypatch)
-    monkeypatch.setattr(drafts_module, "SKIP_PADDING_SLOTS", 1)
+    monkeypatch.setattr(step_trees_module, "SKIP_PADDING_SLOTS", 1)
     ours = decoder.generate(ids, attention_mask=mask, max_new_tokens=30, pad_token_id=PAD)
     assert ours.tolist() == free.tolist()
     assert packed and any(len(set(rows.sizes)) > 1 for rows in packed)
@@ -148,7 +148,7 @@ def test_per_row_sampling_packed_draws_what_the_padded_block_draws(monkeypatch):
     prompts = [[5, 6, 7, 8] * 6, [9, 10] * 8 + [11], [12, 13, 14, 15, 16, 17, 18], [20, 21] * 5]
     ids, mask = left_pad(prompts)
     free = model.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=PAD)
-    monkeypatch.setattr(drafts_module, "SKIP_PADDING_SLOTS", 1)
+    monkeypatch.setattr(step_trees_module, "SKIP_PADDING_SLOTS", 1)
     packed = record_packed_steps(monkeypatch)
     capable = forward.verifies_ragged
 
@@ -191,11 +191,11 @@ def test_cap_depth_keeps_a_prefix_closed_trie():
 
 
 def test_draft_sources_are_checked_with_clear_errors():
-    assert parse_drafts("heads, context") == ("heads", "context")
-    assert parse_drafts(["stats", "heads"]) == ("heads", "stats")
-    assert parse_drafts("all") == ("heads", "context", "store", "stats")
+    assert parse_sources("heads, context") == ("heads", "context")
+    assert parse_sources(["stats", "heads"]) == ("heads", "stats")
+    assert parse_sources("all") == ("heads", "context", "store", "stats")
     with pytest.raises(ValueError, match="comma-separated subset of heads, context, store, stats"):
-        parse_drafts("heads,suffix")
+        parse_sources("heads,suffix")
     with pytest.raises(ValueError, match="no head checkpoint was loaded"):
         build_drafter(("heads", "context"), None)
     with pytest.raises(ValueError, match="need a model store: build one with"):

@@ -171,11 +171,11 @@ def test_review_arguments_are_checked_with_clear_errors():
     assert build_drafter(("heads", "context"), heads).review is False
     decoder = DraftHeadsModel(model, heads, tree=tree_from_paths([(0,)]))
     with pytest.raises(ValueError, match="drafts must include 'heads' and at least one"):
-        decoder.use_drafts("heads", review=True)
+        decoder.use_sources("heads", review=True)
 
 
 def test_batched_bench_strategies_and_mixed_batches():
-    """--batch-sizes with --drafts: HF, the heads-only adaptive policy and the same policy with
+    """--batch-sizes with --sources: HF, the heads-only adaptive policy and the same policy with
     lookups (and the reviewed mix); batches mix categories round-robin."""
     from draftheads.bench import batch_draft_combos, strategy_names
     from draftheads.prompts import round_robin
@@ -193,7 +193,7 @@ def test_batched_bench_strategies_and_mixed_batches():
 
 
 def test_cli_refuses_review_without_heads_and_lookups(tmp_path, capsys):
-    """--review needs --drafts mixing heads and lookups: one error line before any model loads."""
+    """--review needs --sources mixing heads and lookups: one error line before any model loads."""
     import json
 
     from draftheads.cli import main
@@ -201,16 +201,16 @@ def test_cli_refuses_review_without_heads_and_lookups(tmp_path, capsys):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "hi"}) + "\n")
     for argv in (["bench", "--prompts", str(prompts), "--review", "--base", "/nonexistent"],
-                 ["bench", "--prompts", str(prompts), "--review", "--drafts", "context", "--base", "/nonexistent"],
+                 ["bench", "--prompts", str(prompts), "--review", "--sources", "context", "--base", "/nonexistent"],
                  ["generate", "--prompt", "hi", "--review", "--base", "/nonexistent"]):
         with pytest.raises(SystemExit) as exit_info:
             main(argv)
         message = str(exit_info.value.code) + capsys.readouterr().err
-        assert "--review: review=True: the heads review lookup drafts, so drafts must include 'heads'" in message
+        assert "--review: review=True: the heads review lookup drafts, so sources must include 'heads'" in message
 
 
 def test_batched_bench_runs_lookup_strategies_end_to_end(tmp_path, monkeypatch):
-    """``run_batch_bench(..., drafts=..., review=True)`` on a tiny float64 model: the heads-only
+    """``run_batch_bench(..., sources=..., review=True)`` on a tiny float64 model: the heads-only
     adaptive policy and the same policy with lookups, the merged mix (one width, and each row its
     own node count) and the reviewed mix, all
     token-identical to HF's batched greedy output, with their gain over the heads-only policy
@@ -236,11 +236,11 @@ def test_batched_bench_runs_lookup_strategies_end_to_end(tmp_path, monkeypatch):
     decoder = DraftHeadsModel(model, tiny_heads(), tree=tree_from_paths([(0,)]))
     motifs = [[5, 6, 7], [9, 10, 11, 12], [20, 21], [30, 31, 32, 33, 34]]
     prompts = [{"prompt": " ".join(map(str, (m * 6)[: 12 + i])), "category": f"c{i % 2}"} for i, m in enumerate(motifs)]
-    before = (decoder.policy, decoder.drafter, decoder.draft_sources, decoder.decoding)
+    before = (decoder.policy, decoder.drafter, decoder.sources, decoder.decoding)
     payload = run_batch_bench(decoder, prompts, [1, 2], [0, 1, 3], 12, tmp_path / "out", max_batches=2,
-                              drafts=("heads", "context"), review=True, log=lambda *_: None)
+                              sources=("heads", "context"), review=True, log=lambda *_: None)
     # the bench set policies, drafters and finished-row handling per strategy; all are back
-    assert (decoder.policy, decoder.drafter, decoder.draft_sources, decoder.decoding) == before
+    assert (decoder.policy, decoder.drafter, decoder.sources, decoder.decoding) == before
     assert decoder.decoding.finished_rows == "shrink"
     for bs in ("1", "2"):
         strategies = payload["results"][bs]["strategies"]

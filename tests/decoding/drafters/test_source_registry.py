@@ -1,8 +1,8 @@
 """A draft source is one registration (decoding/drafters/registry.py): a toy source registered
 here, in the test alone, drafts through the public API (``DraftHeadsModel.generate``, alone and
 merged with heads) with output token-identical to transformers' greedy ``generate`` on a tiny
-random Llama (float64), and every table that lists sources — ``drafts=`` names, the CLI's
-``--drafts`` help and check, the hit-rate priors, ``drafts="auto"`` — lists it."""
+random Llama (float64), and every table that lists sources — ``sources=`` names, the CLI's
+``--sources`` help and check, the hit-rate priors, ``sources="auto"`` — lists it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,10 +13,10 @@ import torch
 
 from draftheads.cli import build_parser
 from draftheads.decoding import DraftHeadsModel
-from draftheads.decoding.drafters import (CandidateBatch, Candidates, HitRate, MergedDrafter, SourceSpec, auto_drafts,
-                                          count_trie, default_q, lookup_names, parse_drafts, register, source_id,
+from draftheads.decoding.drafters import (CandidateBatch, Candidates, HitRate, MergedDrafter, SourceSpec, auto_sources,
+                                          count_trie, default_q, lookup_names, parse_sources, register, source_id,
                                           source_names, unregister)
-from draftheads.options import drafts_argument
+from draftheads.options import sources_argument
 from helpers import OracleHeads, left_pad, tiny_llama
 
 BUILT_IN = ("heads", "context", "store", "stats")
@@ -75,19 +75,19 @@ def test_the_built_in_sources_keep_their_names_order_and_priors():
 
 def test_a_registered_source_joins_every_table(repeat_source, capsys):
     assert source_names() == BUILT_IN + ("repeat",) and source_id("repeat") == 4
-    assert parse_drafts("all") == BUILT_IN + ("repeat",)
-    assert parse_drafts("repeat, heads") == drafts_argument("heads,repeat") == ("heads", "repeat")
-    assert build_parser().parse_args(["generate", "--prompt", "hi", "--drafts", "repeat"]).draft_sources == ("repeat",)
+    assert parse_sources("all") == BUILT_IN + ("repeat",)
+    assert parse_sources("repeat, heads") == sources_argument("heads,repeat") == ("heads", "repeat")
+    assert build_parser().parse_args(["generate", "--prompt", "hi", "--sources", "repeat"]).sources == ("repeat",)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "--help"])
     assert "heads,context,store,stats,repeat" in capsys.readouterr().out
     hitrate = HitRate()
     assert hitrate.q(source_id("repeat"), 3) == default_q(source_id("repeat"), 3) == 0.5
-    assert auto_drafts(None) == ("context", "repeat")  # it needs nothing loaded
+    assert auto_sources(None) == ("context", "repeat")  # it needs nothing loaded
     with pytest.raises(ValueError, match="registered already"):
         register(SourceSpec("repeat", repeat_prior))
     with pytest.raises(ValueError, match="comma-separated subset of heads, context, store, stats, repeat"):
-        parse_drafts("heads,echo")
+        parse_sources("heads,echo")
 
 
 def test_a_registered_source_drafts_through_generate_identically_to_greedy(repeat_source):
@@ -97,7 +97,7 @@ def test_a_registered_source_drafts_through_generate_identically_to_greedy(repea
     prompt = torch.tensor([[7, 21, 40, 9, 12, 55, 3, 8] * 4])
     reference = base.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=40, do_sample=False)
     model = DraftHeadsModel(base, None)
-    model.use_drafts("repeat")
+    model.use_sources("repeat")
     assert isinstance(model.drafter, MergedDrafter) and model.drafter.lookup.sources == ("repeat",)
     assert model.generate(prompt, max_new_tokens=40).tolist() == reference.tolist()
     assert sum(model.last_stats.accepted) > 20 and model.last_stats.steps < 20
@@ -106,7 +106,7 @@ def test_a_registered_source_drafts_through_generate_identically_to_greedy(repea
     batch_reference = base.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0)
     continuations = batch_reference[:, ids.shape[1]:].tolist()
     merged = DraftHeadsModel(base, OracleHeads(continuations, vocab=96, error=0.3, seed=0))
-    merged.use_drafts("heads,repeat")
+    merged.use_sources("heads,repeat")
     assert merged.drafter.heads is merged.heads and merged.drafter.lookup.sources == ("repeat",)
     assert merged.generate(ids, attention_mask=mask, max_new_tokens=24, pad_token_id=0).tolist() == \
         batch_reference.tolist()
