@@ -89,9 +89,9 @@ def calibration_path(key: dict, config: CalibrationConfig) -> Path:
     return cache_root() / "calibration" / f"{digest}.json"
 
 
-def _synthetic_cache(model, bs: int, ctx: int):
-    """A cache of ``ctx`` random keys/values per row: costs are independent of the values, and
-    this skips a prefill of bs × ctx tokens (the slowest part of a naive calibration)."""
+def _synthetic_cache(model, bs: int, kv_len: int):
+    """A cache of ``kv_len`` random keys/values per row: costs are independent of the values, and
+    this skips a prefill of bs × kv_len tokens (the slowest part of a naive calibration)."""
     from .base.cache import reserved_cache
 
     cfg = model.config
@@ -100,7 +100,7 @@ def _synthetic_cache(model, bs: int, ctx: int):
     dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     cache = reserved_cache(cfg)
     for layer in range(cfg.num_hidden_layers):
-        kv = torch.randn(bs, heads, ctx, dim, dtype=param.dtype, device=param.device)
+        kv = torch.randn(bs, heads, kv_len, dim, dtype=param.dtype, device=param.device)
         cache.update(kv, kv.clone(), layer)
     return cache
 
@@ -123,14 +123,14 @@ def _sync(device: torch.device) -> None:
 
 
 @torch.no_grad()
-def measure_forward(model, bs: int, q: int, ctx: int, reps: int = 2) -> float:
+def measure_forward(model, bs: int, q: int, kv_len: int, reps: int = 2) -> float:
     """ms of one verification forward exactly as the loop runs it (4D tree mask over the cache,
     LM head over every node, argmax); the cache is cropped back after each call."""
     device = next(model.parameters()).device
-    cache = _synthetic_cache(model, bs, ctx)
-    valid = torch.ones(bs, ctx, dtype=torch.bool, device=device)
+    cache = _synthetic_cache(model, bs, kv_len)
+    valid = torch.ones(bs, kv_len, dtype=torch.bool, device=device)
     mask = tree_attention_mask(valid, torch.tril(torch.ones(q, q, dtype=torch.bool, device=device)))
-    positions = (ctx + torch.arange(q, device=device))[None].expand(bs, q)
+    positions = (kv_len + torch.arange(q, device=device))[None].expand(bs, q)
     tokens = torch.randint(3, model.config.vocab_size, (bs, q), device=device)
 
     def step():
@@ -143,7 +143,7 @@ def measure_forward(model, bs: int, q: int, ctx: int, reps: int = 2) -> float:
 
 
 @torch.no_grad()
-def measure_overhead(model, bs: int, q: int, ctx: int = 64, reps: int = 3) -> float:
+def measure_overhead(model, bs: int, q: int, kv_len: int = 64, reps: int = 3) -> float:
     """ms of the loop's work around the forward: greedy acceptance, KV compaction of the
     accepted path, and the per-row Python bookkeeping of emitting tokens."""
     from .accept import greedy_accept
@@ -156,13 +156,13 @@ def measure_overhead(model, bs: int, q: int, ctx: int = 64, reps: int = 3) -> fl
     predicted = tokens.roll(-1, 1)  # every draft accepted: the longest path to compact
 
     def step():
-        cache = _synthetic_cache(model, bs, ctx + q)
-        kv = KVState(cache, torch.ones(bs, ctx, dtype=torch.bool, device=device),
-                     torch.full((bs,), ctx, device=device), torch.full((bs,), ctx, device=device))
+        cache = _synthetic_cache(model, bs, kv_len + q)
+        kv = KVState(cache, torch.ones(bs, kv_len, dtype=torch.bool, device=device),
+                     torch.full((bs,), kv_len, device=device), torch.full((bs,), kv_len, device=device))
         start = time.perf_counter()
         result = greedy_accept(tokens, tree.parent.to(device), tree.depth.to(device), tree.path_slots.to(device),
                                predicted)
-        kv.commit(result.path + ctx, result.accepted + 1)
+        kv.commit(result.path + kv_len, result.accepted + 1)
         for i in range(bs):
             a = int(result.accepted[i])
             tokens[i, result.path[i, 1: a + 1]].tolist()
@@ -190,7 +190,7 @@ def measure_draft(model, heads, bs: int, tree: Tree, reps: int = 3) -> float:
 
 def monotone_envelope(rows: list[Row]) -> list[Row]:
     """Each point lowered to the cheapest point with at least as many query tokens and rows
-    (same ctx). For the loop's overhead and the drafting cost more work never takes less time,
+    (same kv_len). For the loop's overhead and the drafting cost more work never takes less time,
     so a point above that is noise, and on a shared machine noise only adds time: a job that ran
     meanwhile, never one that helped. (Not for the forward: see :func:`run_calibration`.)"""
     out = []
@@ -210,14 +210,14 @@ def run_calibration(model, heads=None, config: CalibrationConfig = CalibrationCo
     # against 58-61 ms later in the same run.
     for q in (1, max(nodes)):
         measure_forward(model, 1, q, config.contexts[0], reps=3)
-    for ctx in config.contexts:
+    for kv_len in config.contexts:
         for bs in config.batch_sizes:
             # q = 1 and 2 always, so every batch size has a slope to extrapolate along
             for q in [q for q in nodes if q <= 2 or bs * q <= config.max_tokens]:
-                forward.append({"bs": bs, "q": q, "ctx": ctx, "ms": measure_forward(model, bs, q, ctx, config.reps)})
+                forward.append({"bs": bs, "q": q, "ctx": kv_len, "ms": measure_forward(model, bs, q, kv_len, config.reps)})
             if log:
-                log(f"calibration ctx={ctx} bs={bs}: " + " ".join(f"q{r['q']}={r['ms']:.0f}ms"
-                                                                for r in forward if r['bs'] == bs and r['ctx'] == ctx))
+                log(f"calibration kv_len={kv_len} bs={bs}: " + " ".join(f"q{r['q']}={r['ms']:.0f}ms"
+                                                                for r in forward if r['bs'] == bs and r['ctx'] == kv_len))
     for bs in config.batch_sizes:
         for q in (1, 5):
             overhead.append({"bs": bs, "q": q, "ctx": 0, "ms": measure_overhead(model, bs, q)})

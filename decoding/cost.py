@@ -7,7 +7,7 @@ time for every row, so the best tree shrinks as the batch grows, down to plain d
 (Su, Giannoula, Pekhimenko, arXiv 2310.18813). Where the cross-over lies depends on the
 hardware, the dtype and the base, so it is measured (:mod:`.calibration`), not guessed:
 
-    step_ms(bs, nodes, ctx, budget) = forward_ms(bs, nodes, ctx) + overhead_ms(bs, nodes) + draft_ms(bs, budget)
+    step_ms(bs, nodes, kv_len, budget) = forward_ms(bs, nodes, kv_len) + overhead_ms(bs, nodes) + draft_ms(bs, budget)
 
 A :class:`CostModel` prices a step from a calibrated surface (bs × query tokens × context), or
 from a batch-size-1 table priced by query tokens (``per_token``: bs rows of n nodes cost what
@@ -61,11 +61,11 @@ def bracket(xs: np.ndarray, x: float) -> list[tuple[int, float]]:
 
 @dataclass(frozen=True)
 class LatencyTable:
-    """Milliseconds measured at (bs, q, ctx) points, interpolated piecewise-linearly in q, then
-    bs, then ctx. Each (ctx, bs) keeps its own q list, so coarse or capped grids (large bs × large
+    """Milliseconds measured at (bs, q, kv_len) points, interpolated piecewise-linearly in q, then
+    bs, then kv_len. Each (kv_len, bs) keeps its own q list, so coarse or capped grids (large bs × large
     q left out of the calibration, the GPU files' sparse ctx-2048 grid) need no filling."""
 
-    points: dict[int, dict[int, tuple[tuple[int, float], ...]]]  # ctx -> bs -> ((q, ms), ...)
+    points: dict[int, dict[int, tuple[tuple[int, float], ...]]]  # kv_len -> bs -> ((q, ms), ...)
 
     @classmethod
     def from_rows(cls, rows: Iterable[Row]) -> "LatencyTable":
@@ -99,16 +99,16 @@ class LatencyTable:
             curve = self._curves[key] = interp_many(*self._grids[contexts[ci]][1][bi], qs)
         return curve
 
-    def ms(self, bs: int, q: int, ctx: int) -> float:
-        return float(self.ms_many(bs, np.array([q], dtype=np.float64), ctx)[0])
+    def ms(self, bs: int, q: int, kv_len: int) -> float:
+        return float(self.ms_many(bs, np.array([q], dtype=np.float64), kv_len)[0])
 
-    def ms_many(self, bs: int, qs: np.ndarray, ctx: int) -> np.ndarray:
+    def ms_many(self, bs: int, qs: np.ndarray, kv_len: int) -> np.ndarray:
         """:meth:`ms` at several query counts ``qs`` (Q,) at once → (Q,). Only the two measured
-        contexts and batch sizes around (ctx, bs) are interpolated (the others carry no weight)."""
+        contexts and batch sizes around (kv_len, bs) are interpolated (the others carry no weight)."""
         contexts = list(self._grids)
         qs = np.asarray(qs, dtype=np.float64)
         total = np.zeros(len(qs))
-        for ci, cw in bracket(self._contexts, ctx):
+        for ci, cw in bracket(self._contexts, kv_len):
             for bi, bw in bracket(self._grids[contexts[ci]][0], bs):
                 total += (cw * bw) * self._curve(ci, bi, qs)
         return np.maximum(total, 1e-6)
@@ -122,7 +122,7 @@ class LatencyTable:
 @dataclass
 class CostModel:
     """Time of one decoding step. ``forward``: base forward over bs × nodes query tokens at
-    context ctx, LM head and argmax included; ``overhead``: the loop's own work per step (greedy
+    context kv_len, LM head and argmax included; ``overhead``: the loop's own work per step (greedy
     acceptance, KV compaction, emitting tokens), by (bs, nodes); ``draft``: ``heads.propose``
     by (bs, budget). Surfaces measured elsewhere (the GPU files) have no overhead/draft table:
     those terms count as zero, which favours speculation, so say so when quoting them."""
@@ -164,26 +164,26 @@ class CostModel:
         a step at 1,600 tokens), so a table measured at a short context under-prices the nodes
         of a long prompt (RAG, summarization) and the width chooser verifies too many."""
         nodes = sorted({int(r["q"]) for r in self.forward.rows() if int(r["bs"]) == 1})
-        points = {int(ctx): CostModel.from_ranked([{"nodes": n, "step_ms": self.step_ms(1, n, ctx)} for n in nodes])
-                  .forward.points[0] for ctx in contexts}
+        points = {int(kv_len): CostModel.from_ranked([{"nodes": n, "step_ms": self.step_ms(1, n, kv_len)} for n in nodes])
+                  .forward.points[0] for kv_len in contexts}
         return CostModel(LatencyTable(points), per_token=True)
 
-    def step_ms_many(self, bs: int, widths: np.ndarray, ctx: int) -> np.ndarray:
+    def step_ms_many(self, bs: int, widths: np.ndarray, kv_len: int) -> np.ndarray:
         """:meth:`step_ms` (no drafting cost) at every node count of ``widths`` (W,) → (W,)."""
         widths = np.asarray(widths, dtype=np.float64)
         if self.per_token:
-            return self.forward.ms_many(1, bs * widths, ctx)
-        ms = self.forward.ms_many(bs, widths, ctx)
+            return self.forward.ms_many(1, bs * widths, kv_len)
+        ms = self.forward.ms_many(bs, widths, kv_len)
         if self.overhead is not None:
             ms = ms + self.overhead.ms_many(bs, widths, 0)
         return ms
 
-    def step_ms(self, bs: int, nodes: int, ctx: int, budget: int = 0) -> float:
-        """One step of ``bs`` rows × ``nodes`` tree slots at context ``ctx``, drafting a
+    def step_ms(self, bs: int, nodes: int, kv_len: int, budget: int = 0) -> float:
+        """One step of ``bs`` rows × ``nodes`` tree slots at context ``kv_len``, drafting a
         ``budget``-node tree (0: no drafting cost counted)."""
         if self.per_token:
-            return self.forward.ms(1, bs * nodes, ctx)
-        ms = self.forward.ms(bs, nodes, ctx)
+            return self.forward.ms(1, bs * nodes, kv_len)
+        ms = self.forward.ms(bs, nodes, kv_len)
         if self.overhead is not None:
             ms += self.overhead.ms(bs, nodes, 0)
         if budget > 0 and self.draft is not None:

@@ -2,7 +2,7 @@
 batch-size-adaptive policy that picks, every step, the tree that maximizes expected tokens/s for
 the live batch under the cost model (:mod:`.cost`) — and which policy a model starts with:
 
-    goodput(tree | bs, ctx) = bs · τ(tree) / step_ms(bs, nodes, ctx, budget)
+    goodput(tree | bs, kv_len) = bs · τ(tree) / step_ms(bs, nodes, kv_len, budget)
 
 τ(tree) comes from the checkpoint (expected tokens per step for each stored node budget, measured
 on held-out text) and is rescaled online by what the decoder actually accepts.

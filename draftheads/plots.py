@@ -76,21 +76,21 @@ def plot_surface(cost, policy, path: Path) -> None:
     right: the policy's chosen budget per batch size at each calibrated context."""
     contexts = list(cost.forward.points)
     with figure(path, 1, len(contexts) + 1, figsize=(5 * (len(contexts) + 1), 4.2)) as (fig, axes):
-        for ax, ctx in zip(axes, contexts):
-            for bs, points in cost.forward.points[ctx].items():
+        for ax, kv_len in zip(axes, contexts):
+            for bs, points in cost.forward.points[kv_len].items():
                 qs = [q for q, _ in points]
                 ax.plot(qs, [ms for _, ms in points], "o-", ms=3, label=f"bs {bs}")
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_xlabel("query tokens per row (tree slots)")
             ax.set_ylabel("forward ms (measured)")
-            ax.set_title(f"context {ctx}")
+            ax.set_title(f"context {kv_len}")
             ax.legend(fontsize=7)
             ax.grid(alpha=0.3)
         ax = axes[-1]
         sizes = [1, 2, 4, 8, 16, 32, 64]
-        for ctx in contexts:
-            ax.plot(sizes, [policy.rank(bs, ctx)[0].budget for bs in sizes], "o-", label=f"context {ctx}")
+        for kv_len in contexts:
+            ax.plot(sizes, [policy.rank(bs, kv_len)[0].budget for bs in sizes], "o-", label=f"context {kv_len}")
         ax.set_xscale("log", base=2)
         ax.set_xticks(sizes, [str(s) for s in sizes])
         ax.set_xlabel("live batch size")

@@ -89,9 +89,9 @@ def main(argv=None) -> None:
     model, _ = load_base(dtype=args.dtype)
     use_packed_linears(model)
     use_packed_sdpa(model)
-    batch, ctx = args.batch_size, args.context
-    cache = _synthetic_cache(model, batch, ctx)
-    kv_valid = torch.ones(batch, ctx, dtype=torch.bool)
+    batch, kv_len = args.batch_size, args.context
+    cache = _synthetic_cache(model, batch, kv_len)
+    kv_valid = torch.ones(batch, kv_len, dtype=torch.bool)
     uniform = {q: median_ms(step_fn(model, cache, kv_valid, [q] * batch, "padded"), args.reps) for q in (1, 2, 3, 4)}
     print("uniform slots a row → ms:", {q: round(ms, 1) for q, ms in uniform.items()}, flush=True)
     rows = []
@@ -107,7 +107,7 @@ def main(argv=None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"command": "python scripts/bench_ragged_verify.py " + " ".join(argv or sys.argv[1:]),
             "device": device_name(torch.device("cpu")), "dtype": dtype_name(next(model.parameters()).dtype),
-            "threads": torch.get_num_threads(), "batch_size": batch, "context": ctx, "reps": args.reps,
+            "threads": torch.get_num_threads(), "batch_size": batch, "context": kv_len, "reps": args.reps,
             "date": time.strftime("%Y-%m-%d")}
     result = {"meta": meta, "uniform_ms": {str(q): round(v, 2) for q, v in uniform.items()}, "patterns": rows}
     (args.out / "ragged_verify.json").write_text(json.dumps(result, indent=1))
@@ -120,7 +120,7 @@ def main(argv=None) -> None:
             ax.text(len(rows) - 0.5, ms, f"{q} slot{'s' if q > 1 else ''} a row", fontsize=7, va="bottom", ha="right")
         ax.set_xticks(list(xs), [f"{r['pattern']}\n({r['real_slots']} real)" for r in rows], fontsize=7, rotation=20)
         ax.set_ylabel("ms per verify + LM head")
-        ax.set_title(f"Ragged steps, bs {batch}, context {ctx}, {meta['dtype']}")
+        ax.set_title(f"Ragged steps, bs {batch}, context {kv_len}, {meta['dtype']}")
         ax.legend(fontsize=8)
     print(f"wrote {args.out / 'ragged_verify.json'} and .png")
 

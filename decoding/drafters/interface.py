@@ -33,7 +33,7 @@ class DraftState:
     hidden: torch.Tensor  # (B, d) what the heads read (HeadState.hidden)
     rows: list[int]  # (B,) each live row's index in the caller's batch
     room: list[int]  # (B,) the deepest draft each row may still use (tokens left - 1)
-    context_length: int  # cache columns (the cost model's ctx)
+    context_length: int  # cache columns (the cost model's kv_len)
     generated: Sequence[Sequence[int]] = ()  # per caller row: its tokens emitted so far (root last)
 
 

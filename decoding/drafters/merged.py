@@ -83,7 +83,7 @@ class MergedDrafter:
                 self.lookup.extend(row, new)
                 self._seen[row] += len(new)
         self._weights = self._finish_weights(state)
-        ctx = state.context_length
+        kv_len = state.context_length
         width = None
         self.worth.new_step()
         heads_on = self.heads is not None and tree.num_nodes > 1
@@ -91,26 +91,26 @@ class MergedDrafter:
         if heads_on and not self.worth.weighs(len(state.rows)) and not self.review:
             # in a batch the heads always propose: every source is merged at once
             tries = merge_rows(parts + [self._heads_tries(state, tree)], budget).cap_depth(state.room)
-            width, keep = self._cut(tries, ctx)
+            width, keep = self._cut(tries, kv_len)
             self._count_heads_step(proposed=True)
         else:
             if self.review and self.heads is not None:
                 reviewed = review(self.heads, state, merge_rows(parts, self.lookup_nodes).split(), self.lookup.hitrate)
                 parts = [CandidateBatch.from_rows(reviewed)]
             tries = merge_rows(parts, budget).cap_depth(state.room)
-            if heads_on and self.worth.pays(tries, ctx, self.width):
+            if heads_on and self.worth.pays(tries, kv_len, self.width):
                 alone = tries
                 # the lookups' tries are merged already: the best ``budget`` of (their union + the
                 # heads') are among (their best ``budget``) + the heads' (a node never outranks its parent)
                 tries = merge_rows([tries, self._heads_tries(state, tree)], budget).cap_depth(state.room)
-                width, keep = self._cut(tries, ctx)
+                width, keep = self._cut(tries, kv_len)
                 if self.worth.weighs(tries.rows):
-                    self.worth.learn(alone, tries, width, ctx, self.width)
+                    self.worth.learn(alone, tries, width, kv_len, self.width)
             if heads_on:
                 self._count_heads_step(proposed=width is not None)
         if width is None:
-            priced = self.worth.priced(tries, ctx)  # the lookups' own step, when the worth check priced it
-            width, keep = (priced[0], priced[0] - 1) if priced and not self.width.per_row else self._cut(tries, ctx)
+            priced = self.worth.priced(tries, kv_len)  # the lookups' own step, when the worth check priced it
+            width, keep = (priced[0], priced[0] - 1) if priced and not self.width.per_row else self._cut(tries, kv_len)
         # best-first order: each row's first nodes (width − 1, or its own count) are a prefix-closed tree
         self._proposed = tries.first(keep)
         return StepTrees.from_candidates(state.roots, self._proposed)
@@ -143,14 +143,14 @@ class MergedDrafter:
         emitted = [len(state.generated[row]) for row in state.rows] if state.generated else [1] * len(state.rows)
         return finish_weights(np.asarray(state.room) + 1, np.asarray(emitted), self.width.finish_power)
 
-    def _cut(self, tries: CandidateBatch, ctx: int) -> tuple[float, int | np.ndarray]:
+    def _cut(self, tries: CandidateBatch, kv_len: int) -> tuple[float, int | np.ndarray]:
         """The step's width as the cost model prices it, and the nodes each row keeps: one width
         for every row (W, W − 1), or each row its own count (``width.per_row``: their mean slots
         per row, the (B,) counts)."""
         if not self.width.per_row:
-            width = self.width.choose(width_scores(tries), ctx)
+            width = self.width.choose(width_scores(tries), kv_len)
             return width, width - 1
-        counts = self.width.counts(tries, ctx, self._weights)
+        counts = self.width.counts(tries, kv_len, self._weights)
         return 1.0 + float(counts.sum()) / max(tries.rows, 1), counts
 
     def observe(self, drafts: StepTrees, result: Acceptance, rows: Sequence[int]) -> None:

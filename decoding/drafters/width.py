@@ -43,17 +43,17 @@ class WidthChooser:
     #: linear layers only (:data:`PADDED_SLOT_SHARE`); the decoder sets it for its base
     padding_share: float = PADDED_SLOT_SHARE
 
-    def choose(self, scores: np.ndarray, ctx: int) -> int:
+    def choose(self, scores: np.ndarray, kv_len: int) -> int:
         """scores (B, K): each row's best-first scores, zero-padded (:meth:`~.candidates.CandidateBatch.score_block`)."""
         block = np.atleast_2d(np.asarray(scores, dtype=np.float64))
         batch = block.shape[0]
         widest = min(self.max_nodes, 1 + block.shape[1])
         # gain[w-1] = Σ_b Σ_{i<w-1} s_b,i
         gain = np.concatenate([[0.0], np.cumsum(block[:, : widest - 1].sum(0))])
-        rate = (batch + gain) / self.cost.step_ms_many(batch, np.arange(1, widest + 1), ctx)
+        rate = (batch + gain) / self.cost.step_ms_many(batch, np.arange(1, widest + 1), kv_len)
         return 1 + int(np.argmax(rate))
 
-    def counts(self, tries: CandidateBatch, ctx: int, weights: np.ndarray | None = None) -> np.ndarray:
+    def counts(self, tries: CandidateBatch, kv_len: int, weights: np.ndarray | None = None) -> np.ndarray:
         """(B,) draft nodes per row under one batch budget: every row's ranked nodes in one queue
         by score (a node never outranks its parent, so a row's share is a best-first prefix of
         its own trie), cut at the total Q that maximizes Σ_b E[tokens] / step time — a row
@@ -87,7 +87,7 @@ class WidthChooser:
         widest = 1 + np.concatenate([zero, np.maximum.accumulate(np.where(allowed, r + 1, 0), axis=1)], axis=1)
         padding = batch * widest - computed
         slots = np.where(padding >= SKIP_PADDING_SLOTS, (computed + self.padding_share * padding) / batch, widest)
-        rate = (w.sum() + gain) / self.cost.step_ms_many(batch, slots.ravel(), ctx).reshape(slots.shape)
+        rate = (w.sum() + gain) / self.cost.step_ms_many(batch, slots.ravel(), kv_len).reshape(slots.shape)
         c, q = np.unravel_index(int(np.argmax(rate)), rate.shape)
         return np.bincount(tries.row[order[:q][allowed[c, :q]]], minlength=batch)
 

@@ -113,7 +113,7 @@ class HeadsWorth:
     _times: deque = field(default_factory=lambda: deque(maxlen=HEADS_MS_WINDOW))
     _misses: float = 0.0  # the lookups' first-token miss rate summed over rows, on the step the heads proposed in
     _alone_kept: CandidateBatch | None = None  # on that step, the tree the lookups alone would have verified
-    _alone_step: tuple | None = None  # (tries, ctx, (width, expected tokens, ms)) of :meth:`lookups_step`
+    _alone_step: tuple | None = None  # (tries, kv_len, (width, expected tokens, ms)) of :meth:`lookups_step`
 
     def __post_init__(self) -> None:
         self.recheck = Recheck(self.recheck_every, self.recheck_most)
@@ -141,23 +141,23 @@ class HeadsWorth:
         """A step the heads could draft in: they proposed, or :meth:`pays` skipped them."""
         self.recheck.count(proposed)
 
-    def priced(self, tries: CandidateBatch, ctx: int) -> tuple[int, float, float] | None:
+    def priced(self, tries: CandidateBatch, kv_len: int) -> tuple[int, float, float] | None:
         """:meth:`lookups_step`'s answer for these very tries, if it gave one this step."""
         step = self._alone_step
-        return step[2] if step is not None and step[0] is tries and step[1] == ctx else None
+        return step[2] if step is not None and step[0] is tries and step[1] == kv_len else None
 
-    def lookups_step(self, tries: CandidateBatch, ctx: int, width: WidthChooser) -> tuple[int, float, float]:
+    def lookups_step(self, tries: CandidateBatch, kv_len: int, width: WidthChooser) -> tuple[int, float, float]:
         """The step the lookups' tries alone would make under ``width``: (width, expected tokens,
         ms); asked by :meth:`pays` and again by :meth:`learn` for the same tries, so kept."""
-        priced = self.priced(tries, ctx)
+        priced = self.priced(tries, kv_len)
         if priced is not None:
             return priced
-        chosen = width.choose(width_scores(tries), ctx)
-        step = (chosen, expected_tokens(tries, chosen), width.cost.step_ms(tries.rows, chosen, ctx))
-        self._alone_step = (tries, ctx, step)
+        chosen = width.choose(width_scores(tries), kv_len)
+        step = (chosen, expected_tokens(tries, chosen), width.cost.step_ms(tries.rows, chosen, kv_len))
+        self._alone_step = (tries, kv_len, step)
         return step
 
-    def pays(self, tries: CandidateBatch, ctx: int, width: WidthChooser) -> bool:
+    def pays(self, tries: CandidateBatch, kv_len: int, width: WidthChooser) -> bool:
         """Whether the heads' proposal is worth its time this step, given the lookups' tries.
 
         The heads draft below the root only, so where a lookup's first token is accepted with
@@ -175,21 +175,21 @@ class HeadsWorth:
         live, the heads propose."""
         if self.ms is None or self.gain is None or width.cost is LINEAR_COST or not self.weighs(tries.rows):
             return True  # LINEAR_COST is relative, not ms: no step time to weigh the heads' ms against
-        _, expected, step_ms = self.lookups_step(tries, ctx, width)
+        _, expected, step_ms = self.lookups_step(tries, kv_len, width)
         gain = float((1.0 - tries.first_scores()).sum()) * self.gain
         return self.recheck.decide(pays(expected, step_ms, gain, self.ms + (self.extra_ms or 0.0)))
 
-    def learn(self, alone: CandidateBatch, merged: CandidateBatch, merged_width: float, ctx: int,
+    def learn(self, alone: CandidateBatch, merged: CandidateBatch, merged_width: float, kv_len: int,
               width: WidthChooser) -> None:
         """On a step the heads propose in: what their extra nodes cost to verify (ms, a moving
         average), and the lookups' first-token miss rate their gain is counted against once the
         base has verified the step (:meth:`observe`)."""
         if width.cost is LINEAR_COST:
             return
-        alone_width, _, alone_ms = self.lookups_step(alone, ctx, width)
+        alone_width, _, alone_ms = self.lookups_step(alone, kv_len, width)
         self._misses = max(float((1.0 - alone.first_scores()).sum()), 1e-3)
         self._alone_kept = alone.first(alone_width - 1)
-        extra_ms = width.cost.step_ms(merged.rows, merged_width, ctx) - alone_ms
+        extra_ms = width.cost.step_ms(merged.rows, merged_width, kv_len) - alone_ms
         self.extra_ms = moving_average(self.extra_ms, max(0.0, extra_ms))
 
     def observe(self, accepted: Sequence[list[int]], bonus: torch.Tensor) -> None:

@@ -97,14 +97,14 @@ def policy_on_surfaces(heads, paths: list[Path], batch_sizes=(1, 2, 4, 8, 16, 32
     for path in paths:
         cost = load_cost_surface(path)
         policy = AdaptivePolicy.from_heads(heads, cost, learn=False)
-        ctx = int(cost.meta.get("ctx", 512))
+        kv_len = int(cost.meta.get("ctx", 512))
         rows = {}
         for bs in batch_sizes:
-            ranked = policy.rank(bs, ctx)
+            ranked = policy.rank(bs, kv_len)
             plain = next(c for c in ranked if c.budget == 0)
             rows[str(bs)] = {"budget": ranked[0].budget, "predicted_speedup_vs_plain":
                              round(ranked[0].tokens_per_second / plain.tokens_per_second, 3)}
-        out[Path(path).name] = {"model": cost.meta.get("model"), "device": cost.meta.get("device"), "ctx": ctx,
+        out[Path(path).name] = {"model": cost.meta.get("model"), "device": cost.meta.get("device"), "ctx": kv_len,
                                 "choice": rows}
     return out
 
@@ -191,9 +191,9 @@ def batch_size_result(table: dict[str, dict], batches: list[list[list[int]]], ma
     adaptive policy against it, and what the policy predicted at the batches' mean context."""
     bs = len(batches[0])
     best_fixed = max((n for n in table if n.startswith("fixed:") or n == "hf"), key=lambda n: table[n]["tokens_per_second"])
-    ctx = int(sum(len(r) for b in batches for r in b) / sum(len(b) for b in batches)) + max_new_tokens // 2
+    kv_len = int(sum(len(r) for b in batches for r in b) / sum(len(b) for b in batches)) + max_new_tokens // 2
     return {"batches": len(batches), "prompts": len(batches) * bs, "strategies": table,
             "best_of_fixed_and_hf": best_fixed,
             "adaptive_vs_best": round(table["adaptive"]["tokens_per_second"] / table[best_fixed]["tokens_per_second"], 4),
-            "policy_prediction": {"context": ctx, "tau_scale": round(adaptive.scale, 4),
-                                  "ranked": [asdict_choice(c) for c in adaptive.rank(bs, ctx)]}}
+            "policy_prediction": {"context": kv_len, "tau_scale": round(adaptive.scale, 4),
+                                  "ranked": [asdict_choice(c) for c in adaptive.rank(bs, kv_len)]}}

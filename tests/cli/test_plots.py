@@ -32,7 +32,7 @@ def batch_results():
 def cost_and_policy():
     forward = SimpleNamespace(points={128: {1: [(1, 50.0), (5, 70.0)], 4: [(1, 80.0), (5, 120.0)]},
                                       512: {1: [(1, 60.0), (5, 90.0)]}})
-    policy = SimpleNamespace(scale=0.8, rank=lambda bs, ctx: [SimpleNamespace(budget=4 if bs < 8 else 0)])
+    policy = SimpleNamespace(scale=0.8, rank=lambda bs, kv_len: [SimpleNamespace(budget=4 if bs < 8 else 0)])
     return SimpleNamespace(forward=forward), policy
 
 

@@ -203,25 +203,25 @@ def test_smollm2_adaptive_with_a_file_valued_cache(tmp_path, monkeypatch, measur
 
 def test_vectorized_prices_equal_the_nested_interpolation():
     """LatencyTable.ms (array grids, only the bracketing points weighted) equals interpolating
-    q, then bs, then ctx with interp1 over every measured point, inside and past the grid; and
+    q, then bs, then kv_len with interp1 over every measured point, inside and past the grid; and
     CostModel.step_ms_many equals step_ms width by width."""
     from draftheads.decoding.cost import CostModel, LatencyTable, interp1
 
-    rows = [{"bs": bs, "q": q, "ctx": ctx, "ms": 5 + 0.3 * bs * q ** 1.2 + ctx / 100 + (q % 3)}
-            for ctx in (64, 256, 1024) for bs in (1, 4, 16) for q in ((1, 2, 5, 9, 17) if bs < 16 else (1, 3))]
+    rows = [{"bs": bs, "q": q, "ctx": kv_len, "ms": 5 + 0.3 * bs * q ** 1.2 + kv_len / 100 + (q % 3)}
+            for kv_len in (64, 256, 1024) for bs in (1, 4, 16) for q in ((1, 2, 5, 9, 17) if bs < 16 else (1, 3))]
     table = LatencyTable.from_rows(rows)
 
-    def nested(bs, q, ctx):
+    def nested(bs, q, kv_len):
         per_ctx = []
         for c, bss in table.points.items():
             per_bs = [interp1([p[0] for p in pts], [p[1] for p in pts], q) for pts in bss.values()]
             per_ctx.append(interp1(list(bss), per_bs, bs))
-        return max(interp1(list(table.points), per_ctx, ctx), 1e-6)
+        return max(interp1(list(table.points), per_ctx, kv_len), 1e-6)
 
     for bs in (1, 2, 4, 9, 16, 40):
-        for ctx in (0, 64, 100, 1024, 4000):
+        for kv_len in (0, 64, 100, 1024, 4000):
             for q in (1, 3, 8, 17, 33):
-                assert table.ms(bs, q, ctx) == pytest.approx(nested(bs, q, ctx), rel=1e-12)
+                assert table.ms(bs, q, kv_len) == pytest.approx(nested(bs, q, kv_len), rel=1e-12)
     cost = CostModel(table, overhead=LatencyTable.from_rows([{"bs": b, "q": q, "ctx": 0, "ms": 0.1 * b + 0.01 * q}
                                                              for b in (1, 16) for q in (1, 5)]))
     widths = np.arange(1, 34)
@@ -235,12 +235,12 @@ def test_the_width_chooser_prices_nodes_by_the_context_they_attend_to():
     context still gives a context-free table."""
     from draftheads.decoding.cost import CostModel, LatencyTable
 
-    rows = [{"bs": 1, "q": q, "ctx": ctx, "ms": 30 + q * (0.5 + ctx / 1000) + (8 if (q, ctx) == (5, 256) else 0)}
-            for ctx in (256, 1024) for q in (1, 3, 5, 9, 17)]
+    rows = [{"bs": 1, "q": q, "ctx": kv_len, "ms": 30 + q * (0.5 + kv_len / 1000) + (8 if (q, kv_len) == (5, 256) else 0)}
+            for kv_len in (256, 1024) for q in (1, 3, 5, 9, 17)]
     cost = CostModel(LatencyTable.from_rows(rows), overhead=LatencyTable.from_rows(
         [{"bs": 1, "q": q, "ctx": 0, "ms": 1.0} for q in (1, 17)]))
     table = cost.per_token_table([256, 1024])
-    per_node = {ctx: table.step_ms(1, 17, ctx) - table.step_ms(1, 1, ctx) for ctx in (256, 640, 1024)}
+    per_node = {kv_len: table.step_ms(1, 17, kv_len) - table.step_ms(1, 1, kv_len) for kv_len in (256, 640, 1024)}
     assert per_node[256] == pytest.approx(16 * 0.756) and per_node[1024] == pytest.approx(16 * 1.524)
     assert per_node[640] == pytest.approx((per_node[256] + per_node[1024]) / 2)
     assert table.step_ms(1, 5, 256) == pytest.approx(table.step_ms(1, 9, 256))  # (5, 256) measured slow: lowered

@@ -30,13 +30,13 @@ def probe_candidates() -> list[Candidate]:
     return [Candidate(0, chain_tree(0), 1.0)] + [Candidate(b, wide_tree(b), t) for b, t in PROBE_TAU.items()]
 
 
-def synthetic_cost(ms_of, batch_sizes=(1, 2, 4, 8, 16, 32, 64), qs=(1, 2, 4, 8, 16, 32, 64), ctx=(256,)) -> CostModel:
-    rows = [{"bs": b, "q": q, "ctx": c, "ms": ms_of(b, q, c)} for b in batch_sizes for q in qs for c in ctx]
+def synthetic_cost(ms_of, batch_sizes=(1, 2, 4, 8, 16, 32, 64), qs=(1, 2, 4, 8, 16, 32, 64), kv_len=(256,)) -> CostModel:
+    rows = [{"bs": b, "q": q, "ctx": c, "ms": ms_of(b, q, c)} for b in batch_sizes for q in qs for c in kv_len]
     return CostModel(LatencyTable.from_rows(rows))
 
 
-def chosen_budgets(policy: AdaptivePolicy, batch_sizes, ctx=256) -> list[int]:
-    return [policy.rank(bs, ctx)[0].budget for bs in batch_sizes]
+def chosen_budgets(policy: AdaptivePolicy, batch_sizes, kv_len=256) -> list[int]:
+    return [policy.rank(bs, kv_len)[0].budget for bs in batch_sizes]
 
 
 # -- cost model ------------------------------------------------------------------------------
@@ -86,7 +86,7 @@ def test_gpu_surfaces_shrink_the_tree_for_large_batches(name):
     cost = load_cost_surface(SURFACES / name)
     assert cost.meta["ctx"] == 512 and cost.forward.ms(1, 1, 512) > 1.0
     policy = AdaptivePolicy(probe_candidates(), cost, learn=False)
-    budgets = chosen_budgets(policy, [1, 8, 64], ctx=512)
+    budgets = chosen_budgets(policy, [1, 8, 64], kv_len=512)
     assert budgets[0] == 63  # a 64-query tree is almost free at bs 1 on an H100
     assert budgets[0] > budgets[1] > budgets[2] > 0
     best64 = policy.rank(64, 512)[0]
@@ -193,7 +193,7 @@ def batch_sensitive_policy() -> AdaptivePolicy:
     trees = {1: tree_from_paths([[0]]), 4: tree_from_paths([[0], [1], [0, 0], [0, 0, 0]]),
              9: tree_from_paths([[0], [1], [2], [0, 0], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0], [0, 0, 0, 0, 0]])}
     cost = synthetic_cost(lambda b, q, c: 10.0 + 4.0 * max(0, b * q - 10) + 3.0 * (b - 1) * (q - 1),
-                          batch_sizes=(1, 2, 4, 8), qs=(1, 2, 5, 10), ctx=(8, 64))
+                          batch_sizes=(1, 2, 4, 8), qs=(1, 2, 5, 10), kv_len=(8, 64))
     cands = [Candidate(0, chain_tree(0), 1.0), Candidate(1, trees[1], 1.5), Candidate(4, trees[4], 2.2),
              Candidate(9, trees[9], 2.9)]
     return AdaptivePolicy(cands, cost)

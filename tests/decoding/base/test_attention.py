@@ -15,14 +15,14 @@ from draftheads.decoding.generate import DraftHeadsModel
 from draftheads.decoding.calibration import _synthetic_cache
 
 
-def _verify_states(model, bs: int, q: int, ctx: int, seed: int = 0) -> torch.Tensor:
+def _verify_states(model, bs: int, q: int, kv_len: int, seed: int = 0) -> torch.Tensor:
     """Hidden states of a verification forward over a random cache with holes and a random tree."""
     gen = torch.Generator().manual_seed(seed)
-    cache = _synthetic_cache(model, bs, ctx)
+    cache = _synthetic_cache(model, bs, kv_len)
     for layer in cache.layers:  # same random cache whatever the attention implementation
         layer.keys.copy_(torch.randn(layer.keys.shape, generator=gen, dtype=layer.keys.dtype))
         layer.values.copy_(torch.randn(layer.values.shape, generator=gen, dtype=layer.values.dtype))
-    valid = torch.rand(bs, ctx, generator=gen) > 0.3
+    valid = torch.rand(bs, kv_len, generator=gen) > 0.3
     valid[:, -1] = True
     parent = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, q)]
     ancestor = torch.eye(q, dtype=torch.bool)
@@ -45,11 +45,11 @@ def test_packed_verification_equals_repeated_heads(monkeypatch):
     packed = copy.deepcopy(reference)
     assert use_packed_sdpa(packed) and uses_packed_sdpa(packed) and not uses_packed_sdpa(reference)
     assert packed.config._attn_implementation == reference.config._attn_implementation == "sdpa"  # the config stays
-    for bs, q, ctx in [(1, 1, 5), (1, 7, 9), (3, 4, 12), (5, 2, 3)]:
+    for bs, q, kv_len in [(1, 1, 5), (1, 7, 9), (3, 4, 12), (5, 2, 3)]:
         copies.clear()
-        ours = _verify_states(packed, bs, q, ctx)
+        ours = _verify_states(packed, bs, q, kv_len)
         assert not copies  # packed: no key/value head was repeated
-        theirs = _verify_states(reference, bs, q, ctx)
+        theirs = _verify_states(reference, bs, q, kv_len)
         assert len(copies) == (0 if q == 1 else 2 * reference.config.num_hidden_layers)  # keys + values per layer
         torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
 
@@ -110,7 +110,7 @@ def test_the_mask_is_repeated_once_per_forward_and_redone_when_it_changes():
     assert repeated_mask(other, 2) is not repeated_mask(mask, 2)
 
 
-def _ragged_case(model, seed: int, bs: int = 4, width: int = 6, ctx: int = 10, skewed: bool = False):
+def _ragged_case(model, seed: int, bs: int = 4, width: int = 6, kv_len: int = 10, skewed: bool = False):
     """A random cache with holes and, per row, a random tree of its own size (a prefix of ``width``
     slots; row 0 the widest; ``skewed``: the others of one or two): what a per-row step verifies."""
     gen = torch.Generator().manual_seed(seed)
@@ -121,14 +121,14 @@ def _ragged_case(model, seed: int, bs: int = 4, width: int = 6, ctx: int = 10, s
     for b in range(bs):
         for i in range(1, int(sizes[b])):
             ancestor[b, i] |= ancestor[b, int(torch.randint(0, i, (1,), generator=gen))]
-    kv_valid = torch.rand(bs, ctx, generator=gen) > 0.3
+    kv_valid = torch.rand(bs, kv_len, generator=gen) > 0.3
     kv_valid[:, -1] = True
     mask = tree_attention_mask(kv_valid, ancestor)
     positions = kv_valid.sum(1, keepdim=True) + ancestor.sum(-1) - 1
     tokens = torch.randint(3, model.config.vocab_size, (bs, width), generator=gen)
 
     def cache():
-        filled = _synthetic_cache(model, bs, ctx)
+        filled = _synthetic_cache(model, bs, kv_len)
         values = torch.Generator().manual_seed(1000 + seed)
         for layer in filled.layers:
             layer.keys.copy_(torch.randn(layer.keys.shape, generator=values, dtype=layer.keys.dtype))
