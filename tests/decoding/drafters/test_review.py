@@ -170,7 +170,7 @@ def test_review_arguments_are_checked_with_clear_errors():
     assert isinstance(drafter, MergedDrafter) and drafter.review is True
     assert build_drafter(("heads", "context"), heads).review is False
     decoder = DraftHeadsModel(model, heads, tree=tree_from_paths([(0,)]))
-    with pytest.raises(ValueError, match="drafts must include 'heads' and at least one"):
+    with pytest.raises(ValueError, match="sources must include 'heads' and at least one"):
         decoder.use_sources("heads", review=True)
 
 
