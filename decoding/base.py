@@ -30,7 +30,7 @@ from ..heads.linear import FingerprintMemo, fuse_siblings, shape_key, subset_pro
 from ..heads.linear import packed_forward, refresh_linears, release_linears, wearing
 from ..heads.fewrow import load_kernel
 from ..heads.linear import use_packed_linears as wrap_linears
-from ..heads.protocol import write_text_atomic
+from ..heads.checkpoint.atomic import write_text_atomic
 from .architecture import UnsupportedBaseError, additive_mask, apply_logit_transforms, logit_settings
 from .architecture import architecture_name, attention_layout, check_base as check_architecture, check_structure
 from .architecture import checked, decoder_body, layer_masks

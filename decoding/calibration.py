@@ -17,7 +17,7 @@ import torch
 from ..heads.errors import UnwritablePathError
 from ..heads.fewrow import kernel_identity
 from ..heads.hardware import cpu_model, isa_limits
-from ..heads.protocol import write_text_atomic
+from ..heads.checkpoint.atomic import write_text_atomic
 from .accept import greedy_tokens
 from .base import cache_root, lm_logits, verify
 from .attention import PACKED_SDPA, uses_packed_sdpa

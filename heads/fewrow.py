@@ -47,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from .atomic import atomic_file
+from .checkpoint.atomic import atomic_file
 from .errors import DraftheadsError
 from .hardware import bf16_native, is_x86
 

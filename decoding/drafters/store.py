@@ -25,7 +25,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ...heads.atomic import atomic_file
+from ...heads.checkpoint.atomic import atomic_file
 from ...heads.errors import DraftheadsError
 from ...heads.hardware import available_ram_bytes
 from .candidates import CandidateBatch, Candidates, Source

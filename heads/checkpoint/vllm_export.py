@@ -24,7 +24,9 @@ from pathlib import Path
 
 import torch
 
-from .protocol import DRAFTHEADS_VERSION, CheckpointError, DraftHeads, atomic_directory, check_output_dir
+from ..config import DRAFTHEADS_VERSION, CheckpointError
+from ..protocol import DraftHeads
+from .atomic import atomic_directory, check_output_dir
 
 TARGETS = ("vllm-medusa", "vllm-mlp-speculator")
 
