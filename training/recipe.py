@@ -33,7 +33,7 @@ class HeadsSection:
     num_heads: int = 4
     num_layers: int = 1
     draft_vocab_size: int = 8192  # 0 = full vocabulary
-    extra: dict[str, Any] = field(default_factory=dict)  # family-specific options (HeadConfig.extra)
+    extra: dict[str, Any] = field(default_factory=dict)  # the family's options (typed: HeadConfig.options)
 
 
 @dataclass
@@ -392,7 +392,7 @@ def check_ranges(recipe: Recipe) -> None:
     if recipe.heads.family not in REGISTRY:
         raise RecipeError(f"Recipe key heads.family={recipe.heads.family!r} is not a known head family; use one of "
                           f"{sorted(REGISTRY)}.")
-    check_family_options(recipe.heads.family, recipe.heads.extra, REGISTRY[recipe.heads.family].options)
+    check_family_options(recipe.heads.family, recipe.heads.extra, REGISTRY[recipe.heads.family].options_class)
     check_columns(recipe.data.columns)
     at_least = {("heads.draft_vocab_size", 0): recipe.heads.draft_vocab_size, ("data.limit", 0): recipe.data.limit,
                 ("data.eval_examples", 1): recipe.data.eval_examples, ("train.max_steps", 0): recipe.train.max_steps,
@@ -419,11 +419,15 @@ def check_ranges(recipe: Recipe) -> None:
 DERIVED_EXTRA = {"koala": "adversarial.enabled", "imported_from": "draftheads import-medusa"}
 
 
-def check_family_options(family: str, extra: dict, options: dict[str, type]) -> None:
-    """``heads.extra`` holds only the family's own options, each of its type: a misspelt key
-    would otherwise train with the default without a word."""
+def check_family_options(family: str, extra: dict, options_class: type) -> None:
+    """``heads.extra`` holds only the family's own options (the fields of its ``options_class``,
+    which types them when the heads config is built), each of its type: a misspelt key would
+    otherwise train with the default without a word."""
     import difflib
 
+    from ..heads.options import OptionError, check_value
+
+    options = options_class.kinds()
     for key, value in extra.items():
         if not isinstance(key, str) or key not in options:
             if key in DERIVED_EXTRA:
@@ -433,11 +437,10 @@ def check_family_options(family: str, extra: dict, options: dict[str, type]) -> 
             known = f"its options are {', '.join(sorted(options))}" if options else "it has no options"
             fix = f"did you mean {close[0]}?" if close else "remove it or fix its spelling."
             raise RecipeError(f"Recipe key heads.extra.{key} is not an option of {family} heads ({known}): {fix}")
-        kind = options[key]
-        if kind is bool and not isinstance(value, bool):
-            raise RecipeError(f"Recipe key heads.extra.{key} must be true or false, got {value!r}.")
-        if kind is int and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise RecipeError(f"Recipe key heads.extra.{key} must be a whole number ≥ 1, got {value!r}.")
+        try:
+            check_value(family, key, value, options[key])
+        except OptionError as err:
+            raise RecipeError(f"Recipe key heads.extra.{key} must be {err.expected}, got {value!r}.") from None
 
 
 def check_columns(columns: dict) -> None:

@@ -154,7 +154,7 @@ def check_heads_fit(recipe: Recipe, vocab_size: int, hidden_size: int) -> None:
 def check_final_dir(recipe: Recipe) -> None:
     """The final checkpoint's folder may be written: absent, empty or a checkpoint of ours, so a
     folder of the user's is refused now and not after the whole run."""
-    from ..heads.atomic import choose_destination
+    from ..heads.checkpoint.atomic import choose_destination
 
     final = Path(recipe.run.final_dir or Path(recipe.run.output_dir) / "final")
     key = "run.final_dir" if recipe.run.final_dir else "run.output_dir (its final/ folder)"

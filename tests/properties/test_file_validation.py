@@ -18,9 +18,9 @@ from draftheads.decoding import DraftHeadsModel, fingerprint
 from draftheads.decoding.drafters import ModelStore, StoreError, StoreHeader, build_arrays, save_store
 from draftheads.decoding.drafters.store import FORMAT_VERSION, key_bits
 from draftheads.heads import CheckpointError, DraftheadsError, HeadConfig, MedusaHeads, load_heads
-from draftheads.heads.card import card_for_checkpoint
-from draftheads.heads.hub import check_checkpoint_folder
-from draftheads.heads.medusa_import import import_medusa
+from draftheads.heads.checkpoint.card import card_for_checkpoint
+from draftheads.heads.checkpoint.hub import check_checkpoint_folder
+from draftheads.heads.checkpoint.medusa_import import import_medusa
 from draftheads.training.recipe import RecipeError, load_recipe
 
 MODEL = tiny_llama(0)

@@ -235,7 +235,7 @@ def test_joint_run_stays_finite_and_labels_the_checkpoint(tiny_setup, family):
     from draftheads.decoding import DraftHeadsModel
 
     model = DraftHeadsModel.from_pretrained(tiny_setup / run / "final", base=tiny_llama(0, dtype=torch.float64))
-    assert model.heads.family == family and model.heads.config.extra["koala"]["label"] == koala_label(family)
+    assert model.heads.family == family and model.heads.config.koala.label == koala_label(family)
 
 
 def test_sigkill_then_resume_with_adversarial_matches_uninterrupted_run(tiny_setup):
