@@ -7,13 +7,13 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+from torch import nn
 
 from .errors import DraftheadsError
 from .options import FamilyOptions, KoalaOptions
 
-if TYPE_CHECKING:
-    from .protocol import DraftHeads
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -150,7 +150,7 @@ def register(cls: type) -> type:
     return cls
 
 
-def build_heads(config: HeadConfig) -> "DraftHeads":
+def build_heads(config: HeadConfig) -> nn.Module:
     """Fresh heads of ``config.family`` (registered families only)."""
     if config.family not in REGISTRY:
         raise CheckpointError(f"Unknown head family {config.family!r}; known families: {sorted(REGISTRY)}.")

@@ -16,7 +16,7 @@ from ..heads.checkpoint.card import model_card
 from .evaluation import evaluate
 from .features import Features
 from .frozen import FrozenParts
-from .recipe import Recipe
+from .recipe_sections import Recipe
 from .resume import Progress
 
 

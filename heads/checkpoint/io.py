@@ -10,24 +10,22 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from ..config import CARD_NAME, CONFIG_NAME, WEIGHTS_NAME, CheckpointError, HeadConfig, build_heads, read_config
 from .atomic import atomic_directory
 from .card import basic_card
 from .hub import resolve_checkpoint
 
-if TYPE_CHECKING:
-    from ..protocol import DraftHeads
 
 #: how far two ``lm_head_sketch`` entries of the same LM head may differ: above dtype rounding
 #: (≲2e-4), far below another model's (≳0.1)
 SKETCH_TOLERANCE = 2e-3
 
 
-def save_heads(heads: "DraftHeads", directory: str | Path, dtype: torch.dtype | None = torch.bfloat16,
+def save_heads(heads: nn.Module, directory: str | Path, dtype: torch.dtype | None = torch.bfloat16,
                card: str | None = None, files: dict[str, str] | None = None) -> Path:
     """Write ``config.json`` + ``model.safetensors`` (heads only; float tensors in ``dtype``),
     the model card ``README.md`` (``card``; default: a short one from the config) and any
@@ -112,7 +110,7 @@ def check_base(config: HeadConfig, expected_fingerprint: dict, base_name: str | 
 
 
 def load_heads(directory: str | Path, expected_fingerprint: dict | None = None,
-               dtype: torch.dtype = torch.float32, base_name: str | None = None, **hub_kwargs) -> "DraftHeads":
+               dtype: torch.dtype = torch.float32, base_name: str | None = None, **hub_kwargs) -> nn.Module:
     """Load a head checkpoint from a local folder or a Hub id (``hub_kwargs``: ``revision``,
     ``cache_dir``, ``token``, ``local_files_only``; see :func:`.hub.resolve_checkpoint`); with
     ``expected_fingerprint`` refuse one made for another base (``base_name`` names it in the

@@ -21,7 +21,8 @@ from draftheads.heads import CheckpointError, DraftheadsError, HeadConfig, Medus
 from draftheads.heads.checkpoint.card import card_for_checkpoint
 from draftheads.heads.checkpoint.hub import check_checkpoint_folder
 from draftheads.heads.checkpoint.medusa_import import import_medusa
-from draftheads.training.recipe import RecipeError, load_recipe
+from draftheads.training.recipe import load_recipe
+from draftheads.training.recipe_sections import RecipeError
 
 MODEL = tiny_llama(0)
 RECORDS = [[5, 6, 7, 8, 9, 2], [6, 7, 8, 1, 2], [3, 3, 3, 3], [7, 8, 9, 9, 2]]

@@ -20,7 +20,8 @@ from draftheads.training.data import example_features, shifted_rows
 from draftheads.training.features import Example
 from draftheads.training.losses import (IGNORE, discriminator_bce, generator_adversarial, generator_objective,
                                         head_weights, r1_penalty, teacher_logits)
-from draftheads.training.recipe import AdversarialSection, RecipeError, load_recipe
+from draftheads.training.recipe import load_recipe
+from draftheads.training.recipe_sections import AdversarialSection, RecipeError
 from draftheads.training.objective import head_labels
 from draftheads.training.sources import head_logits
 
