@@ -17,7 +17,7 @@ import torch
 from ..heads.errors import UnwritablePathError
 from .base.fewrow import kernel_identity
 from .base.hardware import cpu_model, isa_limits
-from ..heads.protocol import write_text_atomic
+from ..heads.checkpoint.atomic import write_text_atomic
 from .accept import greedy_tokens
 from .base.forward import lm_logits, verify
 from .base.loading import cache_root

@@ -59,7 +59,7 @@ def lm_head_sketch(model, groups: int = 16) -> list[float]:
     """Dtype-independent summary of the LM head: for ``groups`` contiguous blocks of rows,
     their mean and mean square relative to the whole matrix's RMS. Loading SmolLM2 in float16
     or bfloat16 moves each entry by ≲1e-5 (2e-4 for a 96×32 test head), another model moves
-    them by ≳0.1; heads.protocol compares them with a tolerance (SKETCH_TOLERANCE)."""
+    them by ≳0.1; heads.checkpoint.io compares them with a tolerance (SKETCH_TOLERANCE)."""
     weight = lm_head_weight(model).detach().to("cpu", torch.float64)
     mean_square = float(weight.square().mean())
     blocks = torch.tensor_split(weight, groups, dim=0)

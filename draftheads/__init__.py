@@ -10,7 +10,7 @@ from .custom_generate import custom_generate
 from .decoding import DraftHeadsModel, load_base
 from .decoding.processors import PrefixOnly
 from .heads import DraftheadsError, HeadConfig, MedusaHeads, load_heads
-from .heads.protocol import DRAFTHEADS_VERSION as __version__
+from .heads.config import DRAFTHEADS_VERSION as __version__
 
 __all__ = ["DraftHeadsModel", "DraftheadsError", "HeadConfig", "MedusaHeads", "PrefixOnly", "custom_generate", "load_base",
            "load_heads", "__version__"]

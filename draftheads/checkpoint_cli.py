@@ -12,8 +12,7 @@ from pathlib import Path
 import torch
 
 from .decoding.limits import InputError, parse_dtype
-from .heads.atomic import link_or_copy
-from .heads.protocol import write_text_atomic
+from .heads.checkpoint.atomic import link_or_copy, write_text_atomic
 
 #: the dtypes export and import-medusa write (``--save-dtype keep``: each tensor keeps its own)
 WRITE_DTYPES = ("float32", "bfloat16", "float16")
@@ -43,16 +42,16 @@ def base_label(name: str | None) -> str:
 def cmd_export(args) -> int:
     from .decoding.fingerprint import fingerprint
     from .heads import load_heads
-    from .heads.atomic import FolderNotOursError, beside_candidates, choose_destination
-    from .heads.protocol import check_base, check_output_dir
-    from .heads.vllm_export import check_exportable, export_heads
+    from .heads.checkpoint.atomic import FolderNotOursError, beside_candidates, check_output_dir, choose_destination
+    from .heads.checkpoint.io import check_base
+    from .heads.checkpoint.vllm_export import check_exportable, export_heads
 
     heads = load_heads(args.checkpoint)
     try:
         if args.to == CUSTOM_GENERATE:
             return export_custom_generate(heads, args.out, args.source, args.beside)
         check_exportable(heads, args.to, args.share_lm_head)  # refuse before loading a base
-        check_output_dir(args.out, heads.source_dir)
+        check_output_dir(args.out, heads.checkpoint_dir)
         choose_destination(args.out, beside=args.beside)  # someone else's folder: refused before a base loads
         lm_head = None
         if not heads.config.owns_lm_head:
@@ -77,16 +76,16 @@ def export_custom_generate(heads, out: str, source: str | None, beside: bool = F
     transformers code decodes with the heads (``custom_generate=<folder or repo>,
     trust_remote_code=True``). ``source``: where that code finds the heads — the Hub repo id the
     folder will be pushed to, else the folder's own absolute path. Written whole, never over a
-    folder of someone else's (``beside``: next to it instead; :class:`~.heads.atomic.atomic_directory`)."""
+    folder of someone else's (``beside``: next to it instead; :class:`~.heads.checkpoint.atomic.atomic_directory`)."""
     from .custom_generate import check_source, write_custom_generate
-    from .heads.protocol import atomic_directory, check_output_dir
+    from .heads.checkpoint.atomic import atomic_directory, check_output_dir
 
-    check_output_dir(out, heads.source_dir)
+    check_output_dir(out, heads.checkpoint_dir)
     if source is not None:
         check_source(source)
     writer = atomic_directory(out, beside=beside)
     with writer as staging:
-        shutil.copytree(heads.source_dir, staging, dirs_exist_ok=True,
+        shutil.copytree(heads.checkpoint_dir, staging, dirs_exist_ok=True,
                         ignore=shutil.ignore_patterns("custom_generate"))
         write_custom_generate(staging, source or str(writer.target))
     print(f"wrote {writer.target}: model.generate(..., custom_generate={source or str(writer.target)!r}, "
@@ -96,9 +95,9 @@ def export_custom_generate(heads, out: str, source: str | None, beside: bool = F
 
 def cmd_import_medusa(args) -> int:
     from .decoding.fingerprint import fingerprint
-    from .heads.hub import resolve_checkpoint
-    from .heads.medusa_import import import_medusa
-    from .heads.protocol import check_output_dir
+    from .heads.checkpoint.atomic import check_output_dir
+    from .heads.checkpoint.hub import resolve_checkpoint
+    from .heads.checkpoint.medusa_import import import_medusa
     from .tree_fit import prompt_records
 
     source = resolve_checkpoint(args.source, revision=args.revision)
@@ -143,8 +142,8 @@ def record_measured(checkpoint: Path, results: str, command: str, date: str | No
 
 
 def cmd_card(args) -> int:
-    from .heads.card import card_for_checkpoint
-    from .heads.protocol import CARD_NAME
+    from .heads.checkpoint.card import card_for_checkpoint
+    from .heads.config import CARD_NAME
 
     checkpoint = Path(args.checkpoint)
     if args.results:
@@ -170,7 +169,7 @@ def cmd_push(args) -> int:
     import tempfile
 
     from .custom_generate import FOLDER, write_custom_generate
-    from .heads.hub import check_checkpoint_folder, check_repo_id, upload_checkpoint
+    from .heads.checkpoint.hub import check_checkpoint_folder, check_repo_id, upload_checkpoint
 
     source = Path(args.checkpoint)
     check_checkpoint_folder(source)  # before staging anything: the same checks the upload makes
@@ -188,7 +187,7 @@ def cmd_push(args) -> int:
 
 def add_commands(sub) -> None:
     """Add ``export``, ``import-medusa``, ``card`` and ``push`` to the ``draftheads`` parser."""
-    from .heads.vllm_export import TARGETS
+    from .heads.checkpoint.vllm_export import TARGETS
 
     export = sub.add_parser("export", help="write a head checkpoint in a serving engine's format (vLLM) or with "
                                            "transformers' custom_generate/ folder")

@@ -243,7 +243,7 @@ def write_custom_generate(checkpoint: str | Path, source: str | None = None) -> 
     finds the heads — the Hub repo id the folder is pushed to, or (default) this folder's
     absolute path. transformers copies the module elsewhere before running it, so the source is
     written into it rather than found from its own location (as one escaped string literal)."""
-    from .heads.protocol import DRAFTHEADS_VERSION
+    from .heads.config import DRAFTHEADS_VERSION
 
     source = source or str(Path(checkpoint).resolve())
     check_source(source)

@@ -1,11 +1,15 @@
-"""Draft-head families behind one interface (see :mod:`.protocol`)."""
+"""Draft-head families behind one interface (see :mod:`.protocol`), their typed options
+(:mod:`.options`), config (:mod:`.config`) and checkpoint format (:mod:`.checkpoint`)."""
 from .errors import DraftheadsError
-from .protocol import (CheckpointError, DraftHeads, HeadConfig, REGISTRY, TreeSpec, build_heads, cartesian_tokens,
-                       display_name, load_heads, read_config, register)
-from .medusa import MedusaHeads, ResBlock
-from .hydra import HydraHeads
-from .amphista import AmphistaHeads
+from .config import REGISTRY, CheckpointError, HeadConfig, build_heads, display_name, read_config, register
+from .options import FamilyOptions, KoalaOptions, OptionError
+from .protocol import DraftHeads, TreeSpec, cartesian_tokens
+from .checkpoint.io import load_heads
+from .medusa import MedusaHeads, MedusaOptions, ResBlock
+from .hydra import HydraHeads, HydraOptions, HydraPlusPlusOptions
+from .amphista import AmphistaHeads, AmphistaOptions
 
-__all__ = ["AmphistaHeads", "CheckpointError", "DraftHeads", "DraftheadsError", "HeadConfig", "HydraHeads", "MedusaHeads", "REGISTRY",
-           "ResBlock", "TreeSpec", "build_heads", "cartesian_tokens", "display_name", "load_heads", "read_config",
-           "register"]
+__all__ = ["AmphistaHeads", "AmphistaOptions", "CheckpointError", "DraftHeads", "DraftheadsError", "FamilyOptions",
+           "HeadConfig", "HydraHeads", "HydraOptions", "HydraPlusPlusOptions", "KoalaOptions", "MedusaHeads",
+           "MedusaOptions", "OptionError", "REGISTRY", "ResBlock", "TreeSpec", "build_heads", "cartesian_tokens",
+           "display_name", "load_heads", "read_config", "register"]

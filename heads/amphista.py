@@ -22,19 +22,20 @@ Every output projection (fusion, MLP down, attention out, ResBlocks) starts at z
 head-index embedding only enters the attention branch, never the residual stream: a fresh
 Amphista drafts exactly what the base's LM head predicts from h_t, like fresh Medusa/Hydra.
 
-``config.extra`` options: ``attn_heads`` (attention heads of the auto-embedding block; must
-divide hidden_size; default hidden_size // 64), ``mlp_size`` (inner width of every MLP;
-default hidden_size), ``gated`` (SiLU-gated MLPs, default True; False = plain SiLU MLP).
+Options: :class:`AmphistaOptions` (``config.options``; a recipe's ``heads.extra`` keys).
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from .config import HeadConfig, register
 from .medusa import resblock_stacks
-from .protocol import DraftHeads, HeadConfig, TreeSpec, cartesian_probs, cartesian_tokens, register
+from .options import FamilyOptions
+from .protocol import DraftHeads, TreeSpec, cartesian_probs, cartesian_tokens
 
 #: Seed of the head-index embedding's init: construction stays independent of the global RNG
 #: state for it (other modules are zeroed after their default init anyway).
@@ -42,24 +43,25 @@ POSITION_INIT_SEED = 0
 POSITION_INIT_STD = 0.1
 
 
-def _int_option(extra: dict, name: str, default: int) -> int:
-    value = extra.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"Amphista option extra.{name} must be a positive integer, got {value!r}.")
-    return value
+@dataclass(frozen=True)
+class AmphistaOptions(FamilyOptions):
+    """The auto-embedding block's and the MLPs' shape."""
 
+    owner = "Amphista"
+    #: attention heads of the auto-embedding block; must divide hidden_size (None: hidden_size // 64, at least 1)
+    attn_heads: int | None = None
+    #: inner width of every MLP (None: hidden_size)
+    mlp_size: int | None = None
+    #: SiLU-gated MLPs (``down(silu(gate) * value)``); False: a plain SiLU MLP
+    gated: bool = True
 
-def amphista_options(config: HeadConfig) -> tuple[int, int, bool]:
-    """(attn_heads, mlp_size, gated) from ``config.extra``, validated with messages that name the key."""
-    extra, d = config.extra, config.hidden_size
-    attn_heads = _int_option(extra, "attn_heads", max(1, d // 64))
-    if d % attn_heads:
-        raise ValueError(f"Amphista option extra.attn_heads={attn_heads} must divide hidden_size={d}.")
-    mlp_size = _int_option(extra, "mlp_size", d)
-    gated = extra.get("gated", True)
-    if not isinstance(gated, bool):
-        raise ValueError(f"Amphista option extra.gated must be true or false, got {gated!r}.")
-    return attn_heads, mlp_size, gated
+    def resolved(self, hidden_size: int) -> tuple[int, int, bool]:
+        """(attn_heads, mlp_size, gated) for heads of width ``hidden_size``, refusing an
+        ``attn_heads`` that does not divide it."""
+        attn_heads = self.attn_heads if self.attn_heads is not None else max(1, hidden_size // 64)
+        if hidden_size % attn_heads:
+            raise ValueError(f"Amphista option extra.attn_heads={attn_heads} must divide hidden_size={hidden_size}.")
+        return attn_heads, self.mlp_size if self.mlp_size is not None else hidden_size, self.gated
 
 
 class MLP(nn.Module):
@@ -140,11 +142,11 @@ class AutoEmbeddingBlock(nn.Module):
 class AmphistaHeads(DraftHeads):
     family = "amphista"
     display_name = "Amphista"
-    options = {"attn_heads": int, "mlp_size": int, "gated": bool}  # see the module docstring
+    options_class = AmphistaOptions
 
     def __init__(self, config: HeadConfig):
         super().__init__(config)
-        attn_heads, mlp_size, gated = amphista_options(config)
+        attn_heads, mlp_size, gated = self.family_options.resolved(config.hidden_size)
         d, k = config.hidden_size, config.num_heads
         #: stage index feeding each head: the first ⌈K/2⌉ heads read stage 1, the rest stage 2
         self.stage_of = [0 if head < math.ceil(k / 2) else 1 for head in range(k)]

@@ -1,6 +1,7 @@
 """What a head checkpoint's ``config.json`` holds, the folder's file names, and the family
-registry: the ground of ``heads/``, imported by the interface (:mod:`.protocol`), the model
-cards (:mod:`.card`) and the Hub (:mod:`.hub`), importing none of them."""
+registry: the ground of ``heads/``, imported by the interface (:mod:`.protocol`), the families
+and the checkpoint format (:mod:`.checkpoint`), importing none of them (the families fill
+:data:`REGISTRY` as they import)."""
 from __future__ import annotations
 
 import json
@@ -8,7 +9,11 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from torch import nn
+
 from .errors import DraftheadsError
+from .options import FamilyOptions, KoalaOptions
+
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -33,6 +38,13 @@ class HeadConfig:
     ``draft_vocab_size`` > 0 restricts draft logits to the most frequent tokens (ids kept in
     the checkpoint as ``vocab_ids``): drafting and training get several times cheaper, and a
     token outside the subset simply cannot be drafted (verification stays exact).
+
+    ``options`` are the family's own (its ``options_class``: :class:`~.amphista.AmphistaOptions`
+    ...), ``koala`` what KOALA training recorded. ``config.json`` keeps both where formats 1-3
+    always had them, as keys of ``extra``: :meth:`from_dict` reads them from there (and so does
+    the constructor, for a recipe's ``heads.extra``), :meth:`to_dict` writes them back, so the
+    file format is unchanged. What stays in ``extra`` is provenance no head reads (the recipe,
+    held-out accuracy, an import's source).
     """
 
     family: str = "medusa"
@@ -60,16 +72,20 @@ class HeadConfig:
     #: the cost model's default budget per dtype name, {"bfloat16": {"budget": 6, ...}}
     #: (``scripts/default_trees.py``: a calibration of the step × ``expected_tau``)
     default_budget_by_dtype: dict[str, dict] = field(default_factory=dict)
+    #: the family's typed options (left as the base class: read from ``extra``'s keys)
+    options: FamilyOptions = field(default_factory=FamilyOptions)
+    #: KOALA's settings when the heads were trained with it (``extra.koala`` on disk)
+    koala: KoalaOptions | None = None
 
     def __post_init__(self) -> None:
         defaults = {f.name: (f.default_factory() if callable(f.default_factory) else f.default) for f in fields(self)}
-        if any(key in self.extra for key in PROMOTED_FROM_EXTRA):
-            self.extra = dict(self.extra)
-            for key in PROMOTED_FROM_EXTRA:  # formats 1-2 kept these untyped in ``extra``
-                if key in self.extra:
-                    value = self.extra.pop(key)
-                    if getattr(self, key) == defaults[key]:
-                        setattr(self, key, value)
+        self.extra = dict(self.extra)
+        for key in PROMOTED_FROM_EXTRA:  # formats 1-2 kept these untyped in ``extra``
+            if key in self.extra:
+                value = self.extra.pop(key)
+                if getattr(self, key) == defaults[key]:
+                    setattr(self, key, value)
+        self._type_options()
         for name in ("num_heads", "num_layers", "hidden_size", "vocab_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -78,15 +94,42 @@ class HeadConfig:
             raise ValueError(f"HeadConfig.draft_vocab_size must be in [0, vocab_size={self.vocab_size}] "
                              f"(0 = full vocabulary), got {self.draft_vocab_size!r}.")
 
+    def _type_options(self) -> None:
+        """Type the family's options and KOALA's record, taking them out of ``extra`` where they
+        are given there (a checkpoint's ``config.json``, a recipe's ``heads.extra``)."""
+        kind = REGISTRY[self.family].options_class if self.family in REGISTRY else FamilyOptions
+        named = sorted(key for key in self.extra if key in kind.kinds())
+        given, self.extra = kind.split(self.extra)
+        if type(self.options) is FamilyOptions:
+            self.options = given
+        elif named:
+            raise ValueError(f"HeadConfig: the {self.family} options {named} are given twice, in options and in "
+                             "extra; give them once, in options.")
+        if type(self.options) is not kind:
+            raise ValueError(f"HeadConfig.options is {type(self.options).__name__} but {self.family} heads take "
+                             f"{kind.__name__}: pass {kind.__name__}(...).")
+        if "koala" in self.extra:
+            if self.koala is not None:
+                raise ValueError("HeadConfig: KOALA's settings are given twice, in koala and in extra; give them "
+                                 "once, in koala.")
+            self.koala = self.extra.pop("koala")
+        if self.koala is not None:
+            self.koala = KoalaOptions.from_value(self.koala)
+
     def to_dict(self) -> dict:
-        return {"format_version": FORMAT_VERSION, **asdict(self), "draftheads_version": DRAFTHEADS_VERSION}
+        """``config.json``'s object: the typed options go back to their keys in ``extra``."""
+        data = {"format_version": FORMAT_VERSION, **asdict(self), "draftheads_version": DRAFTHEADS_VERSION}
+        del data["options"], data["koala"]
+        koala = {"koala": self.koala.to_extra()} if self.koala is not None else {}
+        data["extra"] = {**self.options.to_extra(), **koala, **data["extra"]}
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> "HeadConfig":
         """Read any format up to :data:`FORMAT_VERSION` (older ones lack keys, which keep their
         defaults); a newer checkpoint fails naming the version that wrote it and this one."""
         version = data.get("format_version", 1)
-        known = {f.name for f in fields(cls)}
+        known = {f.name for f in fields(cls)} - {"options", "koala"}  # on disk: keys of ``extra``
         unknown = set(data) - known - {"format_version"}
         if not isinstance(version, int) or version > FORMAT_VERSION or unknown:
             what = f"format {version}" + (f" with unknown keys {sorted(unknown)}" if unknown else "")
@@ -105,6 +148,13 @@ def register(cls: type) -> type:
     """Class decorator: make a family loadable by name from ``config.json``."""
     REGISTRY[cls.family] = cls
     return cls
+
+
+def build_heads(config: HeadConfig) -> nn.Module:
+    """Fresh heads of ``config.family`` (registered families only)."""
+    if config.family not in REGISTRY:
+        raise CheckpointError(f"Unknown head family {config.family!r}; known families: {sorted(REGISTRY)}.")
+    return REGISTRY[config.family](config)
 
 
 def display_name(family: str) -> str:

@@ -13,12 +13,39 @@ node at that depth (a node's children are the top-k of its own path's distributi
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from .config import HeadConfig, register
 from .medusa import ResBlock
-from .protocol import DraftHeads, HeadConfig, TreeSpec, register
+from .options import FamilyOptions
+from .protocol import DraftHeads, TreeSpec
+
+
+@dataclass(frozen=True)
+class HydraOptions(FamilyOptions):
+    """Hydra has no options of its own (depth and width are ``num_heads`` / ``num_layers``)."""
+
+    owner = "Hydra"
+
+
+@dataclass(frozen=True)
+class HydraPlusPlusOptions(FamilyOptions):
+    """Hydra++'s prefix layer (:class:`PrefixLayer`)."""
+
+    owner = "Hydra++"
+    #: attention heads of the prefix layer; must split hidden_size into even head sizes
+    #: (None: hidden_size // 64, at least 1)
+    prefix_heads: int | None = None
+    #: the prefix layer's MLP width (None: 4 · hidden_size)
+    prefix_mlp_size: int | None = None
+
+    def resolved(self, hidden_size: int) -> tuple[int, int]:
+        """(prefix_heads, prefix_mlp_size) for heads of width ``hidden_size``."""
+        heads = self.prefix_heads if self.prefix_heads is not None else max(1, hidden_size // 64)
+        return heads, self.prefix_mlp_size if self.prefix_mlp_size is not None else 4 * hidden_size
 
 
 class HydraHead(nn.Module):
@@ -56,6 +83,7 @@ class HydraHeads(DraftHeads):
     family = "hydra"
     display_name = "Hydra"
     sequential = True
+    options_class = HydraOptions
 
     def __init__(self, config: HeadConfig):
         super().__init__(config)
@@ -155,14 +183,11 @@ class HydraPlusPlusHeads(HydraHeads):
     family = "hydra++"
     display_name = "Hydra++"
     contextual = True
-    #: the prefix layer's attention heads (default hidden_size // 64) and MLP width (default 4 · hidden_size)
-    options = {"prefix_heads": int, "prefix_mlp_size": int}
+    options_class = HydraPlusPlusOptions
 
     def __init__(self, config: HeadConfig):
         super().__init__(config)
-        extra = config.extra
-        self.prefix = PrefixLayer(config.hidden_size, int(extra.get("prefix_heads", max(1, config.hidden_size // 64))),
-                                  int(extra.get("prefix_mlp_size", 4 * config.hidden_size)))
+        self.prefix = PrefixLayer(config.hidden_size, *self.family_options.resolved(config.hidden_size))
 
     def contextualize(self, hidden: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
                       cache=None) -> torch.Tensor:

@@ -3,10 +3,14 @@ last hidden state, read out through the shared frozen LM head. Head k predicts t
 k+2 positions ahead (head 0 = the token after the one the base is about to emit)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
-from .protocol import DraftHeads, HeadConfig, TreeSpec, cartesian_probs, cartesian_tokens, register
+from .config import HeadConfig, register
+from .options import FamilyOptions
+from .protocol import DraftHeads, TreeSpec, cartesian_probs, cartesian_tokens
 
 
 class ResBlock(nn.Module):
@@ -24,6 +28,13 @@ class ResBlock(nn.Module):
         return x + self.act(self.linear(x))
 
 
+@dataclass(frozen=True)
+class MedusaOptions(FamilyOptions):
+    """Medusa has no options of its own (depth and width are ``num_heads`` / ``num_layers``)."""
+
+    owner = "Medusa"
+
+
 def resblock_stacks(hidden_size: int, num_layers: int, count: int) -> nn.ModuleList:
     """``count`` stacks of ``num_layers`` ResBlocks, every block its own module:
     ``[ResBlock(d)] * n`` would tie their weights (Medusa PR #133)."""
@@ -33,11 +44,12 @@ def resblock_stacks(hidden_size: int, num_layers: int, count: int) -> nn.ModuleL
 @register
 class MedusaHeads(DraftHeads):
     """With ``config.owns_lm_head`` every head ends in its own ``Linear(d, V_draft)`` (Medusa-1's
-    published layout, see :mod:`.medusa_import`) instead of the shared frozen LM head."""
+    published layout, see :mod:`.checkpoint.medusa_import`) instead of the shared frozen LM head."""
 
     family = "medusa"
     display_name = "Medusa"
     supports_owned_lm_head = True
+    options_class = MedusaOptions
 
     def __init__(self, config: HeadConfig):
         super().__init__(config)

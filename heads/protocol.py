@@ -1,4 +1,4 @@
-"""The one interface every draft-head family implements, plus checkpoint I/O.
+"""The one interface every draft-head family implements.
 
 A head family is a plain ``nn.Module`` that turns the base model's last hidden state into
 draft logits through the base's *frozen, shared* LM head. The LM head (and the input
@@ -6,11 +6,11 @@ embedding table, for families that read draft tokens) is handed in with :meth:`b
 never a parameter of the heads, never trained and never saved.
 
 This module is the ground floor of the package: it imports nothing from ``decoding`` or
-``training``. Trees reach the heads as plain tensors (:class:`TreeSpec`).
+``training``. Trees reach the heads as plain tensors (:class:`TreeSpec`). The checkpoint
+format (``save_pretrained`` / ``from_pretrained``) lives in :mod:`.checkpoint`.
 """
 from __future__ import annotations
 
-import json
 import tempfile
 import weakref
 from dataclasses import dataclass
@@ -20,13 +20,11 @@ from typing import ClassVar, Protocol
 import torch
 from torch import nn
 
-from .config import (CARD_NAME, CONFIG_NAME, DRAFTHEADS_VERSION, FORMAT_VERSION, PROMOTED_FROM_EXTRA, REGISTRY,
-                     WEIGHTS_NAME, CheckpointError, HeadConfig, display_name, read_config, register)
-from .atomic import atomic_directory, check_output_dir, current_umask, write_text_atomic  # noqa: F401 (their old home)
-from .card import basic_card
-from .errors import cannot_write
-from .hub import resolve_checkpoint, upload_checkpoint
+from .checkpoint.hub import upload_checkpoint
+from .checkpoint.io import load_heads, save_heads
+from .config import CheckpointError, HeadConfig
 from .content import FingerprintMemo, fingerprint_of
+from .options import FamilyOptions
 
 
 class FastReadout(Protocol):
@@ -88,9 +86,10 @@ class DraftHeads(nn.Module):
     contextual: ClassVar[bool] = False
     #: True when the family can give each head its own vocabulary projection (``owns_lm_head``)
     supports_owned_lm_head: ClassVar[bool] = False
-    #: the family's options in ``config.extra`` (a recipe's ``heads.extra``) and their types: a
-    #: recipe key not listed here is a typo that would train with the default, so it is refused
-    options: ClassVar[dict[str, type]] = {}
+    #: the dataclass of the family's options (``config.options``; a recipe's ``heads.extra`` keys):
+    #: a recipe key that is not one of its fields is a typo that would train with the default, so
+    #: it is refused
+    options_class: ClassVar[type[FamilyOptions]] = FamilyOptions
 
     def __init__(self, config: HeadConfig):
         super().__init__()
@@ -107,6 +106,9 @@ class DraftHeads(nn.Module):
         #: which halves the LM-head rows read per call (set by ``DraftHeadsModel``, never in training).
         self.draft_dtype: torch.dtype | None = None
         self._draft_inverse: torch.Tensor | None = None  # base id → draft index (see draft_index)
+        #: the local folder :meth:`from_pretrained` read the heads from (None: built or imported in
+        #: memory); files shipped beside the weights (a lookup store) are found there
+        self.checkpoint_dir: Path | None = None
 
     # -- the frozen base parts -------------------------------------------------------------
     def bind(self, lm_head_weight: torch.Tensor, embed_weight: torch.Tensor | None = None) -> "DraftHeads":
@@ -192,6 +194,17 @@ class DraftHeads(nn.Module):
         return self.vocab_ids[draft_index] if self.config.draft_vocab_size else draft_index
 
     @property
+    def family_options(self) -> FamilyOptions:
+        """``config.options``, refused when they are another family's (heads of one family built
+        from a config of another: build them with ``build_heads(config)``)."""
+        options = self.config.options
+        if not isinstance(options, self.options_class):
+            raise CheckpointError(f"{type(self).__name__} reads {self.options_class.__name__}, but the config holds "
+                                  f"{type(options).__name__} (family {self.config.family!r}): set "
+                                  f"HeadConfig(family={self.family!r}) or build the heads with build_heads(config).")
+        return options
+
+    @property
     def num_heads(self) -> int:
         return self.config.num_heads
 
@@ -269,33 +282,30 @@ class DraftHeads(nn.Module):
     # -- checkpoints -------------------------------------------------------------------------
     def save_pretrained(self, directory: str | Path, dtype: torch.dtype | None = torch.bfloat16,
                         card: str | None = None, files: dict[str, str] | None = None) -> Path:
-        """Write ``config.json`` + ``model.safetensors`` (heads only; float tensors in ``dtype``),
-        the model card ``README.md`` (``card``; default: a short one from the config) and any
-        further text ``files`` ({name: content}).
+        """Write the checkpoint folder :meth:`from_pretrained` reads: ``config.json`` +
+        ``model.safetensors`` (float tensors in ``dtype``), the card ``README.md`` (``card``;
+        default: a short one from the config) and any further text ``files`` ({name: content}),
+        atomically (:func:`.checkpoint.io.save_heads`). Returns ``directory``."""
+        return save_heads(self, directory, dtype, card, files)
 
-        Atomic: everything goes to a temporary sibling folder (config last) that is renamed into
-        place, so an interrupted save never leaves a folder that loads as a valid checkpoint.
-        Files of an existing checkpoint folder that this save does not write (a training report)
-        are kept; an existing folder that is not a draftheads checkpoint is refused, never
-        emptied (:class:`~.atomic.atomic_directory`)."""
-        from safetensors.torch import save_file
-
-        directory = Path(directory)
-        state = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().contiguous().cpu()
-                 for k, v in self.state_dict().items()}
-        if card is None:
-            card = basic_card(self.config)
-        with atomic_directory(directory) as tmp:
-            save_file(state, str(tmp / WEIGHTS_NAME), metadata={"family": self.family})
-            for name, text in {CARD_NAME: card, **(files or {})}.items():
-                (tmp / name).write_text(text)
-            (tmp / CONFIG_NAME).write_text(json.dumps(self.config.to_dict(), indent=2) + "\n")
-        return directory
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, expected_fingerprint: dict | None = None,
+                        dtype: torch.dtype = torch.float32, base_name: str | None = None,
+                        **hub_kwargs) -> "DraftHeads":
+        """The heads :meth:`save_pretrained` wrote to a local folder or a Hub id, of whatever family
+        it records (called on a family class: that family only), in ``dtype``, in eval mode, with
+        :attr:`checkpoint_dir` set. ``expected_fingerprint``: refuse heads made for another base
+        (``base_name`` names it); ``hub_kwargs``: see :func:`.checkpoint.io.load_heads`."""
+        heads = load_heads(directory, expected_fingerprint, dtype, base_name, **hub_kwargs)
+        if not isinstance(heads, cls):
+            raise CheckpointError(f"{heads.checkpoint_dir} holds {heads.family!r} heads, not {cls.family!r}: load it "
+                                  "with DraftHeads.from_pretrained (any family).")
+        return heads
 
     def push_to_hub(self, repo_id: str, dtype: torch.dtype | None = torch.bfloat16, card: str | None = None,
                     files: dict[str, str] | None = None, **hub_kwargs) -> str:
         """Upload exactly the folder :meth:`save_pretrained` writes to the Hub repo ``repo_id``
-        (created if missing); ``hub_kwargs`` go to :func:`.hub.upload_checkpoint`. Returns the commit URL."""
+        (created if missing); ``hub_kwargs`` go to :func:`.checkpoint.hub.upload_checkpoint`. Returns the commit URL."""
         with tempfile.TemporaryDirectory(prefix="draftheads-push-") as tmp:
             folder = self.save_pretrained(Path(tmp) / "checkpoint", dtype=dtype, card=card, files=files)
             return upload_checkpoint(folder, repo_id, **hub_kwargs)
@@ -316,100 +326,3 @@ def cartesian_probs(probs: torch.Tensor, tree: TreeSpec) -> torch.Tensor:
     filled = probs[:, (tree.depth.clamp(min=1) - 1).to(probs.device), tree.rank.to(probs.device)]
     filled[:, 0] = 1.0
     return filled
-
-
-def build_heads(config: HeadConfig) -> DraftHeads:
-    if config.family not in REGISTRY:
-        raise CheckpointError(f"Unknown head family {config.family!r}; known families: {sorted(REGISTRY)}.")
-    return REGISTRY[config.family](config)
-
-
-# dtype rounding moves a sketch entry by ≲1e-5 on SmolLM2 (≲2e-4 on a 96×32 test model); another model by ≳0.1
-SKETCH_TOLERANCE = 2e-3
-
-
-def fingerprint_diffs(saved: dict, expected: dict) -> list[str]:
-    """How a checkpoint's recorded base differs from this base. The LM head matches when its
-    hash matches, or, for the same base loaded in another dtype (whose rounding changes the
-    hash), when both record an ``lm_head_sketch`` and the sketches agree within tolerance."""
-    diffs = [f"{k}: checkpoint {saved.get(k)!r} vs base {v!r}" for k, v in expected.items()
-             if k not in ("lm_head_sha256", "lm_head_sketch") and saved.get(k) != v]
-    sha, sketch = expected.get("lm_head_sha256"), expected.get("lm_head_sketch")
-    if sha is not None and saved.get("lm_head_sha256") != sha and not _sketches_agree(saved.get("lm_head_sketch"), sketch):
-        note = "" if saved.get("lm_head_sketch") else " (the checkpoint records no dtype-independent lm_head_sketch)"
-        diffs.append(f"lm_head_sha256: checkpoint {saved.get('lm_head_sha256')!r} vs base {sha!r}{note}")
-    return diffs
-
-
-def _sketches_agree(a: list | None, b: list | None) -> bool:
-    return bool(a) and bool(b) and len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b)) <= SKETCH_TOLERANCE
-
-
-def check_state(weights: Path, config: HeadConfig, state: dict[str, torch.Tensor],
-                expected: dict[str, torch.Tensor]) -> None:
-    """Refuse, at load, weights that would only fail (or silently mislead) at the first
-    ``generate``: a tensor whose shape disagrees with config.json, non-finite values, and draft
-    vocabulary ids outside the base vocabulary."""
-    for name, tensor in state.items():
-        want = expected.get(name)
-        if want is not None and tuple(tensor.shape) != tuple(want.shape):
-            raise CheckpointError(
-                f"{weights}: tensor {name!r} has shape {tuple(tensor.shape)} but config.json (hidden_size="
-                f"{config.hidden_size}, vocab_size={config.vocab_size}, draft_vocab_size={config.draft_vocab_size}, "
-                f"num_heads={config.num_heads}) needs {tuple(want.shape)}; the config and the weights disagree: "
-                "re-download or re-train the checkpoint.")
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            raise CheckpointError(f"{weights}: tensor {name!r} holds NaN or infinite values; the file is damaged: "
-                                  "re-download or re-train the checkpoint.")
-    ids = state.get("vocab_ids")
-    if ids is not None and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= config.vocab_size):
-        raise CheckpointError(f"{weights}: vocab_ids holds token id {int(ids.max()) if int(ids.min()) >= 0 else int(ids.min())}"
-                              f" outside the vocabulary [0, {config.vocab_size}); the file is damaged: re-download or "
-                              "re-train the checkpoint.")
-
-
-def check_base(config: HeadConfig, expected_fingerprint: dict, base_name: str | None = None,
-               where: str | Path = "the checkpoint") -> None:
-    """Refuse heads made for another base; the message names both bases and both fingerprints."""
-    saved = config.base_fingerprint
-    if saved is None:
-        raise CheckpointError(f"{where} records no base fingerprint, so it cannot be checked against this base.")
-    diffs = fingerprint_diffs(saved, expected_fingerprint)
-    if diffs:
-        def shown(fp: dict) -> dict:
-            return {k: v for k, v in fp.items() if k != "lm_head_sketch"}
-
-        raise CheckpointError(
-            f"The heads in {where} were trained for another base model: checkpoint base "
-            f"{config.base_name or 'unknown'} (fingerprint {shown(saved)}), loaded base {base_name or 'unknown'} "
-            f"(fingerprint {shown(expected_fingerprint)}); differing: " + "; ".join(diffs)
-            + ". Load the base they were made for, or train heads for this base.")
-
-
-def load_heads(directory: str | Path, expected_fingerprint: dict | None = None,
-               dtype: torch.dtype = torch.float32, base_name: str | None = None, **hub_kwargs) -> DraftHeads:
-    """Load a head checkpoint from a local folder or a Hub id (``hub_kwargs``: ``revision``,
-    ``cache_dir``, ``token``, ``local_files_only``; see :func:`.hub.resolve_checkpoint`); with
-    ``expected_fingerprint`` refuse one made for another base (``base_name`` names it in the message)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    directory = resolve_checkpoint(directory, **hub_kwargs)
-    config = read_config(directory)
-    if expected_fingerprint is not None:
-        check_base(config, expected_fingerprint, base_name, directory)
-    heads = build_heads(config)
-    weights = directory / WEIGHTS_NAME
-    if not weights.is_file():
-        raise CheckpointError(f"{weights} not found: the checkpoint is incomplete.")
-    try:
-        state = load_file(str(weights))
-    except (SafetensorError, OSError, ValueError) as err:
-        raise CheckpointError(f"{weights} is corrupt or truncated ({err}); re-download or re-train it.") from None
-    check_state(weights, config, state, heads.state_dict())
-    heads.to(dtype)  # before loading: a float64 checkpoint must not pass through float32 params
-    missing, unexpected = heads.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise CheckpointError(f"{weights} does not match its config.json (missing {missing}, unexpected {unexpected}).")
-    heads.source_dir = Path(directory)  # files shipped beside the weights (a lookup store) are found from here
-    return heads.to(dtype).eval().requires_grad_(False)

@@ -16,7 +16,8 @@ import torch
 
 from draftheads.decoding.base.loading import load_base
 from draftheads.decoding.fingerprint import fingerprint
-from draftheads.heads.protocol import CONFIG_NAME, fingerprint_diffs
+from draftheads.heads.checkpoint.io import fingerprint_diffs
+from draftheads.heads.config import CONFIG_NAME
 
 
 def main() -> int:

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from draftheads.decoding.base.loading import cache_root
-from draftheads.heads.atomic import write_text_atomic
+from draftheads.heads.checkpoint.atomic import write_text_atomic
 from draftheads.decoding.base.fewrow import kernel_status, load_kernel
 from draftheads.decoding.base.hardware import cpu_key
 from draftheads.decoding.base.plan import ROW_BUCKETS, fastest_paths, measure_shape

@@ -70,8 +70,8 @@ def group_of(category: str) -> str:
 
 
 def family_label(config: HeadConfig) -> str:
-    """Display name; KOALA variants (``extra.koala``) keep their family's name behind a prefix."""
-    return koala_label(config.family) if config.extra.get("koala") else display_name(config.family)
+    """Display name; KOALA variants (``config.koala``) keep their family's name behind a prefix."""
+    return koala_label(config.family) if config.koala else display_name(config.family)
 
 
 def head_parameters(heads: torch.nn.Module) -> int:

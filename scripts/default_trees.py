@@ -26,8 +26,8 @@ from draftheads.decoding.limits import parse_dtype
 from draftheads.decoding.calibration import CalibrationConfig, calibrate
 from draftheads.decoding.policy import best_budget
 
-#: batch size 1 at the context the default is chosen for, best of 30 runs per point (a bs-1
-#: forward is ~40 ms here: one slow spell of a shared machine must not decide the default)
+#: batch size 1 at the context the default is chosen for, best of 30 runs per point: a bs-1 forward
+#: is short, so one slow spell of a shared machine must not decide the default
 BATCH_ONE = CalibrationConfig(batch_sizes=(1,), contexts=(256,), reps=30)
 
 

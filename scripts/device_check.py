@@ -6,7 +6,7 @@ against transformers' own on the same prompts; sampling runs too (seeded, lossle
     python scripts/device_check.py --device cuda --out results/device_check
 
 float64 must be token-identical, float32 identical or parted at a near-tie; bfloat16 may part
-where the base's top two logits lie within its rounding (the README's guarantee). The JSON
+where the base's top two logits lie within its rounding (docs/usage.md: the same output per dtype). The JSON
 lists each case: prompts, identical rows, first divergences with their top-1/top-2 gaps in
 ulps, τ and seconds. Exit status 1 when a float64 case differs or anything raises.
 """

@@ -8,7 +8,7 @@ from ..heads import DraftHeads
 from .features import Features
 from .losses import label_ranks, topk_accuracy
 from .objective import head_labels
-from .recipe import Recipe
+from .recipe_sections import Recipe
 from .batches import chunk_rows, head_logits, sequence_chunks
 
 

@@ -14,7 +14,7 @@ from .features import Features
 from .frozen import FrozenParts
 from .losses import (draft_vocab, generator_objective, head_cross_entropy, head_targets, label_counts, mask_labels,
                      teacher_kl, teacher_logits)
-from .recipe import Recipe
+from .recipe_sections import Recipe
 from .batches import head_logits
 
 

@@ -12,11 +12,11 @@ import torch
 from ..decoding.limits import DTYPES
 from ..decoding.tree import tree_from_ranks
 from ..heads import DraftHeads
-from ..heads.card import model_card
+from ..heads.checkpoint.card import model_card
 from .evaluation import evaluate
 from .features import Features
 from .frozen import FrozenParts
-from .recipe import Recipe
+from .recipe_sections import Recipe
 from .resume import Progress
 
 

@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 
 from ..heads.config import CheckpointError, read_json_object
-from .recipe import Recipe, RecipeError
+from .recipe_sections import Recipe, RecipeError
 from .run_state import foreign_entries, save_run_state
 
 

@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from ..decoding.output import generated_counts
 from ..decoding.request import eos_token_ids, left_pad
-from ..heads.atomic import atomic_directory, saved_dataset
+from ..heads.checkpoint.atomic import atomic_directory, saved_dataset
 from .data import HUB_DEFAULTS, PROVENANCE, DataError, load_records, require_columns, resolve_data_path, select_sources
 from .features import chat_prompt_ids
 
@@ -142,7 +142,7 @@ def self_distill(model, tokenizer, prompts, config: SelfDistillConfig, base_fing
 
 
 def save_dataset(dataset, target: Path) -> None:
-    """``save_to_disk`` written whole (:class:`~draftheads.heads.atomic.atomic_directory`): a
+    """``save_to_disk`` written whole (:class:`~draftheads.heads.checkpoint.atomic.atomic_directory`): a
     dataset folder that exists is complete, and only a saved dataset is ever replaced."""
     with atomic_directory(target, ours=saved_dataset) as tmp:
         dataset.save_to_disk(str(tmp))

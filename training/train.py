@@ -35,13 +35,14 @@ from ..decoding.limits import DTYPES
 from ..heads import REGISTRY, DraftHeads
 from ..heads.errors import DraftheadsError, one_line
 from .adversarial import Adversary
-from .data import DATA_OPTIONS, DataError, check_data, example_features, is_hub_id, load_examples, load_records, \
-    resolve_data_path
+from .data import DATA_OPTIONS, DataError, example_features, is_hub_id, load_examples, load_records, resolve_data_path
+from .data_checks import check_data
 from .evaluation import evaluate
 from .frozen import base_dims, frozen_parts, load_frozen_base, unsharded_loading
 from .losses import head_weights
 from .objective import compute_loss, lr_lambda, new_heads
-from .recipe import Recipe, RecipeError, load_recipe
+from .recipe import load_recipe
+from .recipe_sections import Recipe, RecipeError
 from .report import JsonlLog, finish, metric_fields
 from .resume import RECIPE_FILE, Progress, resume_point, save_checkpoint
 from .run_state import check_checkpoint_files, load_run_state
@@ -154,7 +155,7 @@ def check_heads_fit(recipe: Recipe, vocab_size: int, hidden_size: int) -> None:
 def check_final_dir(recipe: Recipe) -> None:
     """The final checkpoint's folder may be written: absent, empty or a checkpoint of ours, so a
     folder of the user's is refused now and not after the whole run."""
-    from ..heads.atomic import choose_destination
+    from ..heads.checkpoint.atomic import choose_destination
 
     final = Path(recipe.run.final_dir or Path(recipe.run.output_dir) / "final")
     key = "run.final_dir" if recipe.run.final_dir else "run.output_dir (its final/ folder)"

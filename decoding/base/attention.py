@@ -8,7 +8,7 @@ transformers already avoids the copy by folding the ``n_rep`` query heads of a g
 query axis (``pack_gqa``); this does the same for ``q`` tokens: the group's ``n_rep × q`` query
 rows attend to the group's one key/value head, under the row's mask repeated ``n_rep`` times.
 Same math per query row (bit-identical in float32 on SmolLM2), no cache copy.
-evidence: results/batch (README, "Batched decoding")
+evidence: results/batch
 
 It is registered through transformers' public ``AttentionInterface`` under
 :data:`PACKED_SDPA` and packs only when the forward was called with ``PACK_FLAG=True`` (the

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from ...heads.atomic import atomic_file
+from ...heads.checkpoint.atomic import atomic_file
 from ...heads.errors import DraftheadsError
 from .hardware import bf16_native, is_x86
 
@@ -131,7 +131,7 @@ def first_line(text: str) -> str:
 
 def _compile(compiler: list[str], target: Path) -> None:
     """Build into a temporary file renamed over ``target``
-    (:func:`~draftheads.heads.atomic.atomic_file`): a reader never sees half a library. A
+    (:func:`~draftheads.heads.checkpoint.atomic.atomic_file`): a reader never sees half a library. A
     compiler that cannot run or fails is a :class:`CompilerError` naming it and its first line
     of output (an unwritable cache folder stays
     :func:`~draftheads.heads.errors.cannot_write`'s error)."""

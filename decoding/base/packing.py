@@ -14,7 +14,7 @@ from typing import Iterator
 
 import torch
 
-from ...heads.atomic import write_text_atomic
+from ...heads.checkpoint.atomic import write_text_atomic
 from ...heads.content import FingerprintMemo
 from ...heads.errors import UnwritablePathError
 from ..fingerprint import lm_head_weight

@@ -82,7 +82,7 @@ def open_store(path: str | Path | None, heads: DraftHeads | None, tokenizer, voc
     """The model store at ``path`` (default: beside the heads), checked against the tokenizer
     and every id against ``vocab`` (the base's embedding rows)."""
     if path is None:
-        folder = getattr(heads, "source_dir", None)
+        folder = heads.checkpoint_dir if heads is not None else None
         if folder is None or not (Path(folder) / STORE_NAME).is_file():
             raise StoreError(f"No {STORE_NAME} beside the heads ({folder}): build one with `python scripts/build_store.py "
                              f"--data <the base's answers.jsonl> --out <heads dir>/{STORE_NAME}` or pass lookup_store=.")
@@ -97,6 +97,6 @@ def auto_sources(heads: DraftHeads | None, lookup_store: str | Path | None = Non
     or one shipped beside the heads). Faster than the heads alone on every Spec-Bench category:
     the merged tree spends each step's slots on whichever source is likelier to be accepted.
     evidence: results/bench_drafts_bf16"""
-    has_store = lookup_store is not None or (
-        getattr(heads, "source_dir", None) is not None and (Path(heads.source_dir) / STORE_NAME).is_file())
+    folder = heads.checkpoint_dir if heads is not None else None
+    has_store = lookup_store is not None or (folder is not None and (folder / STORE_NAME).is_file())
     return available((["heads"] if heads is not None else []) + (["store"] if has_store else []))

@@ -25,7 +25,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ...heads.atomic import atomic_file
+from ...heads.checkpoint.atomic import atomic_file
 from ...heads.errors import DraftheadsError
 from ..base.hardware import available_ram_bytes
 

@@ -13,9 +13,9 @@ from helpers import REPO, tiny_llama
 from draftheads.cli import main
 from draftheads.decoding import fingerprint
 from draftheads.heads import HeadConfig, HydraHeads, load_heads
-from draftheads.heads.card import card_for_checkpoint
-from draftheads.heads.medusa_import import import_medusa
-from draftheads.heads.protocol import current_umask
+from draftheads.heads.checkpoint.atomic import current_umask
+from draftheads.heads.checkpoint.card import card_for_checkpoint
+from draftheads.heads.checkpoint.medusa_import import import_medusa
 from helpers import draftheads_full_logits, vllm_medusa_reference
 from helpers import reference_heads, write_medusa
 

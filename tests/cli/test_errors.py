@@ -210,7 +210,7 @@ def test_card_errors_are_one_line(files, capsys, argv, message):
 
 def test_card_into_an_unwritable_checkpoint_is_one_line(files, capsys, monkeypatch):
     """A read-only checkpoint folder (refused directly: the tests may run as root)."""
-    import draftheads.heads.atomic as atomic
+    import draftheads.heads.checkpoint.atomic as atomic
 
     def refuse(*_args, **_kwargs):
         raise PermissionError(13, "Permission denied")

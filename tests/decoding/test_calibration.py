@@ -121,7 +121,7 @@ def test_an_unusable_cache_file_is_reported_by_name_and_measured_again(tmp_path,
 def read_only(tmp_path, monkeypatch):
     """A cache whose files cannot be created (as a read-only folder refuses them; the tests may
     run as root, whom chmod does not stop, so the refusal is made directly)."""
-    import draftheads.heads.atomic as atomic
+    import draftheads.heads.checkpoint.atomic as atomic
 
     def refuse(*_args, **_kwargs):
         raise PermissionError(13, "Permission denied")

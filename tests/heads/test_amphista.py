@@ -10,7 +10,7 @@ import yaml
 
 from helpers import REPO, tiny_llama
 from draftheads.decoding import DraftHeadsModel, fingerprint, tree_from_paths
-from draftheads.heads import REGISTRY, AmphistaHeads, HeadConfig, build_heads, load_heads
+from draftheads.heads import REGISTRY, AmphistaHeads, AmphistaOptions, HeadConfig, build_heads, load_heads
 
 TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 1, 0], [1, 0, 0], [0, 0, 0, 0], [3], [3, 0], [3, 0, 0], [3, 0, 0, 1]]
 
@@ -126,7 +126,9 @@ def test_checkpoint_round_trip_keeps_options_and_logits(tmp_path):
     heads.save_pretrained(tmp_path, dtype=None)
     loaded = load_heads(tmp_path, expected_fingerprint=fingerprint(model).to_dict(), dtype=model.dtype)
     loaded.bind(model.lm_head.weight, model.get_input_embeddings().weight)
-    assert isinstance(loaded, AmphistaHeads) and loaded.config.extra == {"attn_heads": 4, "mlp_size": 24, "gated": False}
+    assert isinstance(loaded, AmphistaHeads)
+    assert loaded.config.options == AmphistaOptions(attn_heads=4, mlp_size=24, gated=False)
+    assert json.loads((tmp_path / "config.json").read_text())["extra"] == {"attn_heads": 4, "mlp_size": 24, "gated": False}
     hidden, tokens = inputs(model)
     assert torch.equal(heads(hidden, tokens=tokens), loaded(hidden, tokens=tokens))
     assert torch.equal(heads.vocab_ids, loaded.vocab_ids)
@@ -147,9 +149,9 @@ def test_clear_errors():
     with pytest.raises(RuntimeError, match="embed_weight"):
         unbound(hidden, tokens=tokens)
     for extra, message in [({"attn_heads": 5}, r"attn_heads=5 must divide hidden_size=32"),
-                           ({"attn_heads": 0}, r"extra\.attn_heads must be a positive integer"),
-                           ({"mlp_size": "wide"}, r"extra\.mlp_size must be a positive integer"),
-                           ({"mlp_size": True}, r"extra\.mlp_size must be a positive integer"),
+                           ({"attn_heads": 0}, r"extra\.attn_heads must be a whole number ≥ 1"),
+                           ({"mlp_size": "wide"}, r"extra\.mlp_size must be a whole number ≥ 1"),
+                           ({"mlp_size": True}, r"extra\.mlp_size must be a whole number ≥ 1"),
                            ({"gated": "yes"}, r"extra\.gated must be true or false")]:
         with pytest.raises(ValueError, match=message):
             build_heads(HeadConfig(family="amphista", hidden_size=32, vocab_size=96, extra=extra))
@@ -222,7 +224,7 @@ def test_trainer_fits_amphista_on_a_tiny_model(tmp_path):
     assert report["steps"] == len(losses) > 10
     assert sum(losses[-3:]) / 3 < 0.8 * sum(losses[:3]) / 3
     drafter = DraftHeadsModel.from_pretrained(tmp_path / "run" / "final", base=model, tree=3)
-    assert drafter.heads.family == "amphista" and drafter.heads.config.extra["attn_heads"] == 2
+    assert drafter.heads.family == "amphista" and drafter.heads.config.options.attn_heads == 2
     prompt = torch.tensor([[5, 9, 33, 4]])
     reference = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=24, do_sample=False)
     assert drafter.generate(prompt, max_new_tokens=24).tolist() == reference.tolist()

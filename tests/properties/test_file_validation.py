@@ -18,10 +18,11 @@ from draftheads.decoding import DraftHeadsModel, fingerprint
 from draftheads.decoding.drafters import ModelStore, StoreError, StoreHeader, build_arrays, save_store
 from draftheads.decoding.drafters.store import FORMAT_VERSION, key_bits
 from draftheads.heads import CheckpointError, DraftheadsError, HeadConfig, MedusaHeads, load_heads
-from draftheads.heads.card import card_for_checkpoint
-from draftheads.heads.hub import check_checkpoint_folder
-from draftheads.heads.medusa_import import import_medusa
-from draftheads.training.recipe import RecipeError, load_recipe
+from draftheads.heads.checkpoint.card import card_for_checkpoint
+from draftheads.heads.checkpoint.hub import check_checkpoint_folder
+from draftheads.heads.checkpoint.medusa_import import import_medusa
+from draftheads.training.recipe import load_recipe
+from draftheads.training.recipe_sections import RecipeError
 
 MODEL = tiny_llama(0)
 RECORDS = [[5, 6, 7, 8, 9, 2], [6, 7, 8, 1, 2], [3, 3, 3, 3], [7, 8, 9, 9, 2]]

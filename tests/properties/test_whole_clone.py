@@ -16,7 +16,7 @@ import tomllib
 from helpers import FIXTURES, REPO
 from draftheads.prompts import DATA_DIR, PROMPT_SETS
 from draftheads.training.self_distillation import SelfDistillConfig
-from draftheads.training.recipe import DataSection
+from draftheads.training.recipe_sections import DataSection
 
 OUTSIDE = "sha" + "red"  # spelled apart so that this file does not match its own patterns
 #: a path into the data folder that sat beside the checkout, however it is spelled

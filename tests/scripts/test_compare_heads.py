@@ -61,7 +61,8 @@ def compared(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("compare")
     model = tiny_llama(0)
     medusa, hydrapp = tmp / "tiny-medusa", tmp / "tiny-hydrapp"
-    params = {"tiny-medusa": save_random_heads(model, "medusa", medusa, 1, {"default_budget": 4, "koala": True}),
+    koala = {"label": "KOALA-Medusa", "layers": 1}  # what training records (config.koala)
+    params = {"tiny-medusa": save_random_heads(model, "medusa", medusa, 1, {"default_budget": 4, "koala": koala}),
               "tiny-hydrapp": save_random_heads(model, "hydra++", hydrapp, 2, {"default_budget": 8})}
     (medusa / "training_report.json").write_text(json.dumps({
         "train_wall_seconds": 90.0, "train_tokens_per_second": 1234.0,

@@ -20,7 +20,8 @@ from draftheads.training.data import example_features, shifted_rows
 from draftheads.training.features import Example
 from draftheads.training.losses import (IGNORE, discriminator_bce, generator_adversarial, generator_objective,
                                         head_weights, r1_penalty, teacher_logits)
-from draftheads.training.recipe import AdversarialSection, RecipeError, load_recipe
+from draftheads.training.recipe import load_recipe
+from draftheads.training.recipe_sections import AdversarialSection, RecipeError
 from draftheads.training.objective import head_labels
 from draftheads.training.batches import head_logits
 
@@ -235,7 +236,7 @@ def test_joint_run_stays_finite_and_labels_the_checkpoint(tiny_setup, family):
     from draftheads.decoding import DraftHeadsModel
 
     model = DraftHeadsModel.from_pretrained(tiny_setup / run / "final", base=tiny_llama(0, dtype=torch.float64))
-    assert model.heads.family == family and model.heads.config.extra["koala"]["label"] == koala_label(family)
+    assert model.heads.family == family and model.heads.config.koala.label == koala_label(family)
 
 
 def test_sigkill_then_resume_with_adversarial_matches_uninterrupted_run(tiny_setup):

@@ -13,7 +13,8 @@ from helpers import (RECIPES, REPO, final_weights, kill_then_resume, launch_two_
 from draftheads.training.data import DataError, load_examples, shifted_rows
 from draftheads.training.losses import (IGNORE, head_cross_entropy, head_targets, head_weights, input_noise,
                                         label_ranks, mask_labels, teacher_kl, topk_accuracy)
-from draftheads.training.recipe import RecipeError, load_recipe
+from draftheads.training.recipe import load_recipe
+from draftheads.training.recipe_sections import RecipeError
 
 
 # -- losses -----------------------------------------------------------------------------------------

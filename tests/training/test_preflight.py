@@ -15,7 +15,8 @@ from helpers import REPO, tiny_recipe
 from draftheads.training import train as train_module
 from draftheads.training.data import DataError
 from draftheads.training.frozen import base_dims, gguf_dims
-from draftheads.training.recipe import RecipeError, load_recipe
+from draftheads.training.recipe import load_recipe
+from draftheads.training.recipe_sections import RecipeError
 from draftheads.training.train import main, preflight
 
 GOOD_TOKENS = {"input_ids": [5, 6, 7, 8, 9, 10], "response_start": 2}
@@ -127,7 +128,7 @@ def test_a_data_error_ends_the_run_in_one_line_before_the_base_loads(tiny_setup,
 def test_the_samples_a_clone_carries_pass_against_the_embedded_base(kind, sample):
     """The committed samples (the recipes' kinds of data) against SmolLM2's vocabulary, read from
     the GGUF's header."""
-    from draftheads.training.data import check_data
+    from draftheads.training.data_checks import check_data
 
     assert base_dims("embedded") == (49152, 576)
     check_data(REPO / "tests" / "data" / sample, kind, 49152, select_by_source=True)

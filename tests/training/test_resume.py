@@ -11,7 +11,7 @@ import torch
 
 from helpers import run_inprocess, tiny_recipe
 from draftheads.heads import CheckpointError
-from draftheads.training.recipe import RecipeError
+from draftheads.training.recipe_sections import RecipeError
 from draftheads.training.run_state import join_state, split_state
 
 

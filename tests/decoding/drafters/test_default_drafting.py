@@ -26,7 +26,7 @@ def heads_in(folder, store: bool):
     folder.mkdir()
     if store:
         (folder / STORE_NAME).write_bytes(b"")
-    return SimpleNamespace(source_dir=folder)
+    return SimpleNamespace(checkpoint_dir=folder)
 
 
 def test_auto_takes_the_heads_and_every_lookup_there_is_data_for(tmp_path):

@@ -18,7 +18,7 @@ from huggingface_hub.file_download import repo_folder_name
 from helpers import tiny_llama
 from draftheads.decoding import DraftHeadsModel, fingerprint
 from draftheads.heads import CheckpointError, HeadConfig, MedusaHeads, load_heads
-from draftheads.heads.hub import upload_checkpoint
+from draftheads.heads.checkpoint.hub import upload_checkpoint
 
 REPO_ID = "someone/tiny-medusa"
 

@@ -12,8 +12,9 @@ from helpers import REPO, tiny_llama
 from draftheads import __version__
 from draftheads.decoding import DraftHeadsModel, fingerprint
 from draftheads.heads import CheckpointError, HeadConfig, HydraHeads, MedusaHeads, load_heads, read_config
-from draftheads.heads import atomic, protocol
-from draftheads.heads.protocol import current_umask
+from draftheads.heads import config as head_config
+from draftheads.heads.checkpoint import atomic
+from draftheads.heads.checkpoint.atomic import current_umask
 
 
 
@@ -36,7 +37,7 @@ def test_save_writes_config_weights_card_and_version(tmp_path):
     out = heads.save_pretrained(tmp_path / "ckpt", dtype=None)
     assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
     saved = json.loads((out / "config.json").read_text())
-    assert saved["format_version"] == protocol.FORMAT_VERSION and saved["draftheads_version"] == __version__
+    assert saved["format_version"] == head_config.FORMAT_VERSION and saved["draftheads_version"] == __version__
     assert (out / "README.md").read_text().startswith("---\n")
     assert leftovers(tmp_path) == []
     umask = current_umask()  # the temporary folder was private; the checkpoint follows the umask like any folder
@@ -85,7 +86,7 @@ def test_interrupted_save_never_leaves_a_loadable_folder(tmp_path, monkeypatch):
 def test_newer_format_names_both_versions(tmp_path):
     random_heads(tiny_llama(0)).save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
-    config.update(format_version=protocol.FORMAT_VERSION + 1, draftheads_version="9.9.0", tree_grammar="x")
+    config.update(format_version=head_config.FORMAT_VERSION + 1, draftheads_version="9.9.0", tree_grammar="x")
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=rf"written by draftheads 9\.9\.0; this is draftheads {__version__}.*"
                                               r"Upgrade draftheads"):

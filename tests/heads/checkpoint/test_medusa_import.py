@@ -11,7 +11,7 @@ from torch import nn
 from helpers import left_pad, reference_heads, tiny_llama, write_medusa
 from draftheads.decoding import DraftHeadsModel, fingerprint, tree_from_paths
 from draftheads.heads import CheckpointError, load_heads
-from draftheads.heads.medusa_import import import_medusa
+from draftheads.heads.checkpoint.medusa_import import import_medusa
 
 
 def reference_logits(module: nn.ModuleList, hidden: torch.Tensor, lm_head: torch.Tensor, projection: bool):

@@ -20,9 +20,10 @@ from draftheads.cli import main
 from draftheads.custom_generate import write_custom_generate
 from draftheads.decoding import fingerprint
 from draftheads.decoding.limits import InputError
-from draftheads.heads import CheckpointError, HeadConfig, MedusaHeads, atomic, load_heads
-from draftheads.heads.atomic import FolderNotOursError
-from draftheads.heads.vllm_export import export_heads
+from draftheads.heads import CheckpointError, HeadConfig, MedusaHeads, load_heads
+from draftheads.heads.checkpoint import atomic
+from draftheads.heads.checkpoint.atomic import FolderNotOursError
+from draftheads.heads.checkpoint.vllm_export import export_heads
 
 
 @pytest.fixture(scope="module")
@@ -281,7 +282,7 @@ def test_the_exported_module_names_the_source_from_the_command_line(tmp_path, ch
 
 @pytest.mark.parametrize("base_name", ["org/x\nlicense: mit", "org/x: y", "./org/x", "org/x\n---\nmalicious: 1"])
 def test_a_base_name_that_is_no_hub_id_stays_out_of_the_cards_front_matter(base_name):
-    from draftheads.heads.card import basic_card
+    from draftheads.heads.checkpoint.card import basic_card
 
     card = basic_card(HeadConfig(num_heads=2, hidden_size=8, vocab_size=10, base_name=base_name))
     front = card.split("---\n")[1]

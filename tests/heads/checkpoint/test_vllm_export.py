@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from helpers import REPO, draftheads_full_logits, tiny_llama, vllm_medusa_reference
 from draftheads.decoding import fingerprint
 from draftheads.heads import HeadConfig, HydraHeads, MedusaHeads
-from draftheads.heads.vllm_export import ExportError, export_heads
+from draftheads.heads.checkpoint.vllm_export import ExportError, export_heads
 
 
 def random_medusa(model, draft_vocab: int = 0, owns: bool = False, seed: int = 0) -> MedusaHeads:

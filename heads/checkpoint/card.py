@@ -8,11 +8,10 @@ exact command that wrote it. Nothing here measures; regenerating a card never ch
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from .config import REGISTRY, CheckpointError, HeadConfig, read_config, read_json_object
-from .errors import MissingPathError
+from ..config import REGISTRY, CheckpointError, HeadConfig, read_config, read_json_object
+from ..errors import MissingPathError
 
 #: base ids that are not Hub ids → the Hub model they are (the embedded GGUF is a Q4_1
 #: quantization of SmolLM2-135M-Instruct; the fingerprint pins the exact weights)
@@ -48,8 +47,7 @@ def hub_base(config: HeadConfig) -> str | None:
 
 
 def front_matter(config: HeadConfig, datasets: list[str]) -> str:
-    koala = config.extra.get("koala")
-    tags = ["speculative-decoding", "draft-heads", config.family] + (["koala"] if koala else [])
+    tags = ["speculative-decoding", "draft-heads", config.family] + (["koala"] if config.koala else [])
     lines = ["---"]
     base = hub_base(config)
     if base:
@@ -106,14 +104,14 @@ def training_section(config: HeadConfig, report: dict) -> str:
     objective = " + ".join(part for part in (
         f"{loss['ce_weight']}·CE on the {loss['labels']} tokens" if loss["ce_weight"] else "",
         f"{loss['kl_weight']}·KL to the base's next-token distribution" if loss["kl_weight"] else "") if part)
-    koala = config.extra.get("koala")
+    koala = config.koala
     adversarial = "" if not koala else (
-        f"\n- KOALA (arXiv 2408.08146): K = {koala['layers']}-layer heads, plus adversarial learning: a discriminator "
-        f"(MLP of width {koala['disc_hidden']}, Adam lr {koala['disc_lr']}, {koala['disc_steps']} update(s) per batch, "
-        f"label smoothing {koala['label_smoothing']}, R1 γ={koala['grad_penalty']}) tells the base's next-token "
-        f"distribution from the heads', and the heads add λ·(−log D) with λ={koala['adversarial_weight']} "
-        f"({koala['schedule']}" + (f", ramp {koala['ramp_steps']} steps" if koala["schedule"] == "linear" else "")
-        + f", after {koala['warmup_steps']} supervised-only steps); the discriminator is not part of this checkpoint")
+        f"\n- KOALA (arXiv 2408.08146): K = {koala.layers}-layer heads, plus adversarial learning: a discriminator "
+        f"(MLP of width {koala.disc_hidden}, Adam lr {koala.disc_lr}, {koala.disc_steps} update(s) per batch, "
+        f"label smoothing {koala.label_smoothing}, R1 γ={koala.grad_penalty}) tells the base's next-token "
+        f"distribution from the heads', and the heads add λ·(−log D) with λ={koala.adversarial_weight} "
+        f"({koala.schedule}" + (f", ramp {koala.ramp_steps} steps" if koala.schedule == "linear" else "")
+        + f", after {koala.warmup_steps} supervised-only steps); the discriminator is not part of this checkpoint")
     selection = (f"; sources {data['sources']}" if data.get("sources") else "") + "".join(
         f"; at most {n} records per source prefix {p!r}" for p, n in (data.get("source_caps") or {}).items())
     return f"""## Training
@@ -171,8 +169,7 @@ def model_card(config: HeadConfig, report: dict, name: str = "<repo id or folder
                measured_results: dict | None = None, checkpoint: Path | None = None) -> str:
     """The full card of a trained checkpoint: training report (+ benchmark results when given)."""
     recipe = report["recipe"]
-    koala = config.extra.get("koala")
-    title = koala["label"] if koala else ((REGISTRY[config.family].display_name if config.family in REGISTRY
+    title = config.koala.label if config.koala else ((REGISTRY[config.family].display_name if config.family in REGISTRY
                                            else "") or config.family)
     datasets = SELFDISTILL_DATASETS if recipe["data"]["kind"] == "selfdistill" else []
     expected = {b: t["expected_tau"] for b, t in report.get("trees", {}).items()}

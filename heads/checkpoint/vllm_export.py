@@ -24,7 +24,9 @@ from pathlib import Path
 
 import torch
 
-from .protocol import DRAFTHEADS_VERSION, CheckpointError, DraftHeads, atomic_directory, check_output_dir
+from ..config import DRAFTHEADS_VERSION, CheckpointError
+from ..protocol import DraftHeads
+from .atomic import atomic_directory, check_output_dir
 
 TARGETS = ("vllm-medusa", "vllm-mlp-speculator")
 
@@ -109,7 +111,7 @@ def export_vllm_medusa(heads: DraftHeads, out: str | Path, lm_head_weight: torch
     from safetensors.torch import save_file
 
     check_exportable(heads, "vllm-medusa", share_lm_head)
-    check_output_dir(out, getattr(heads, "source_dir", None))  # never over the checkpoint it reads
+    check_output_dir(out, heads.checkpoint_dir)  # never over the checkpoint it reads
     tensors = medusa_tensors(heads, lm_head_weight, share_lm_head, dtype)
     writer = atomic_directory(out, beside=beside)
     with writer as tmp:

@@ -20,16 +20,14 @@ under every j, and the import copies it into L separate blocks, which computes t
 """
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .medusa import MedusaHeads
-from .config import read_json_object
-from .protocol import CheckpointError, HeadConfig
+from ..config import CheckpointError, HeadConfig, read_json_object
+from ..medusa import MedusaHeads
 
 WEIGHT_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
 _KEY = re.compile(r"^(\d+)\.(\d+)\.(linear\.weight|linear\.bias|weight)$")

@@ -17,8 +17,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
-from .config import CONFIG_NAME, CheckpointError
-from .errors import cannot_write
+from ..config import CONFIG_NAME, CheckpointError
+from ..errors import cannot_write
 
 
 def current_umask() -> int:
@@ -207,7 +207,7 @@ class atomic_directory:
     block starts: :func:`choose_destination`) is ``target`` if it is absent, empty or a folder
     ``ours`` recognizes (its files this write does not make are kept); a folder of someone
     else's is refused, or with ``beside`` a sibling is written instead. A destination that
-    cannot be written is one :class:`~.errors.UnwritablePathError` naming it; whatever fails,
+    cannot be written is one :class:`~draftheads.heads.errors.UnwritablePathError` naming it; whatever fails,
     no staging or set-aside folder is left behind and no file of the old folder is lost."""
 
     def __init__(self, target: str | Path, ours: Callable[[Path], bool] = stamped_config, beside: bool = False):
@@ -246,7 +246,7 @@ def atomic_file(path: str | Path) -> Iterator[Path]:
     """``with atomic_file(path) as tmp:`` write the whole file at ``tmp`` (a fresh file beside
     ``path``); when the block ends without error it replaces ``path`` in one rename, with the
     umask's permissions, so a reader never sees half of it; on error it is removed. A
-    destination that cannot be written is one :class:`~.errors.UnwritablePathError` naming it.
+    destination that cannot be written is one :class:`~draftheads.heads.errors.UnwritablePathError` naming it.
     The package's one write-to-temp-then-rename for files (folders: :class:`atomic_directory`)."""
     path = Path(path)
     try:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .config import CONFIG_NAME, WEIGHTS_NAME, CheckpointError, read_config
+from ..config import CONFIG_NAME, WEIGHTS_NAME, CheckpointError, read_config
 
 
 def looks_like_repo_id(name: str) -> bool:
