@@ -210,3 +210,14 @@ def test_committed_token_ids_rebuild_the_same_shards(setup, tmp_path):
         assert a.ids == b.ids and a.tokens.tolist() == b.tokens.tolist()
         assert a.answer_starts.tolist() == b.answer_starts.tolist() and a.finished.tolist() == b.finished.tolist()
         np.testing.assert_allclose(a.hidden.astype(np.float32), b.hidden.astype(np.float32), rtol=1e-3, atol=1e-3)
+
+
+def test_training_reads_a_job_only_for_its_base_and_dtype(setup):
+    out = setup / "reads"
+    assert main(job_args(setup, "reads")) == 0
+    job = distill_job.Job(distill_job.parse_args(job_args(setup, "reads")))
+    shards = distill_job.open_job(out, job.fingerprint, "float64")
+    assert sum(len(s) for s in shards) == 11 and all(isinstance(s.hidden, np.memmap) for s in shards)
+    with pytest.raises(ShardError, match="another dtype") as caught:
+        distill_job.open_job(out, job.fingerprint, "bfloat16")
+    assert "shard-00000" in str(caught.value) and "--out" in str(caught.value)

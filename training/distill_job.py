@@ -246,6 +246,21 @@ def shard_prompts(prompts: list[Prompt], index: int, config: DistillJobConfig) -
     return prompts[index * config.shard_size: (index + 1) * config.shard_size]
 
 
+def open_job(out: str | Path, fingerprint: dict, dtype: str) -> list[Shard]:
+    """What training reads: every shard of a job, checked against the job's plan and the base it
+    trains for (fingerprint, the dtype the features were computed in) and memory-mapped; a bad
+    one is one :class:`ShardError` naming it and the command that rebuilds it."""
+    out = Path(out)
+    try:
+        plan = json.loads((out / PLAN).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise ShardError(f"{out / PLAN} cannot be read ({err}); run the self-distillation job with --out {out}.") from None
+    expected = {"plan_key": plan.get("plan_key"), "base_fingerprint": fingerprint, "dtype": dtype,
+                "feature_dtype": "float16"}
+    rebuild = f"python -m draftheads.training.distill_job --out {out}"
+    return [open_shard(folder, expected, rebuild) for folder in sorted((out / "shards").glob("shard-[0-9]*"))]
+
+
 def finished_shards(out: Path, with_hidden: bool = False) -> list[tuple[int, Path]]:
     """The shard folders of a job (index, folder), in order, whose manifest and arrays read whole."""
     found = []
