@@ -200,7 +200,7 @@ class Job:
             if not np.isfinite(shard.hidden).all():
                 raise ShardError("a hidden state overflows float16; store this base's features in another dtype.")
             shards.append(shard)
-        made = {"decoded": len(todo), "given": len(given), "tau": round((accepted + steps) / max(1, steps), 3)}
+        made = {"decoded": len(todo), "given": len(given), "tau": round((accepted + steps) / steps, 3) if steps else None}
         return shards, made
 
 
@@ -226,9 +226,9 @@ def run(config: DistillJobConfig) -> int:
     together = max(1, config.batch_size // config.shard_size)
     for first in range(0, len(todo), together):
         group = todo[first: first + together]
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         shards, made = job.build([p for index, *_ in group for p in shard_prompts(prompts, index, config)])
-        seconds = time.perf_counter() - started
+        seconds, cpu = time.perf_counter() - started, time.process_time() - cpu  # cpu: all threads' seconds
         for (index, folder, expected), shard in zip(group, shards):
             write_shard(folder, shard, manifest_for(shard, index, expected, {
                 "sources": sorted({p.source.split(":")[0] for p in shard_prompts(prompts, index, config)}),
@@ -237,7 +237,7 @@ def run(config: DistillJobConfig) -> int:
         print(json.dumps({"shards": [g[0] for g in group], "of": plan["shards"], **made,
                           "sequences": sum(len(s) for s in shards), "answer_tokens": answer_tokens,
                           "tokens": sum(int(s.offsets[-1]) for s in shards), "seconds": round(seconds, 1),
-                          "answer_positions_per_s": round(answer_tokens / seconds, 1),
+                          "cpu_seconds": round(cpu, 1), "answer_positions_per_s": round(answer_tokens / seconds, 1),
                           "time": time.strftime("%H:%M:%S")}), flush=True)
     return 0
 
