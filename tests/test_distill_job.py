@@ -142,8 +142,10 @@ def test_a_stopped_run_redoes_only_the_missing_shard(setup, monkeypatch, tmp_pat
     monkeypatch.setattr(distill_job, "write_shard", original)
     assert [d.name for d in shard_dirs(out)] == ["shard-00000"]  # no trace of the half-written one
     assert not [p for p in (out / "shards").iterdir() if p.name.startswith(".")]
+    (out / "shards" / ".shard-00001.tmp-x1").mkdir()  # what a SIGKILL during a write leaves
     first = os.stat(out / "shards" / "shard-00000" / "hidden.npy").st_ino
     assert run_counting(monkeypatch, args) == [4, 3]  # 11 prompts: shards 1 and 2 only
+    assert not [p for p in (out / "shards").iterdir() if p.name.startswith(".")]
     assert os.stat(out / "shards" / "shard-00000" / "hidden.npy").st_ino == first
     assert run_counting(monkeypatch, args) == []  # all there: nothing redone
     plan = json.loads((out / "plan.json").read_text())

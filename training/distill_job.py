@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field, fields
@@ -211,6 +212,7 @@ def run(config: DistillJobConfig) -> int:
     plan, prompts = make_plan(config)
     check_plan(out, plan)
     job = Job(config)
+    remove_leftovers(out)
     total = plan["shards"] if not config.shards else min(plan["shards"], config.shards)
     todo = []
     for index in range(total):
@@ -240,6 +242,12 @@ def run(config: DistillJobConfig) -> int:
                           "cpu_seconds": round(cpu, 1), "answer_positions_per_s": round(answer_tokens / seconds, 1),
                           "time": time.strftime("%H:%M:%S")}), flush=True)
     return 0
+
+
+def remove_leftovers(out: Path) -> None:
+    """The staging folders a killed run left (a shard being written when the process died)."""
+    for staging in (out / "shards").glob(".shard-[0-9]*.tmp-*"):
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def shard_prompts(prompts: list[Prompt], index: int, config: DistillJobConfig) -> list[Prompt]:
