@@ -5,8 +5,15 @@ A contextual family's layer keeps keys/values like one more base layer: each ste
 over the same tree slots as the verifier, with the same ancestor mask, and the same accepted
 slots are compacted into its cache (:class:`KVState`), so nothing is recomputed over the
 context and every row keeps its own length.
+
+A listener (:func:`listening`; training's feature capture) hears every verification's states
+with the caller's row of each: what the decoder computes anyway, kept instead of recomputed.
 """
 from __future__ import annotations
+
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Iterator, Protocol
 
 import torch
 
@@ -16,6 +23,25 @@ from .base.cache import KVState
 from .drafters.step_trees import StepTrees
 
 
+class StateListener(Protocol):
+    def verified(self, rows: torch.Tensor, states: torch.Tensor, result: Acceptance) -> None:
+        """rows (R,) the caller's row of each live row; states (R, N, d) every tree slot's final
+        hidden state; ``result.path[:, :accepted + 1]`` the slots of the tokens each row kept."""
+
+
+_LISTENER: ContextVar[StateListener | None] = ContextVar("draftheads_state_listener", default=None)
+
+
+@contextmanager
+def listening(listener: StateListener) -> Iterator[None]:
+    """Decoding calls made inside the block tell ``listener`` every verification's states."""
+    token = _LISTENER.set(listener)
+    try:
+        yield
+    finally:
+        _LISTENER.reset(token)
+
+
 class HeadState:
     """Per-row head input (``hidden``, (B, d)) maintained across verification steps."""
 
@@ -23,6 +49,8 @@ class HeadState:
         self.heads = heads
         self.kv: KVState | None = None
         self.hidden = last_hidden
+        self.listener = _LISTENER.get()
+        self.rows = torch.arange(last_hidden.shape[0])  # the caller's row of each live row
         if heads is not None and heads.contextual:
             from transformers import DynamicCache
 
@@ -37,6 +65,8 @@ class HeadState:
 
     def step(self, states: torch.Tensor, drafts: StepTrees, result: Acceptance) -> None:
         """After a verification: ``states`` (B, N, d) of every tree slot; keep the accepted ones."""
+        if self.listener is not None:
+            self.listener.verified(self.rows, states, result)
         rows = torch.arange(states.shape[0], device=states.device)
         if self.kv is None:
             self.hidden = states[rows, result.best]
@@ -49,5 +79,6 @@ class HeadState:
     def select_rows(self, keep: torch.Tensor) -> None:
         """Finished rows leave the batch."""
         self.hidden = self.hidden[keep]
+        self.rows = self.rows[keep.cpu()]
         if self.kv is not None:
             self.kv.select_rows(keep)
