@@ -86,8 +86,8 @@ class Acceptance:
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """logits (..., V) → the argmax token (...,), the first maximal index on ties as
-    ``torch.argmax`` (and so transformers' greedy choice). ``max(-1).indices``: on CPU argmax over
-    bfloat16 is 4× slower than max (1.6 vs 0.4 ms for 9 × 49,152 logits)."""
+    ``torch.argmax`` (and so transformers' greedy choice). ``max(-1).indices``, not ``argmax``:
+    on CPU argmax over bfloat16 is several times slower (docs/measurements.md, "Figures behind the code's rules")."""
     return logits.max(-1).indices
 
 

@@ -205,9 +205,8 @@ def run_calibration(model, heads=None, config: CalibrationConfig = CalibrationCo
     started = time.perf_counter()
     forward, overhead, draft = [], [], []
     nodes = config.grid_nodes(heads)
-    # Warm-up: the first forwards of a fresh process page in the (memory-mapped) weights and size
-    # the allocator; measured here, they made the first grid point (bs 1, q 1) read 80-83 ms
-    # against 58-61 ms later in the same run.
+    # Warm-up first: a fresh process's first forwards page in the (memory-mapped) weights and size
+    # the allocator, and would overprice the first grid point.
     for q in (1, max(nodes)):
         measure_forward(model, 1, q, config.contexts[0], reps=3)
     for kv_len in config.contexts:
@@ -228,10 +227,9 @@ def run_calibration(model, heads=None, config: CalibrationConfig = CalibrationCo
             "seconds": round(time.perf_counter() - started, 1), "raw_rows": forward,
             "note": "ms = best of reps; overhead and draft tables then the monotone envelope (see monotone_envelope); "
                     "forward = verify + LM head + argmax over bs x q tree slots at context ctx"}
-    # The forward table keeps its raw points: its true cost is not monotone in the work (on this CPU
-    # bs 3 × 1 query token measured 129-132 ms against 89 ms for bs 3 × 2, at both contexts: MKL's
-    # kernel for 2-3 rows is slower than its GEMM for 4+), and lowering it to the envelope mispriced
-    # exactly those points. Best-of-``reps`` is its only noise filter.
+    # The forward table keeps its raw points: its true cost is not monotone in the work (MKL's
+    # kernel for 2-3 rows can be slower than its GEMM for 4+), and lowering it to the envelope
+    # misprices exactly those points. Best-of-``reps`` is its only noise filter.
     return CostModel(LatencyTable.from_rows(forward), LatencyTable.from_rows(monotone_envelope(overhead)),
                      LatencyTable.from_rows(monotone_envelope(draft)) if draft else None, meta)
 

@@ -160,8 +160,7 @@ class CostModel:
         """This model's bs-1 step times at each of ``contexts`` at every node count it measured
         (forward + the loop's overhead), as a table priced by query tokens, monotone in nodes at
         each context (:meth:`from_ranked`) and interpolated between contexts. Why more than one
-        context: a tree node's attention grows with the KV length (SmolLM2, bf16: ~0.45 ms a node
-        a step at 1,600 tokens), so a table measured at a short context under-prices the nodes
+        context: a tree node's attention grows with the KV length, so a table measured at a short context under-prices the nodes
         of a long prompt (RAG, summarization) and the width chooser verifies too many."""
         nodes = sorted({int(r["q"]) for r in self.forward.rows() if int(r["bs"]) == 1})
         points = {int(kv_len): CostModel.from_ranked([{"nodes": n, "step_ms": self.step_ms(1, n, kv_len)} for n in nodes])
