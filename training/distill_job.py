@@ -64,6 +64,7 @@ class DistillJobConfig:
     batch_size: int = 32
     forward_tokens: int = 8192  # padded tokens per plain forward (features of given answers)
     shards: int = 0  # stop once this many shards exist (0: all)
+    start_at: int = 0  # build shards from this index first, then the earlier ones (e.g. the decoded ones before the reused)
     device: str = "cpu"
 
 
@@ -225,6 +226,7 @@ def run(config: DistillJobConfig) -> int:
             print(f"{folder}: {problem}; rebuilding it.", flush=True)
             discard(folder)
         todo.append((index, folder, expected))
+    todo.sort(key=lambda item: item[0] < config.start_at)  # stable: in order from start_at, then the rest
     together = max(1, config.batch_size // config.shard_size)
     for first in range(0, len(todo), together):
         group = todo[first: first + together]

@@ -157,6 +157,21 @@ def test_a_stopped_run_redoes_only_the_missing_shard(setup, monkeypatch, tmp_pat
     assert shards[0].sequence(given)[shards[0].answer_starts[given]:].tolist() == [11, 12, 13, 2]
 
 
+def test_start_at_builds_the_later_shards_first_then_the_earlier(setup, monkeypatch):
+    """``--start-at``: the shards the decoder must answer can come before those whose answers
+    are given, so a short run spends its time where the data is new."""
+    out, order = setup / "started", []
+    original = distill_job.write_shard
+
+    def recording(folder, shard, manifest):
+        order.append(folder.name)
+        original(folder, shard, manifest)
+
+    monkeypatch.setattr(distill_job, "write_shard", recording)
+    assert main(job_args(setup, "started", "--batch-size", "4", "--start-at", "1")) == 0
+    assert order == ["shard-00001", "shard-00002", "shard-00000"]
+
+
 @pytest.mark.parametrize("damage", ["truncated", "fingerprint", "dtype"])
 def test_a_bad_shard_is_named_in_one_line_and_rebuilt(setup, monkeypatch, capsys, damage):
     out = setup / f"bad-{damage}"
