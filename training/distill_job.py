@@ -206,6 +206,19 @@ class Job:
         return shards, made
 
 
+def needs_building(folder: Path, expected: dict) -> bool:
+    """A shard folder that is missing, or holds another shard than ``expected`` (truncated, another
+    base or dtype: named in one line and discarded), is built; a good one is kept, never redone."""
+    if not folder.exists():
+        return True
+    problem = shard_problem(folder, expected)
+    if problem is None:
+        return False
+    print(f"{folder}: {problem}; rebuilding it.", flush=True)
+    discard(folder)
+    return True
+
+
 def run(config: DistillJobConfig) -> int:
     """Build every missing or bad shard, in order; ``batch_size`` larger than ``shard_size``
     decodes that many shards' prompts together (a GPU's batch of 256: four shards at a time)."""
@@ -219,13 +232,8 @@ def run(config: DistillJobConfig) -> int:
     for index in range(total):
         folder = out / "shards" / f"shard-{index:05d}"
         expected = job.expected(plan["plan_key"], [p.id for p in shard_prompts(prompts, index, config)])
-        if folder.exists():
-            problem = shard_problem(folder, expected)
-            if problem is None:
-                continue
-            print(f"{folder}: {problem}; rebuilding it.", flush=True)
-            discard(folder)
-        todo.append((index, folder, expected))
+        if needs_building(folder, expected):
+            todo.append((index, folder, expected))
     todo.sort(key=lambda item: item[0] < config.start_at)  # stable: in order from start_at, then the rest
     together = max(1, config.batch_size // config.shard_size)
     for first in range(0, len(todo), together):
@@ -306,12 +314,8 @@ def rebuild(config: DistillJobConfig) -> int:
         number, ids = entry["shard"], entry["ids"]
         folder = out / "shards" / f"shard-{number:05d}"
         expected = job.expected(index["plan"]["plan_key"], ids)
-        if folder.exists():
-            problem = shard_problem(folder, expected)
-            if problem is None:
-                continue
-            print(f"{folder}: {problem}; rebuilding it.", flush=True)
-            discard(folder)
+        if not needs_building(folder, expected):
+            continue
         given = load_token_ids(source / f"shard-{number:05d}.npz", ids)
         sequences = [given.sequence(k).astype(np.int64).tolist() for k in range(len(given))]
         given.hidden = np.concatenate([s.to(torch.float32).numpy() for s in
