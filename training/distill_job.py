@@ -40,7 +40,6 @@ from .features import chat_prompt_ids, read_jsonl
 
 PLAN = "plan.json"
 INDEX = "index.json"
-SHARED = "../shared/data"
 
 
 @dataclass
@@ -49,9 +48,8 @@ class DistillJobConfig:
     plan (a resume with others is refused), the rest may change between resumes."""
 
     out: str = ""
-    prompts: list[str] = field(default_factory=lambda: [f"{SHARED}/train_prompts.jsonl",
-                                                        f"{SHARED}/train_conversations.jsonl"])
-    answers: list[str] = field(default_factory=lambda: [f"{SHARED}/selfdistill_smollm2.jsonl"])
+    prompts: list[str] = field(default_factory=list)  # prompt files (records with id + prompt, or messages)
+    answers: list[str] = field(default_factory=list)  # answers made before (id + response_ids), reused as given
     from_tokens: str = ""  # a folder of committed token ids: rebuild their features, answer nothing
     export: str = ""  # write the finished shards' token ids here (the committed form) and stop
     heads: str = "checkpoints/smollm2-135m-hydra"
@@ -126,6 +124,10 @@ def digest(items) -> str:
 
 
 def make_plan(config: DistillJobConfig) -> tuple[dict, list[Prompt]]:
+    if not config.prompts:
+        raise DataError("the job needs --prompts FILE [FILE ...] (e.g. the training prompts and conversations) and, "
+                        "to reuse answers made before, --answers FILE; recipes/data/selfdistill-smollm2/README.md "
+                        "has the command.")
     prompts = interleave([read_prompts(p) for p in config.prompts])
     reused = attach_answers(prompts, config.answers)
     key = digest([[p.id, p.text] for p in prompts] + [config.max_new_tokens, config.shard_size])

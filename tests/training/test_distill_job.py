@@ -238,3 +238,10 @@ def test_training_reads_a_job_only_for_its_base_and_dtype(setup):
     with pytest.raises(ShardError, match="another dtype") as caught:
         distill_job.open_job(out, job.fingerprint, "bfloat16")
     assert "shard-00000" in str(caught.value) and "--out" in str(caught.value)
+
+
+def test_a_run_without_prompts_is_one_line_naming_the_option(tmp_path, capsys):
+    assert main(["--out", str(tmp_path / "job")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--prompts" in err and "README.md" in err
+    assert not (tmp_path / "job").exists()
