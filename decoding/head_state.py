@@ -50,7 +50,8 @@ class HeadState:
         self.kv: KVState | None = None
         self.hidden = last_hidden
         self.listener = _LISTENER.get()
-        self.rows = torch.arange(last_hidden.shape[0])  # the caller's row of each live row
+        # the caller's row of each live row, kept only for a listener (the loop has its own ``live``)
+        self.rows = torch.arange(last_hidden.shape[0]) if self.listener is not None else None
         if heads is not None and heads.contextual:
             from transformers import DynamicCache
 
@@ -79,6 +80,7 @@ class HeadState:
     def select_rows(self, keep: torch.Tensor) -> None:
         """Finished rows leave the batch."""
         self.hidden = self.hidden[keep]
-        self.rows = self.rows[keep.cpu()]
+        if self.rows is not None:
+            self.rows = self.rows[keep.cpu()]
         if self.kv is not None:
             self.kv.select_rows(keep)
