@@ -39,7 +39,7 @@ class FeatureBatches:
     def __init__(self, table: Features, num_heads: int, chunk_length: int | None = None):
         self.table = table
         self.next_rows = shifted_rows(table.targets, num_heads)
-        self.chunks = None if chunk_length is None else sequence_chunks(table.targets, chunk_length)
+        self.chunks = None if chunk_length is None else sequence_chunks(table, chunk_length)
 
     def __len__(self) -> int:
         return len(self.table) if self.chunks is None else len(self.chunks)
@@ -51,14 +51,20 @@ class FeatureBatches:
         return self.table, rows, self.next_rows[rows[rows >= 0]]
 
 
-def sequence_chunks(targets: torch.Tensor, max_length: int) -> list[tuple[int, int]]:
-    """Contiguous row ranges [start, end) of at most ``max_length`` positions that never cross
-    an example. The cache keeps each example's positions in order, and an example's last
-    position is the only one whose x_{t+2} is past the end (``targets[:, 1] < 0``)."""
-    chunks, start = [], 0
-    for end in (targets[:, 1] < 0).nonzero().squeeze(1).tolist():
-        chunks += [(s, min(s + max_length, end + 1)) for s in range(start, end + 1, max_length)]
-        start = end + 1
+def sequence_chunks(table: Features, max_length: int) -> list[tuple[int, int]]:
+    """Contiguous row ranges [start, end) of at most ``max_length`` positions (0: whole
+    sequences) that never cross a sequence: ``table.sequences`` where given, else found from
+    the targets (the cache keeps each example's positions in order, and an example's last
+    position is the only one whose x_{t+2} is past the end, ``targets[:, 1] < 0``)."""
+    if table.sequences is not None:
+        bounds = table.sequences.tolist()
+    else:
+        ends = (table.targets[:, 1] < 0).nonzero().squeeze(1).tolist()
+        bounds = list(zip([0] + [e + 1 for e in ends[:-1]], [e + 1 for e in ends]))
+    chunks = []
+    for start, end in bounds:
+        step = max_length or end - start
+        chunks += [(s, min(s + step, end)) for s in range(start, end, step)]
     return chunks
 
 
@@ -100,7 +106,7 @@ class OnTheFlyBatches:
         shifted = shifted_rows(table.targets, self.num_heads)
         if self.chunk_length is None:
             return table, torch.arange(len(table)), shifted
-        rows = chunk_rows(sequence_chunks(table.targets, self.chunk_length))
+        rows = chunk_rows(sequence_chunks(table, self.chunk_length))
         return table, rows, shifted[rows[rows >= 0]]
 
 

@@ -79,17 +79,22 @@ def normalized(text: str) -> str:
 
 
 def read_prompts(path: str) -> list[Prompt]:
-    """A prompt file's prompts: ``prompt`` records, or conversations (``messages``: the first
-    user turn; the later turns follow answers the base did not write)."""
+    """A prompt file's prompts: ``prompt`` records, conversations (``messages``: the first
+    user turn; the later turns follow answers the base did not write), or benchmark questions
+    (``turns``: MT-Bench / Spec-Bench, the first turn). The source is the record's ``source``,
+    else the file's stem (``mt_bench``, ``spec_bench_dev``)."""
     prompts = []
     for record in read_jsonl(resolve_data_path(path)):
         if "prompt" in record:
             text = record["prompt"]
+        elif isinstance(record.get("turns"), list) and record["turns"]:
+            text = record["turns"][0]
         else:
             text = next((m["content"] for m in record.get("messages", []) if m.get("role") == "user"), None)
         if not isinstance(text, str) or not text.strip():
-            raise DataError(f"{path}: record {record.get('id')!r} has no 'prompt' nor a user turn in 'messages'.")
-        prompts.append(Prompt(str(record.get("id", len(prompts))), str(record.get("source", Path(path).stem)), text))
+            raise DataError(f"{path}: record {record.get('id')!r} has no 'prompt', no user turn in 'messages' and no "
+                            "'turns'.")
+        prompts.append(Prompt(str(record.get("id", record.get("question_id", len(prompts)))), str(record.get("source", Path(path).stem)), text))
     return prompts
 
 
@@ -246,6 +251,7 @@ def run(config: DistillJobConfig) -> int:
         for (index, folder, expected), shard in zip(group, shards):
             write_shard(folder, shard, manifest_for(shard, index, expected, {
                 "sources": sorted({p.source.split(":")[0] for p in shard_prompts(prompts, index, config)}),
+                "sequence_sources": [p.source for p in shard_prompts(prompts, index, config)],
                 "seconds": round(seconds / len(group), 1), "max_new_tokens": config.max_new_tokens, **made}))
         answer_tokens = sum(s.answer_tokens for s in shards)
         print(json.dumps({"shards": [g[0] for g in group], "of": plan["shards"], **made,

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from ..heads.checkpoint.atomic import atomic_directory
-from ..heads.errors import one_line
+from ..heads.errors import DraftheadsError, one_line
 
 SHARD_KIND = "draftheads-selfdistill-shard"
 SHARD_FORMAT = 1
@@ -40,7 +40,7 @@ ARRAYS = {"tokens": np.uint16, "offsets": np.int64, "answer_starts": np.int32, "
 FEATURE_DTYPES = {"float16": np.float16}
 
 
-class ShardError(ValueError):
+class ShardError(DraftheadsError, ValueError):
     """A shard that cannot be trusted: one line naming the folder and the fix."""
 
 

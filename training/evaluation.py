@@ -37,7 +37,7 @@ def rank_table(heads: DraftHeads, table: Features, labels_from: str = "teacher",
     whole sequence chunks, so they may stop a little past it)."""
     count = min(len(table), max_positions) if max_positions else len(table)
     if heads.contextual:
-        chunks = [c for c in sequence_chunks(table.targets, chunk_length) if c[0] < count]
+        chunks = [c for c in sequence_chunks(table, chunk_length) if c[0] < count]
         batches = [chunk_rows(chunks[i: i + 8]) for i in range(0, len(chunks), 8)]
     else:
         batches = [torch.arange(s, min(s + batch_size, count)) for s in range(0, count, batch_size)]

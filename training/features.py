@@ -187,11 +187,15 @@ def _shard_matches(path: Path, fingerprint: dict, digest: str) -> bool:
 @dataclass
 class Features:
     """Cached training positions: hidden (P, d) fp16; targets and teacher (P, MAX_TARGETS)
-    long, -1 past the end of a sequence (see :func:`shift_targets`, :func:`shift_teacher`)."""
+    long, -1 past the end of a sequence (see :func:`shift_targets`, :func:`shift_teacher`).
+    ``sequences`` (S, 2): each sequence's [start, end) rows, where rows without labels (a
+    prompt's, read by a context layer) would hide where sequences end; None: an answer's rows
+    only, its last one the only row whose x_{t+2} is −1."""
 
     hidden: torch.Tensor
     targets: torch.Tensor
     teacher: torch.Tensor
+    sequences: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.hidden.shape[0])

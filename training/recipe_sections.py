@@ -27,7 +27,9 @@ class HeadsSection:
 
 @dataclass
 class DataSection:
-    kind: str = "selfdistill"  # selfdistill (prompt + response_ids) | conversations (messages) | tokens (input_ids)
+    # selfdistill (prompt + response_ids) | conversations (messages) | tokens (input_ids) | job (the output
+    # folder of python -m draftheads.training.distill_job: token ids + the base's states, no feature pass)
+    kind: str = "selfdistill"
     # a local file, datasets dir or self-distillation output dir, or a Hub dataset id, or a list of them
     # (concatenated in order); no default: a clone carries no training set (training/data.py:load_records)
     path: str | list[str] = ""
@@ -140,7 +142,7 @@ class Recipe:
         return hashlib.sha256(json.dumps(self.identity(), sort_keys=True).encode()).hexdigest()[:16]
 
 
-CHOICES = {"data.kind": ("selfdistill", "conversations", "tokens"), "loss.labels": ("teacher", "text"),
+CHOICES = {"data.kind": ("selfdistill", "conversations", "tokens", "job"), "loss.labels": ("teacher", "text"),
            "train.mixed_precision": ("no", "bf16", "fp16"), "train.dtype": ("float32", "float64", "bfloat16"),
            "run.save_dtype": ("float32", "float64", "bfloat16", "float16"),
            "base_dtype": ("float32", "float64", "bfloat16", "float16"),

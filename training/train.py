@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from ..decoding.base.loading import dtype_name
 from ..decoding.limits import DTYPES
 from ..heads import REGISTRY, DraftHeads
 from ..heads.errors import DraftheadsError, one_line
@@ -47,6 +48,7 @@ from .report import JsonlLog, finish, metric_fields
 from .resume import RECIPE_FILE, Progress, resume_point, save_checkpoint
 from .run_state import check_checkpoint_files, load_run_state
 from .batches import FeatureBatches, OnTheFlyBatches, cached_features, micro_batch_items, split_examples
+from .job_data import check_job_folder, job_batches
 
 
 # -- data -----------------------------------------------------------------------------------------------
@@ -114,6 +116,9 @@ def preflight(recipe: Recipe) -> None:
     if not paths or not all(paths):
         raise DataError(f"Recipe key data.path is not set (--data.path PATH_OR_HUB_ID); {DATA_OPTIONS}.")
     for path in paths:
+        if recipe.data.kind == "job":
+            check_job_folder(resolve_data_path(path))
+            continue
         if resolve_data_path(path).exists():
             continue
         if not is_hub_id(path):
@@ -125,7 +130,7 @@ def preflight(recipe: Recipe) -> None:
     dims = base_dims(recipe.base)
     if dims is not None:
         check_heads_fit(recipe, *dims)
-    for path in paths:
+    for path in paths if recipe.data.kind != "job" else ():  # a job's shards are checked as they open
         check_data(path, recipe.data.kind, dims[0] if dims else None, recipe.data.name, recipe.data.split,
                    recipe.data.columns, bool(recipe.data.sources or recipe.data.source_caps))
     check_final_dir(recipe)
@@ -251,6 +256,9 @@ def prepare_data(recipe: Recipe, accelerator, dtype: torch.dtype):
     with unsharded_loading(accelerator):
         base, tokenizer = load_frozen_base(recipe.base, recipe.base_dtype)
     parts = frozen_parts(base, dtype)
+    if recipe.data.kind == "job":
+        paths = [resolve_data_path(path) for path in data_paths(recipe)]
+        return (parts, *job_batches(recipe, paths, parts.fingerprint, dtype_name(base.dtype), chunking))
     examples = [e for path in data_paths(recipe)
                 for e in load_examples(recipe.data.kind, path, tokenizer, recipe.data.max_length, recipe.data.limit,
                                        recipe.data.sources, recipe.data.source_caps, recipe.data.name,

@@ -177,6 +177,7 @@ def test_contextual_family_trains_on_sequence_chunks_and_decodes_identically(tin
     (batch_size counts chunks), KL + CE fall, and the saved heads decode token-identically."""
     from draftheads.decoding import DraftHeadsModel
     from draftheads.training.batches import chunk_rows, sequence_chunks
+    from draftheads.training.features import Features
 
     report = run_inprocess(tiny_recipe(
         tiny_setup, "hydrapp", heads__family="hydra++", heads__extra={"prefix_heads": 2}, train__batch_size=4,
@@ -187,7 +188,11 @@ def test_contextual_family_trains_on_sequence_chunks_and_decodes_identically(tin
     assert report["steps"] > 0 and report["train_positions_seen"] > 0
     targets = torch.full((7, 2), 5)
     targets[[2, 6], 1] = -1  # two examples: rows 0-2 and 3-6
-    assert sequence_chunks(targets, 2) == [(0, 2), (2, 3), (3, 5), (5, 7)]
+    table = Features(torch.zeros(7, 4), targets, targets)
+    assert sequence_chunks(table, 2) == [(0, 2), (2, 3), (3, 5), (5, 7)]
+    assert sequence_chunks(table, 0) == [(0, 3), (3, 7)]  # 0: whole sequences, never truncated
+    bounded = Features(torch.zeros(7, 4), torch.full((7, 2), -1), torch.full((7, 2), -1), torch.tensor([[0, 4], [4, 7]]))
+    assert sequence_chunks(bounded, 3) == [(0, 3), (3, 4), (4, 7)]  # unlabelled rows: the bounds decide
     assert chunk_rows([(0, 2), (2, 3)]).tolist() == [[0, 1], [2, -1]]
     model = tiny_llama(0, dtype=torch.float64)
     drafter = DraftHeadsModel.from_pretrained(tiny_setup / "hydrapp" / "final", base=model, tree=3)

@@ -1,0 +1,104 @@
+"""Training on the self-distillation job's shards (training/job_data.py): the rows are the
+feature cache's rows (the base's states after each token, the text's next tokens), states stay
+memory-mapped, whole sequences carry unlabelled prompt rows and their bounds, and a recipe
+with ``data.kind: job`` trains from a job folder (a folder that is not one: one line)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import REPO, run_inprocess, save_tiny_base, saved_tree_heads, subprocess_env, tiny_recipe
+from draftheads.training import distill_job
+from draftheads.training.batches import sequence_chunks
+from draftheads.training.features import Example, hidden_states, shift_targets
+from draftheads.training.job_data import MappedRows, job_table, split_sequences
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    root = tmp_path_factory.mktemp("jobdata")
+    model = save_tiny_base(root / "base")
+    saved_tree_heads(root / "heads", model)
+    generator = torch.Generator().manual_seed(1)
+    with open(root / "prompts.jsonl", "w") as handle:
+        for i in range(24):
+            words = torch.randint(5, 96, (int(torch.randint(1, 6, (1,), generator=generator)),), generator=generator)
+            handle.write(json.dumps({"id": f"p{i}", "source": "tiny", "prompt": " ".join(f"w{int(t)}" for t in words)})
+                         + "\n")
+    args = ["--out", str(root / "job"), "--prompts", str(root / "prompts.jsonl"), "--base", str(root / "base"),
+            "--heads", str(root / "heads"), "--dtype", "float64", "--tree", "3", "--sources", "heads",
+            "--max-new-tokens", "12", "--shard-size", "8", "--batch-size", "8"]
+    assert distill_job.main(args) == 0
+    fp = distill_job.Job(distill_job.parse_args(args)).fingerprint
+    return root, model, distill_job.open_job(root / "job", fp, "float64")
+
+
+def test_answer_rows_are_the_feature_cache_rows(job):
+    _, model, shards = job
+    table = job_table(shards)
+    assert isinstance(table.hidden, MappedRows) and table.sequences is None
+    row = 0
+    for shard in shards:
+        for k in range(len(shard)):
+            ids = [int(t) for t in shard.sequence(k)]
+            example = Example(ids, int(shard.answer_starts[k]))
+            [(states, _)] = hidden_states(model, [example])
+            n = states.shape[0]  # rows response_start-1 .. L-2
+            torch.testing.assert_close(table.hidden[torch.arange(row, row + n)].double(), states.double(),
+                                       atol=2e-3, rtol=2e-3)  # stored as float16
+            assert torch.equal(table.targets[row: row + n], shift_targets(torch.tensor(ids), example.response_start))
+            row += n
+    assert row == len(table)
+    index = torch.tensor([[3, 0], [len(table) - 1, 5]])
+    assert torch.equal(table.hidden[index][1, 0], table.hidden[torch.tensor([len(table) - 1])][0])
+    assert table.hidden[2:5].shape == (3, table.hidden.shape[1])
+
+
+def test_whole_sequences_carry_unlabelled_prompt_rows_and_their_bounds(job):
+    _, _, shards = job
+    answers, whole = job_table(shards), job_table(shards, with_prompt=True)
+    lengths = [int(s.offsets[k + 1] - s.offsets[k]) for s in shards for k in range(len(s))]
+    starts = [int(s.answer_starts[k]) for s in shards for k in range(len(s))]
+    assert whole.sequences.tolist() == [[a, b] for a, b in zip(np.cumsum([0] + [n - 1 for n in lengths[:-1]]),
+                                                                  np.cumsum([n - 1 for n in lengths]))]
+    labelled = whole.targets[:, 0] >= 0
+    assert int(labelled.sum()) == len(answers)  # the answer's rows, and only they, hold labels
+    assert torch.equal(whole.targets[labelled], answers.targets)
+    torch.testing.assert_close(whole.hidden[labelled.nonzero().squeeze(1)], answers.hidden[torch.arange(len(answers))])
+    first, end = whole.sequences[0].tolist()
+    assert (whole.targets[first: first + starts[0] - 1] < 0).all() and (whole.targets[first + starts[0] - 1:end, 0] >= 0).all()
+    assert sequence_chunks(whole, 0) == [tuple(b) for b in whole.sequences.tolist()]  # never cut
+
+
+def test_held_out_sequences_are_the_last_ones(job):
+    _, _, shards = job
+    train, held = split_sequences(shards, 5)
+    assert len(held) == 5 and held[-1] == (len(shards) - 1, len(shards[-1]) - 1) and not set(train) & set(held)
+    with pytest.raises(ValueError, match="data.eval_examples"):
+        split_sequences(shards, 10_000)
+
+
+def test_a_recipe_trains_on_a_job_folder(job):
+    root, _, _ = job
+    recipe = tiny_recipe(root, "run", data={"kind": "job", "path": str(root / "job"), "features_dir": None,
+                                            "eval_examples": 4}, train__batch_size=16, train__epochs=2)
+    report = run_inprocess(recipe)
+    log = [json.loads(line) for line in (root / "run" / "log.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in log if "loss" in r]
+    assert report["steps"] > 2 and losses[-1] < losses[0]
+    assert (root / "run" / "final" / "model.safetensors").is_file()
+
+
+def test_a_folder_that_is_not_a_job_is_one_line(job, tmp_path):
+    root, _, _ = job
+    recipe = tiny_recipe(root, "bad", data={"kind": "job", "path": str(tmp_path), "features_dir": None})
+    done = subprocess.run([sys.executable, "-m", "draftheads.training.train", str(recipe)], capture_output=True,
+                          text=True, env=subprocess_env(), cwd=REPO, timeout=300)
+    assert done.returncode == 2
+    err = done.stderr.strip().splitlines()
+    assert len(err) == 1 and str(tmp_path) in err[0] and "distill_job" in err[0]

@@ -1,0 +1,139 @@
+"""The self-distillation job's shards (:mod:`.distill_job`) as training positions.
+
+The job already kept the base's final hidden state after every token (the prefill's over the
+prompt, the verification forwards' over the answer), so training reads them where they lie:
+no feature pass, and the (P, d) states stay memory-mapped (:class:`MappedRows` gathers a
+batch's rows on demand) — a run over millions of positions holds their token ids in RAM, not
+their states.
+
+Rows follow :mod:`.features`: row t holds h_t, the text tokens x_{t+1..t+MAX_TARGETS}
+(``targets``) and the base's own choice for each (``teacher``: on self-distilled text the text
+itself). Per-position families read the answer's rows (t = prompt length − 1 .. L − 2). A
+family whose layer reads the context (Hydra++ with ``prefix_context: sequence``) reads whole
+sequences: the prompt's rows come first with every target −1 (they feed the layer, they are
+never a label), and ``Features.sequences`` marks where each sequence's rows start and end.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .distill_shards import Shard
+from .features import MAX_TARGETS, Features, shift_targets
+
+
+class MappedRows:
+    """(P, d) float16 rows gathered from memory-mapped shard arrays: ``rows[index]`` → tensor
+    of ``index.shape + (d,)``; row r is ``arrays[shard[r]][local[r]]``."""
+
+    def __init__(self, arrays: list[np.ndarray], shard: np.ndarray, local: np.ndarray):
+        self.arrays, self.shard, self.local = arrays, shard.astype(np.int32), local.astype(np.int64)
+        self.shape = torch.Size((len(self.local), int(arrays[0].shape[1]) if arrays else 0))
+        self.dtype = torch.float16
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, index) -> torch.Tensor:
+        if isinstance(index, slice):
+            index = torch.arange(*index.indices(len(self)))
+        index = torch.as_tensor(index, dtype=torch.long)
+        flat = index.reshape(-1).numpy()
+        shard, local = self.shard[flat], self.local[flat]
+        out = np.empty((len(flat), self.shape[1]), np.float16)
+        for s in np.unique(shard):
+            pick = shard == s
+            out[pick] = self.arrays[s][local[pick]]
+        return torch.from_numpy(out).reshape(*index.shape, self.shape[1])
+
+
+def sequence_rows(shard: Shard, k: int, with_prompt: bool) -> tuple[np.ndarray, torch.Tensor]:
+    """Sequence ``k`` of ``shard``: its rows' indices into the shard's arrays and their targets
+    (R, MAX_TARGETS), −1 where no label exists (past the end; the prompt's own rows)."""
+    first, end = int(shard.offsets[k]), int(shard.offsets[k + 1])
+    start = int(shard.answer_starts[k])
+    tokens = torch.from_numpy(shard.tokens[first:end].astype(np.int64))
+    targets = shift_targets(tokens, start)  # rows start-1 .. L-2
+    lead = start - 1 if with_prompt else 0
+    if lead:
+        targets = torch.cat([torch.full((lead, MAX_TARGETS), -1, dtype=targets.dtype), targets])
+    rows = np.arange(first + (0 if with_prompt else start - 1), end - 1)
+    return rows, targets
+
+
+def job_table(shards: list[Shard], with_prompt: bool = False, sequences: list[tuple[int, int]] | None = None
+              ) -> Features:
+    """The positions of ``shards`` (every sequence, or the (shard, k) pairs of ``sequences``)
+    as one :class:`Features` table, states mapped; ``with_prompt``: whole sequences, prompt rows
+    unlabelled, bounds in ``Features.sequences`` (S, 2)."""
+    pairs = sequences if sequences is not None else [(s, k) for s, shard in enumerate(shards) for k in range(len(shard))]
+    shard_of, local, targets, bounds, count = [], [], [], [], 0
+    for s, k in pairs:
+        if shards[s].hidden is None:
+            raise ValueError("job_table needs shards opened with their hidden states.")
+        rows, labels = sequence_rows(shards[s], k, with_prompt)
+        if len(rows) < 1:
+            continue
+        shard_of.append(np.full(len(rows), s))
+        local.append(rows)
+        targets.append(labels)
+        bounds.append((count, count + len(rows)))
+        count += len(rows)
+    if not targets:
+        raise ValueError("the job's shards hold no answer of two tokens or more to train on.")
+    hidden = MappedRows([shard.hidden for shard in shards], np.concatenate(shard_of), np.concatenate(local))
+    table = torch.cat(targets)
+    return Features(hidden, table, table, torch.tensor(bounds, dtype=torch.long) if with_prompt else None)
+
+
+def split_sequences(shards: list[Shard], held_out: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """(train, held-out) (shard, k) pairs: the last ``held_out`` sequences are held out."""
+    pairs = [(s, k) for s, shard in enumerate(shards) for k in range(len(shard))]
+    if held_out >= len(pairs):
+        raise ValueError(f"the job holds {len(pairs)} sequences, not more than data.eval_examples={held_out}; "
+                         "lower data.eval_examples or let the job answer more prompts.")
+    return pairs[: len(pairs) - held_out], pairs[len(pairs) - held_out:]
+
+
+def sequence_sources(folder: Path, count: int) -> list[str]:
+    """Each sequence's prompt source as the job's manifest records it (``sequence_sources``),
+    else the shard's one source, else ``"?"``."""
+    import json
+
+    manifest = json.loads((folder / "manifest.json").read_text(encoding="utf-8"))
+    sources = manifest.get("sequence_sources")
+    if isinstance(sources, list) and len(sources) == count:
+        return [str(s) for s in sources]
+    shard_sources = manifest.get("sources") or ["?"]
+    return [str(shard_sources[0]) if len(shard_sources) == 1 else "?"] * count
+
+
+def check_job_folder(path: Path) -> None:
+    """A recipe's job folder exists and is a job's (its plan), checked before the base loads."""
+    from .data import DataError
+    from .distill_job import PLAN
+
+    if not (path / PLAN).is_file():
+        raise DataError(f"Recipe key data.path: {path} is not a self-distillation job's folder (no {PLAN}); make it "
+                        f"with python -m draftheads.training.distill_job --out {path} --prompts FILE [FILE ...] "
+                        "(recipes/data/selfdistill-smollm2/README.md), or use data.kind selfdistill for answer files.")
+
+
+def job_batches(recipe, paths: list[Path], fingerprint: dict, dtype: str, chunking: int | None):
+    """Training batches, held-out table and draft-vocabulary label ids from job folders: the
+    last ``data.eval_examples`` sequences are held out, ``data.limit`` > 0 keeps the first N
+    training sequences; whole sequences (prompt rows unlabelled) when the heads' context layer
+    reads the prompt (``heads.extra.prefix_context: sequence``)."""
+    from .batches import FeatureBatches
+    from .distill_job import open_job
+
+    k = recipe.heads.num_heads
+    with_prompt = recipe.heads.extra.get("prefix_context") == "sequence"
+    shards = [shard for path in paths for shard in open_job(path, fingerprint, dtype)]
+    train, held_out = split_sequences(shards, recipe.data.eval_examples)
+    if recipe.data.limit:
+        train = train[: recipe.data.limit]
+    batches = FeatureBatches(job_table(shards, with_prompt, train), k, chunking)
+    return batches, job_table(shards, with_prompt, held_out), batches.table.teacher[:, 1: k + 1]
