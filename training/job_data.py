@@ -123,9 +123,11 @@ def check_job_folder(path: Path) -> None:
 
 def job_batches(recipe, paths: list[Path], fingerprint: dict, dtype: str, chunking: int | None):
     """Training batches, held-out table and draft-vocabulary label ids from job folders: the
-    last ``data.eval_examples`` sequences are held out, ``data.limit`` > 0 keeps the first N
-    training sequences; whole sequences (prompt rows unlabelled) when the heads' context layer
-    reads the prompt (``heads.extra.prefix_context: sequence``)."""
+    last ``data.eval_examples`` sequences are held out; whole sequences (prompt rows unlabelled) when the heads' context layer
+    reads the prompt (``heads.extra.prefix_context: sequence``). ``data.limit`` > 0 keeps a
+    seeded random N of the training sequences (``train.seed``), in job order: a job's shards are
+    not a uniform mixture (the answers it reused come first), so a smaller data set is a sample
+    of the same mixture, as a data-scaling table needs."""
     from .batches import FeatureBatches
     from .distill_job import open_job
 
@@ -133,7 +135,28 @@ def job_batches(recipe, paths: list[Path], fingerprint: dict, dtype: str, chunki
     with_prompt = recipe.heads.extra.get("prefix_context") == "sequence"
     shards = [shard for path in paths for shard in open_job(path, fingerprint, dtype)]
     train, held_out = split_sequences(shards, recipe.data.eval_examples)
-    if recipe.data.limit:
-        train = train[: recipe.data.limit]
+    if 0 < recipe.data.limit < len(train):
+        keep = torch.randperm(len(train), generator=torch.Generator().manual_seed(recipe.train.seed))[: recipe.data.limit]
+        train = [train[i] for i in keep.sort().values.tolist()]
     batches = FeatureBatches(job_table(shards, with_prompt, train), k, chunking)
+    labelled = int((batches.table.targets[:, 0] >= 0).sum())
+    write_data_summary(Path(recipe.run.output_dir), {
+        "jobs": [str(p) for p in paths], "shards": len(shards), "sequences": len(train), "held_out_sequences": len(held_out),
+        "share": round(len(train) / (len(train) + len(held_out)), 6), "answer_positions": labelled,
+        "rows": len(batches.table)})
     return batches, job_table(shards, with_prompt, held_out), batches.table.teacher[:, 1: k + 1]
+
+
+DATA_SUMMARY = "data.json"
+
+
+def write_data_summary(output_dir: Path, summary: dict) -> None:
+    """What a run trained on (``output_dir/data.json``): the job folders, shards, sequences and
+    answer positions, and the share of the job's sequences it used (what a scaling table reads)."""
+    import json
+
+    from ..heads.checkpoint.atomic import atomic_file
+
+    output_dir.mkdir(parents=True, exist_ok=True)
+    with atomic_file(output_dir / DATA_SUMMARY) as tmp:
+        tmp.write_text(json.dumps(summary, indent=1) + "\n")

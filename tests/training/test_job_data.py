@@ -92,6 +92,20 @@ def test_a_recipe_trains_on_a_job_folder(job):
     losses = [r["loss"] for r in log if "loss" in r]
     assert report["steps"] > 2 and losses[-1] < losses[0]
     assert (root / "run" / "final" / "model.safetensors").is_file()
+    data = json.loads((root / "run" / "data.json").read_text())
+    assert data["sequences"] + data["held_out_sequences"] == 24 and data["held_out_sequences"] == 4
+    assert data["answer_positions"] == data["rows"]  # answers only: every row is labelled
+
+
+def test_a_limit_is_a_seeded_sample_of_the_whole_job(job):
+    root, _, _ = job
+    picked = []
+    for run in ("limited-a", "limited-b"):
+        recipe = tiny_recipe(root, run, data={"kind": "job", "path": str(root / "job"), "features_dir": None,
+                                              "eval_examples": 4, "limit": 6}, train__batch_size=8, train__max_steps=1)
+        run_inprocess(recipe)
+        picked.append(json.loads((root / run / "data.json").read_text()))
+    assert picked[0] == {**picked[1], "jobs": picked[0]["jobs"]} and picked[0]["sequences"] == 6
 
 
 def test_a_folder_that_is_not_a_job_is_one_line(job, tmp_path):
