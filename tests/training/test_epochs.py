@@ -99,7 +99,11 @@ def test_a_checkpoint_from_before_the_curves_still_resumes(tmp_path):
 
 
 # -- runs on the tiny base ---------------------------------------------------------------------------------------
-def test_each_epoch_is_evaluated_at_its_end_into_curves_report_and_card(tiny_setup):
+def test_each_epoch_is_evaluated_at_its_end_into_curves_report_and_card(tiny_setup, monkeypatch):
+    from accelerate import Accelerator
+
+    logged = []
+    monkeypatch.setattr(Accelerator, "log", lambda self, values, step=None, log_kwargs=None: logged.append((step, values)))
     report = run_inprocess(tiny_recipe(tiny_setup, "epochs", train__epochs=2.5, run__eval_every=1000))
     out = tiny_setup / "epochs"
     lines = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
@@ -108,6 +112,12 @@ def test_each_epoch_is_evaluated_at_its_end_into_curves_report_and_card(tiny_set
     losses = {line["step"]: line["loss"] for line in lines if "loss" in line}
     for (first, last), record in zip([(1, 12), (13, 24), (25, 30)], evaluated):
         assert record["train_loss"] == pytest.approx(sum(losses[s] for s in range(first, last + 1)) / (last - first + 1))
+    tracked = [(step, values) for step, values in logged if "epoch" in values]  # what wandb gets
+    assert [(step, values["epoch"]) for step, values in tracked] == [(12, 1.0), (24, 2.0), (30, 2.5)]
+    for (_, values), record in zip(tracked, evaluated):
+        assert values["epoch/train_loss"] == record["train_loss"]
+        assert values["epoch/held_out/tau8"] == record["eval"]["held_out"]["tau"]
+        assert [values[f"epoch/held_out/top1/head{h}"] for h in range(3)] == record["eval"]["held_out"]["top1"]
     curves = json.loads((out / "curves.json").read_text())
     assert set(curves) == {"epochs", "selection"} and curves["epochs"] == evaluated == report["curves"]
     for record in curves["epochs"]:
