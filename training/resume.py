@@ -44,7 +44,7 @@ class Curves:
         self.epochs: list[dict] = []  # one record per evaluated epoch, in order
         self.loss_sum = 0.0  # train loss summed over the current epoch's optimizer steps
         self.loss_steps = 0
-        self.best: dict | None = None  # {"epoch", "step", "on", "tau", "top1"} of the best epoch so far
+        self.best: dict | None = None  # {"epoch", "step", "on", "tree", "tau", "top1"} of the best epoch so far
         self.best_weights: dict = {}  # that epoch's heads state dict (CPU copies)
 
     def add_step(self, loss: float) -> None:
