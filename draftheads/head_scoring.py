@@ -17,13 +17,12 @@ import torch
 
 from .bench import hf_greedy
 from .decoding.fingerprint import fingerprint
-from .decoding.tree import tree_from_paths
 from .heads import DraftHeads
 from .prompts import PROMPT_SETS
 from .training.features import (Features, chat_prompt_ids, extract_features, load_shards, read_jsonl,
                                 selfdistill_examples)
 from .training.losses import topk_accuracy
-from .training.evaluation import rank_table
+from .training.evaluation import rank_table, tree_tau
 
 
 def answers_cache_path(prompts_path: str | Path, limit: int | None, max_new_tokens: int, dtype: str,
@@ -63,19 +62,6 @@ def answer_features(base, tokenizer, records: list[dict]) -> Features:
         raise ValueError("No answer is long enough to score heads on (each needs ≥ 2 generated tokens).")
     with tempfile.TemporaryDirectory() as tmp:
         return load_shards(extract_features(base, examples, tmp, fp), fp)
-
-
-def tree_tau(ranks: torch.Tensor, paths: list[list[int]]) -> float:
-    """τ of a fixed tree on measured ranks: 1 + mean depth of the deepest fully matching path."""
-    tree = tree_from_paths(paths)
-    depth = ranks.shape[1]
-    best = torch.zeros(ranks.shape[0])
-    for path in tree.paths:
-        if len(path) > depth:
-            continue
-        hit = (ranks[:, : len(path)] == torch.tensor(path)).all(1)
-        best = torch.where(hit, torch.maximum(best, torch.tensor(float(len(path)))), best)
-    return round(1.0 + float(best.mean()), 4)
 
 
 def score_heads(heads: DraftHeads, base, features: Features) -> dict:

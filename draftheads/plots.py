@@ -1,32 +1,11 @@
 """The figures the benchmarks write: ``results.png`` (``draftheads bench``), ``throughput.png`` and
 ``latency_surface.png`` (``draftheads bench --batch-sizes``) and ``chart.png``
-(``scripts/compare_heads.py``). Drawn off-screen (matplotlib's Agg backend), so they work on a
-machine without a display; matplotlib is imported only when a figure is drawn."""
+(``scripts/compare_heads.py``). Drawn off-screen by :func:`.training.figures.figure`."""
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
-DPI = 110
-
-
-@contextmanager
-def figure(path: Path, *grid, **kwargs) -> Iterator[tuple]:
-    """``plt.subplots(*grid, **kwargs)`` on the Agg backend; on leaving the block the figure is
-    laid out, saved to ``path`` and closed (closed on an error too)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(*grid, **kwargs)
-    try:
-        yield fig, axes
-        fig.tight_layout()
-        fig.savefig(path, dpi=DPI)
-    finally:
-        plt.close(fig)
+from .training.figures import figure
 
 
 def plot(rows: list[dict], overall: dict, path: Path) -> None:

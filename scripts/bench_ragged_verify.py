@@ -28,7 +28,7 @@ from draftheads.decoding.base.loading import dtype_name, load_base
 from draftheads.decoding.base.packing import use_packed_linears
 from draftheads.decoding.calibration import _synthetic_cache, device_name
 from draftheads.decoding.base.rows import computed_rows
-from draftheads.plots import figure
+from draftheads.training.figures import figure
 
 #: node counts per row of 16 (cut or repeated to the batch size): one long row, a few, a spread
 PATTERNS = {

@@ -75,6 +75,9 @@ def check_ranges(recipe: Recipe) -> None:
     for key, value in {"loss.temperature": recipe.loss.temperature, "loss.head_decay": recipe.loss.head_decay}.items():
         if value <= 0:
             raise RecipeError(f"Recipe key {key} must be > 0, got {value}.")
+    if recipe.run.keep_best and not recipe.run.eval_each_epoch:
+        raise RecipeError("Recipe key run.keep_best picks the best of the per-epoch evaluations, which "
+                          "run.eval_each_epoch: false switches off: set run.keep_best: false to keep the last heads.")
     if not recipe.run.tree_budgets or min(recipe.run.tree_budgets) < 1:
         raise RecipeError(f"Recipe key run.tree_budgets must be a non-empty list of node budgets ≥ 1, got "
                           f"{recipe.run.tree_budgets}.")

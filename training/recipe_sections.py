@@ -38,6 +38,9 @@ class DataSection:
     columns: dict[str, str] = field(default_factory=dict)  # {column in the data: column read}, e.g. {question: prompt}
     features_dir: str | None = "data_cache/features-smollm2"  # fp16 hidden-state cache; null = base forward each step
     eval_examples: int = 256  # held-out examples, taken from the end of the (last) data
+    # the dev table every epoch is also scored on (and the best epoch chosen by): a JSONL of the base's own
+    # answers to prompts outside the training sources, {prompt, response_ids, group} (training/evaluation.py)
+    eval_path: str | None = None
     limit: int = 0  # use only the first N examples (0 = all)
     max_length: int = 1024  # tokens per example (prompt + answer)
     sources: list[str] = field(default_factory=list)  # keep records whose 'source' starts with one of these
@@ -83,6 +86,8 @@ class RunSection:
     keep_checkpoints: int = 2
     eval_every: int = 200
     eval_positions: int = 20000  # cap on held-out positions per evaluation
+    eval_each_epoch: bool = True  # also evaluate at the end of every epoch (curves.json/png, best-epoch choice)
+    keep_best: bool = True  # the final heads are the best epoch's (τ at 8 nodes, dev table if set); false: the last
     log_every: int = 10
     wandb: bool = True  # offline unless WANDB_API_KEY is set; skipped if wandb is not installed
     wandb_project: str = "draftheads"

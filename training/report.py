@@ -1,5 +1,6 @@
-"""What a run leaves behind: the JSONL log, metric fields, and the finish — held-out accuracy,
-trees per node budget with expected τ, ``save_pretrained`` + model card + training report.
+"""What a run leaves behind: the JSONL log, metric fields, the per-epoch evaluations (curves and
+the best epoch's heads), and the finish — held-out accuracy, trees per node budget with expected
+τ, ``save_pretrained`` + model card + training report + curves.
 """
 from __future__ import annotations
 
@@ -12,12 +13,16 @@ import torch
 from ..decoding.limits import DTYPES
 from ..decoding.tree import tree_from_ranks
 from ..heads import DraftHeads
+from ..heads.checkpoint.atomic import atomic_file
 from ..heads.checkpoint.card import model_card
-from .evaluation import evaluate
+from .evaluation import DEV, EVAL_BUDGET, HELD_OUT, evaluate, evaluate_heads, is_better
 from .features import Features
+from .figures import plot_curves
 from .frozen import FrozenParts
 from .recipe_sections import Recipe
-from .resume import Progress
+from .resume import Curves, Progress
+
+CURVES_JSON, CURVES_PNG, BEST_DIR = "curves.json", "curves.png", "best"
 
 
 class JsonlLog:
@@ -49,9 +54,85 @@ def metric_fields(metrics: dict) -> dict:
     return out
 
 
+def epoch_ended(step: int, grad_accum: int, micro_per_epoch: int, total: int) -> bool:
+    """Whether optimizer step ``step`` (counted from 1) ran the last micro-batch of an epoch, or
+    is the run's last step (``total``: a run may stop inside an epoch)."""
+    return step == total or step * grad_accum // micro_per_epoch > (step - 1) * grad_accum // micro_per_epoch
+
+
+def record_epoch(run, eval_sets: dict[str, tuple[Features, dict]], log: JsonlLog) -> None:
+    """The end of an epoch (or of a run that stops inside one): its mean train loss and each
+    evaluation table's scores (:func:`.evaluation.evaluate_heads`) join the curves, its heads
+    are kept (in the run state, and saved to ``<output_dir>/best``) when they beat the best
+    epoch so far (``run.keep_best``), and the numbers go to log.jsonl, the trackers and
+    curves.json/png. ``run`` is the trainer's :class:`~.train.Run`."""
+    recipe, accelerator, progress, curves = run.recipe, run.accelerator, run.progress, run.curves
+    record = {"epoch": round(progress.step * recipe.train.grad_accum / run.epoch_micros, 4), "step": progress.step,
+              "train_loss": curves.end_epoch(), "eval": {}}
+    if accelerator.is_main_process:
+        for name, (table, groups) in eval_sets.items():
+            record["eval"][name] = evaluate_heads(run.heads, table, groups, EVAL_BUDGET, recipe.loss.labels, run.dtype,
+                                                  accelerator.device, recipe.run.eval_positions,
+                                                  recipe.train.chunk_length, accelerator.autocast)
+        curves.epochs.append(record)
+        on = DEV if DEV in eval_sets else HELD_OUT
+        if recipe.run.keep_best and is_better(record["eval"][on], curves.best):
+            scores = record["eval"][on]
+            curves.keep({"epoch": record["epoch"], "step": progress.step, "on": on, "tree": scores["tree"],
+                         "tau": scores["tau"], "top1": scores["top1"]}, run.heads.state_dict())
+            run.heads.save_pretrained(run.output_dir / BEST_DIR, dtype=DTYPES[recipe.run.save_dtype],
+                                      files={"selection.json": json.dumps(curves.best, indent=1) + "\n"})
+        write_curves(run.output_dir, curves_json(curves, recipe))
+        log.write({"step": progress.step, "epoch_eval": record})
+        accelerator.log(epoch_fields(record), step=progress.step)
+    accelerator.wait_for_everyone()
+
+
+def epoch_fields(record: dict) -> dict:
+    """An epoch record as flat tracker fields: ``epoch/<table>[/<group>]/top1/head<h>``, ``…/tau8``."""
+    fields = {"epoch": record["epoch"]}
+    if record["train_loss"] is not None:
+        fields["epoch/train_loss"] = record["train_loss"]
+    for name, scores in record["eval"].items():
+        for prefix, part in [(name, scores)] + [(f"{name}/{g}", s) for g, s in scores.get("groups", {}).items()]:
+            if part["tau"] is None:
+                continue
+            fields[f"epoch/{prefix}/tau{EVAL_BUDGET}"] = part["tau"]
+            fields.update({f"epoch/{prefix}/{m}/head{h}": v for m in ("top1", "top5") for h, v in enumerate(part[m])})
+    return fields
+
+
+def selection(curves: Curves, recipe: Recipe) -> dict:
+    """Which epoch's heads the final checkpoint holds, and by what rule."""
+    if not recipe.run.keep_best or curves.best is None:
+        why = "run.keep_best is false" if not recipe.run.keep_best else "no epoch was evaluated"
+        return {"epoch": None, "rule": f"the heads of the last step ({why})"}
+    best = curves.best
+    return {**best, "rule": f"highest τ at the {best['tree']} tree on the {best['on']} table over the evaluated "
+                            "epochs, ties to the higher head-1 top-1, then the earlier epoch"}
+
+
+def curves_json(curves: Curves, recipe: Recipe) -> dict:
+    return {"epochs": curves.epochs, "selection": selection(curves, recipe)}
+
+
+def write_curves(directory: Path, curves: dict) -> None:
+    """curves.json and curves.png into ``directory``, each replaced in one rename."""
+    with atomic_file(directory / CURVES_JSON) as tmp:
+        tmp.write_text(json.dumps(curves, indent=1) + "\n")
+    if curves["epochs"]:
+        with atomic_file(directory / CURVES_PNG) as tmp, open(tmp, "wb") as handle:
+            plot_curves(curves, handle)  # a file object: matplotlib writes PNG (its default format)
+
+
 def finish(heads: DraftHeads, eval_table: Features, recipe: Recipe, parts: FrozenParts, progress: Progress,
-           dtype: torch.dtype, accelerator, total: int) -> dict:
-    """Held-out accuracy, trees for each node budget, ``save_pretrained`` + model card + report."""
+           dtype: torch.dtype, accelerator, total: int, curves: Curves | None = None) -> dict:
+    """The selected heads (the best epoch's, :func:`selection`), their held-out accuracy, trees
+    for each node budget, ``save_pretrained`` + model card + report + curves."""
+    curves = curves or Curves()
+    chosen = selection(curves, recipe)
+    if chosen["epoch"] is not None and chosen["step"] != progress.step:
+        heads.load_state_dict(curves.best_weights)
     accuracy, ranks = evaluate(heads, eval_table, recipe, dtype, accelerator)
     trees = {}
     for budget in recipe.run.tree_budgets:
@@ -74,7 +155,10 @@ def finish(heads: DraftHeads, eval_table: Features, recipe: Recipe, parts: Froze
               "distributed_type": str(accelerator.distributed_type).split(".")[-1],
               "mixed_precision": recipe.train.mixed_precision, "held_out_positions": int(ranks.shape[0]),
               "accuracy": accuracy, "trees": trees, "base_fingerprint": parts.fingerprint,
-              "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:])}
+              "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+              "selection": chosen, "curves": curves.epochs}
     heads.save_pretrained(out, dtype=DTYPES[recipe.run.save_dtype], card=model_card(config, report, name=str(out)),
                           files={"training_report.json": json.dumps(report, indent=2) + "\n"})
+    for directory in (Path(recipe.run.output_dir), out):
+        write_curves(directory, curves_json(curves, recipe))
     return report

@@ -34,6 +34,40 @@ class Progress:
         vars(self).update(state)
 
 
+class Curves:
+    """The per-epoch records (train loss, evaluations), the running sum of the current epoch's
+    train loss, and the best epoch so far with a copy of its heads' weights. Saved in every
+    checkpoint with the run's own state (:mod:`.run_state`), so a resumed run keeps the epochs
+    it evaluated before it stopped and picks the same best epoch as an uninterrupted one."""
+
+    def __init__(self):
+        self.epochs: list[dict] = []  # one record per evaluated epoch, in order
+        self.loss_sum = 0.0  # train loss summed over the current epoch's optimizer steps
+        self.loss_steps = 0
+        self.best: dict | None = None  # {"epoch", "step", "on", "tree", "tau", "top1"} of the best epoch so far
+        self.best_weights: dict = {}  # that epoch's heads state dict (CPU copies)
+
+    def add_step(self, loss: float) -> None:
+        self.loss_sum, self.loss_steps = self.loss_sum + loss, self.loss_steps + 1
+
+    def end_epoch(self) -> float | None:
+        """The ended epoch's mean train loss; starts the next epoch's sum."""
+        mean = self.loss_sum / self.loss_steps if self.loss_steps else None
+        self.loss_sum, self.loss_steps = 0.0, 0
+        return mean
+
+    def keep(self, best: dict, weights: dict) -> None:
+        self.best, self.best_weights = best, {k: v.detach().cpu().clone() for k, v in weights.items()}
+
+    def state_dict(self) -> dict:
+        return {"epochs": self.epochs, "loss_sum": self.loss_sum, "loss_steps": self.loss_steps, "best": self.best,
+                "best_weights": self.best_weights}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epochs, self.loss_sum, self.loss_steps = state["epochs"], state["loss_sum"], state["loss_steps"]
+        self.best, self.best_weights = state["best"], state["best_weights"]
+
+
 def checkpoint_dirs(output_dir: Path) -> list[Path]:
     return sorted(p for p in (output_dir / CHECKPOINTS).glob("step-*") if p.is_dir() and not p.name.endswith(".partial"))
 

@@ -67,13 +67,14 @@ def save_run_state(directory: Path, objects: dict[str, Any]) -> None:
     (directory / STATE_JSON).write_text(json.dumps(data) + "\n")
 
 
-def load_run_state(directory: Path, objects: dict[str, Any]) -> None:
+def load_run_state(directory: Path, objects: dict[str, Any], optional: tuple[str, ...] = ()) -> None:
     """Restore each object from STATE_JSON + STATE_TENSORS (or, for a checkpoint written before
     they existed, from accelerate's ``custom_checkpoint_<i>.pkl`` in registration order, loaded
-    with ``weights_only=True``)."""
+    with ``weights_only=True``). Objects named in ``optional`` came after older checkpoints were
+    written: absent there, they keep their fresh state (they are registered after the others)."""
     json_path = directory / STATE_JSON
     if not json_path.is_file():
-        for index, obj in enumerate(objects.values()):
+        for index, obj in enumerate(obj for name, obj in objects.items() if name not in optional):
             obj.load_state_dict(_weights_only(directory / f"custom_checkpoint_{index}.pkl"))
         return
     from safetensors.torch import load_file
@@ -81,6 +82,7 @@ def load_run_state(directory: Path, objects: dict[str, Any]) -> None:
     try:
         data = json.loads(json_path.read_text())
         tensors = load_file(str(directory / STATE_TENSORS))
+        objects = {name: obj for name, obj in objects.items() if name in data or name not in optional}
         states = {name: join_state(data[name], tensors) for name in objects}
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise CheckpointError(f"{directory}: {STATE_JSON}/{STATE_TENSORS} are damaged or incomplete ({err}); resume "

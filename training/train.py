@@ -38,14 +38,14 @@ from ..heads.errors import DraftheadsError, one_line
 from .adversarial import Adversary
 from .data import DATA_OPTIONS, DataError, example_features, is_hub_id, load_examples, load_records, resolve_data_path
 from .data_checks import check_data
-from .evaluation import evaluate
+from .evaluation import HELD_OUT, eval_tables, evaluate, load_eval_table
 from .frozen import base_dims, frozen_parts, load_frozen_base, unsharded_loading
 from .losses import head_weights
 from .objective import compute_loss, lr_lambda, new_heads
 from .recipe import load_recipe
 from .recipe_sections import Recipe, RecipeError
-from .report import JsonlLog, finish, metric_fields
-from .resume import RECIPE_FILE, Progress, resume_point, save_checkpoint
+from .report import JsonlLog, epoch_ended, finish, metric_fields, record_epoch
+from .resume import RECIPE_FILE, Curves, Progress, resume_point, save_checkpoint
 from .run_state import check_checkpoint_files, load_run_state
 from .batches import FeatureBatches, OnTheFlyBatches, cached_features, micro_batch_items, split_examples
 from .job_data import check_job_folder, job_batches
@@ -188,6 +188,8 @@ class Run:
     own_state: dict  # what draftheads checkpoints itself (run_state.py), never pickled
     total: int  # optimizer steps of the whole run
     weights: torch.Tensor  # (K,) per-head loss weights
+    epoch_micros: int  # micro-steps (global batches) of one epoch
+    curves: Curves  # per-epoch records and the best epoch so far (part of own_state)
 
 
 def train(recipe: Recipe) -> dict:
@@ -198,10 +200,11 @@ def train(recipe: Recipe) -> dict:
     accelerator, output_dir, resume = start_run(recipe)
     dtype = DTYPES[recipe.train.dtype]
     parts, batches, eval_table, label_ids = prepare_data(recipe, accelerator, dtype)
+    eval_sets = eval_tables(eval_table, load_eval_table(recipe, accelerator, parts.fingerprint))
     run = prepare_run(recipe, accelerator, output_dir, dtype, parts, batches, label_ids)
     if resume is not None:
         accelerator.load_state(str(resume))
-        load_run_state(resume, run.own_state)
+        load_run_state(resume, run.own_state, optional=("curves",))
         accelerator.print(f"[draftheads] resumed from {resume} at step {run.progress.step}")
     accelerator.init_trackers(recipe.run.wandb_project, config=recipe.to_dict(),
                               init_kwargs={"wandb": {"name": recipe.name, "dir": str(output_dir)}})
@@ -215,13 +218,13 @@ def train(recipe: Recipe) -> dict:
         now = time.perf_counter()
         run.progress.train_seconds += now - started
         bar.update(1)
-        if after_step(run, metrics, eval_table, log, bar):  # evaluated or checkpointed: not training time
+        if after_step(run, metrics, eval_sets, log, bar):  # evaluated or checkpointed: not training time
             now = time.perf_counter()
         started = now
     bar.close()
     report = {}
     if accelerator.is_main_process:
-        report = finish(run.heads, eval_table, recipe, parts, run.progress, dtype, accelerator, run.total)
+        report = finish(run.heads, eval_table, recipe, parts, run.progress, dtype, accelerator, run.total, run.curves)
         log.write({"step": run.progress.step, "eval": report["accuracy"], "final": True})
     accelerator.wait_for_everyone()
     accelerator.end_training()
@@ -300,9 +303,10 @@ def prepare_run(recipe: Recipe, accelerator, output_dir: Path, dtype: torch.dtyp
     own_state = {"scheduler": scheduler, "progress": progress}
     if adversary is not None:
         own_state.update(discriminator=adversary.discriminator, discriminator_optimizer=adversary.optimizer)
+    own_state["curves"] = curves = Curves()  # last: checkpoints from before it existed still resume
     weights = head_weights(recipe.heads.num_heads, recipe.loss.head_decay).to(accelerator.device)
     return Run(recipe, accelerator, output_dir, dtype, model, accelerator.unwrap_model(model), optimizer, scheduler,
-               adversary, progress, own_state, total, weights)
+               adversary, progress, own_state, total, weights, micro_per_epoch, curves)
 
 
 def optimizer_step(run: Run, batches) -> dict:
@@ -335,10 +339,11 @@ def optimizer_step(run: Run, batches) -> dict:
     return step_metrics
 
 
-def after_step(run: Run, metrics: dict, eval_table, log: JsonlLog, bar) -> bool:
-    """Log, evaluate and checkpoint on their schedules; True when it evaluated or checkpointed
-    (time that does not count as training)."""
+def after_step(run: Run, metrics: dict, eval_sets: dict, log: JsonlLog, bar) -> bool:
+    """Log, evaluate (also at each epoch's end: :func:`.report.record_epoch`) and checkpoint on
+    their schedules; True when it evaluated or checkpointed (time that does not count as training)."""
     recipe, accelerator, progress = run.recipe, run.accelerator, run.progress
+    run.curves.add_step(progress.last_loss)
     if progress.step % recipe.run.log_every == 0 or progress.step == run.total:
         record = {"step": progress.step, "loss": progress.last_loss, "lr": run.scheduler.get_last_lr()[0],
                   "positions": progress.positions, **metric_fields(metrics)}
@@ -348,11 +353,14 @@ def after_step(run: Run, metrics: dict, eval_table, log: JsonlLog, bar) -> bool:
     paused = False
     if progress.step % recipe.run.eval_every == 0 and progress.step < run.total:
         if accelerator.is_main_process:
-            accuracy, _ = evaluate(run.heads, eval_table, recipe, run.dtype, accelerator)
+            accuracy, _ = evaluate(run.heads, eval_sets[HELD_OUT][0], recipe, run.dtype, accelerator)
             log.write({"step": progress.step, "eval": accuracy})
             accelerator.log({f"eval/{m}/head{h}": v for m, vals in accuracy.items() for h, v in enumerate(vals)},
                             step=progress.step)
         accelerator.wait_for_everyone()
+        paused = True
+    if recipe.run.eval_each_epoch and epoch_ended(progress.step, recipe.train.grad_accum, run.epoch_micros, run.total):
+        record_epoch(run, eval_sets, log)
         paused = True
     if progress.step % recipe.run.checkpoint_every == 0 and progress.step < run.total:
         save_checkpoint(accelerator, run.output_dir, progress.step, recipe, recipe.run.keep_checkpoints, run.own_state)

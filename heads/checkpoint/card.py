@@ -132,6 +132,34 @@ def accuracy_section(accuracy: dict) -> str:
     return f"\n## Held-out accuracy (teacher-forced)\n| head | top-1 | top-5 |\n|---|---|---|\n{rows}\n"
 
 
+def curves_section(report: dict) -> str:
+    """The per-epoch table of a training report (``curves``: train loss, teacher-forced top-1
+    per head and τ at the 8-node tree on each evaluation table), the epoch the checkpoint holds,
+    and the figure the trainer writes beside the card."""
+    epochs = report.get("curves") or []
+    if not epochs:
+        return ""
+    tables = list(dict.fromkeys(name for e in epochs for name in e["eval"]))
+
+    def cells(scores: dict | None) -> str:
+        if not scores or scores["tau"] is None:
+            return "— | —"
+        return " / ".join(f"{v:.3f}" for v in scores["top1"]) + f" | {scores['tau']:.2f}"
+
+    chosen = report.get("selection") or {}
+    head = "| epoch | step | train loss | " + " | ".join(f"{t} top-1 per head | {t} τ@8" for t in tables) + " |"
+    rule = "|---" * (3 + 2 * len(tables)) + "|"
+    rows = "\n".join(
+        f"| {e['epoch']:g}{' ✓' if e['step'] == chosen.get('step') else ''} | {e['step']} | "
+        + ("—" if e["train_loss"] is None else f"{e['train_loss']:.4f}") + " | "
+        + " | ".join(cells(e["eval"].get(t)) for t in tables) + " |" for e in epochs)
+    tree = next((e["eval"][t]["tree"] for e in epochs for t in tables if t in e["eval"]), "8-node")
+    kept = (f"These heads are epoch {chosen['epoch']:g}'s (✓, step {chosen['step']}): {chosen['rule']}."
+            if chosen.get("epoch") is not None else f"These heads are {chosen.get('rule', 'the last step')}.")
+    return (f"\n## Per-epoch evaluation (teacher-forced, τ at the {tree} tree)\n{kept}\n\n{head}\n{rule}\n{rows}\n"
+            "\n![Loss, top-1 per head and τ per epoch](curves.png)\n")
+
+
 def measured_section(measured: dict, entry: dict, meta: dict) -> str:
     """τ and speedup of one checkpoint from a benchmark's results JSON, with the command."""
     overall, groups = entry["speed"]["overall"], entry["speed"]["groups"]
@@ -175,7 +203,7 @@ def model_card(config: HeadConfig, report: dict, name: str = "<repo id or folder
     expected = {b: t["expected_tau"] for b, t in report.get("trees", {}).items()}
     card = (front_matter(config, datasets) + f"# {title} heads ({recipe['name']})\n\n" + summary(config) + "\n"
             + usage(config, name) + "\n" + training_section(config, report) + accuracy_section(report["accuracy"])
-            + trees_table(config, expected))
+            + curves_section(report) + trees_table(config, expected))
     entry = find_entry(measured_results, checkpoint) if measured_results and checkpoint else None
     if entry is not None:
         card += measured_section(report["measured"], entry, measured_results["meta"])
