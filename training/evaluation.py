@@ -58,8 +58,9 @@ def rank_table(heads: DraftHeads, table: Features, labels_from: str = "teacher",
     ranks = []
     for rows in batches:
         logits, flat = head_logits(heads, table, rows, heads.num_heads, device, dtype)
-        labels = head_labels(table, flat, heads, labels_from).to(device)
-        ranks.append(label_ranks(logits.float(), labels, EVAL_RANK_CAP).cpu())
+        labelled = table.targets[flat, 0] >= 0  # a prompt's rows feed a context layer; they hold no label
+        labels = head_labels(table, flat[labelled], heads, labels_from).to(device)
+        ranks.append(label_ranks(logits[labelled.to(logits.device)].float(), labels, EVAL_RANK_CAP).cpu())
     return torch.cat(ranks)
 
 
@@ -133,6 +134,12 @@ def load_eval_table(recipe: Recipe, accelerator, fp: dict, base=None,
     path = recipe.data.eval_path
     if not path:
         return None
+    if Path(path).is_dir():  # a self-distillation job's folder: its states are read where they lie
+        from ..decoding.base.loading import dtype_name
+        from .job_data import job_eval_table
+
+        dtype = dtype_name(base.dtype) if base is not None else recipe.base_dtype
+        return job_eval_table(Path(path), fp, dtype, recipe.heads.extra.get("prefix_context") == "sequence")
     if not Path(path).is_file():
         raise DataError(f"Recipe key data.eval_path: {path} does not exist; point it at a JSONL of the base's "
                         "answers (prompt, response_ids, group) or remove it.")

@@ -160,3 +160,21 @@ def write_data_summary(output_dir: Path, summary: dict) -> None:
     output_dir.mkdir(parents=True, exist_ok=True)
     with atomic_file(output_dir / DATA_SUMMARY) as tmp:
         tmp.write_text(json.dumps(summary, indent=1) + "\n")
+
+
+def job_eval_table(path: Path, fingerprint: dict, dtype: str, with_prompt: bool) -> tuple[Features, dict[str, torch.Tensor]]:
+    """An evaluation job (e.g. the base's answers to MT-Bench and Spec-Bench dev) as a table and
+    its groups, {each sequence's source: indices of its labelled rows} (scores count labelled
+    rows only, in table order: :func:`~.evaluation.rank_table`)."""
+    from .distill_job import open_job
+
+    shards = open_job(path, fingerprint, dtype)
+    folders = sorted((path / "shards").glob("shard-[0-9]*"))
+    sources = [src for folder, shard in zip(folders, shards) for src in sequence_sources(folder, len(shard))]
+    table = job_table(shards, with_prompt)
+    counts = [int(s.offsets[k + 1] - s.offsets[k] - s.answer_starts[k]) for s in shards for k in range(len(s))]
+    starts = np.cumsum([0] + counts)
+    groups: dict[str, list[torch.Tensor]] = {}
+    for source, start, count in zip(sources, starts, counts):
+        groups.setdefault(source, []).append(torch.arange(int(start), int(start) + count))
+    return table, {source: torch.cat(rows) for source, rows in groups.items()}

@@ -36,10 +36,9 @@ from ..decoding.limits import DTYPES
 from ..heads import REGISTRY, DraftHeads
 from ..heads.errors import DraftheadsError, one_line
 from .adversarial import Adversary
-from .data import DATA_OPTIONS, DataError, example_features, is_hub_id, load_examples, load_records, resolve_data_path
-from .data_checks import check_data
+from .data import DataError, example_features, load_examples, resolve_data_path
 from .evaluation import HELD_OUT, eval_tables, evaluate, load_eval_table
-from .frozen import base_dims, frozen_parts, load_frozen_base, unsharded_loading
+from .frozen import frozen_parts, load_frozen_base, unsharded_loading
 from .losses import head_weights
 from .objective import compute_loss, lr_lambda, new_heads
 from .recipe import load_recipe
@@ -48,7 +47,8 @@ from .report import JsonlLog, epoch_ended, finish, metric_fields, record_epoch
 from .resume import RECIPE_FILE, Curves, Progress, resume_point, save_checkpoint
 from .run_state import check_checkpoint_files, load_run_state
 from .batches import FeatureBatches, OnTheFlyBatches, cached_features, micro_batch_items, split_examples
-from .job_data import check_job_folder, job_batches
+from .job_data import job_batches
+from .preflight import data_paths, preflight
 
 
 # -- data -----------------------------------------------------------------------------------------------
@@ -99,77 +99,6 @@ def configure_deepspeed(accelerator, recipe: Recipe) -> None:
         plugin.deepspeed_config.pop("train_batch_size", None)
 
 
-def data_paths(recipe: Recipe) -> list[str]:
-    """data.path as a list (one path or several, concatenated in order)."""
-    return [recipe.data.path] if isinstance(recipe.data.path, str) else list(recipe.data.path)
-
-
-def preflight(recipe: Recipe) -> None:
-    """What can be checked without loading the base, checked before any work (the recipe's keys
-    were validated when it loaded): the data paths and a base given as a local path exist, every
-    data record holds what training reads with its token ids inside the base's vocabulary, the
-    heads fit that vocabulary and hidden size (both read from the base's config, no weights),
-    and the final checkpoint's folder may be written."""
-    from ..decoding.limits import check_base_path
-
-    paths = data_paths(recipe)
-    if not paths or not all(paths):
-        raise DataError(f"Recipe key data.path is not set (--data.path PATH_OR_HUB_ID); {DATA_OPTIONS}.")
-    for path in paths:
-        if recipe.data.kind == "job":
-            check_job_folder(resolve_data_path(path))
-            continue
-        if resolve_data_path(path).exists():
-            continue
-        if not is_hub_id(path):
-            raise DataError(f"Recipe key data.path: {path} does not exist (tried from the working directory and the "
-                            f"source checkout); {DATA_OPTIONS}.")
-        load_records(path, recipe.data.name, recipe.data.split)  # a Hub id: cached (or fetched) now, or one line
-    if recipe.base not in ("embedded", ""):
-        check_base_path(recipe.base)
-    dims = base_dims(recipe.base)
-    if dims is not None:
-        check_heads_fit(recipe, *dims)
-    for path in paths if recipe.data.kind != "job" else ():  # a job's shards are checked as they open
-        check_data(path, recipe.data.kind, dims[0] if dims else None, recipe.data.name, recipe.data.split,
-                   recipe.data.columns, bool(recipe.data.sources or recipe.data.source_caps))
-    check_final_dir(recipe)
-
-
-def check_heads_fit(recipe: Recipe, vocab_size: int, hidden_size: int) -> None:
-    """The recipe's heads against the base's vocabulary and hidden size: the draft vocabulary
-    is a part of the base's, and the family's options fit the hidden size (the heads are built
-    on the meta device: their own checks run, no memory is used)."""
-    if recipe.heads.draft_vocab_size > vocab_size:
-        raise RecipeError(f"Recipe key heads.draft_vocab_size={recipe.heads.draft_vocab_size} is larger than the "
-                          f"base's vocabulary ({vocab_size} tokens, {recipe.base}): use at most {vocab_size}, or 0 for "
-                          "all of it.")
-    from ..heads import HeadConfig, build_heads
-
-    config = HeadConfig(family=recipe.heads.family, num_heads=recipe.heads.num_heads,
-                        num_layers=recipe.heads.num_layers, hidden_size=hidden_size, vocab_size=vocab_size,
-                        draft_vocab_size=recipe.heads.draft_vocab_size, extra=dict(recipe.heads.extra))
-    try:
-        with torch.device("meta"):
-            build_heads(config)
-    except (ValueError, TypeError) as err:
-        raise RecipeError(f"Recipe key heads.extra does not fit the base ({recipe.base}: hidden size {hidden_size}): "
-                          f"{one_line(str(err))}") from None
-
-
-def check_final_dir(recipe: Recipe) -> None:
-    """The final checkpoint's folder may be written: absent, empty or a checkpoint of ours, so a
-    folder of the user's is refused now and not after the whole run."""
-    from ..heads.checkpoint.atomic import choose_destination
-
-    final = Path(recipe.run.final_dir or Path(recipe.run.output_dir) / "final")
-    key = "run.final_dir" if recipe.run.final_dir else "run.output_dir (its final/ folder)"
-    try:
-        choose_destination(final)
-    except DraftheadsError as err:
-        raise RecipeError(f"Recipe key {key}: {err}") from None
-
-
 # -- the loop ---------------------------------------------------------------------------------------------------
 @dataclass
 class Run:
@@ -199,8 +128,7 @@ def train(recipe: Recipe) -> dict:
 
     accelerator, output_dir, resume = start_run(recipe)
     dtype = DTYPES[recipe.train.dtype]
-    parts, batches, eval_table, label_ids = prepare_data(recipe, accelerator, dtype)
-    eval_sets = eval_tables(eval_table, load_eval_table(recipe, accelerator, parts.fingerprint))
+    parts, batches, eval_sets, label_ids = prepare_data(recipe, accelerator, dtype)
     run = prepare_run(recipe, accelerator, output_dir, dtype, parts, batches, label_ids)
     if resume is not None:
         accelerator.load_state(str(resume))
@@ -224,7 +152,7 @@ def train(recipe: Recipe) -> dict:
     bar.close()
     report = {}
     if accelerator.is_main_process:
-        report = finish(run.heads, eval_table, recipe, parts, run.progress, dtype, accelerator, run.total, run.curves)
+        report = finish(run.heads, eval_sets[HELD_OUT][0], recipe, parts, run.progress, dtype, accelerator, run.total, run.curves)
         log.write({"step": run.progress.step, "eval": report["accuracy"], "final": True})
     accelerator.wait_for_everyone()
     accelerator.end_training()
@@ -252,16 +180,24 @@ def start_run(recipe: Recipe):
 
 
 def prepare_data(recipe: Recipe, accelerator, dtype: torch.dtype):
-    """The frozen parts, the training batches (cached features, or the base on the fly), the
-    held-out table and the label ids the draft vocabulary is counted from."""
-    k = recipe.heads.num_heads
-    chunking = recipe.train.chunk_length if getattr(REGISTRY.get(recipe.heads.family), "contextual", False) else None
+    """The frozen parts, the training batches, the tables each epoch is scored on (the
+    held-out split, and ``data.eval_path``'s) and the label ids the draft vocabulary is counted
+    from; the base is loaded once for all of them (kept only by on-the-fly batches)."""
     with unsharded_loading(accelerator):
         base, tokenizer = load_frozen_base(recipe.base, recipe.base_dtype)
     parts = frozen_parts(base, dtype)
+    batches, held_out, label_ids = training_data(recipe, accelerator, base, tokenizer, parts)
+    return parts, batches, eval_tables(held_out, load_eval_table(recipe, accelerator, parts.fingerprint, base,
+                                                                 tokenizer)), label_ids
+
+
+def training_data(recipe: Recipe, accelerator, base, tokenizer, parts):
+    """(batches, held-out table, label ids) from a job folder, the feature cache or the base on the fly."""
+    k = recipe.heads.num_heads
+    chunking = recipe.train.chunk_length if getattr(REGISTRY.get(recipe.heads.family), "contextual", False) else None
     if recipe.data.kind == "job":
         paths = [resolve_data_path(path) for path in data_paths(recipe)]
-        return (parts, *job_batches(recipe, paths, parts.fingerprint, dtype_name(base.dtype), chunking))
+        return job_batches(recipe, paths, parts.fingerprint, dtype_name(base.dtype), chunking)
     examples = [e for path in data_paths(recipe)
                 for e in load_examples(recipe.data.kind, path, tokenizer, recipe.data.max_length, recipe.data.limit,
                                        recipe.data.sources, recipe.data.source_caps, recipe.data.name,
@@ -272,9 +208,9 @@ def prepare_data(recipe: Recipe, accelerator, dtype: torch.dtype):
         batches = FeatureBatches(cached_features(base, train_examples, cache / "train", parts.fingerprint, accelerator),
                                k, chunking)
         eval_table = cached_features(base, eval_examples, cache / "eval", parts.fingerprint, accelerator)
-        return parts, batches, eval_table, batches.table.teacher[:, 1: k + 1]  # the base itself is not kept
+        return batches, eval_table, batches.table.teacher[:, 1: k + 1]
     label_ids = torch.tensor([t for e in train_examples for t in e.input_ids[e.response_start:]])
-    return parts, OnTheFlyBatches(base, train_examples, k, chunking), example_features(base, eval_examples), label_ids
+    return OnTheFlyBatches(base, train_examples, k, chunking), example_features(base, eval_examples), label_ids
 
 
 def prepare_run(recipe: Recipe, accelerator, output_dir: Path, dtype: torch.dtype, parts, batches,

@@ -14,7 +14,7 @@ import torch
 from helpers import FIXTURES, REPO, tiny_llama
 from draftheads.training import data, self_distillation
 from draftheads.training.recipe import load_recipe
-from draftheads.training.train import preflight
+from draftheads.training.preflight import preflight
 
 
 @pytest.fixture(scope="module")

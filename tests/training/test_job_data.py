@@ -116,3 +116,18 @@ def test_a_folder_that_is_not_a_job_is_one_line(job, tmp_path):
     assert done.returncode == 2
     err = done.stderr.strip().splitlines()
     assert len(err) == 1 and str(tmp_path) in err[0] and "distill_job" in err[0]
+
+
+def test_an_evaluation_job_scores_each_epoch_by_source_on_labelled_rows(job):
+    root, _, shards = job
+    recipe = tiny_recipe(root, "dev", data={"kind": "job", "path": str(root / "job"), "features_dir": None,
+                                            "eval_examples": 4, "eval_path": str(root / "job")},
+                         train__batch_size=16, train__epochs=2)
+    run_inprocess(recipe)
+    records = [json.loads(line) for line in (root / "dev" / "log.jsonl").read_text().splitlines()]
+    epochs = [r["epoch_eval"] for r in records if "epoch_eval" in r]
+    assert len(epochs) == 2
+    dev = epochs[-1]["eval"]["dev"]
+    answers = sum(int(s.offsets[k + 1] - s.offsets[k] - s.answer_starts[k]) for s in shards for k in range(len(s)))
+    assert set(dev["groups"]) == {"tiny"} and dev["positions"] == answers  # every answer row, no prompt row
+    assert dev["groups"]["tiny"]["top1"] == dev["top1"]

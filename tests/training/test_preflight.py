@@ -17,7 +17,8 @@ from draftheads.training.data import DataError
 from draftheads.training.frozen import base_dims, gguf_dims
 from draftheads.training.recipe import load_recipe
 from draftheads.training.recipe_sections import RecipeError
-from draftheads.training.train import main, preflight
+from draftheads.training.preflight import preflight
+from draftheads.training.train import main
 
 GOOD_TOKENS = {"input_ids": [5, 6, 7, 8, 9, 10], "response_start": 2}
 

@@ -1,0 +1,87 @@
+"""What a recipe is checked for before any work: the data paths (and their records), a base
+given as a path, the heads against the base's vocabulary and hidden size (from its config, no
+weights), and the final checkpoint's folder. A problem is one line naming the recipe key and the fix.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..heads.errors import DraftheadsError, one_line
+from .data import DATA_OPTIONS, DataError, is_hub_id, load_records, resolve_data_path
+from .data_checks import check_data
+from .frozen import base_dims
+from .job_data import check_job_folder
+from .recipe_sections import Recipe, RecipeError
+
+
+def data_paths(recipe: Recipe) -> list[str]:
+    """data.path as a list (one path or several, concatenated in order)."""
+    return [recipe.data.path] if isinstance(recipe.data.path, str) else list(recipe.data.path)
+
+
+def preflight(recipe: Recipe) -> None:
+    """What can be checked without loading the base, checked before any work (the recipe's keys
+    were validated when it loaded): the data paths and a base given as a local path exist, every
+    data record holds what training reads with its token ids inside the base's vocabulary, the
+    heads fit that vocabulary and hidden size (both read from the base's config, no weights),
+    and the final checkpoint's folder may be written."""
+    from ..decoding.limits import check_base_path
+
+    paths = data_paths(recipe)
+    if not paths or not all(paths):
+        raise DataError(f"Recipe key data.path is not set (--data.path PATH_OR_HUB_ID); {DATA_OPTIONS}.")
+    for path in paths:
+        if recipe.data.kind == "job":
+            check_job_folder(resolve_data_path(path))
+            continue
+        if resolve_data_path(path).exists():
+            continue
+        if not is_hub_id(path):
+            raise DataError(f"Recipe key data.path: {path} does not exist (tried from the working directory and the "
+                            f"source checkout); {DATA_OPTIONS}.")
+        load_records(path, recipe.data.name, recipe.data.split)  # a Hub id: cached (or fetched) now, or one line
+    if recipe.base not in ("embedded", ""):
+        check_base_path(recipe.base)
+    dims = base_dims(recipe.base)
+    if dims is not None:
+        check_heads_fit(recipe, *dims)
+    for path in paths if recipe.data.kind != "job" else ():  # a job's shards are checked as they open
+        check_data(path, recipe.data.kind, dims[0] if dims else None, recipe.data.name, recipe.data.split,
+                   recipe.data.columns, bool(recipe.data.sources or recipe.data.source_caps))
+    check_final_dir(recipe)
+
+
+def check_heads_fit(recipe: Recipe, vocab_size: int, hidden_size: int) -> None:
+    """The recipe's heads against the base's vocabulary and hidden size: the draft vocabulary
+    is a part of the base's, and the family's options fit the hidden size (the heads are built
+    on the meta device: their own checks run, no memory is used)."""
+    if recipe.heads.draft_vocab_size > vocab_size:
+        raise RecipeError(f"Recipe key heads.draft_vocab_size={recipe.heads.draft_vocab_size} is larger than the "
+                          f"base's vocabulary ({vocab_size} tokens, {recipe.base}): use at most {vocab_size}, or 0 for "
+                          "all of it.")
+    from ..heads import HeadConfig, build_heads
+
+    config = HeadConfig(family=recipe.heads.family, num_heads=recipe.heads.num_heads,
+                        num_layers=recipe.heads.num_layers, hidden_size=hidden_size, vocab_size=vocab_size,
+                        draft_vocab_size=recipe.heads.draft_vocab_size, extra=dict(recipe.heads.extra))
+    try:
+        with torch.device("meta"):
+            build_heads(config)
+    except (ValueError, TypeError) as err:
+        raise RecipeError(f"Recipe key heads.extra does not fit the base ({recipe.base}: hidden size {hidden_size}): "
+                          f"{one_line(str(err))}") from None
+
+
+def check_final_dir(recipe: Recipe) -> None:
+    """The final checkpoint's folder may be written: absent, empty or a checkpoint of ours, so a
+    folder of the user's is refused now and not after the whole run."""
+    from ..heads.checkpoint.atomic import choose_destination
+
+    final = Path(recipe.run.final_dir or Path(recipe.run.output_dir) / "final")
+    key = "run.final_dir" if recipe.run.final_dir else "run.output_dir (its final/ folder)"
+    try:
+        choose_destination(final)
+    except DraftheadsError as err:
+        raise RecipeError(f"Recipe key {key}: {err}") from None
