@@ -85,7 +85,7 @@ class RunSection:
     checkpoint_every: int = 200  # optimizer steps between accelerate save_state checkpoints
     keep_checkpoints: int = 2
     eval_every: int = 200
-    eval_positions: int = 20000  # cap on held-out positions per evaluation
+    eval_positions: int = 20000  # cap on held-out positions per evaluation (data.eval_path is scored whole)
     eval_each_epoch: bool = True  # also evaluate at the end of every epoch (curves.json/png, best-epoch choice)
     keep_best: bool = True  # the final heads are the best epoch's (τ at 8 nodes, dev table if set); false: the last
     log_every: int = 10

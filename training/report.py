@@ -71,9 +71,10 @@ def record_epoch(run, eval_sets: dict[str, tuple[Features, dict]], log: JsonlLog
               "train_loss": curves.end_epoch(), "eval": {}}
     if accelerator.is_main_process:
         for name, (table, groups) in eval_sets.items():
+            cap = recipe.run.eval_positions if name == HELD_OUT else 0  # the dev table is scored whole
             record["eval"][name] = evaluate_heads(run.heads, table, groups, EVAL_BUDGET, recipe.loss.labels, run.dtype,
-                                                  accelerator.device, recipe.run.eval_positions,
-                                                  recipe.train.chunk_length, accelerator.autocast)
+                                                  accelerator.device, cap, recipe.train.chunk_length,
+                                                  accelerator.autocast)
         curves.epochs.append(record)
         on = DEV if DEV in eval_sets else HELD_OUT
         if recipe.run.keep_best and is_better(record["eval"][on], curves.best):
