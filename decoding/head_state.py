@@ -4,7 +4,9 @@ for contextual families (Hydra++), their own layer's output over the generated c
 A contextual family's layer keeps keys/values like one more base layer: each step it runs
 over the same tree slots as the verifier, with the same ancestor mask, and the same accepted
 slots are compacted into its cache (:class:`KVState`), so nothing is recomputed over the
-context and every row keeps its own length.
+context and every row keeps its own length. Its cache starts at the last prompt token, or, for
+heads that read the prompt (``context_from_prompt``), holds the whole prompt laid out as the
+base's cache (:func:`over_prompt`).
 
 A listener (:func:`listening`; training's feature capture) hears every verification's states
 with the caller's row of each: what the decoder computes anyway, kept instead of recomputed.
@@ -19,7 +21,7 @@ import torch
 
 from ..heads import DraftHeads
 from .accept import Acceptance
-from .base.cache import KVState
+from .base.cache import KVState, reserved_cache
 from .drafters.step_trees import StepTrees
 
 
@@ -43,26 +45,39 @@ def listening(listener: StateListener) -> Iterator[None]:
 
 
 class HeadState:
-    """Per-row head input (``hidden``, (B, d)) maintained across verification steps."""
+    """Per-row head input (``hidden``, (B, d)) maintained across verification steps.
 
-    def __init__(self, heads: DraftHeads | None, last_hidden: torch.Tensor):
+    ``last_hidden`` (B, d): the base's state at each row's last prompt token. Heads whose layer
+    reads the prompt (:attr:`~draftheads.heads.DraftHeads.context_from_prompt`) also take
+    ``prompt_states`` (B, T, d), every prompt position's state, and the prompt's
+    ``attention_mask`` (B, T) (left padding 0); they are read once here and not kept."""
+
+    def __init__(self, heads: DraftHeads | None, last_hidden: torch.Tensor, prompt_states: torch.Tensor | None = None,
+                 attention_mask: torch.Tensor | None = None):
         self.heads = heads
         self.kv: KVState | None = None
         self.hidden = last_hidden
         self.listener = _LISTENER.get()
         # the caller's row of each live row, kept only for a listener (the loop has its own ``live``)
         self.rows = torch.arange(last_hidden.shape[0]) if self.listener is not None else None
-        if heads is not None and heads.contextual:
-            from transformers import DynamicCache
+        if heads is None or not heads.contextual:
+            return
+        if heads.context_from_prompt:
+            if prompt_states is None or attention_mask is None:
+                raise ValueError(f"{type(heads).__name__} read the whole prompt: pass HeadState the prefill's "
+                                 "prompt_states (B, T, d) and attention_mask (prefill(..., all_states=True)).")
+            self.kv, self.hidden = over_prompt(heads, prompt_states, attention_mask)
+            return
+        from transformers import DynamicCache
 
-            batch, device = last_hidden.shape[0], last_hidden.device
-            # The layer's context starts at the last prompt token (position 0), as in training.
-            first = torch.ones(batch, 1, dtype=torch.bool, device=device)
-            cache = DynamicCache()
-            out = heads.contextualize(last_hidden[:, None], torch.zeros(batch, 1, dtype=torch.long, device=device),
-                                      first[:, None, None, :], cache)
-            self.kv = KVState.after_prefill(cache, first)
-            self.hidden = out[:, 0]
+        batch, device = last_hidden.shape[0], last_hidden.device
+        # The layer's context starts at the last prompt token (position 0), as in training.
+        first = torch.ones(batch, 1, dtype=torch.bool, device=device)
+        cache = DynamicCache()
+        out = heads.contextualize(last_hidden[:, None], torch.zeros(batch, 1, dtype=torch.long, device=device),
+                                  first[:, None, None, :], cache)
+        self.kv = KVState.after_prefill(cache, first)
+        self.hidden = out[:, 0]
 
     def step(self, states: torch.Tensor, drafts: StepTrees, result: Acceptance) -> None:
         """After a verification: ``states`` (B, N, d) of every tree slot; keep the accepted ones."""
@@ -84,3 +99,21 @@ class HeadState:
             self.rows = self.rows[keep.cpu()]
         if self.kv is not None:
             self.kv.select_rows(keep)
+
+
+def over_prompt(heads: DraftHeads, states: torch.Tensor, attention_mask: torch.Tensor) -> tuple[KVState, torch.Tensor]:
+    """The heads' layer over every prompt state (B, T, d) into its own cache, laid out as the
+    base's (:meth:`KVState.after_prefill`: same slots, same positions, left padding masked out)
+    → (its KVState, its output at the last prompt token (B, d)). The cache reserves room ahead,
+    as the base's does: it spans the whole prompt, so a step writes its slots instead of copying it."""
+    valid = attention_mask.bool()  # (B, T)
+    length = valid.shape[1]
+    positions = (valid.long().cumsum(-1) - 1).masked_fill(~valid, 1)  # as the base's prefill numbers them
+    causal = torch.ones(length, length, dtype=torch.bool, device=valid.device).tril()
+    eye = torch.eye(length, dtype=torch.bool, device=valid.device)
+    mask = ((causal[None] & valid[:, None, :]) | eye)[:, None]  # (B, 1, T, T); padding rows see themselves: finite
+    # padding states are zeroed: masked keys still enter the product (0 · NaN would be NaN)
+    hidden = states.masked_fill(~valid[..., None], 0)
+    cache = reserved_cache(None)  # one layer, made on first use
+    out = heads.contextualize(hidden, positions, mask, cache)  # (B, T, d)
+    return KVState.after_prefill(cache, attention_mask), out[:, -1].clone()

@@ -144,7 +144,11 @@ def speculate(base, heads, policy, drafter: Drafter, request: Request, started: 
     sequences = Sequences(request.input_ids, request.attention_mask)  # the one owner of the tokens
     criteria = StoppingCriteriaList(request.criteria) if request.criteria else None
     out = Emitter(sequences, request.limits, request.eos, criteria, streamer, request.want_scores)
-    cache, hidden = prefill(base, request.input_ids, request.attention_mask)
+    whole = heads is not None and heads.context_from_prompt  # the heads' layer reads every prompt state
+    cache, states = prefill(base, request.input_ids, request.attention_mask, all_states=whole)
+    hidden = states[:, -1].clone() if whole else states  # (B, d)
+    heads_state = HeadState(heads, hidden, states if whole else None, request.attention_mask)
+    del states  # the prompt's (B, T, d) states are not kept past the prefill
     kv = KVState.after_prefill(cache, request.attention_mask)
     logits = lm_logits(base, hidden)  # (B, V)
     acceptor = Acceptor(request.config, request.mode, logits.shape[-1], sequences, generator, request.processors)
@@ -152,7 +156,7 @@ def speculate(base, heads, policy, drafter: Drafter, request: Request, started: 
     out.emit_first(roots, acceptor.reported(logits) if request.want_scores else None)
     prefilled = time.perf_counter()
     drafter.start(sequences.prompts())
-    stats = decode(base, policy, sequences, out, acceptor, drafter, kv, HeadState(heads, hidden), roots, timer,
+    stats = decode(base, policy, sequences, out, acceptor, drafter, kv, heads_state, roots, timer,
                    shrink)
     stats.prefill_seconds, stats.first_tokens = prefilled - started, request.batch
     stats.new_tokens, stats.seconds = sequences.new_tokens, time.perf_counter() - started

@@ -20,7 +20,7 @@ from torch import nn
 
 from .config import HeadConfig, register
 from .medusa import ResBlock
-from .options import FamilyOptions
+from .options import FamilyOptions, OptionError
 from .protocol import DraftHeads, TreeSpec
 
 
@@ -29,6 +29,10 @@ class HydraOptions(FamilyOptions):
     """Hydra has no options of its own (depth and width are ``num_heads`` / ``num_layers``)."""
 
     owner = "Hydra"
+
+
+#: what Hydra++'s prefix layer attends over (:attr:`HydraPlusPlusOptions.prefix_context`)
+PREFIX_CONTEXTS = ("answer", "sequence")
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,23 @@ class HydraPlusPlusOptions(FamilyOptions):
     prefix_heads: int | None = None
     #: the prefix layer's MLP width (None: 4 · hidden_size)
     prefix_mlp_size: int | None = None
+    #: what the prefix layer attends over: "answer" (its context starts at the last prompt token,
+    #: positions from 0 there: what every checkpoint without the key was trained on) or
+    #: "sequence" (the paper's: the whole prompt and answer, positions as the base's)
+    prefix_context: str = "answer"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.prefix_context not in PREFIX_CONTEXTS:
+            raise OptionError(self.owner, "prefix_context", self.prefix_context, "'answer' or 'sequence'")
+
+    def to_extra(self) -> dict:
+        """As :meth:`FamilyOptions.to_extra`, without ``prefix_context`` when it is "answer": a
+        config written before the key existed means "answer" and writes back unchanged."""
+        extra = super().to_extra()
+        if extra.get("prefix_context") == "answer":
+            del extra["prefix_context"]
+        return extra
 
     def resolved(self, hidden_size: int) -> tuple[int, int]:
         """(prefix_heads, prefix_mlp_size) for heads of width ``hidden_size``."""
@@ -175,10 +196,17 @@ class PrefixLayer(nn.Module):
 @register
 class HydraPlusPlusHeads(HydraHeads):
     """Hydra++: Hydra heads (deeper MLPs: ``num_layers``) reading the output of a trained
-    :class:`PrefixLayer` over the generated context instead of the raw hidden state.
+    :class:`PrefixLayer` over the context instead of the raw hidden state.
 
-    The prefix layer sees the context from the last prompt token on (what training sees:
-    the cached positions of the answer), with positions counted from there."""
+    What the prefix layer attends over is ``prefix_context`` (:class:`HydraPlusPlusOptions`):
+
+    - "answer": the context from the last prompt token on, positions counted from 0 there.
+      Training feeds :meth:`forward` the answer's positions only; the decoder starts the
+      layer's cache at the last prompt token. Every checkpoint without the key is this.
+    - "sequence" (the paper's): the whole sequence, prompt included, positions as the base's.
+      Training feeds :meth:`forward` prompt + answer; the decoder runs the layer over every
+      prompt state at the prefill and keeps its cache over prompt + answer
+      (:attr:`context_from_prompt`)."""
 
     family = "hydra++"
     display_name = "Hydra++"
@@ -188,6 +216,11 @@ class HydraPlusPlusHeads(HydraHeads):
     def __init__(self, config: HeadConfig):
         super().__init__(config)
         self.prefix = PrefixLayer(config.hidden_size, *self.family_options.resolved(config.hidden_size))
+
+    @property
+    def context_from_prompt(self) -> bool:
+        """Whether ``prefix_context`` is "sequence" (the decoder then runs the layer over the prompt)."""
+        return self.family_options.prefix_context == "sequence"
 
     def contextualize(self, hidden: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
                       cache=None) -> torch.Tensor:
@@ -201,7 +234,10 @@ class HydraPlusPlusHeads(HydraHeads):
     def forward(self, hidden: torch.Tensor, tokens: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, **_: object) -> torch.Tensor:
         """Training/eval on whole sequences: hidden (B, T, d), tokens (B, T, ≥K), attention_mask
-        (B, T) (1 = real position, left-aligned) → draft logits (B, T, K, V_draft)."""
+        (B, T) (1 = real position, left-aligned) → draft logits (B, T, K, V_draft). Positions
+        count from 0 at each row's first position: the last prompt token for "answer" heads,
+        the first prompt token for "sequence" heads (then they equal the base's, as decoding
+        has them)."""
         if hidden.dim() != 3:
             raise ValueError("Hydra++ heads read sequences: hidden must be (batch, positions, hidden_size).")
         batch, length, _ = hidden.shape

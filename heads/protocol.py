@@ -205,6 +205,14 @@ class DraftHeads(nn.Module):
         return options
 
     @property
+    def context_from_prompt(self) -> bool:
+        """True when a ``contextual`` family's layer reads the whole prompt too (Hydra++ with
+        ``prefix_context="sequence"``): the decoder's prefill then hands it every prompt state
+        (:class:`draftheads.decoding.head_state.HeadState`); else its context starts at the
+        last prompt token."""
+        return False
+
+    @property
     def num_heads(self) -> int:
         return self.config.num_heads
 

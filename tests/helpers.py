@@ -326,12 +326,14 @@ def saved_tree_heads(folder, model):
 
 
 # -- heads and a calibration grid several test modules use ------------------------------------------
-def random_heads(family: str, model, seed: int = 0, draft_vocab: int = 0, num_layers: int = 1):
-    """Heads with random (non-zero) weights so drafts are diverse and mostly wrong."""
+def random_heads(family: str, model, seed: int = 0, draft_vocab: int = 0, num_layers: int = 1,
+                 extra: dict | None = None):
+    """Heads with random (non-zero) weights so drafts are diverse and mostly wrong (``extra``: the
+    family's options)."""
     cfg = model.config
     heads = build_heads(HeadConfig(family=family, num_heads=3, num_layers=num_layers, hidden_size=cfg.hidden_size,
                                    vocab_size=cfg.vocab_size, draft_vocab_size=draft_vocab,
-                                   base_fingerprint=fingerprint(model).to_dict()))
+                                   base_fingerprint=fingerprint(model).to_dict(), extra=dict(extra or {})))
     torch.manual_seed(seed)
     for p in heads.parameters():
         torch.nn.init.normal_(p, std=0.3)

@@ -23,11 +23,12 @@ from .rows import subset_product
 
 
 @torch.no_grad()
-def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
-    """Run the prompt; returns (cache, last hidden state per row (B, d)). Positions follow
+def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, all_states: bool = False):
+    """Run the prompt; returns (cache, last hidden state per row (B, d)), or with ``all_states``
+    every prompt position's (B, T, d) (for heads whose layer reads the prompt). Positions follow
     transformers' ``generate`` (cumulative sum of the mask), so left padding matches it."""
     cache, hidden = forward_all(model, input_ids, attention_mask)
-    return cache, hidden[:, -1]
+    return cache, hidden if all_states else hidden[:, -1]
 
 
 @torch.no_grad()

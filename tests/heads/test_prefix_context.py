@@ -1,0 +1,58 @@
+"""Hydra++'s ``prefix_context`` option: "answer" (what every checkpoint without the key means)
+or "sequence" (the paper's prefix layer over the whole sequence); it round-trips through a
+checkpoint, a bad value is one line, and the heads say which one they want."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from helpers import FAMILIES, REPO, random_heads, tiny_llama
+from draftheads.decoding import fingerprint
+from draftheads.heads import DraftHeads, HeadConfig, HydraPlusPlusOptions, OptionError, read_config
+
+
+@pytest.mark.parametrize("context", ["answer", "sequence"])
+def test_prefix_context_round_trips_through_a_checkpoint(tmp_path, context):
+    model = tiny_llama(0)
+    heads = random_heads("hydra++", model, extra={"prefix_context": context})
+    assert heads.config.options == HydraPlusPlusOptions(prefix_context=context)
+    assert heads.context_from_prompt is (context == "sequence")
+    heads.save_pretrained(tmp_path, dtype=None)
+    extra = json.loads((tmp_path / "config.json").read_text())["extra"]
+    # "answer" is what a config without the key means, so it is not written
+    assert extra.get("prefix_context") == (None if context == "answer" else "sequence")
+    loaded = DraftHeads.from_pretrained(tmp_path, expected_fingerprint=fingerprint(model).to_dict(),
+                                        dtype=torch.float64)
+    assert loaded.config.options.prefix_context == context and loaded.context_from_prompt is (context == "sequence")
+
+
+def test_the_shipped_hydrapp_checkpoint_reads_answer():
+    config = read_config(REPO / "checkpoints" / "smollm2-135m-hydrapp")
+    assert "prefix_context" not in json.loads((REPO / "checkpoints" / "smollm2-135m-hydrapp" / "config.json")
+                                              .read_text())["extra"]
+    assert config.options.prefix_context == "answer"
+    assert config.to_dict()["extra"] == {"prefix_heads": 9, **config.extra}  # written back without the key
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_only_sequence_hydrapp_heads_want_the_prompt(family):
+    model = tiny_llama(0)
+    assert not random_heads(family, model).context_from_prompt
+
+
+@pytest.mark.parametrize("make", [
+    lambda: HydraPlusPlusOptions(prefix_context="prompt"),
+    lambda: HeadConfig(family="hydra++", hidden_size=32, vocab_size=96, extra={"prefix_context": "prompt"}),
+])
+def test_a_bad_prefix_context_is_one_line(make):
+    with pytest.raises(OptionError, match=r"^Hydra\+\+ option extra\.prefix_context must be 'answer' or "
+                                          r"'sequence', got 'prompt'\.$") as caught:
+        make()
+    assert "\n" not in str(caught.value) and caught.value.key == "prefix_context"
+
+
+def test_a_non_string_prefix_context_is_one_line():
+    with pytest.raises(OptionError, match=r"extra\.prefix_context must be a string, got 1\.$"):
+        HydraPlusPlusOptions(prefix_context=1)
