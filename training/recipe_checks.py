@@ -28,11 +28,13 @@ def check_values(recipe: Recipe) -> None:
     positive = {"heads.num_heads": recipe.heads.num_heads, "heads.num_layers": recipe.heads.num_layers,
                 "train.batch_size": recipe.train.batch_size, "train.grad_accum": recipe.train.grad_accum,
                 "run.checkpoint_every": recipe.run.checkpoint_every, "run.eval_every": recipe.run.eval_every,
-                "run.log_every": recipe.run.log_every, "data.max_length": recipe.data.max_length,
-                "train.chunk_length": recipe.train.chunk_length}
+                "run.log_every": recipe.run.log_every, "data.max_length": recipe.data.max_length}
     for key, value in positive.items():
         if value < 1:
             raise RecipeError(f"Recipe key {key} must be ≥ 1, got {value}.")
+    if recipe.train.chunk_length < 0:
+        raise RecipeError(f"Recipe key train.chunk_length must be ≥ 1, or 0 for whole sequences; got "
+                          f"{recipe.train.chunk_length}.")
     for prefix, cap in recipe.data.source_caps.items():
         if not isinstance(cap, int) or isinstance(cap, bool) or cap < 0:
             raise RecipeError(f"Recipe key data.source_caps.{prefix} must be a count ≥ 0, got {cap!r}.")

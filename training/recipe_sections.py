@@ -69,7 +69,7 @@ class TrainSection:
     min_lr_ratio: float = 0.0  # cosine decays to lr · min_lr_ratio
     max_grad_norm: float = 0.0  # 0 = no clipping
     seed: int = 0
-    chunk_length: int = 256  # contextual families (Hydra++): positions per sequence chunk; batch_size counts chunks
+    chunk_length: int = 256  # contextual families (Hydra++): positions per sequence chunk (0: whole sequences); batch_size counts chunks
     mixed_precision: str = "bf16"  # no | bf16 | fp16 (accelerate); bf16 autocast makes CPU LM-head matmuls 2x faster
     dtype: str = "float32"  # parameter dtype of the heads (float64 for exactness tests)
 

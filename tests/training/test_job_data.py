@@ -131,3 +131,27 @@ def test_an_evaluation_job_scores_each_epoch_by_source_on_labelled_rows(job):
     answers = sum(int(s.offsets[k + 1] - s.offsets[k] - s.answer_starts[k]) for s in shards for k in range(len(s)))
     assert set(dev["groups"]) == {"tiny"} and dev["positions"] == answers  # every answer row, no prompt row
     assert dev["groups"]["tiny"]["top1"] == dev["top1"]
+
+
+def test_hydrapp_reading_the_prompt_trains_on_whole_sequences_and_decodes_identically(job):
+    from draftheads.decoding import DraftHeadsModel
+
+    root, _, shards = job
+    recipe = tiny_recipe(root, "whole", heads={"family": "hydra++", "num_heads": 3, "num_layers": 1,
+                                               "draft_vocab_size": 0,
+                                               "extra": {"prefix_heads": 2, "prefix_context": "sequence"}},
+                         data={"kind": "job", "path": str(root / "job"), "features_dir": None, "eval_examples": 4,
+                               "eval_path": str(root / "job")},
+                         train__batch_size=4, train__chunk_length=0, train__epochs=2, train__lr=0.003)
+    run_inprocess(recipe)
+    data = json.loads((root / "whole" / "data.json").read_text())
+    prompts = sum(int(s.answer_starts[k]) - 1 for s in shards for k in range(len(s)))
+    assert data["rows"] - data["answer_positions"] > 0 and data["answer_positions"] < data["rows"] <= (
+        data["answer_positions"] + prompts)  # the prompt's rows feed the layer, unlabelled
+    model = save_tiny_base(root / "base-again")  # the same seed: the job's base
+    drafter = DraftHeadsModel.from_pretrained(root / "whole" / "final", base=model, tree=3)
+    assert drafter.heads.context_from_prompt
+    for prompt in ([5, 9, 33, 4], [7]):
+        ids = torch.tensor([prompt])
+        reference = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False)
+        assert drafter.generate(ids, max_new_tokens=16).tolist() == reference.tolist()
