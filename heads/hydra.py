@@ -49,18 +49,25 @@ class HydraPlusPlusOptions(FamilyOptions):
     #: positions from 0 there: what every checkpoint without the key was trained on) or
     #: "sequence" (the paper's: the whole prompt and answer, positions as the base's)
     prefix_context: str = "answer"
+    #: dropout on what the heads read (the prefix layer's output) while training, as the Hydra++
+    #: recipe's 0.2; decoding never drops (the heads run in eval mode)
+    dropout: float = 0.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.prefix_context not in PREFIX_CONTEXTS:
             raise OptionError(self.owner, "prefix_context", self.prefix_context, "'answer' or 'sequence'")
+        if not isinstance(self.dropout, (int, float)) or isinstance(self.dropout, bool) or not 0 <= self.dropout < 1:
+            raise OptionError(self.owner, "dropout", self.dropout, "a number in [0, 1)")
 
     def to_extra(self) -> dict:
-        """As :meth:`FamilyOptions.to_extra`, without ``prefix_context`` when it is "answer": a
-        config written before the key existed means "answer" and writes back unchanged."""
+        """As :meth:`FamilyOptions.to_extra`, without ``prefix_context`` "answer" and ``dropout``
+        0: a config written before the keys existed means those and writes back unchanged."""
         extra = super().to_extra()
         if extra.get("prefix_context") == "answer":
             del extra["prefix_context"]
+        if not extra.get("dropout", 0):
+            extra.pop("dropout", None)
         return extra
 
     def resolved(self, hidden_size: int) -> tuple[int, int]:
@@ -216,6 +223,7 @@ class HydraPlusPlusHeads(HydraHeads):
     def __init__(self, config: HeadConfig):
         super().__init__(config)
         self.prefix = PrefixLayer(config.hidden_size, *self.family_options.resolved(config.hidden_size))
+        self.dropout = nn.Dropout(self.family_options.dropout)
 
     @property
     def context_from_prompt(self) -> bool:
@@ -247,4 +255,4 @@ class HydraPlusPlusHeads(HydraHeads):
         mask = (causal[None] & valid[:, None, :])[:, None]
         mask = mask | torch.eye(length, dtype=torch.bool, device=hidden.device)  # padded rows stay finite
         positions = torch.arange(length, device=hidden.device).expand(batch, length)
-        return super().forward(self.contextualize(hidden, positions, mask), tokens=tokens)
+        return super().forward(self.dropout(self.contextualize(hidden, positions, mask)), tokens=tokens)

@@ -56,3 +56,29 @@ def test_a_bad_prefix_context_is_one_line(make):
 def test_a_non_string_prefix_context_is_one_line():
     with pytest.raises(OptionError, match=r"extra\.prefix_context must be a string, got 1\.$"):
         HydraPlusPlusOptions(prefix_context=1)
+
+
+def test_hydrapp_dropout_acts_in_training_only_and_is_checked():
+    import pytest
+    import torch
+
+    from draftheads.heads import HeadConfig, build_heads
+    from draftheads.heads.options import OptionError
+
+    config = HeadConfig(family="hydra++", num_heads=2, num_layers=1, hidden_size=8, vocab_size=16,
+                        extra={"prefix_heads": 2, "dropout": 0.5})
+    heads = build_heads(config).double()
+    heads.bind(torch.randn(16, 8, dtype=torch.float64), torch.randn(16, 8, dtype=torch.float64))
+    for p in heads.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    hidden, tokens = torch.randn(1, 5, 8, dtype=torch.float64), torch.randint(0, 16, (1, 5, 2))
+    heads.eval()
+    assert torch.equal(heads(hidden, tokens=tokens), heads(hidden, tokens=tokens))
+    heads.train()
+    torch.manual_seed(0)
+    assert not torch.equal(heads(hidden, tokens=tokens), heads(hidden, tokens=tokens))
+    assert "dropout" not in build_heads(HeadConfig(family="hydra++", num_heads=2, num_layers=1, hidden_size=8,
+                                                   vocab_size=16, extra={"prefix_heads": 2})).config.to_dict()["extra"]
+    with pytest.raises(OptionError, match="dropout"):
+        build_heads(HeadConfig(family="hydra++", num_heads=2, num_layers=1, hidden_size=8, vocab_size=16,
+                               extra={"prefix_heads": 2, "dropout": 1.5}))
