@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -147,7 +148,7 @@ def extract_features(model, examples: list[Example], directory: str | Path, fing
     paths = [shard_path(directory, i) for i in range(num_shards)]
     chunks = [examples[i * shard_examples: (i + 1) * shard_examples] for i in range(num_shards)]
     digests = [examples_digest(chunk) for chunk in chunks]
-    todo = [i for i, p in enumerate(paths) if not _shard_matches(p, fingerprint, digests[i])]
+    todo = [i for i, p in enumerate(paths) if _shard_problem(p, fingerprint, digests[i]) is not None]
     for index in tqdm(todo, desc="feature shards", unit="shard"):
         chunk = chunks[index]
         hidden, targets, teacher = [], [], []
@@ -171,17 +172,28 @@ def examples_digest(examples: list[Example]) -> str:
     return digest.hexdigest()[:32]
 
 
-def _shard_matches(path: Path, fingerprint: dict, digest: str) -> bool:
-    """A finished shard for the same base, the same format and the same examples."""
+def _shard_problem(path: Path, fingerprint: dict, digest: str) -> str | None:
+    """Why ``path`` is not a finished shard for the same base (and dtype: the fingerprint hashes
+    the LM head as loaded), format and examples, or None. A shard that exists but does not fit
+    is named in one line and rebuilt, never read; an unreadable one is rebuilt too."""
     from safetensors import safe_open
 
     if not path.is_file():
-        return False
-    with safe_open(str(path), framework="pt") as handle:
-        meta = handle.metadata() or {}
-    return (json.loads(meta.get("fingerprint", "null")) == fingerprint
-            and json.loads(meta.get("format", "1")) == FEATURE_FORMAT
-            and json.loads(meta.get("digest", "null")) == digest)
+        return "missing"
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            meta = handle.metadata() or {}
+        problem = (None if json.loads(meta.get("fingerprint", "null")) == fingerprint else
+                   "made from another base or dtype")
+        if problem is None and json.loads(meta.get("format", "1")) != FEATURE_FORMAT:
+            problem = "an older format"
+        if problem is None and json.loads(meta.get("digest", "null")) != digest:
+            problem = "made from other examples"
+    except Exception as err:  # noqa: BLE001 - a damaged file of any kind is rebuilt, never trusted
+        problem = f"unreadable ({type(err).__name__})"
+    if problem is not None:
+        print(f"[draftheads] {path}: {problem}; rebuilding it.", file=sys.stderr, flush=True)
+    return problem
 
 
 @dataclass

@@ -140,14 +140,38 @@ def job_batches(recipe, paths: list[Path], fingerprint: dict, dtype: str, chunki
         train = [train[i] for i in keep.sort().values.tolist()]
     batches = FeatureBatches(job_table(shards, with_prompt, train), k, chunking)
     labelled = int((batches.table.targets[:, 0] >= 0).sum())
-    write_data_summary(Path(recipe.run.output_dir), {
-        "jobs": [str(p) for p in paths], "shards": len(shards), "sequences": len(train), "held_out_sequences": len(held_out),
-        "share": round(len(train) / (len(train) + len(held_out)), 6), "answer_positions": labelled,
-        "rows": len(batches.table)})
+    summary = {"jobs": [str(p) for p in paths], "shards": len(shards), "sequences": len(train),
+               "held_out_sequences": len(held_out), "share": round(len(train) / (len(train) + len(held_out)), 6),
+               "answer_positions": labelled, "rows": len(batches.table)}
+    check_same_data(Path(recipe.run.output_dir), summary)
+    write_data_summary(Path(recipe.run.output_dir), summary)
     return batches, job_table(shards, with_prompt, held_out), batches.table.teacher[:, 1: k + 1]
 
 
 DATA_SUMMARY = "data.json"
+
+
+def check_same_data(output_dir: Path, summary: dict) -> None:
+    """A run that has checkpoints resumes only onto the data it started on: a job folder that
+    grew (or shrank) since would change the data order under it, so it is one line, not a
+    silently different run."""
+    import json
+
+    from .data import DataError
+
+    saved = output_dir / DATA_SUMMARY
+    if not saved.is_file() or not any((output_dir / "checkpoints").glob("step-*")):
+        return
+    try:
+        before = json.loads(saved.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return  # unreadable: nothing to compare with, the new summary replaces it
+    changed = [f"{k} {before.get(k)} → {summary[k]}" for k in ("shards", "sequences", "answer_positions")
+               if before.get(k) != summary[k]]
+    if changed:
+        raise DataError(f"Cannot resume {output_dir}: its data changed since the run started ({', '.join(changed)}); "
+                        "set data.limit to the sequences it started on, or use another run.output_dir "
+                        "(or run.resume=never to start over there).")
 
 
 def write_data_summary(output_dir: Path, summary: dict) -> None:

@@ -64,3 +64,21 @@ def test_features_resume_and_refuse_another_base(tmp_path):
     assert torch.equal(load_shards(again, fp).hidden, hidden)
     with pytest.raises(ValueError, match="different base model"):
         load_shards(paths, fingerprint(tiny_llama(1, dtype=torch.float32)).to_dict())
+
+
+def test_a_truncated_or_foreign_feature_shard_is_named_in_one_line_and_rebuilt(tmp_path, capsys):
+    model = tiny_llama(0, dtype=torch.float32)
+    examples = [Example(list(range(3, 3 + n)), 2) for n in (5, 9, 7)]
+    fp = fingerprint(model).to_dict()
+    hidden = load_shards(extract_features(model, examples, tmp_path, fp, shard_examples=2), fp).hidden
+    whole = shard_path(tmp_path, 0).read_bytes()
+    shard_path(tmp_path, 0).write_bytes(whole[: len(whole) // 2])  # truncated
+    capsys.readouterr()
+    again = extract_features(model, examples, tmp_path, fp, shard_examples=2)
+    lines = capsys.readouterr().err.strip().splitlines()
+    named = [line for line in lines if "shard-00000" in line]
+    assert len(named) == 1 and "unreadable" in named[0] and "rebuilding" in named[0]
+    assert torch.equal(load_shards(again, fp).hidden, hidden)
+    # the same shards read for another dtype (another fingerprint): named and rebuilt, never trusted
+    extract_features(model, examples, tmp_path, {**fp, "lm_head_sha256": "another"}, shard_examples=2)
+    assert "made from another base or dtype; rebuilding it" in capsys.readouterr().err

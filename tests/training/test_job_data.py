@@ -155,3 +155,17 @@ def test_hydrapp_reading_the_prompt_trains_on_whole_sequences_and_decodes_identi
         ids = torch.tensor([prompt])
         reference = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False)
         assert drafter.generate(ids, max_new_tokens=16).tolist() == reference.tolist()
+
+
+def test_a_resume_onto_a_job_that_grew_is_one_line(job):
+    root, _, _ = job
+    recipe = tiny_recipe(root, "grow", data={"kind": "job", "path": str(root / "job"), "features_dir": None,
+                                             "eval_examples": 4, "limit": 10}, train__batch_size=4, train__max_steps=2,
+                         run__checkpoint_every=1)
+    run_inprocess(recipe)
+    summary = json.loads((root / "grow" / "data.json").read_text())
+    (root / "grow" / "data.json").write_text(json.dumps({**summary, "sequences": 9}))  # as if it had started on less
+    done = subprocess.run([sys.executable, "-m", "draftheads.training.train", str(recipe), "--train.max_steps", "2"],
+                          capture_output=True, text=True, env=subprocess_env(), cwd=REPO, timeout=300)
+    err = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(err) == 1 and "data changed" in err[0] and "sequences 9 → 10" in err[0]
