@@ -77,6 +77,9 @@ def check_ranges(recipe: Recipe) -> None:
     for key, value in {"loss.temperature": recipe.loss.temperature, "loss.head_decay": recipe.loss.head_decay}.items():
         if value <= 0:
             raise RecipeError(f"Recipe key {key} must be > 0, got {value}.")
+    if recipe.run.trees_from == "dev" and not recipe.data.eval_path:
+        raise RecipeError("Recipe key run.trees_from: dev fits the trees on data.eval_path, which is not set: set "
+                          "data.eval_path (an evaluation job's folder) or run.trees_from: held_out.")
     if recipe.run.keep_best and not recipe.run.eval_each_epoch:
         raise RecipeError("Recipe key run.keep_best picks the best of the per-epoch evaluations, which "
                           "run.eval_each_epoch: false switches off: set run.keep_best: false to keep the last heads.")

@@ -88,6 +88,9 @@ class RunSection:
     eval_positions: int = 20000  # cap on held-out positions per evaluation (data.eval_path is scored whole)
     eval_each_epoch: bool = True  # also evaluate at the end of every epoch (curves.json/png, best-epoch choice)
     keep_best: bool = True  # the final heads are the best epoch's (τ at 8 nodes, dev table if set); false: the last
+    # the table the stored trees are fitted on: held_out (the training data's split) or dev (data.eval_path:
+    # the base's answers to the prompts decoding is measured on, whose acceptance is lower)
+    trees_from: str = "held_out"
     log_every: int = 10
     wandb: bool = True  # offline unless WANDB_API_KEY is set; skipped if wandb is not installed
     wandb_project: str = "draftheads"
@@ -149,6 +152,6 @@ class Recipe:
 
 CHOICES = {"data.kind": ("selfdistill", "conversations", "tokens", "job"), "loss.labels": ("teacher", "text"),
            "train.mixed_precision": ("no", "bf16", "fp16"), "train.dtype": ("float32", "float64", "bfloat16"),
-           "run.save_dtype": ("float32", "float64", "bfloat16", "float16"),
+           "run.save_dtype": ("float32", "float64", "bfloat16", "float16"), "run.trees_from": ("held_out", "dev"),
            "base_dtype": ("float32", "float64", "bfloat16", "float16"),
            "adversarial.schedule": ("constant", "linear")}

@@ -15,7 +15,7 @@ from ..decoding.tree import tree_from_ranks
 from ..heads import DraftHeads
 from ..heads.checkpoint.atomic import atomic_file
 from ..heads.checkpoint.card import model_card
-from .evaluation import DEV, EVAL_BUDGET, HELD_OUT, evaluate, evaluate_heads, is_better
+from .evaluation import DEV, EVAL_BUDGET, HELD_OUT, evaluate, evaluate_heads, is_better, rank_table
 from .features import Features
 from .figures import plot_curves
 from .frozen import FrozenParts
@@ -127,14 +127,21 @@ def write_curves(directory: Path, curves: dict) -> None:
 
 
 def finish(heads: DraftHeads, eval_table: Features, recipe: Recipe, parts: FrozenParts, progress: Progress,
-           dtype: torch.dtype, accelerator, total: int, curves: Curves | None = None) -> dict:
+           dtype: torch.dtype, accelerator, total: int, curves: Curves | None = None,
+           tree_table: Features | None = None) -> dict:
     """The selected heads (the best epoch's, :func:`selection`), their held-out accuracy, trees
-    for each node budget, ``save_pretrained`` + model card + report + curves."""
+    for each node budget (fitted on ``tree_table``'s ranks when given: ``run.trees_from``),
+    ``save_pretrained`` + model card + report + curves."""
     curves = curves or Curves()
     chosen = selection(curves, recipe)
     if chosen["epoch"] is not None and chosen["step"] != progress.step:
         heads.load_state_dict(curves.best_weights)
     accuracy, ranks = evaluate(heads, eval_table, recipe, dtype, accelerator)
+    held_out_positions = int(ranks.shape[0])
+    if tree_table is not None:
+        with accelerator.autocast():
+            ranks = rank_table(heads.eval(), tree_table, recipe.loss.labels, dtype, accelerator.device, 0,
+                               recipe.train.chunk_length)
     trees = {}
     for budget in recipe.run.tree_budgets:
         paths, tau = tree_from_ranks(ranks, budget)
@@ -154,7 +161,8 @@ def finish(heads: DraftHeads, eval_table: Features, recipe: Recipe, parts: Froze
               "train_tokens_per_second": round(progress.positions / seconds, 1) if seconds else None,
               "train_wall_seconds": round(seconds, 1), "processes": accelerator.num_processes,
               "distributed_type": str(accelerator.distributed_type).split(".")[-1],
-              "mixed_precision": recipe.train.mixed_precision, "held_out_positions": int(ranks.shape[0]),
+              "mixed_precision": recipe.train.mixed_precision, "held_out_positions": held_out_positions,
+              "trees_from": recipe.run.trees_from, "tree_positions": int(ranks.shape[0]),
               "accuracy": accuracy, "trees": trees, "base_fingerprint": parts.fingerprint,
               "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
               "selection": chosen, "curves": curves.epochs}

@@ -37,7 +37,7 @@ from ..heads import REGISTRY, DraftHeads
 from ..heads.errors import DraftheadsError, one_line
 from .adversarial import Adversary
 from .data import DataError, example_features, load_examples, resolve_data_path
-from .evaluation import HELD_OUT, eval_tables, evaluate, load_eval_table
+from .evaluation import DEV, HELD_OUT, eval_tables, evaluate, load_eval_table
 from .frozen import frozen_parts, load_frozen_base, unsharded_loading
 from .losses import head_weights
 from .objective import compute_loss, lr_lambda, new_heads
@@ -152,7 +152,9 @@ def train(recipe: Recipe) -> dict:
     bar.close()
     report = {}
     if accelerator.is_main_process:
-        report = finish(run.heads, eval_sets[HELD_OUT][0], recipe, parts, run.progress, dtype, accelerator, run.total, run.curves)
+        trees_on = eval_sets[DEV][0] if recipe.run.trees_from == "dev" else None
+        report = finish(run.heads, eval_sets[HELD_OUT][0], recipe, parts, run.progress, dtype, accelerator, run.total,
+                        run.curves, trees_on)
         log.write({"step": run.progress.step, "eval": report["accuracy"], "final": True})
     accelerator.wait_for_everyone()
     accelerator.end_training()

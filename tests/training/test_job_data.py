@@ -122,8 +122,8 @@ def test_an_evaluation_job_scores_each_epoch_by_source_on_labelled_rows(job):
     root, _, shards = job
     recipe = tiny_recipe(root, "dev", data={"kind": "job", "path": str(root / "job"), "features_dir": None,
                                             "eval_examples": 4, "eval_path": str(root / "job")},
-                         train__batch_size=16, train__epochs=2)
-    run_inprocess(recipe)
+                         train__batch_size=16, train__epochs=2, run__trees_from="dev")
+    report = run_inprocess(recipe)
     records = [json.loads(line) for line in (root / "dev" / "log.jsonl").read_text().splitlines()]
     epochs = [r["epoch_eval"] for r in records if "epoch_eval" in r]
     assert len(epochs) == 2
@@ -131,6 +131,8 @@ def test_an_evaluation_job_scores_each_epoch_by_source_on_labelled_rows(job):
     answers = sum(int(s.offsets[k + 1] - s.offsets[k] - s.answer_starts[k]) for s in shards for k in range(len(s)))
     assert set(dev["groups"]) == {"tiny"} and dev["positions"] == answers  # every answer row, no prompt row
     assert dev["groups"]["tiny"]["top1"] == dev["top1"]
+    assert report["trees_from"] == "dev" and report["tree_positions"] == answers  # the trees fit the dev answers
+    assert report["held_out_positions"] < answers
 
 
 def test_hydrapp_reading_the_prompt_trains_on_whole_sequences_and_decodes_identically(job):

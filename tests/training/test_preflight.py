@@ -156,7 +156,8 @@ def line_of(path: str, text: str) -> int:
 
 @pytest.mark.parametrize("heads,key,message", [
     ({"family": "hydra++", "extra": {"prefx_heads": 2}}, "prefx_heads",
-     r"heads\.extra\.prefx_heads is not an option of hydra\+\+ heads \(its options are prefix_heads, "
+     r"heads\.extra\.prefx_heads is not an option of hydra\+\+ heads \(its options are dropout, prefix_context, "
+     r"prefix_heads, "
      r"prefix_mlp_size\): did you mean prefix_heads\?"),
     ({"family": "amphista", "extra": {"attn_head": 2}}, "attn_head",
      r"heads\.extra\.attn_head is not an option of amphista heads \(its options are attn_heads, gated, mlp_size\): "
@@ -280,3 +281,13 @@ def test_checkpoint_error_is_one_line(tiny_setup, tmp_path, capsys):  # noqa: F8
     (fake / "optimizer.bin").write_bytes(b"not a torch file")
     err = run_main(tiny_recipe(tiny_setup, "fake"), capsys, "--run.resume", str(fake))
     assert "Refusing to resume" in err and "optimizer.bin is not plain tensor data" in err
+
+
+def test_trees_from_dev_without_a_dev_table_is_one_line(tmp_path):
+    from helpers import tiny_recipe
+
+    from draftheads.training.recipe import load_recipe
+    from draftheads.training.recipe_sections import RecipeError
+
+    with pytest.raises(RecipeError, match="run.trees_from: dev fits the trees on data.eval_path"):
+        load_recipe(tiny_recipe(tmp_path, "t", run__trees_from="dev"), [])
