@@ -63,6 +63,7 @@ class DistillJobConfig:
     forward_tokens: int = 8192  # padded tokens per plain forward (features of given answers)
     shards: int = 0  # stop once this many shards exist (0: all)
     start_at: int = 0  # build shards from this index first, then the earlier ones (e.g. the decoded ones before the reused)
+    seconds: int = 0  # > 0: a time budget from the start; no shard (group) is begun that would end past it
     device: str = "cpu"
 
 
@@ -213,6 +214,16 @@ class Job:
         return shards, made
 
 
+def out_of_time(started: float, budget: int, next_takes: float) -> bool:
+    """With a budget (``--seconds``): whether the next unit of work, expected to take as long as
+    the last one, would end past it. What is stopped before is never begun, so every shard
+    written stays whole; a resume continues from there."""
+    if budget <= 0 or time.perf_counter() - started + next_takes <= budget:
+        return False
+    print(json.dumps({"stopped": "seconds", "budget": budget, "time": time.strftime("%H:%M:%S")}), flush=True)
+    return True
+
+
 def needs_building(folder: Path, expected: dict) -> bool:
     """A shard folder that is missing, or holds another shard than ``expected`` (truncated, another
     base or dtype: named in one line and discarded), is built; a good one is kept, never redone."""
@@ -229,6 +240,7 @@ def needs_building(folder: Path, expected: dict) -> bool:
 def run(config: DistillJobConfig) -> int:
     """Build every missing or bad shard, in order; ``batch_size`` larger than ``shard_size``
     decodes that many shards' prompts together (a GPU's batch of 256: four shards at a time)."""
+    begun, last = time.perf_counter(), 0.0
     out = Path(config.out)
     plan, prompts = make_plan(config)
     check_plan(out, plan)
@@ -244,10 +256,13 @@ def run(config: DistillJobConfig) -> int:
     todo.sort(key=lambda item: item[0] < config.start_at)  # stable: in order from start_at, then the rest
     together = max(1, config.batch_size // config.shard_size)
     for first in range(0, len(todo), together):
+        if out_of_time(begun, config.seconds, last):
+            break
         group = todo[first: first + together]
         started, cpu = time.perf_counter(), time.process_time()
         shards, made = job.build([p for index, *_ in group for p in shard_prompts(prompts, index, config)])
         seconds, cpu = time.perf_counter() - started, time.process_time() - cpu  # cpu: all threads' seconds
+        last = seconds
         for (index, folder, expected), shard in zip(group, shards):
             write_shard(folder, shard, manifest_for(shard, index, expected, {
                 "sources": sorted({p.source.split(":")[0] for p in shard_prompts(prompts, index, config)}),
@@ -314,6 +329,7 @@ def export(out: Path, target: Path) -> int:
 
 def rebuild(config: DistillJobConfig) -> int:
     """Features for committed token ids, by a plain forward: shards as the job writes them."""
+    begun, last = time.perf_counter(), 0.0
     source, out = Path(config.from_tokens), Path(config.out)
     index = json.loads((source / INDEX).read_text(encoding="utf-8"))
     check_plan(out, index["plan"])
@@ -324,11 +340,15 @@ def rebuild(config: DistillJobConfig) -> int:
         expected = job.expected(index["plan"]["plan_key"], ids)
         if not needs_building(folder, expected):
             continue
+        if out_of_time(begun, config.seconds, last):
+            break
+        started = time.perf_counter()
         given = load_token_ids(source / f"shard-{number:05d}.npz", ids)
         sequences = [given.sequence(k).astype(np.int64).tolist() for k in range(len(given))]
         given.hidden = np.concatenate([s.to(torch.float32).numpy() for s in
                                        forward_states(job.base, sequences, config.forward_tokens)]).astype(np.float16)
         write_shard(folder, given, manifest_for(given, number, expected, {"given": len(given), "decoded": 0}))
+        last = time.perf_counter() - started
         print(f"shard {number}: {len(given)} sequences, {given.answer_tokens} answer tokens", flush=True)
     return 0
 

