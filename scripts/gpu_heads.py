@@ -214,7 +214,7 @@ def generate(args: argparse.Namespace, out: Path, clock: Clock) -> dict:
     planned = json.loads(plan.read_text(encoding="utf-8"))["shards"] if plan.is_file() else None
     return {"seconds": round(time.monotonic() - started, 1), "shards_before": before["shards"],
             "shards_built": after["shards"] - before["shards"], **after, "plan_shards": planned,
-            "complete": after["shards"] == planned, "stopped_at_deadline": stopped, "log": str(log)}
+            "complete": after["shards"] == planned, "killed_at_deadline": stopped, "log": str(log)}
 
 
 # -- (b) train ---------------------------------------------------------------------------------------------
@@ -287,7 +287,8 @@ def train(args: argparse.Namespace, out: Path, clock: Clock, user: list[str]) ->
             return {"seconds": round(time.monotonic() - started, 1), "probe": measured, "steps": measured["steps"],
                     "planned_steps": measured["steps"], "cut": False, "heads": str(out / "probe" / "final")}
     per_step = measured["seconds_per_step"] if measured else None
-    every = args.checkpoint_every or (max(1, int(args.checkpoint_seconds / per_step)) if per_step else 50)
+    every = args.checkpoint_every or min(max(1, int(args.checkpoint_seconds / per_step)) if per_step else 50,
+                                         max(1, steps // 2))  # at least one checkpoint before the end
     overrides = recipe_overrides(args, out, "train", steps, every, user)
     log = out / "logs" / "train.log"
     code = run_logged(train_command(args, overrides), log, clock.left(clock.end) + args.grace)
@@ -344,7 +345,7 @@ def run(args: argparse.Namespace, user: list[str]) -> dict:
     device = check_environment(args)
     budget = args.minutes * 60
     clock = Clock(begun + budget, begun + budget * args.generate_share)
-    out = Path(args.out)
+    out = Path(args.out).resolve()  # the stages run from the repository
     out.mkdir(parents=True, exist_ok=True)
     summary = {**device, "budget_seconds": budget, "generate_share": args.generate_share,
                "command": shlex.join([Path(sys.argv[0]).name, *(sys.argv[1:])]), "out": str(out),
