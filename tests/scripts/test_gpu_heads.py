@@ -35,6 +35,9 @@ def setup(tmp_path_factory):
             words = torch.randint(5, 96, (int(torch.randint(1, 6, (1,), generator=generator)),), generator=generator)
             handle.write(json.dumps({"id": f"p{i}", "source": "tiny", "prompt": " ".join(f"w{int(t)}" for t in words)})
                          + "\n")
+    with open(root / "eval.jsonl", "w") as handle:  # benchmark questions: their first turn is asked
+        for i in range(3):
+            handle.write(json.dumps({"question_id": i, "turns": [f"w{60 + i} w{70 + i} w8", "w9"]}) + "\n")
     recipe = tiny_recipe(root, "unused", data={"kind": "job", "path": "set-by-the-script", "features_dir": None,
                                                "eval_examples": 4}, train__batch_size=16)
     return root, model, recipe
@@ -65,7 +68,8 @@ def test_a_killed_run_keeps_its_shards_and_the_next_run_resumes_then_trains(setu
     root, model, recipe = setup
     out = root / "run"
     args = command(root, recipe, out, 1.5, "--generate-share", "0.5", "--probe-steps", "4", "--max-steps", "8",
-                   "--checkpoint-every", "4", "--", "--train.lr", "0.01")
+                   "--checkpoint-every", "4", "--eval-prompts", str(root / "eval.jsonl"), "--eval-max-new-tokens", "8",
+                   "--", "--train.lr", "0.01")
     first = subprocess.Popen(args, cwd=REPO, env=subprocess_env(), stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL, start_new_session=True)
     waited = time.monotonic()
@@ -85,6 +89,8 @@ def test_a_killed_run_keeps_its_shards_and_the_next_run_resumes_then_trains(setu
     assert summary["device"] == "cpu" and summary["budget_seconds"] == 90
     assert generated["shards_before"] == len(kept) and generated["shards_built"] == SHARDS - len(kept)
     assert generated["complete"] and generated["sequences"] == 24 and generated["answer_positions"] > 24
+    assert generated["eval"]["shards"] == generated["eval"]["plan_shards"] == 2 and generated["eval"]["sequences"] == 3
+    assert json.loads((out / "train" / "recipe.json").read_text())["data"]["eval_path"] == str(out / "eval")
     assert trained["probe"]["steps"] == 4 and trained["probe"]["seconds_per_step"] > 0
     assert trained["steps"] == trained["planned_steps"] and 4 <= trained["steps"] <= 8 and not trained["cut"]
     assert trained["positions_seen"] == 16 * trained["steps"] and generated["seconds"] > 0 and trained["seconds"] > 0
