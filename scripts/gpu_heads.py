@@ -37,6 +37,7 @@ from pathlib import Path
 import yaml
 
 from draftheads.heads.checkpoint.atomic import write_text_atomic
+from draftheads.training.resume import checkpoint_dirs
 
 REPO = Path(__file__).resolve().parents[1]
 TRAINER = [sys.executable, "-m", "draftheads.training.train"]
@@ -76,7 +77,6 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
                    "(e.g. draftheads/data/mt_bench.jsonl draftheads/data/spec_bench_dev.jsonl): data.eval_path")
     p.add_argument("--eval-max-new-tokens", type=int, default=128)
     p.add_argument("--from-tokens", default="", help="committed token ids whose features are rebuilt first")
-    p.add_argument("--start-at", type=int, default=-1, help="the first shard to decode (default: after the committed ones)")
     p.add_argument("--base", default=None, help="the base (default: the embedded SmolLM2; the recipe's base follows it)")
     p.add_argument("--dtype", default="bfloat16", help="the base's dtype for the job and the training")
     p.add_argument("--heads", default="checkpoints/smollm2-135m-hydra", help="the heads that draft for the job's decoder")
@@ -210,16 +210,16 @@ def generate(args: argparse.Namespace, out: Path, until: float) -> dict:
                                      *repo_paths(args.eval_prompts), *decoding, "--max-new-tokens",
                                      str(args.eval_max_new_tokens)):
         killed.append("eval")
-    start_at = args.start_at
+    start_at = 0  # the first shard after the committed ones; --job-args "--start-at N" overrides it
     if args.from_tokens:
         index = json.loads((from_repo(args.from_tokens) / "index.json").read_text(encoding="utf-8"))
-        start_at = max(start_at, 1 + max((s["shard"] for s in index["shards"]), default=-1))
+        start_at = 1 + max((s["shard"] for s in index["shards"]), default=-1)
         if not (out / "job" / "plan.json").is_file() or before["shards"] < len(index["shards"]):
             if run_job(args, until, log, out / "job", "features of the committed token ids", "--from-tokens",
                        str(from_repo(args.from_tokens))):
                 killed.append("rebuild")
     if run_job(args, until, log, out / "job", "decoding", "--prompts", *repo_paths(args.prompts), "--answers",
-               *repo_paths(args.answers), *decoding, "--start-at", str(max(0, start_at))):
+               *repo_paths(args.answers), "--start-at", str(start_at), *decoding):
         killed.append("decode")
     after, planned = shard_counts(out / "job"), planned_shards(out / "job")
     result = {"seconds": round(time.monotonic() - started, 1), "shards_before": before["shards"],
@@ -249,7 +249,7 @@ def eval_path(args: argparse.Namespace, out: Path) -> str | None:
     if args.eval_prompts:
         return str(out / "eval") if shard_counts(out / "eval")["shards"] else None
     recipe = yaml.safe_load(from_repo(args.recipe).read_text(encoding="utf-8")) or {}
-    given = (recipe.get("data") or {}).get("eval_path")
+    given = (recipe.get("data") or {}).get("eval_path")  # relative: from the repository, as the trainer runs
     return str(from_repo(given)) if given and from_repo(given).exists() else None
 
 
@@ -284,14 +284,12 @@ def planned_steps(train_dir: Path) -> int | None:
     return json.loads(path.read_text(encoding="utf-8"))["train"]["max_steps"] if path.is_file() else None
 
 
-def last_checkpoint(train_dir: Path) -> Path | None:
-    found = sorted(p for p in (train_dir / "checkpoints").glob("step-[0-9]*") if not p.name.endswith(".partial"))
-    return found[-1] if found else None
-
-
 def train(args: argparse.Namespace, out: Path, until: float, user: list[str]) -> dict:
     """Probe, size, run; a run still going at the end is stopped and its last checkpoint's heads saved."""
     started, train_dir = time.monotonic(), out / "train"
+    if not shard_counts(out / "job")["shards"]:
+        raise Stop(f"{out / 'job'} holds no finished shard to train on: give the generation more time (--minutes, "
+                   "--generate-share) or start from the committed token ids (--from-tokens).")
     done = report_of(train_dir)
     if done is not None and done["steps"] == done["planned_steps"]:
         return {"seconds": 0.0, "steps": done["steps"], "planned_steps": done["planned_steps"], "cut": False,
@@ -317,7 +315,7 @@ def train(args: argparse.Namespace, out: Path, until: float, user: list[str]) ->
     result = {"probe": measured, "planned_steps": steps, "checkpoint_every": every, "cut": code is None,
               "heads": str(train_dir / "final"), "log": str(log)}
     if code is None:
-        checkpoint = last_checkpoint(train_dir)
+        checkpoint = (checkpoint_dirs(train_dir) or [None])[-1]  # complete ones only
         if checkpoint is None:
             if report_of(out / "probe") is None:
                 raise Stop(f"training was stopped at the budget's end before its first checkpoint ({log}): give it more "
