@@ -236,8 +236,9 @@ def recipe_overrides(args: argparse.Namespace, out: Path, run_dir: str, steps: i
     """The job folder as the data, the base and its dtype as the job's, the run's folder, steps
     and cadence; the user's overrides after ``--`` come last (they win)."""
     base = ["--base", str(from_repo(args.base))] if args.base else []
+    scored = eval_path(args, out)  # without one, the trees fit the held-out split
     return ["--data.kind", "job", "--data.path", str(out / "job"), "--data.features_dir", "null",
-            "--data.eval_path", eval_path(args, out) or "null",
+            *(["--data.eval_path", scored] if scored else ["--data.eval_path", "null", "--run.trees_from", "held_out"]),
             "--data.source_caps", "{}", "--data.sources", "[]", "--base_dtype", args.dtype, *base,
             "--run.output_dir", str(out / run_dir), "--run.final_dir", "null", "--train.max_steps", str(steps),
             "--run.checkpoint_every", str(checkpoint_every), "--run.eval_every", str(steps), *user]
@@ -337,7 +338,7 @@ def heads_from_checkpoint(recipe_path: Path, overrides: list[str], checkpoint: P
     from draftheads.training.recipe import load_recipe
     from draftheads.training.report import finish
     from draftheads.training.run_state import check_checkpoint_files, load_run_state
-    from draftheads.training.evaluation import HELD_OUT
+    from draftheads.training.evaluation import DEV, HELD_OUT
     from draftheads.training.train import make_accelerator, prepare_data, prepare_run
 
     recipe = load_recipe(recipe_path, overrides + ["--run.wandb", "false"])
@@ -349,8 +350,9 @@ def heads_from_checkpoint(recipe_path: Path, overrides: list[str], checkpoint: P
     accelerator.load_state(str(checkpoint))
     load_run_state(checkpoint, run.own_state, optional=("curves",))
     print(f"[gpu_heads] training stopped at the budget's end: {checkpoint} is finished as the heads", flush=True)
+    trees_on = eval_sets[DEV][0] if recipe.run.trees_from == "dev" else None  # as the trainer's own finish
     return finish(run.heads, eval_sets[HELD_OUT][0], recipe, parts, run.progress, dtype, accelerator, run.total,
-                  run.curves)
+                  run.curves, trees_on)
 
 
 # -- the run -------------------------------------------------------------------------------------------------

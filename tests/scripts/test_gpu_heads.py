@@ -69,7 +69,7 @@ def test_a_killed_run_keeps_its_shards_and_the_next_run_resumes_then_trains(setu
     out = root / "run"
     args = command(root, recipe, out, 1.5, "--generate-share", "0.5", "--probe-steps", "4", "--max-steps", "8",
                    "--checkpoint-every", "4", "--eval-prompts", str(root / "eval.jsonl"), "--eval-max-new-tokens", "8",
-                   "--", "--train.lr", "0.01")
+                   "--", "--train.lr", "0.01", "--run.trees_from", "dev")
     first = subprocess.Popen(args, cwd=REPO, env=subprocess_env(), stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL, start_new_session=True)
     waited = time.monotonic()
@@ -90,7 +90,9 @@ def test_a_killed_run_keeps_its_shards_and_the_next_run_resumes_then_trains(setu
     assert generated["shards_before"] == len(kept) and generated["shards_built"] == SHARDS - len(kept)
     assert generated["complete"] and generated["sequences"] == 24 and generated["answer_positions"] > 24
     assert generated["eval"]["shards"] == generated["eval"]["plan_shards"] == 2 and generated["eval"]["sequences"] == 3
-    assert json.loads((out / "train" / "recipe.json").read_text())["data"]["eval_path"] == str(out / "eval")
+    run_dir = Path(summary["heads"]).parent  # train/, or probe/ where no longer run fitted
+    assert json.loads((run_dir / "recipe.json").read_text())["data"]["eval_path"] == str(out / "eval")
+    assert json.loads((run_dir / "final" / "training_report.json").read_text())["trees_from"] == "dev"
     assert trained["probe"]["steps"] == 4 and trained["probe"]["seconds_per_step"] > 0
     assert trained["steps"] == trained["planned_steps"] and 4 <= trained["steps"] <= 8 and not trained["cut"]
     assert trained["positions_seen"] == 16 * trained["steps"] and generated["seconds"] > 0 and trained["seconds"] > 0
