@@ -192,8 +192,7 @@ def run_job(args: argparse.Namespace, until: float, log: Path, folder: Path, wha
     started again); True when it had to be stopped at the deadline."""
     if left(until) < 1 or shard_counts(folder)["shards"] == planned_shards(folder):
         return False
-    code = run_logged(job_command(args, folder, left(until), *extra), log,
-                      left(until) + args.grace)
+    code = run_logged(job_command(args, folder, left(until), *extra), log, left(until) + args.grace)
     if code:
         raise failed(f"generation ({what})", log, code)
     return code is None
@@ -214,7 +213,8 @@ def generate(args: argparse.Namespace, out: Path, until: float) -> dict:
     if args.from_tokens:
         index = json.loads((from_repo(args.from_tokens) / "index.json").read_text(encoding="utf-8"))
         start_at = 1 + max((s["shard"] for s in index["shards"]), default=-1)
-        if not (out / "job" / "plan.json").is_file() or before["shards"] < len(index["shards"]):
+        if any(not (out / "job" / "shards" / f"shard-{s['shard']:05d}" / "manifest.json").is_file()
+               for s in index["shards"]):  # a committed shard without its features
             if run_job(args, until, log, out / "job", "features of the committed token ids", "--from-tokens",
                        str(from_repo(args.from_tokens))):
                 killed.append("rebuild")
