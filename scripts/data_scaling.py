@@ -1,8 +1,8 @@
 """The data-scaling table: one head family trained on growing samples of the same
 self-distilled data, each scored on what predicts decoding.
 
-    python scripts/data_scaling.py --recipe recipes/hydra-smollm2.yaml --sizes 700,2100,0 \\
-        --eval-job data_cache/eval-smollm2 --out results/data_scaling
+    python scripts/data_scaling.py --recipe recipes/hydra-smollm2.yaml --sizes 400,1200,0 \\
+        --eval-job data_cache/eval-smollm2 --out results/data_scaling/hydra [--data.path JOB ...]
 
 Per size (``data.limit`` sequences, a seeded sample of the job's mixture; 0 = all of it):
 
@@ -32,9 +32,13 @@ import torch
 DEV_PROMPTS = ["mt-bench@1", "spec-bench@8:translation,summarization,qa,math_reasoning,rag"]
 
 
-def train_size(recipe: str, limit: int, out: Path, overrides: list[str]) -> dict:
+def run_dir_of(runs: Path, limit: int) -> Path:
+    return runs / str(limit or "all")
+
+
+def train_size(recipe: str, limit: int, runs: Path, overrides: list[str]) -> dict:
     """Train (or resume, or reuse) the run for ``limit`` sequences; its training report."""
-    run_dir = out / "runs" / str(limit or "all")
+    run_dir = run_dir_of(runs, limit)
     report = run_dir / "final" / "training_report.json"
     if not report.is_file():
         command = [sys.executable, "-m", "draftheads.training.train", recipe, "--data.limit", str(limit),
@@ -143,26 +147,27 @@ def plot(rows: list[dict], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", required=True)
-    parser.add_argument("--sizes", default="700,2100,0", help="training sequences per size (0: all)")
+    parser.add_argument("--sizes", default="400,1200,0", help="training sequences per size (0: all)")
     parser.add_argument("--eval-job", required=True, help="the evaluation job's folder (MT-Bench + Spec-Bench dev)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("overrides", nargs="*", help="recipe overrides for every size (--train.epochs 2 ...)")
-    args = parser.parse_args(argv)
+    parser.add_argument("--out", required=True, help="the table, JSON and chart")
+    parser.add_argument("--runs", default="runs/data_scaling", help="the training runs (checkpoints: not for git)")
+    args, overrides = parser.parse_known_args(argv)  # the rest: recipe overrides for every size (--train.epochs 2)
 
     from draftheads.decoding.base.loading import load_base
     from draftheads.prompts import read_prompts
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    reports = {int(n): train_size(args.recipe, int(n), out, args.overrides) for n in args.sizes.split(",")}
+    runs = Path(args.runs)
+    reports = {int(n): train_size(args.recipe, int(n), runs, overrides) for n in args.sizes.split(",")}
     base, tokenizer = load_base(dtype="bfloat16")
     prompts = read_prompts(DEV_PROMPTS)
     contextual = any(r["recipe"]["heads"].get("extra", {}).get("prefix_context") == "sequence" for r in reports.values())
     tables = eval_tables(Path(args.eval_job), base, contextual)
     rows = []
     for limit, report in sorted(reports.items(), key=lambda item: item[0] or float("inf")):
-        run_dir = out / "runs" / str(limit or "all")
+        run_dir = run_dir_of(runs, limit)
         job = Path(report["recipe"]["data"]["path"] if isinstance(report["recipe"]["data"]["path"], str)
                    else report["recipe"]["data"]["path"][0])
         data = json.loads((run_dir / "data.json").read_text())  # what the run trained on (training/job_data.py)
@@ -173,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
                "decoded": decoded_tau(run_dir / "final", base, tokenizer, prompts, args.max_new_tokens)}
         print(json.dumps(row), file=sys.stderr, flush=True)
         rows.append(row)
-    (out / "scaling.json").write_text(json.dumps({"recipe": args.recipe, "sizes": args.sizes, "rows": rows,
+    (out / "scaling.json").write_text(json.dumps({"recipe": args.recipe, "sizes": args.sizes, "overrides": overrides,
+                                                  "rows": rows,
                                                   "command": " ".join(sys.argv)}, indent=1) + "\n")
     (out / "table.md").write_text(markdown(rows))
     plot(rows, out / "scaling.png")
