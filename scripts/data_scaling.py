@@ -61,7 +61,8 @@ def job_wall_times(job: Path, share: float) -> dict:
 
 
 def eval_tables(eval_job: Path, base, with_prompt: bool):
-    """The evaluation job as tables: every sequence, and the MT-Bench ones."""
+    """The evaluation job as tables: every sequence (``dev``: MT-Bench and Spec-Bench dev), and
+    the MT-Bench ones."""
     from draftheads.decoding.base.loading import dtype_name
     from draftheads.decoding.fingerprint import fingerprint
     from draftheads.training.distill_job import open_job
@@ -72,7 +73,7 @@ def eval_tables(eval_job: Path, base, with_prompt: bool):
     pairs = [(s, k) for s, shard in enumerate(shards) for k in range(len(shard))]
     sources = [src for folder, shard in zip(folders, shards) for src in sequence_sources(folder, len(shard))]
     mt_bench = [p for p, src in zip(pairs, sources) if src == "mt_bench"]
-    return {"spec_bench_dev": job_table(shards, with_prompt, pairs), "mt_bench": job_table(shards, with_prompt, mt_bench)}
+    return {"dev": job_table(shards, with_prompt, pairs), "mt_bench": job_table(shards, with_prompt, mt_bench)}
 
 
 def teacher_forced(heads_dir: Path, base, tables: dict) -> dict:
