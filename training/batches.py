@@ -36,8 +36,10 @@ class FeatureBatches:
     whose layer reads the context) items are sequence chunks and a batch is their rows,
     right-padded with -1 (B, T)."""
 
-    def __init__(self, table: Features, num_heads: int, chunk_length: int | None = None):
+    def __init__(self, table: Features, num_heads: int, chunk_length: int | None = None,
+                 prompt_ids: torch.Tensor | None = None):
         self.table = table
+        self.prompt_ids = prompt_ids  # the prompts' token ids, where known (draft-vocabulary ties)
         self.next_rows = shifted_rows(table.targets, num_heads)
         self.chunks = None if chunk_length is None else sequence_chunks(table, chunk_length)
 

@@ -138,7 +138,10 @@ def job_batches(recipe, paths: list[Path], fingerprint: dict, dtype: str, chunki
     if 0 < recipe.data.limit < len(train):
         keep = torch.randperm(len(train), generator=torch.Generator().manual_seed(recipe.train.seed))[: recipe.data.limit]
         train = [train[i] for i in keep.sort().values.tolist()]
-    batches = FeatureBatches(job_table(shards, with_prompt, train), k, chunking)
+    prompts = torch.from_numpy(np.concatenate([shards[s].tokens[shards[s].offsets[q]: shards[s].offsets[q]
+                                                                 + shards[s].answer_starts[q]] for s, q in train]
+                                               ).astype(np.int64))
+    batches = FeatureBatches(job_table(shards, with_prompt, train), k, chunking, prompts)
     labelled = int((batches.table.targets[:, 0] >= 0).sum())
     summary = {"jobs": [str(p) for p in paths], "shards": len(shards), "sequences": len(train),
                "held_out_sequences": len(held_out), "share": round(len(train) / (len(train) + len(held_out)), 6),

@@ -27,14 +27,21 @@ def head_weights(num_heads: int, decay: float) -> torch.Tensor:
     return decay ** torch.arange(num_heads, dtype=torch.float32)
 
 
-def draft_vocab(token_ids: torch.Tensor, size: int, vocab_size: int) -> torch.Tensor:
+def draft_vocab(token_ids: torch.Tensor, size: int, vocab_size: int, then_ids: torch.Tensor | None = None
+                ) -> torch.Tensor:
     """The ``size`` most frequent ids in ``token_ids`` (negative = none), sorted; 0 = the whole
     vocabulary. Heads then draft over a row subset of the frozen LM head (cheaper; a token
-    outside it simply cannot be drafted, verification stays exact)."""
+    outside it simply cannot be drafted, verification stays exact). Ties — above all the ids
+    the labels never use, once ``size`` exceeds the labels' distinct ids — go to the most
+    frequent in ``then_ids`` (e.g. the prompts' tokens, which answers copy), then the lowest id."""
     if not size:
         return torch.arange(vocab_size)
-    counts = torch.bincount(token_ids[token_ids >= 0].flatten(), minlength=vocab_size)
-    return counts.topk(size).indices.sort().values
+    counts = torch.bincount(token_ids[token_ids >= 0].flatten(), minlength=vocab_size).double()
+    if then_ids is not None:
+        seconds = torch.bincount(then_ids[then_ids >= 0].flatten(), minlength=vocab_size).double()
+        counts = counts * (float(seconds.max()) + 1.0) + seconds  # exact in float64 at these counts
+    order = torch.sort(-counts, stable=True).indices  # stable: equal keys keep the lower id first
+    return order[:size].sort().values
 
 
 def head_targets(targets: torch.Tensor, vocab_ids: torch.Tensor, vocab_size: int, num_heads: int) -> torch.Tensor:

@@ -95,9 +95,10 @@ def lr_lambda(total: int, warmup_ratio: float, min_ratio: float):
     return factor
 
 
-def new_heads(recipe: Recipe, parts: FrozenParts, label_ids: torch.Tensor, dtype: torch.dtype) -> DraftHeads:
+def new_heads(recipe: Recipe, parts: FrozenParts, label_ids: torch.Tensor, dtype: torch.dtype,
+              prompt_ids: torch.Tensor | None = None) -> DraftHeads:
     """Fresh heads of the recipe's family, bound to the frozen LM head and embeddings; the draft
-    vocabulary is the most frequent of the training labels."""
+    vocabulary is the most frequent of the training labels (ties: of ``prompt_ids``)."""
     vocab_size, d = parts.lm_head.shape
     extra = dict(recipe.heads.extra)
     if recipe.adversarial.enabled:  # a KOALA checkpoint says so (reports label it KOALA-<family>)
@@ -106,5 +107,5 @@ def new_heads(recipe: Recipe, parts: FrozenParts, label_ids: torch.Tensor, dtype
                         num_layers=recipe.heads.num_layers, hidden_size=d, vocab_size=vocab_size,
                         draft_vocab_size=recipe.heads.draft_vocab_size, extra=extra)
     heads = build_heads(config).to(dtype)
-    heads.vocab_ids.copy_(draft_vocab(label_ids, recipe.heads.draft_vocab_size, vocab_size))
+    heads.vocab_ids.copy_(draft_vocab(label_ids, recipe.heads.draft_vocab_size, vocab_size, prompt_ids))
     return heads.bind(parts.lm_head, parts.embed)

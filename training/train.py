@@ -219,7 +219,7 @@ def prepare_run(recipe: Recipe, accelerator, output_dir: Path, dtype: torch.dtyp
                 label_ids: torch.Tensor) -> Run:
     """Fresh heads, the step count, optimizer and schedule, KOALA's discriminator, accelerate's
     wrapping, and the state draftheads checkpoints itself."""
-    heads = new_heads(recipe, parts, label_ids, dtype).to(accelerator.device)
+    heads = new_heads(recipe, parts, label_ids, dtype, getattr(batches, "prompt_ids", None)).to(accelerator.device)
     heads.train()
     world, batch = accelerator.num_processes, recipe.train.batch_size
     micro_per_epoch = len(batches) // (batch * world)

@@ -82,3 +82,12 @@ def test_a_truncated_or_foreign_feature_shard_is_named_in_one_line_and_rebuilt(t
     # the same shards read for another dtype (another fingerprint): named and rebuilt, never trusted
     extract_features(model, examples, tmp_path, {**fp, "lm_head_sha256": "another"}, shard_examples=2)
     assert "made from another base or dtype; rebuilding it" in capsys.readouterr().err
+
+
+def test_draft_vocab_ties_go_to_the_prompts_tokens_then_the_lowest_id():
+    labels = torch.tensor([[4, 4, 2], [4, 2, -1]])
+    assert draft_vocab(labels, 2, 9).tolist() == [2, 4]
+    assert draft_vocab(labels, 4, 9).tolist() == [0, 1, 2, 4]  # unused ids: the lowest
+    prompts = torch.tensor([7, 7, 5, 2])
+    assert draft_vocab(labels, 4, 9, prompts).tolist() == [2, 4, 5, 7]  # unused ids: the prompts' most frequent
+    assert draft_vocab(torch.tensor([3, 1]), 1, 9, torch.tensor([3, 3, 1])).tolist() == [3]  # an equal count too
