@@ -49,7 +49,8 @@ def train_size(recipe: str, limit: int, runs: Path, overrides: list[str]) -> dic
 
 
 def job_wall_times(job: Path, share: float) -> dict:
-    """Generation and feature seconds of the job's shards (their manifests), times ``share``."""
+    """Generation and feature seconds of the job's shards (their manifests), times ``share`` (the
+    run's sequences over the job's)."""
     generation = features = 0.0
     for manifest in sorted(job.glob("shards/shard-*/manifest.json")):
         m = json.loads(manifest.read_text())

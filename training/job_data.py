@@ -144,7 +144,7 @@ def job_batches(recipe, paths: list[Path], fingerprint: dict, dtype: str, chunki
     batches = FeatureBatches(job_table(shards, with_prompt, train), k, chunking, prompts)
     labelled = int((batches.table.targets[:, 0] >= 0).sum())
     summary = {"jobs": [str(p) for p in paths], "shards": len(shards), "sequences": len(train),
-               "held_out_sequences": len(held_out), "share": round(len(train) / (len(train) + len(held_out)), 6),
+               "held_out_sequences": len(held_out), "share": round(len(train) / sum(len(shard) for shard in shards), 6),
                "answer_positions": labelled, "rows": len(batches.table)}
     check_same_data(Path(recipe.run.output_dir), summary)
     write_data_summary(Path(recipe.run.output_dir), summary)
