@@ -70,9 +70,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--device", default="cuda")
     p.add_argument("--minutes", type=float, default=10.0, help="the whole run's wall-clock budget")
     p.add_argument("--generate-share", type=float, default=0.5, help="the share of the budget the generation stage may use")
-    p.add_argument("--prompts", nargs="*", default=["../shared/data/train_prompts.jsonl",
-                                                    "../shared/data/train_conversations.jsonl"])
-    p.add_argument("--answers", nargs="*", default=["../shared/data/selfdistill_smollm2.jsonl"])
+    p.add_argument("--prompts", nargs="+", required=True, help="the training prompt files (the job's --prompts)")
+    p.add_argument("--answers", nargs="*", default=[], help="answers made before, reused (the job's --answers)")
     p.add_argument("--eval-prompts", nargs="*", default=[], help="prompts whose answers score each epoch "
                    "(e.g. draftheads/data/mt_bench.jsonl draftheads/data/spec_bench_dev.jsonl): data.eval_path")
     p.add_argument("--eval-max-new-tokens", type=int, default=128)

@@ -143,7 +143,8 @@ def test_an_uncached_hub_dataset_fails_in_one_line_naming_the_local_way(tmp_path
     before loading anything, with one line (offline mode: no retries against the network)."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_DATASETS_CACHE=str(tmp_path / "cache"))
     done = subprocess.run([sys.executable, "-m", "draftheads.cli", "train", str(REPO / "recipes/hydra-smollm2.yaml"),
-                           "--data.path", "no-such-owner/no-such-dataset", "--data.name", "main"],
+                           "--data.kind", "selfdistill", "--data.path", "no-such-owner/no-such-dataset",
+                           "--data.name", "main"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert done.returncode == 2 and len(lines) == 1, done.stderr
