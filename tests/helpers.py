@@ -325,6 +325,21 @@ def saved_tree_heads(folder, model):
     return folder
 
 
+def tiny_distill_setup(root: Path, prompts: int, seed: int):
+    """A saved tiny base and random tree heads under ``root`` (``base/``, ``heads/``) and
+    ``prompts`` random word prompts in ``root/prompts.jsonl`` (ids p0.., source "tiny"): what the
+    self-distillation job's tests answer. Returns the base and the prompts' texts."""
+    model = save_tiny_base(root / "base")
+    saved_tree_heads(root / "heads", model)
+    generator = torch.Generator().manual_seed(seed)
+    texts = [" ".join(f"w{int(t)}" for t in torch.randint(5, 96, (int(n),), generator=generator))
+             for n in torch.randint(1, 7, (prompts,), generator=generator)]
+    with open(root / "prompts.jsonl", "w") as handle:
+        for i, text in enumerate(texts):
+            handle.write(json.dumps({"id": f"p{i}", "source": "tiny", "prompt": text}) + "\n")
+    return model, texts
+
+
 # -- heads and a calibration grid several test modules use ------------------------------------------
 def random_heads(family: str, model, seed: int = 0, draft_vocab: int = 0, num_layers: int = 1,
                  extra: dict | None = None):

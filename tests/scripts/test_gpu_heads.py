@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import REPO, left_pad, save_tiny_base, saved_tree_heads, subprocess_env, tiny_recipe
+from helpers import REPO, left_pad, subprocess_env, tiny_distill_setup, tiny_recipe
 from draftheads.decoding import DraftHeadsModel
 from draftheads.training import distill_job
 
@@ -27,14 +27,7 @@ SHARDS = 12  # 24 prompts, 2 a shard
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("gpu_heads")
-    model = save_tiny_base(root / "base")
-    saved_tree_heads(root / "heads", model)
-    generator = torch.Generator().manual_seed(2)
-    with open(root / "prompts.jsonl", "w") as handle:
-        for i in range(24):
-            words = torch.randint(5, 96, (int(torch.randint(1, 6, (1,), generator=generator)),), generator=generator)
-            handle.write(json.dumps({"id": f"p{i}", "source": "tiny", "prompt": " ".join(f"w{int(t)}" for t in words)})
-                         + "\n")
+    model, _ = tiny_distill_setup(root, 24, seed=2)
     with open(root / "eval.jsonl", "w") as handle:  # benchmark questions: their first turn is asked
         for i in range(3):
             handle.write(json.dumps({"question_id": i, "turns": [f"w{60 + i} w{70 + i} w8", "w9"]}) + "\n")

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import OracleHeads, left_pad, save_tiny_base, saved_tree_heads, tiny_llama
+from helpers import OracleHeads, left_pad, tiny_distill_setup, tiny_llama
 from draftheads.decoding import DraftHeadsModel, tree_from_paths
 from draftheads.training import distill_job, distill_shards
 from draftheads.training.distill_capture import answer_with_states, forward_states
@@ -78,14 +78,7 @@ def test_prefixes_of_the_interleaved_prompts_are_proportional_and_a_repeat_is_an
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("distill")
-    model = save_tiny_base(root / "base")
-    saved_tree_heads(root / "heads", model)
-    generator = torch.Generator().manual_seed(0)
-    texts = [" ".join(f"w{int(t)}" for t in torch.randint(5, 96, (int(n),), generator=generator))
-             for n in torch.randint(1, 7, (10,), generator=generator)]
-    with open(root / "prompts.jsonl", "w") as handle:
-        for i, text in enumerate(texts):
-            handle.write(json.dumps({"id": f"p{i}", "source": "tiny", "prompt": text}) + "\n")
+    _, texts = tiny_distill_setup(root, 10, seed=0)
     with open(root / "conversations.jsonl", "w") as handle:  # one new user turn, one already asked
         for i, text in [(10, "w50 w51 w52"), (11, texts[2])]:
             handle.write(json.dumps({"id": f"c{i}", "source": "chat", "messages": [

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import REPO, run_inprocess, save_tiny_base, saved_tree_heads, subprocess_env, tiny_recipe
+from helpers import REPO, run_inprocess, save_tiny_base, subprocess_env, tiny_distill_setup, tiny_recipe
 from draftheads.training import distill_job
 from draftheads.training.batches import sequence_chunks
 from draftheads.training.features import Example, hidden_states, shift_targets
@@ -22,14 +22,7 @@ from draftheads.training.job_data import MappedRows, job_table, split_sequences
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     root = tmp_path_factory.mktemp("jobdata")
-    model = save_tiny_base(root / "base")
-    saved_tree_heads(root / "heads", model)
-    generator = torch.Generator().manual_seed(1)
-    with open(root / "prompts.jsonl", "w") as handle:
-        for i in range(24):
-            words = torch.randint(5, 96, (int(torch.randint(1, 6, (1,), generator=generator)),), generator=generator)
-            handle.write(json.dumps({"id": f"p{i}", "source": "tiny", "prompt": " ".join(f"w{int(t)}" for t in words)})
-                         + "\n")
+    model, _ = tiny_distill_setup(root, 24, seed=1)
     args = ["--out", str(root / "job"), "--prompts", str(root / "prompts.jsonl"), "--base", str(root / "base"),
             "--heads", str(root / "heads"), "--dtype", "float64", "--tree", "3", "--sources", "heads",
             "--max-new-tokens", "12", "--shard-size", "8", "--batch-size", "8"]
