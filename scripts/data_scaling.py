@@ -61,39 +61,32 @@ def job_wall_times(job: Path, share: float) -> dict:
     return {"generation_seconds": round(generation * share, 1), "features_seconds": round(features * share, 1)}
 
 
-def eval_tables(eval_job: Path, base, with_prompt: bool):
-    """The evaluation job as tables: every sequence (``dev``: MT-Bench and Spec-Bench dev), and
-    the MT-Bench ones."""
+def eval_table(eval_job: Path, base, with_prompt: bool):
+    """The evaluation job (MT-Bench and Spec-Bench dev) as one table and its rows per prompt
+    source, as a run's per-epoch evaluation reads it."""
     from draftheads.decoding.base.loading import dtype_name
     from draftheads.decoding.fingerprint import fingerprint
-    from draftheads.training.distill_job import open_job
-    from draftheads.training.job_data import job_table, sequence_sources
+    from draftheads.training.job_data import job_eval_table
 
-    shards = open_job(eval_job, fingerprint(base).to_dict(), dtype_name(base.dtype))
-    folders = sorted((eval_job / "shards").glob("shard-[0-9]*"))
-    pairs = [(s, k) for s, shard in enumerate(shards) for k in range(len(shard))]
-    sources = [src for folder, shard in zip(folders, shards) for src in sequence_sources(folder, len(shard))]
-    mt_bench = [p for p, src in zip(pairs, sources) if src == "mt_bench"]
-    return {"dev": job_table(shards, with_prompt, pairs), "mt_bench": job_table(shards, with_prompt, mt_bench)}
+    return job_eval_table(eval_job, fingerprint(base).to_dict(), dtype_name(base.dtype), with_prompt)
 
 
-def teacher_forced(heads_dir: Path, base, tables: dict) -> dict:
-    """Per group: per-head top-1/top-5 and the τ of the heads' 8-node tree, teacher-forced."""
-    from draftheads.head_scoring import tree_tau
+def teacher_forced(heads_dir: Path, base, table_groups: tuple) -> dict:
+    """Per-head top-1/top-5 and the τ of the heads' 8-node tree, teacher-forced, on the whole
+    evaluation table (``dev``) and its MT-Bench rows: the per-epoch evaluation's scoring."""
     from draftheads.heads import load_heads
-    from draftheads.training.evaluation import rank_table
-    from draftheads.training.losses import topk_accuracy
+    from draftheads.training.evaluation import evaluate_heads
 
+    table, groups = table_groups
     heads = load_heads(heads_dir, dtype=torch.float32)
     heads.bind(base.get_output_embeddings().weight.float(), base.get_input_embeddings().weight.float())
-    heads.eval()
-    scores = {}
-    for group, table in tables.items():
-        ranks = rank_table(heads, table, "teacher", torch.float32, "cpu", chunk_length=0)
-        budget = max((b for b in heads.config.trees if int(b) <= 8), key=int, default=None)
-        scores[group] = {"positions": int(ranks.shape[0]), "accuracy": topk_accuracy(ranks),
-                         "tree_tau_8": tree_tau(ranks, heads.config.trees[budget]) if budget is not None else None}
-    return scores
+    scores = evaluate_heads(heads, table, {"mt_bench": groups["mt_bench"]}, chunk_length=0)
+
+    def shaped(part: dict) -> dict:
+        return {"positions": part["positions"], "accuracy": {"top1": part["top1"], "top5": part["top5"]},
+                "tree_tau_8": part["tau"]}
+
+    return {"dev": shaped(scores), "mt_bench": shaped(scores["groups"]["mt_bench"])}
 
 
 def decoded_tau(heads_dir: Path, base, tokenizer, prompts: list[dict], max_new_tokens: int) -> dict:
@@ -166,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     base, tokenizer = load_base(dtype="bfloat16")
     prompts = read_prompts(DEV_PROMPTS)
     contextual = any(r["recipe"]["heads"].get("extra", {}).get("prefix_context") == "sequence" for r in reports.values())
-    tables = eval_tables(Path(args.eval_job), base, contextual)
+    tables = eval_table(Path(args.eval_job), base, contextual)
     rows = []
     for limit, report in sorted(reports.items(), key=lambda item: item[0] or float("inf")):
         run_dir = run_dir_of(runs, limit)

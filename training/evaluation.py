@@ -124,30 +124,25 @@ def is_better(scores: dict, best: dict | None) -> bool:
 
 
 # -- the evaluation tables -----------------------------------------------------------------------------------
-def load_eval_table(recipe: Recipe, accelerator, fp: dict, base=None,
-                    tokenizer=None) -> tuple[Features, dict[str, torch.Tensor]] | None:
+def load_eval_table(recipe: Recipe, accelerator, fp: dict, base,
+                    tokenizer) -> tuple[Features, dict[str, torch.Tensor]] | None:
     """The ``dev`` table of ``data.eval_path`` (None when unset): a JSONL of the base's own
     answers, records ``{"prompt", "response_ids", "group"}`` (or token ids: ``{"input_ids",
     "response_start", "group"}``; ``group`` optional, e.g. mt_bench, spec_bench_dev), as
     features (cached under ``data.features_dir``/dev when set) and the row indices of each
-    group. The base is loaded here unless given."""
+    group; an evaluation job's folder is read as it lies (:func:`~.job_data.job_eval_table`).
+    ``base`` and ``tokenizer``: the run's, loaded once for every table."""
     path = recipe.data.eval_path
     if not path:
         return None
     if Path(path).is_dir():  # a self-distillation job's folder: its states are read where they lie
         from ..decoding.base.loading import dtype_name
-        from .job_data import job_eval_table
+        from .job_data import job_eval_table, reads_prompt
 
-        dtype = dtype_name(base.dtype) if base is not None else recipe.base_dtype
-        return job_eval_table(Path(path), fp, dtype, recipe.heads.extra.get("prefix_context") == "sequence")
+        return job_eval_table(Path(path), fp, dtype_name(base.dtype), reads_prompt(recipe))
     if not Path(path).is_file():
         raise DataError(f"Recipe key data.eval_path: {path} does not exist; point it at a JSONL of the base's "
                         "answers (prompt, response_ids, group) or remove it.")
-    if base is None:
-        from .frozen import load_frozen_base, unsharded_loading
-
-        with unsharded_loading(accelerator):
-            base, tokenizer = load_frozen_base(recipe.base, recipe.base_dtype)
     by_group: dict[str, list[dict]] = {}
     try:
         for record in read_jsonl(path):

@@ -110,6 +110,12 @@ def sequence_sources(folder: Path, count: int) -> list[str]:
     return [str(shard_sources[0]) if len(shard_sources) == 1 else "?"] * count
 
 
+def reads_prompt(recipe) -> bool:
+    """Whether the recipe's heads read whole sequences, prompt included (Hydra++'s
+    ``prefix_context: sequence``): their tables then carry the prompt's rows."""
+    return recipe.heads.extra.get("prefix_context") == "sequence"
+
+
 def check_job_folder(path: Path) -> None:
     """A recipe's job folder exists and is a job's (its plan), checked before the base loads."""
     from .data import DataError
@@ -132,7 +138,7 @@ def job_batches(recipe, paths: list[Path], fingerprint: dict, dtype: str, chunki
     from .distill_job import open_job
 
     k = recipe.heads.num_heads
-    with_prompt = recipe.heads.extra.get("prefix_context") == "sequence"
+    with_prompt = reads_prompt(recipe)
     shards = [shard for path in paths for shard in open_job(path, fingerprint, dtype)]
     train, held_out = split_sequences(shards, recipe.data.eval_examples)
     if 0 < recipe.data.limit < len(train):

@@ -83,10 +83,10 @@ def test_keep_best_needs_the_per_epoch_evaluation_and_a_missing_dev_table_is_one
     with pytest.raises(RecipeError, match="run.keep_best .*run.eval_each_epoch: false"):
         load_recipe(None, ["--run.eval_each_epoch", "false"])
     recipe = load_recipe(None, ["--run.eval_each_epoch", "false", "--run.keep_best", "false"])
-    assert not recipe.run.keep_best and load_eval_table(recipe, None, {}) is None  # unset: no dev table
+    assert not recipe.run.keep_best and load_eval_table(recipe, None, {}, None, None) is None  # unset: no dev table
     recipe = load_recipe(None, ["--data.eval_path", str(tmp_path / "nope.jsonl")])
     with pytest.raises(DataError, match="data.eval_path: .*nope.jsonl does not exist"):
-        load_eval_table(recipe, None, {})
+        load_eval_table(recipe, None, {}, None, None)
 
 
 def test_a_checkpoint_from_before_the_curves_still_resumes(tmp_path):
