@@ -1,13 +1,16 @@
-"""The data-scaling table: one head family trained on growing samples of the same
-self-distilled data, each scored on what predicts decoding.
+"""The data-scaling table and the papers' orderings: head families trained on seeded samples of
+the same self-distilled data, each scored on what predicts decoding.
 
     python scripts/data_scaling.py --recipe recipes/hydra-smollm2.yaml --sizes 400,1200,0 \\
         --eval-job data_cache/eval-smollm2 --out results/data_scaling/hydra [--data.path JOB ...]
+    python scripts/data_scaling.py --recipe recipes/{medusa,hydra,hydrapp,amphista,koala-hydra}-smollm2.yaml \\
+        --sizes 1200 --eval-job data_cache/eval-smollm2 --out results/orderings --train.epochs 2 ...
 
-Per size (``data.limit`` sequences, a seeded sample of the job's mixture; 0 = all of it):
+Per recipe and size (``data.limit`` sequences, a seeded sample of the job's mixture, the same for
+every recipe with the same ``train.seed``; 0 = all of it):
 
-* training: ``python -m draftheads.training.train RECIPE --data.limit N`` into ``OUT/runs/N``
-  (resumable: a cut run continues, a finished one is reused);
+* training: ``python -m draftheads.training.train RECIPE --data.limit N`` into
+  ``RUNS/<recipe file's stem>/N`` (resumable: a cut run continues, a finished one is reused);
 * MT-Bench head-1 accuracy: teacher-forced top-1/top-5 per head on the base's own answers to
   the evaluation job's prompts (MT-Bench, and all of Spec-Bench dev), not the training sources;
 * τ at an 8-node tree on the dev prompts (MT-Bench@1 + Spec-Bench dev @8 of each other task),
@@ -15,6 +18,9 @@ Per size (``data.limit`` sequences, a seeded sample of the job's mixture; 0 = al
 * wall time per stage: generation (the job's decoding of the answers this sample uses, scaled
   by the share of its sequences), features (the plain forwards over reused answers; decoded
   answers keep the decoder's states: none), training (the run's own report).
+
+With several recipes, the papers' orderings at each size (Medusa < Hydra < Hydra++, Amphista >
+Medusa, KOALA over a family > that family) are checked on the decoded τ and written beside the table.
 
 Writes ``OUT/scaling.json``, ``OUT/table.md`` and ``OUT/scaling.png``.
 """
@@ -32,13 +38,40 @@ import torch
 DEV_PROMPTS = ["mt-bench@1", "spec-bench@8:translation,summarization,qa,math_reasoning,rag"]
 
 
-def run_dir_of(runs: Path, limit: int) -> Path:
-    return runs / str(limit or "all")
+# The papers' orderings at one tree size, same data: (lower, higher) by family label.
+ORDERINGS = (("Medusa", "Hydra"), ("Hydra", "Hydra++"), ("Medusa", "Amphista"))
+
+
+def run_dir_of(runs: Path, recipe: str, limit: int) -> Path:
+    return runs / Path(recipe).stem / str(limit or "all")
+
+
+def family_label(recipe: dict) -> str:
+    """"Medusa", "Hydra++", "KOALA-Hydra": what a run's recipe trains."""
+    from draftheads.heads import display_name
+    from draftheads.training.adversarial import koala_label
+
+    family = recipe["heads"]["family"]
+    return koala_label(family) if recipe.get("adversarial", {}).get("enabled") else display_name(family)
+
+
+def orderings(rows: list[dict]) -> list[dict]:
+    """Each published ordering that the rows can test, per size, on the decoded τ: the pairs in
+    ``ORDERINGS``, and every KOALA-X above X."""
+    checks = []
+    for limit in sorted({r["limit"] for r in rows}, key=lambda n: n or float("inf")):
+        tau = {r["family"]: r["decoded"]["tau"] for r in rows if r["limit"] == limit}
+        pairs = list(ORDERINGS) + [(f.removeprefix("KOALA-"), f) for f in tau if f.startswith("KOALA-")]
+        for low, high in pairs:
+            if low in tau and high in tau:
+                checks.append({"limit": limit, "claim": f"{low} < {high}", "low": tau[low], "high": tau[high],
+                               "holds": tau[high] > tau[low]})
+    return checks
 
 
 def train_size(recipe: str, limit: int, runs: Path, overrides: list[str]) -> dict:
-    """Train (or resume, or reuse) the run for ``limit`` sequences; its training report."""
-    run_dir = run_dir_of(runs, limit)
+    """Train (or resume, or reuse) the run of ``recipe`` on ``limit`` sequences; its training report."""
+    run_dir = run_dir_of(runs, recipe, limit)
     report = run_dir / "final" / "training_report.json"
     if not report.is_file():
         command = [sys.executable, "-m", "draftheads.training.train", recipe, "--data.limit", str(limit),
@@ -69,6 +102,17 @@ def eval_table(eval_job: Path, base, with_prompt: bool):
     from draftheads.training.job_data import job_eval_table
 
     return job_eval_table(eval_job, fingerprint(base).to_dict(), dtype_name(base.dtype), with_prompt)
+
+
+def table_for(report: dict, tables: dict, base, eval_job: str) -> tuple:
+    """The evaluation table laid out as this run's heads read it (with the prompt's rows or not)."""
+    from draftheads.training.job_data import reads_prompt
+    from draftheads.training.recipe import Recipe, build
+
+    with_prompt = reads_prompt(build(Recipe, report["recipe"]))
+    if with_prompt not in tables:
+        tables[with_prompt] = eval_table(Path(eval_job), base, with_prompt)
+    return tables[with_prompt]
 
 
 def teacher_forced(heads_dir: Path, base, table_groups: tuple) -> dict:
@@ -108,13 +152,19 @@ def decoded_tau(heads_dir: Path, base, tokenizer, prompts: list[dict], max_new_t
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| Sequences | Answer positions | MT-Bench top-1 per head | τ@8 teacher-forced (MT-Bench) | "
-             "τ@8 decoded (dev) | Generation | Features | Training |", "|---:|---:|---|---:|---:|---:|---:|---:|"]
+    lines = ["| Heads | Sequences | Answer positions | MT-Bench top-1 per head | τ@8 teacher-forced (MT-Bench) | "
+             "τ@8 decoded (dev) | Generation | Features | Training |", "|---|---:|---:|---|---:|---:|---:|---:|---:|"]
     for r in rows:
         mt = r["teacher_forced"]["mt_bench"]
-        lines.append(f"| {r['sequences']:,} | {r['positions']:,} | {' / '.join(f'{a:.2f}' for a in mt['accuracy']['top1'])}"
+        lines.append(f"| {r['family']} | {r['sequences']:,} | {r['positions']:,} | "
+                     f"{' / '.join(f'{a:.2f}' for a in mt['accuracy']['top1'])}"
                      f" | {mt['tree_tau_8']:.2f} | {r['decoded']['tau']:.2f} | {r['generation_seconds'] / 60:.0f} min"
                      f" | {r['features_seconds'] / 60:.0f} min | {r['training_seconds'] / 60:.0f} min |")
+    checks = orderings(rows)
+    if checks:
+        lines += ["", "| Sequences | Ordering (decoded τ@8) | τ | Holds |", "|---:|---|---|---|"]
+        lines += [f"| {c['limit'] or 'all'} | {c['claim']} | {c['low']:.2f} vs {c['high']:.2f} | "
+                  f"{'yes' if c['holds'] else 'no'} |" for c in checks]
     return "\n".join(lines) + "\n"
 
 
@@ -124,24 +174,25 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    x = [r["positions"] for r in rows]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    for head in range(len(rows[0]["teacher_forced"]["mt_bench"]["accuracy"]["top1"])):
-        left.plot(x, [r["teacher_forced"]["mt_bench"]["accuracy"]["top1"][head] for r in rows], "o-",
-                  label=f"head {head + 1}")
-    left.set(xscale="log", xlabel="training answer positions", ylabel="MT-Bench top-1 (teacher-forced)")
+    for family in dict.fromkeys(r["family"] for r in rows):
+        mine = [r for r in rows if r["family"] == family]
+        x = [r["positions"] for r in mine]
+        left.plot(x, [r["teacher_forced"]["mt_bench"]["accuracy"]["top1"][0] for r in mine], "o-", label=family)
+        right.plot(x, [r["decoded"]["tau"] for r in mine], "o-", label=f"{family}, decoded, dev prompts")
+        right.plot(x, [r["teacher_forced"]["mt_bench"]["tree_tau_8"] for r in mine], "s--",
+                   label=f"{family}, teacher-forced, MT-Bench")
+    left.set(xscale="log", xlabel="training answer positions", ylabel="MT-Bench head-1 top-1 (teacher-forced)")
     left.legend()
-    right.plot(x, [r["decoded"]["tau"] for r in rows], "o-", label="decoded, dev prompts")
-    right.plot(x, [r["teacher_forced"]["mt_bench"]["tree_tau_8"] for r in rows], "s--", label="teacher-forced, MT-Bench")
     right.set(xscale="log", xlabel="training answer positions", ylabel="τ at an 8-node tree (heads alone)")
-    right.legend()
+    right.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--recipe", required=True)
+    parser.add_argument("--recipe", required=True, nargs="+", help="one or more recipes, trained on the same samples")
     parser.add_argument("--sizes", default="400,1200,0", help="training sequences per size (0: all)")
     parser.add_argument("--eval-job", required=True, help="the evaluation job's folder (MT-Bench + Spec-Bench dev)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -155,26 +206,26 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     runs = Path(args.runs)
-    reports = {int(n): train_size(args.recipe, int(n), runs, overrides) for n in args.sizes.split(",")}
+    reports = {(recipe, int(n)): train_size(recipe, int(n), runs, overrides)
+               for recipe in args.recipe for n in args.sizes.split(",")}
     base, tokenizer = load_base(dtype="bfloat16")
     prompts = read_prompts(DEV_PROMPTS)
-    contextual = any(r["recipe"]["heads"].get("extra", {}).get("prefix_context") == "sequence" for r in reports.values())
-    tables = eval_table(Path(args.eval_job), base, contextual)
+    tables = {}  # with the prompt's rows or not (training/job_data.reads_prompt): each built once
     rows = []
-    for limit, report in sorted(reports.items(), key=lambda item: item[0] or float("inf")):
-        run_dir = run_dir_of(runs, limit)
+    for (recipe, limit), report in sorted(reports.items(), key=lambda item: item[0][1] or float("inf")):
+        run_dir = run_dir_of(runs, recipe, limit)
         job = Path(report["recipe"]["data"]["path"] if isinstance(report["recipe"]["data"]["path"], str)
                    else report["recipe"]["data"]["path"][0])
         data = json.loads((run_dir / "data.json").read_text())  # what the run trained on (training/job_data.py)
-        row = {"limit": limit, "sequences": data["sequences"], "positions": data["answer_positions"],
+        row = {"recipe": recipe, "family": family_label(report["recipe"]), "limit": limit, "sequences": data["sequences"], "positions": data["answer_positions"],
                "epochs": report["recipe"]["train"]["epochs"], **job_wall_times(job, data["share"]),
                "training_seconds": report["train_wall_seconds"],
-               "teacher_forced": teacher_forced(run_dir / "final", base, tables),
+               "teacher_forced": teacher_forced(run_dir / "final", base, table_for(report, tables, base, args.eval_job)),
                "decoded": decoded_tau(run_dir / "final", base, tokenizer, prompts, args.max_new_tokens)}
         print(json.dumps(row), file=sys.stderr, flush=True)
         rows.append(row)
-    (out / "scaling.json").write_text(json.dumps({"recipe": args.recipe, "sizes": args.sizes, "overrides": overrides,
-                                                  "rows": rows,
+    (out / "scaling.json").write_text(json.dumps({"recipes": args.recipe, "sizes": args.sizes, "overrides": overrides,
+                                                  "rows": rows, "orderings": orderings(rows),
                                                   "command": " ".join(sys.argv)}, indent=1) + "\n")
     (out / "table.md").write_text(markdown(rows))
     plot(rows, out / "scaling.png")

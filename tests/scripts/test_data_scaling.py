@@ -1,0 +1,56 @@
+"""scripts/data_scaling.py's pure parts: which family a run's recipe trains, the papers' orderings
+checked on the decoded τ, and the table that reports them."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+from helpers import REPO
+
+
+def load_script():
+    """scripts/ is not a package: import data_scaling.py from its path."""
+    spec = importlib.util.spec_from_file_location("data_scaling", REPO / "scripts" / "data_scaling.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def row(family: str, limit: int, tau: float) -> dict:
+    return {"family": family, "limit": limit, "sequences": 10, "positions": 100, "decoded": {"tau": tau},
+            "teacher_forced": {"mt_bench": {"accuracy": {"top1": [0.4, 0.3]}, "tree_tau_8": 1.9}},
+            "generation_seconds": 60.0, "features_seconds": 0.0, "training_seconds": 120.0}
+
+
+def test_family_label_names_koala_runs_by_their_family():
+    script = load_script()
+    assert script.family_label({"heads": {"family": "hydra++"}}) == "Hydra++"
+    assert script.family_label({"heads": {"family": "hydra"}, "adversarial": {"enabled": False}}) == "Hydra"
+    assert script.family_label({"heads": {"family": "hydra"}, "adversarial": {"enabled": True}}) == "KOALA-Hydra"
+
+
+def test_orderings_compare_families_only_within_one_size():
+    script = load_script()
+    rows = [row("Medusa", 400, 1.5), row("Hydra", 400, 1.6), row("Hydra++", 400, 1.55),
+            row("Amphista", 400, 1.4), row("KOALA-Hydra", 400, 1.7),
+            row("Medusa", 0, 1.7), row("Hydra", 1200, 1.9)]  # no pair at 0 or 1200
+    checks = script.orderings(rows)
+    assert [(c["claim"], c["holds"]) for c in checks] == [
+        ("Medusa < Hydra", True), ("Hydra < Hydra++", False), ("Medusa < Amphista", False),
+        ("Hydra < KOALA-Hydra", True)]
+    assert {c["limit"] for c in checks} == {400}
+    assert checks[1]["low"] == 1.6 and checks[1]["high"] == 1.55
+
+
+def test_a_tie_does_not_hold():
+    script = load_script()
+    assert script.orderings([row("Medusa", 0, 1.6), row("Hydra", 0, 1.6)])[0]["holds"] is False
+
+
+def test_the_table_carries_each_family_and_the_orderings():
+    script = load_script()
+    table = script.markdown([row("Medusa", 0, 1.5), row("Hydra", 0, 1.6)])
+    assert "| Medusa | 10 | 100 | 0.40 / 0.30 | 1.90 | 1.50 | 1 min | 0 min | 2 min |" in table
+    assert "| all | Medusa < Hydra | 1.50 vs 1.60 | yes |" in table
+    assert "Ordering" not in script.markdown([row("Hydra", 0, 1.6)])
