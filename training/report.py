@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from ..decoding.base.hardware import machine_summary
 from ..decoding.limits import DTYPES
 from ..decoding.tree import tree_from_ranks
 from ..heads import DraftHeads
@@ -126,6 +127,19 @@ def write_curves(directory: Path, curves: dict) -> None:
             plot_curves(curves, handle)  # a file object: matplotlib writes PNG (its default format)
 
 
+def data_summary(recipe: Recipe) -> dict | None:
+    """What the run trained on, as it wrote it (job data: ``data.json``: sequences, answer
+    positions), or None where it wrote none or it is unreadable."""
+    from .job_data import DATA_SUMMARY
+
+    if recipe.data.kind != "job":
+        return None
+    try:
+        return json.loads((Path(recipe.run.output_dir) / DATA_SUMMARY).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
 def finish(heads: DraftHeads, eval_table: Features, recipe: Recipe, parts: FrozenParts, progress: Progress,
            dtype: torch.dtype, accelerator, total: int, curves: Curves | None = None,
            tree_table: Features | None = None) -> dict:
@@ -160,6 +174,7 @@ def finish(heads: DraftHeads, eval_table: Features, recipe: Recipe, parts: Froze
               "final_loss": progress.last_loss, "train_positions_seen": progress.positions,
               "train_tokens_per_second": round(progress.positions / seconds, 1) if seconds else None,
               "train_wall_seconds": round(seconds, 1), "processes": accelerator.num_processes,
+              "hardware": machine_summary(), "epochs": recipe.train.epochs, "data": data_summary(recipe),
               "distributed_type": str(accelerator.distributed_type).split(".")[-1],
               "mixed_precision": recipe.train.mixed_precision, "held_out_positions": held_out_positions,
               "trees_from": recipe.run.trees_from, "tree_positions": int(ranks.shape[0]),

@@ -81,6 +81,16 @@ def cpu_model() -> str:
     return proc_field("/proc/cpuinfo", "model name") or platform.processor() or platform.machine() or "cpu"
 
 
+def machine_summary() -> str:
+    """One line naming what a run ran on (the CPU model and its cores, the GPUs torch sees), for
+    training reports and model cards: wall times mean little without it."""
+    cpu = f"{cpu_model()}, {os.cpu_count()} logical cores"
+    if torch.cuda.is_available():
+        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        return f"{len(names)}× {names[0]} ({cpu})"
+    return f"{cpu}, no GPU"
+
+
 def isa_limits() -> dict[str, str]:
     """The ISA-limiting environment variables that are set (see :data:`ISA_LIMITS`)."""
     return {name: os.environ[name] for name in ISA_LIMITS if os.environ.get(name)}

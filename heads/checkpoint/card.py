@@ -123,7 +123,21 @@ def training_section(config: HeadConfig, report: dict) -> str:
   {report['steps']} steps; mixed precision {report['mixed_precision']}
 - {report['train_positions_seen']} training positions in {report['train_wall_seconds']} s wall time
   ({report['train_tokens_per_second']} tokens/s), final train loss {report['final_loss']:.4f}
-"""
+""" + volume_lines(report)
+
+
+def volume_lines(report: dict) -> str:
+    """Epochs, the data's size and the hardware, where the report records them (older reports
+    do not)."""
+    data = report.get("data") or {}
+    lines = []
+    if report.get("epochs") is not None:
+        sized = (f" of {data['sequences']:,} sequences ({data['answer_positions']:,} answer positions)"
+                 if {"sequences", "answer_positions"} <= data.keys() else "")
+        lines.append(f"- {report['epochs']:g} epoch(s){sized}")
+    if report.get("hardware"):
+        lines.append(f"- Hardware: {report['hardware']}")
+    return "".join(line + "\n" for line in lines)
 
 
 def accuracy_section(accuracy: dict) -> str:

@@ -88,6 +88,11 @@ def test_a_recipe_trains_on_a_job_folder(job):
     data = json.loads((root / "run" / "data.json").read_text())
     assert data["sequences"] + data["held_out_sequences"] == 24 and data["held_out_sequences"] == 4
     assert data["answer_positions"] == data["rows"]  # answers only: every row is labelled
+    # the report and the card state the data's size, the epochs and the hardware
+    assert report["data"] == data and report["epochs"] == 2
+    card = (root / "run" / "final" / "README.md").read_text()
+    assert f"- 2 epoch(s) of {data['sequences']:,} sequences ({data['answer_positions']:,} answer positions)" in card
+    assert f"- Hardware: {report['hardware']}" in card and "logical cores" in report["hardware"]
 
 
 def test_a_limit_is_a_seeded_sample_of_the_whole_job(job):
