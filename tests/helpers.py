@@ -61,6 +61,18 @@ class Collect:
         self.tokens.append("end")
 
 
+def load_script(name: str):
+    """scripts/ is not a package: import ``scripts/<name>.py`` from its path, registered in
+    ``sys.modules`` (where dataclasses look their module up)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def tiny_llama(seed: int = 0, vocab: int = 96, dtype=torch.float64, max_pos: int = 256) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -2,15 +2,13 @@
 must be token-identical to HF) with two saved checkpoints of different families."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import REPO, tiny_llama
+from helpers import load_script, tiny_llama
 from draftheads.decoding import fingerprint
 from draftheads.heads import HeadConfig, build_heads
 
@@ -22,13 +20,6 @@ PROMPTS = [{"id": 1, "category": "writing", "prompt": "Write a short poem about 
            {"id": 4, "category": "translation", "prompt": "Translate: good morning, dear friends."}]
 
 
-def load_script():
-    """scripts/ is not a package: import compare_heads.py from its path."""
-    spec = importlib.util.spec_from_file_location("compare_heads", REPO / "scripts" / "compare_heads.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up here
-    spec.loader.exec_module(module)
-    return module
 
 
 class CharTokenizer:
@@ -57,7 +48,7 @@ def save_random_heads(model, family: str, directory: Path, seed: int, extra: dic
 
 @pytest.fixture(scope="module")
 def compared(tmp_path_factory):
-    script = load_script()
+    script = load_script("compare_heads")
     tmp = tmp_path_factory.mktemp("compare")
     model = tiny_llama(0)
     medusa, hydrapp = tmp / "tiny-medusa", tmp / "tiny-hydrapp"

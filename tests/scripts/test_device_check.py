@@ -2,24 +2,15 @@
 identity with transformers where the dtype guarantees it, and a broken case fails the run."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 
-from helpers import REPO
+from helpers import load_script
 
 
-def load_script():
-    """scripts/ is not a package: import device_check.py from its path."""
-    spec = importlib.util.spec_from_file_location("device_check", REPO / "scripts" / "device_check.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_float64_cases_are_identical_and_the_run_passes(tmp_path):
-    script = load_script()
+    script = load_script("device_check")
     assert script.main(["--device", "cpu", "--dtypes", "float64", "--max-new-tokens", "10", "--out", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "device_check.json").read_text())
     greedy = [c for c in results["cases"] if "shape" in c]
@@ -29,7 +20,7 @@ def test_float64_cases_are_identical_and_the_run_passes(tmp_path):
 
 
 def test_a_case_that_raises_or_a_float64_divergence_fails_the_run():
-    script = load_script()
+    script = load_script("device_check")
     broken = {"cases": [{"dtype": "float32", "error": "RuntimeError: device-side assert"},
                         {"dtype": "float64", "divergences": [{"position": 3}]},
                         {"dtype": "bfloat16", "divergences": [{"position": 3}]}]}

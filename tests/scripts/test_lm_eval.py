@@ -5,20 +5,14 @@ the same SmolLM2 object (float32): identical generations and identical score. Th
 problems, the time ratio) is ``results/lm_eval/``."""
 from __future__ import annotations
 
-import importlib.util
 
 import pytest
 import yaml
 
 from draftheads.prompts import DATA_DIR
-from helpers import REPO
+from helpers import REPO, load_script
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("lm_eval_gsm8k", REPO / "scripts" / "lm_eval_gsm8k.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_the_task_reads_the_committed_problems():
@@ -26,14 +20,14 @@ def test_the_task_reads_the_committed_problems():
     task = yaml.safe_load((DATA_DIR / "gsm8k_sample.yaml").read_text())
     assert task["dataset_path"] == "json" and task["output_type"] == "generate_until"
     assert (DATA_DIR / task["dataset_kwargs"]["data_files"]["test"]).is_file()
-    config = load_script().task_config(DATA_DIR / "gsm8k_sample.yaml", None, 32)
+    config = load_script("lm_eval_gsm8k").task_config(DATA_DIR / "gsm8k_sample.yaml", None, 32)
     assert config["dataset_kwargs"]["data_files"]["test"] == str((DATA_DIR / "gsm8k_test_sample.jsonl").resolve())
     assert config["generation_kwargs"]["max_gen_toks"] == 32
 
 
 @pytest.mark.slow
 def test_lm_eval_with_the_heads_gives_the_plain_models_generations_and_score(smollm2):
-    report = load_script().run(str(REPO / "checkpoints" / "smollm2-135m-hydra"), limit=3, dtype="float32",
+    report = load_script("lm_eval_gsm8k").run(str(REPO / "checkpoints" / "smollm2-135m-hydra"), limit=3, dtype="float32",
                                max_gen_toks=48, model=smollm2)
     assert report["problems"] == 3
     assert report["identical_generations"] == 3, report["first_different"]

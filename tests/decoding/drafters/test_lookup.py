@@ -328,12 +328,11 @@ def test_head_candidates_share_the_scale():
 
 
 def test_build_store_script_holds_out_the_last_records(tmp_path, monkeypatch, capsys):
-    import importlib.util
     import json as _json
 
-    spec = importlib.util.spec_from_file_location("build_store", REPO / "scripts" / "build_store.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    from helpers import load_script
+
+    script = load_script("build_store")
     monkeypatch.setattr(script, "load_tokenizer", lambda name: FakeTokenizer(10))
     data = tmp_path / "answers.jsonl"
     data.write_text("".join(_json.dumps({"response_ids": r}) + "\n" for r in RECORDS))
