@@ -42,6 +42,11 @@ DEV_PROMPTS = ["mt-bench@1", "spec-bench@8:translation,summarization,qa,math_rea
 ORDERINGS = (("Medusa", "Hydra"), ("Hydra", "Hydra++"), ("Medusa", "Amphista"))
 
 
+def size_order(limit: int) -> float:
+    """Sizes in increasing order, 0 (all of the job) last."""
+    return limit or float("inf")
+
+
 def run_dir_of(runs: Path, recipe: str, limit: int) -> Path:
     return runs / Path(recipe).stem / str(limit or "all")
 
@@ -59,7 +64,7 @@ def orderings(rows: list[dict]) -> list[dict]:
     """Each published ordering that the rows can test, per size, on the decoded τ: the pairs in
     ``ORDERINGS``, and every KOALA-X above X."""
     checks = []
-    for limit in sorted({r["limit"] for r in rows}, key=lambda n: n or float("inf")):
+    for limit in sorted({r["limit"] for r in rows}, key=size_order):
         tau = {r["family"]: r["decoded"]["tau"] for r in rows if r["limit"] == limit}
         per_prompt = {r["family"]: r["decoded"]["per_prompt"] for r in rows
                       if r["limit"] == limit and "per_prompt" in r["decoded"]}
@@ -226,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from draftheads.decoding.base.loading import load_base
     from draftheads.prompts import read_prompts
+    from draftheads.training.job_data import DATA_SUMMARY, read_data_summary
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -236,12 +242,16 @@ def main(argv: list[str] | None = None) -> int:
     prompts = read_prompts(DEV_PROMPTS)
     tables = {}  # with the prompt's rows or not (training/job_data.reads_prompt): each built once
     rows = []
-    for (recipe, limit), report in sorted(reports.items(), key=lambda item: item[0][1] or float("inf")):
+    for (recipe, limit), report in sorted(reports.items(), key=lambda item: size_order(item[0][1])):
         run_dir = run_dir_of(runs, recipe, limit)
         job = Path(report["recipe"]["data"]["path"] if isinstance(report["recipe"]["data"]["path"], str)
                    else report["recipe"]["data"]["path"][0])
-        data = json.loads((run_dir / "data.json").read_text())  # what the run trained on (training/job_data.py)
-        row = {"recipe": recipe, "family": family_label(report["recipe"]), "limit": limit, "sequences": data["sequences"], "positions": data["answer_positions"],
+        data = read_data_summary(run_dir)  # what the run trained on
+        if data is None:
+            raise SystemExit(f"{run_dir / DATA_SUMMARY} is missing or unreadable: train {recipe} there again "
+                             "(delete its final/ folder and rerun this command).")
+        row = {"recipe": recipe, "family": family_label(report["recipe"]), "limit": limit,
+               "sequences": data["sequences"], "positions": data["answer_positions"],
                "epochs": report["recipe"]["train"]["epochs"], **job_wall_times(job, data["share"]),
                "training_seconds": report["train_wall_seconds"],
                "teacher_forced": teacher_forced(run_dir / "final", base, table_for(report, tables, base, args.eval_job)),

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -23,15 +24,22 @@ from draftheads.training.job_data import sequence_sources
 from draftheads.training.losses import draft_vocab
 
 
-def token_counts(job: Path) -> tuple[torch.Tensor, torch.Tensor]:
-    """All answer tokens and all prompt tokens of a job's finished shards, token ids only."""
-    answers, prompts = [], []
+def job_sequences(job: Path) -> Iterator[tuple[str, np.ndarray, np.ndarray]]:
+    """Each sequence of a job's finished shards as (its prompt source, prompt ids, answer ids):
+    token ids only, no states."""
     for folder in sorted((job / "shards").glob("shard-[0-9]*")):
         tokens, offsets = np.load(folder / "tokens.npy"), np.load(folder / "offsets.npy")
         starts = np.load(folder / "answer_starts.npy")
-        for k in range(len(starts)):
-            prompts.append(tokens[offsets[k]: offsets[k] + starts[k]])
-            answers.append(tokens[offsets[k] + starts[k]: offsets[k + 1]])
+        for k, source in enumerate(sequence_sources(folder, len(starts))):
+            yield source, tokens[offsets[k]: offsets[k] + starts[k]], tokens[offsets[k] + starts[k]: offsets[k + 1]]
+
+
+def token_counts(job: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """All answer tokens and all prompt tokens of a job."""
+    answers, prompts = [], []
+    for _, prompt, answer in job_sequences(job):
+        prompts.append(prompt)
+        answers.append(answer)
     return (torch.from_numpy(np.concatenate(answers).astype(np.int64)),
             torch.from_numpy(np.concatenate(prompts).astype(np.int64)))
 
@@ -39,11 +47,8 @@ def token_counts(job: Path) -> tuple[torch.Tensor, torch.Tensor]:
 def eval_answers(job: Path) -> dict[str, np.ndarray]:
     """The evaluation job's answer tokens per prompt source."""
     groups: dict[str, list[np.ndarray]] = {}
-    for folder in sorted((job / "shards").glob("shard-[0-9]*")):
-        tokens, offsets = np.load(folder / "tokens.npy"), np.load(folder / "offsets.npy")
-        starts = np.load(folder / "answer_starts.npy")
-        for k, source in enumerate(sequence_sources(folder, len(starts))):
-            groups.setdefault(source, []).append(tokens[offsets[k] + starts[k]: offsets[k + 1]])
+    for source, _, answer in job_sequences(job):
+        groups.setdefault(source, []).append(answer)
     return {source: np.concatenate(parts).astype(np.int64) for source, parts in groups.items()}
 
 

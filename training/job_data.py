@@ -164,23 +164,29 @@ def check_same_data(output_dir: Path, summary: dict) -> None:
     """A run that has checkpoints resumes only onto the data it started on: a job folder that
     grew (or shrank) since would change the data order under it, so it is one line, not a
     silently different run."""
-    import json
-
     from .data import DataError
 
-    saved = output_dir / DATA_SUMMARY
-    if not saved.is_file() or not any((output_dir / "checkpoints").glob("step-*")):
-        return
-    try:
-        before = json.loads(saved.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return  # unreadable: nothing to compare with, the new summary replaces it
+    before = read_data_summary(output_dir)
+    if before is None or not any((output_dir / "checkpoints").glob("step-*")):
+        return  # missing or unreadable: nothing to compare with, the new summary replaces it
     changed = [f"{k} {before.get(k)} → {summary[k]}" for k in ("shards", "sequences", "answer_positions")
                if before.get(k) != summary[k]]
     if changed:
         raise DataError(f"Cannot resume {output_dir}: its data changed since the run started ({', '.join(changed)}); "
                         "set data.limit to the sequences it started on, or use another run.output_dir "
                         "(or run.resume=never to start over there).")
+
+
+def read_data_summary(output_dir: Path) -> dict | None:
+    """What a run wrote it trained on (:func:`write_data_summary`), or None where it wrote none or
+    the file is unreadable."""
+    import json
+
+    try:
+        summary = json.loads((output_dir / DATA_SUMMARY).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return summary if isinstance(summary, dict) else None
 
 
 def write_data_summary(output_dir: Path, summary: dict) -> None:

@@ -130,14 +130,9 @@ def write_curves(directory: Path, curves: dict) -> None:
 def data_summary(recipe: Recipe) -> dict | None:
     """What the run trained on, as it wrote it (job data: ``data.json``: sequences, answer
     positions), or None where it wrote none or it is unreadable."""
-    from .job_data import DATA_SUMMARY
+    from .job_data import read_data_summary
 
-    if recipe.data.kind != "job":
-        return None
-    try:
-        return json.loads((Path(recipe.run.output_dir) / DATA_SUMMARY).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
+    return read_data_summary(Path(recipe.run.output_dir)) if recipe.data.kind == "job" else None
 
 
 def finish(heads: DraftHeads, eval_table: Features, recipe: Recipe, parts: FrozenParts, progress: Progress,
