@@ -78,13 +78,8 @@ def head_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, weights: torc
                        counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Σ_k w_k · CE_k with CE_k = (sum of token CE of head k) / counts[k]: cross-entropy on the
     base's own tokens (Medusa-1). A head with no valid label contributes 0."""
-    logits = logits.to(_loss_dtype(logits))
-    num_heads = logits.shape[1]
-    token_ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE,
-                               reduction="none").view(-1, num_heads)
-    counts = label_counts(labels) if counts is None else counts
-    per_head = token_ce.sum(0) / counts.to(token_ce).clamp(min=1)
-    return _weighted(per_head, weights)
+    loss, per_head = distill_loss(logits, labels, weights, counts, ce_weight=1.0, kl_weight=0.0)
+    return loss, per_head["ce"]
 
 
 def teacher_kl(logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
@@ -96,15 +91,82 @@ def teacher_kl(logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch
     soft targets carry the base's whole ranking, not just its argmax, which is what tree
     drafting with top-k children needs. ``temperature`` softens both sides (scaled by T² so
     gradients keep their size, as in Hinton et al.)."""
-    dtype = _loss_dtype(logits)
-    log_student = F.log_softmax(logits.to(dtype) / temperature, dim=-1)
-    log_teacher = F.log_softmax(teacher_logits.to(dtype) / temperature, dim=-1)
-    token_kl = (log_teacher.exp() * (log_teacher - log_student)).sum(-1)  # (P, K)
-    valid = labels != IGNORE
-    token_kl = torch.where(valid, token_kl, torch.zeros_like(token_kl))
+    loss, per_head = distill_loss(logits, labels, weights, counts, ce_weight=0.0, kl_weight=1.0,
+                                  teacher_logits=teacher_logits, temperature=temperature)
+    return loss, per_head["kl"]
+
+
+def distill_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor | None,
+                 ce_weight: float, kl_weight: float, teacher_logits: torch.Tensor | None = None,
+                 temperature: float = 1.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """ce_weight · Σ_k w_k CE_k + kl_weight · Σ_k w_k KL_k (the two losses above) and each one's
+    per-head means ({"ce": (K,), "kl": (K,)}, for the heads' logs).
+
+    One pass over row blocks of the (P, K, V) logits, in float32 (float64 kept), that also writes
+    the gradient, a (P, K, V) tensor of the logits' dtype, in closed form:
+    a_k (softmax(s) − onehot(y)) + b_k · T (softmax(s/T) − p_teacher), a_k and b_k each weight
+    over its head's count. Autograd through the same formulas would keep about ten (P, K, V)
+    float32 intermediates: at Hydra++'s 1,200 positions × 4 heads × 8,192 tokens a step, those
+    passes cost more than the heads themselves."""
+    if kl_weight and teacher_logits is None:
+        raise ValueError("distill_loss: kl_weight > 0 needs teacher_logits")
     counts = label_counts(labels) if counts is None else counts
-    per_head = token_kl.sum(0) / counts.to(token_kl).clamp(min=1) * temperature ** 2
-    return _weighted(per_head, weights)
+    dtype = _loss_dtype(logits)
+    per_label = 1.0 / counts.to(logits.device, dtype).clamp(min=1)  # (K,) each head's mean
+    loss, ce, kl = _DistillLoss.apply(logits, labels, weights.to(logits.device, dtype), per_label, float(ce_weight),
+                                      float(kl_weight), teacher_logits if kl_weight else None, float(temperature))
+    return loss, {"ce": ce, "kl": kl}
+
+
+#: rows of (P, K, V) logits per block of :func:`distill_loss` (a block's float32 temporaries stay
+#: a few MB at K = 4, V = 8,192)
+LOSS_BLOCK_ROWS = 32
+
+
+class _DistillLoss(torch.autograd.Function):
+    """:func:`distill_loss`: the loss and its per-head means forward, the saved closed-form
+    gradient times the incoming scalar backward (``logits`` is the only input that gets one)."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, weights, per_label, ce_weight, kl_weight, teacher, temperature):
+        dtype = _loss_dtype(logits)
+        grad = torch.empty_like(logits) if logits.requires_grad else None
+        ce_sum = torch.zeros_like(weights)  # (K,) token sums per head
+        kl_sum = torch.zeros_like(weights)
+        a = ce_weight * weights * per_label  # (K,) d loss / d CE of one label of head k
+        b = kl_weight * temperature * weights * per_label  # (K,) the same for KL, over T² · 1/T
+        for start in range(0, logits.shape[0], LOSS_BLOCK_ROWS):
+            rows = slice(start, start + LOSS_BLOCK_ROWS)
+            s = logits[rows].to(dtype)  # (p, K, V)
+            keep = (labels[rows] != IGNORE).to(dtype)  # (p, K)
+            g = None  # (p, K, V) this block's gradient, once a term adds to it
+            log_p = torch.log_softmax(s, dim=-1)
+            if ce_weight:
+                y = labels[rows].clamp(min=0).unsqueeze(-1)  # (p, K, 1)
+                ce_sum += (-log_p.gather(-1, y).squeeze(-1) * keep).sum(0)
+                if grad is not None:
+                    coef = (a * keep).unsqueeze(-1)  # (p, K, 1)
+                    g = log_p.exp().mul_(coef).scatter_add_(-1, y, -coef)
+            if kl_weight:
+                log_q = log_p if temperature == 1.0 else torch.log_softmax(s / temperature, dim=-1)
+                log_t = torch.log_softmax(teacher[rows].to(dtype) / temperature, dim=-1)
+                p_t = log_t.exp()
+                kl_sum += ((p_t * (log_t - log_q)).sum(-1) * keep).sum(0) * temperature ** 2
+                if grad is not None:
+                    term = log_q.exp().sub_(p_t).mul_((b * keep).unsqueeze(-1))
+                    g = term if g is None else g.add_(term)
+            if grad is not None:
+                grad[rows] = g if g is not None else 0.0
+        ce, kl = ce_sum * per_label, kl_sum * per_label  # (K,) each head's mean
+        loss = ce_weight * (ce * weights).sum() + kl_weight * (kl * weights).sum()
+        ctx.save_for_backward(grad)
+        ctx.mark_non_differentiable(ce, kl)
+        return loss, ce, kl
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_ce, _grad_kl):
+        (grad,) = ctx.saved_tensors
+        return grad * grad_loss.to(grad.dtype), None, None, None, None, None, None, None
 
 
 def teacher_logits(next_hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:

@@ -12,8 +12,8 @@ from ..heads import DraftHeads, HeadConfig, build_heads
 from .adversarial import Adversary, expected_embedding, koala_info
 from .features import Features
 from .frozen import FrozenParts
-from .losses import (draft_vocab, generator_objective, head_cross_entropy, head_targets, label_counts, mask_labels,
-                     teacher_kl, teacher_logits)
+from .losses import (distill_loss, draft_vocab, generator_objective, head_targets, label_counts, mask_labels,
+                     teacher_logits)
 from .recipe_sections import Recipe
 from .batches import head_logits
 
@@ -40,19 +40,18 @@ def compute_loss(model, heads: DraftHeads, table: Features, rows: torch.Tensor, 
     scale = accelerator.num_processes  # DDP averages gradients over processes
     loss = torch.zeros((), dtype=torch.promote_types(dtype, torch.float32), device=device)
     metrics = {}
-    if recipe.loss.ce_weight:
-        ce, per_head = head_cross_entropy(logits, labels, weights, counts)
-        loss = loss + recipe.loss.ce_weight * ce * scale
-        metrics["ce"] = per_head.detach() * scale
+    target = None
     if recipe.loss.kl_weight or adversary is not None:
         with torch.no_grad():
             nxt = table.hidden[next_rows.clamp(min=0)].to(device, dtype)  # (P, K, d); masked rows unused
             with accelerator.autocast():
                 target = teacher_logits(nxt, heads.draft_weight())
-    if recipe.loss.kl_weight:
-        kl, per_head = teacher_kl(logits, target, labels, weights, counts, recipe.loss.temperature)
-        loss = loss + recipe.loss.kl_weight * kl * scale
-        metrics["kl"] = per_head.detach() * scale
+    if recipe.loss.ce_weight or recipe.loss.kl_weight:
+        supervised, per_head = distill_loss(logits, labels, weights, counts, recipe.loss.ce_weight,
+                                            recipe.loss.kl_weight, target, recipe.loss.temperature)
+        loss = loss + supervised * scale
+        metrics.update({name: per_head[name].detach() * scale
+                        for name, weight in (("ce", recipe.loss.ce_weight), ("kl", recipe.loss.kl_weight)) if weight})
     if adversary is not None:
         loss = adversarial_term(adversary, heads, table, rows, logits, target, labels, counts, weights, step, loss,
                                 metrics, accelerator)

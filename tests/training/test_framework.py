@@ -11,7 +11,7 @@ import torch
 from helpers import (RECIPES, REPO, final_weights, kill_then_resume, launch_two_processes, run_inprocess,
                      tiny_llama, tiny_recipe)
 from draftheads.training.data import DataError, load_examples, shifted_rows
-from draftheads.training.losses import (IGNORE, head_cross_entropy, head_targets, head_weights, input_noise,
+from draftheads.training.losses import (IGNORE, distill_loss, head_cross_entropy, head_targets, head_weights, input_noise,
                                         label_ranks, mask_labels, teacher_kl, topk_accuracy)
 from draftheads.training.recipe import load_recipe
 from draftheads.training.recipe_sections import RecipeError
@@ -46,6 +46,47 @@ def test_teacher_kl_matches_hand_value_and_masks():
     _, per_head = teacher_kl(student, teacher, labels, head_weights(1, 1.0), temperature=2.0)
     assert per_head.item() == pytest.approx(4 * (p[0] * math.log(p[0] / 0.5) + p[1] * math.log(p[1] / 0.5)))
     assert teacher_kl(teacher, teacher, labels, head_weights(1, 1.0))[0].item() == pytest.approx(0.0, abs=1e-7)
+
+
+def _reference_distill(logits, teacher, labels, weights, counts, ce_weight, kl_weight, temperature):
+    """The objective written the plain autograd way: what :func:`distill_loss` must equal."""
+    valid = labels != IGNORE
+    log_p = torch.log_softmax(logits, -1)
+    ce = -log_p.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    log_q, log_t = torch.log_softmax(logits / temperature, -1), torch.log_softmax(teacher / temperature, -1)
+    kl = (log_t.exp() * (log_t - log_q)).sum(-1) * temperature ** 2
+    per = [torch.where(valid, x, torch.zeros_like(x)).sum(0) / counts.clamp(min=1) for x in (ce, kl)]
+    return ce_weight * (per[0] * weights).sum() + kl_weight * (per[1] * weights).sum(), per
+
+
+@pytest.mark.parametrize("ce_weight,kl_weight,temperature", [(1.0, 0.0, 1.0), (0.0, 1.0, 2.0), (1.0, 0.5, 1.0)])
+def test_distill_loss_value_and_gradient_equal_autograd(ce_weight, kl_weight, temperature, monkeypatch):
+    """The blockwise closed-form loss (values, per-head means, gradient) equals autograd through
+    the same formulas, across several row blocks and with IGNORE labels and a global count."""
+    import draftheads.training.losses as losses
+
+    monkeypatch.setattr(losses, "LOSS_BLOCK_ROWS", 3)  # 7 rows: blocks of 3, 3, 1
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(7, 2, 11, generator=g, dtype=torch.float64) * 3
+    teacher = torch.randn(7, 2, 11, generator=g, dtype=torch.float64) * 3
+    labels = torch.randint(0, 11, (7, 2), generator=g)
+    labels[[1, 4, 6], [0, 1, 1]] = IGNORE
+    weights, counts = head_weights(2, 0.8).double(), torch.tensor([9.0, 5.0])
+    mine = logits.clone().requires_grad_()
+    loss, per_head = distill_loss(mine, labels, weights, counts, ce_weight, kl_weight, teacher, temperature)
+    ref_logits = logits.clone().requires_grad_()
+    ref, ref_per = _reference_distill(ref_logits, teacher, labels, weights, counts.double(), ce_weight, kl_weight,
+                                      temperature)
+    (3.0 * loss).backward()
+    (3.0 * ref).backward()
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-12)
+    for name, weight, expected in (("ce", ce_weight, ref_per[0]), ("kl", kl_weight, ref_per[1])):
+        # a term with weight 0 is not computed: its means read 0
+        assert per_head[name].tolist() == pytest.approx((expected if weight else 0 * expected).tolist(), rel=1e-12)
+    assert torch.allclose(mine.grad, ref_logits.grad, rtol=1e-10, atol=1e-12)
+    assert mine.grad[6, 1].abs().max() == 0  # an IGNORE label adds nothing
+    with pytest.raises(ValueError, match="needs teacher_logits"):
+        distill_loss(logits, labels, weights, counts, 1.0, 1.0)
 
 
 def test_weights_targets_masks_noise_ranks():
