@@ -15,13 +15,11 @@ committed set of token ids, so a clone rebuilds the features with one command.
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import shutil
-import sys
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +30,7 @@ from ..decoding.fingerprint import fingerprint
 from ..decoding.generate import DraftHeadsModel
 from ..decoding.request import eos_token_ids
 from ..heads.checkpoint.atomic import write_text_atomic
+from .config_cli import parse_config, run_cli
 from .data import DataError, resolve_data_path
 from .distill_capture import answer_with_states, forward_states
 from .distill_shards import Shard, ShardError, discard, load_token_ids, manifest_for, open_shard, save_token_ids
@@ -354,26 +353,17 @@ def rebuild(config: DistillJobConfig) -> int:
 
 
 def parse_args(argv: list[str] | None = None) -> DistillJobConfig:
-    parser = argparse.ArgumentParser(prog="python -m draftheads.training.distill_job", description=__doc__.split("\n\n")[0])
-    for f in fields(DistillJobConfig):
-        flag, default = "--" + f.name.replace("_", "-"), DistillJobConfig().__getattribute__(f.name)
-        if isinstance(default, list):
-            parser.add_argument(flag, nargs="*", default=default)
-        else:
-            parser.add_argument(flag, type=int if isinstance(default, int) else str, default=default,
-                                required=f.name == "out")
-    return DistillJobConfig(**vars(parser.parse_args(argv)))
+    return parse_config(DistillJobConfig, argv, "python -m draftheads.training.distill_job", __doc__, required=("out",))
+
+
+def dispatch(config: DistillJobConfig) -> int:
+    if config.export:
+        return export(Path(config.out), Path(config.export))
+    return rebuild(config) if config.from_tokens else run(config)
 
 
 def main(argv: list[str] | None = None) -> int:
-    config = parse_args(argv)
-    try:
-        if config.export:
-            return export(Path(config.out), Path(config.export))
-        return rebuild(config) if config.from_tokens else run(config)
-    except (DataError, ShardError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    return run_cli(dispatch, parse_args(argv), (DataError, ShardError))
 
 
 if __name__ == "__main__":

@@ -10,14 +10,14 @@ alternating, their wordings taken in turn. Deterministic: the same job gives the
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..decoding.base.loading import load_base
 from ..heads.checkpoint.atomic import write_text_atomic
+from .config_cli import parse_config, run_cli
 from .data import DataError
 from .distill_job import finished_shards
 from .distill_shards import ShardError, open_shard
@@ -97,24 +97,11 @@ def run(config: PassagePromptsConfig) -> int:
 
 
 def parse_args(argv: list[str] | None = None) -> PassagePromptsConfig:
-    parser = argparse.ArgumentParser(prog="python -m draftheads.training.passage_prompts",
-                                     description=__doc__.split("\n\n")[0])
-    for f in fields(PassagePromptsConfig):
-        flag, default = "--" + f.name.replace("_", "-"), getattr(PassagePromptsConfig(), f.name)
-        if isinstance(default, list):
-            parser.add_argument(flag, nargs="*", default=default)
-        else:
-            parser.add_argument(flag, type=type(default) if default is not None else str, default=default,
-                                required=f.name in ("job", "out"))
-    return PassagePromptsConfig(**vars(parser.parse_args(argv)))
+    return parse_config(PassagePromptsConfig, argv, "python -m draftheads.training.passage_prompts", __doc__, required=("job", "out"))
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        return run(parse_args(argv))
-    except DataError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    return run_cli(run, parse_args(argv), (DataError,))
 
 
 if __name__ == "__main__":

@@ -13,11 +13,10 @@ with an evaluation prompt (MT-Bench, Spec-Bench dev: the committed files) are dr
 """
 from __future__ import annotations
 
-import argparse
 from importlib import resources
 import json
 import sys
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -26,6 +25,7 @@ from ..decoding.base.loading import load_base
 from ..decoding.generate import DraftHeadsModel
 from ..decoding.request import eos_token_ids
 from ..heads.checkpoint.atomic import write_text_atomic
+from .config_cli import parse_config, run_cli
 from .data import DataError
 
 EVAL_FILES = [str(resources.files("draftheads") / "data" / name) for name in ("mt_bench.jsonl", "spec_bench_dev.jsonl")]
@@ -158,24 +158,11 @@ def run(config: SelfPromptsConfig) -> int:
 
 
 def parse_args(argv: list[str] | None = None) -> SelfPromptsConfig:
-    parser = argparse.ArgumentParser(prog="python -m draftheads.training.self_prompts",
-                                     description=__doc__.split("\n\n")[0])
-    for f in fields(SelfPromptsConfig):
-        flag, default = "--" + f.name.replace("_", "-"), getattr(SelfPromptsConfig(), f.name)
-        if isinstance(default, list):
-            parser.add_argument(flag, nargs="*", default=default)
-        else:
-            kind = type(default) if default is not None else str
-            parser.add_argument(flag, type=kind, default=default, required=f.name == "out")
-    return SelfPromptsConfig(**vars(parser.parse_args(argv)))
+    return parse_config(SelfPromptsConfig, argv, "python -m draftheads.training.self_prompts", __doc__, required=("out",))
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        return run(parse_args(argv))
-    except DataError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    return run_cli(run, parse_args(argv), (DataError,))
 
 
 if __name__ == "__main__":
