@@ -20,7 +20,9 @@ every recipe with the same ``train.seed``; 0 = all of it):
   answers keep the decoder's states: none), training (the run's own report).
 
 With several recipes, the papers' orderings at each size (Medusa < Hydra < Hydra++, Amphista >
-Medusa, KOALA over a family > that family) are checked on the decoded τ and written beside the table.
+Medusa, KOALA over a family > that family) are checked on the decoded τ and written beside the table;
+each family's consecutive rows (more data, or another mixture: ``--data.path "[JOB, JOB]"``) are
+compared the same way, and the decoded τ is broken down by Spec-Bench task.
 
 Writes ``OUT/scaling.json``, ``OUT/table.md`` and ``OUT/scaling.png``.
 """
@@ -80,6 +82,24 @@ def orderings(rows: list[dict]) -> list[dict]:
     return checks
 
 
+def data_steps(rows: list[dict]) -> list[dict]:
+    """Each family's consecutive rows (more data, or another mixture of the same size) compared on
+    the decoded τ over the same prompts: what a change of data is worth beyond noise."""
+    steps = []
+    for family in dict.fromkeys(r["family"] for r in rows):
+        mine = [r for r in rows if r["family"] == family and "per_prompt" in r["decoded"]]
+        for low, high in zip(mine, mine[1:]):
+            ci = tau_difference_ci(low["decoded"]["per_prompt"], high["decoded"]["per_prompt"])
+            steps.append({"family": family, "from": data_label(low), "to": data_label(high), "low": low["decoded"]["tau"],
+                          "high": high["decoded"]["tau"], "ci95": ci, "clear": ci[0] > 0 or ci[1] < 0})
+    return steps
+
+
+def data_label(row: dict) -> str:
+    """"2,944 of pool-50 + self-open": the run's sequences and the job folders they came from."""
+    return f"{row['sequences']:,} of " + " + ".join(row.get("data", ["?"]))
+
+
 def train_size(recipe: str, limit: int, runs: Path, overrides: list[str]) -> dict:
     """Train (or resume, or reuse) the run of ``recipe`` on ``limit`` sequences; its training report."""
     run_dir = run_dir_of(runs, recipe, limit)
@@ -92,11 +112,11 @@ def train_size(recipe: str, limit: int, runs: Path, overrides: list[str]) -> dic
     return json.loads(report.read_text())
 
 
-def job_wall_times(job: Path, share: float) -> dict:
-    """Generation and feature seconds of the job's shards (their manifests), times ``share`` (the
-    run's sequences over the job's)."""
+def job_wall_times(jobs: list[Path], share: float) -> dict:
+    """Generation and feature seconds of the jobs' shards (their manifests), times ``share`` (the
+    run's sequences over the jobs')."""
     generation = features = 0.0
-    for manifest in sorted(job.glob("shards/shard-*/manifest.json")):
+    for manifest in sorted(m for job in jobs for m in job.glob("shards/shard-*/manifest.json")):
         m = json.loads(manifest.read_text())
         if m.get("decoded"):
             generation += float(m.get("seconds", 0.0))
@@ -159,7 +179,20 @@ def decoded_tau(heads_dir: Path, base, tokenizer, prompts: list[dict], max_new_t
         per_prompt.append([out.shape[1] - ids.shape[1], model.last_stats.steps])
     tokens, steps = (sum(column) for column in zip(*per_prompt))
     return {"tau": run_tau(tokens, len(prompts), steps), "prompts": len(prompts), "new_tokens": tokens,
-            "verify_steps": steps, "seconds": round(time.perf_counter() - started, 1), "per_prompt": per_prompt}
+            "verify_steps": steps, "seconds": round(time.perf_counter() - started, 1), "per_prompt": per_prompt,
+            "per_group": tau_per_group(prompts, per_prompt)}
+
+
+def tau_per_group(prompts: list[dict], per_prompt: list[list[int]]) -> dict[str, float]:
+    """Decoded τ per Spec-Bench task (MT-Bench's categories as one): where a mixture gains or loses."""
+    from draftheads.bench.summary import run_tau
+    from draftheads.prompts import group_of
+
+    groups: dict[str, list[list[int]]] = {}
+    for item, counts in zip(prompts, per_prompt):
+        groups.setdefault(group_of(item.get("category", "?")), []).append(counts)
+    return {g: round(run_tau(sum(c[0] for c in rows), len(rows), sum(c[1] for c in rows)), 3)
+            for g, rows in groups.items()}
 
 
 def tau_difference_ci(low: list, high: list, draws: int = 4000, seed: int = 0) -> tuple[float, float]:
@@ -194,6 +227,18 @@ def markdown(rows: list[dict]) -> str:
                   + (f"{c['high'] - c['low']:+.3f} [{c['ci95'][0]:+.3f}, {c['ci95'][1]:+.3f}] | " if "ci95" in c else "— | ")
                   + ("yes" if c["holds"] else "no") + ("" if c.get("clear", True) else " (within noise)") + " |"
                   for c in checks]
+    groups = list(dict.fromkeys(g for r in rows for g in r["decoded"].get("per_group", {})))
+    if groups:
+        lines += ["", "| Heads | Data | " + " | ".join(groups) + " |", "|---|---|" + "---:|" * len(groups)]
+        lines += [f"| {r['family']} | {data_label(r)} | " + " | ".join(f"{r['decoded']['per_group'].get(g, 0):.2f}"
+                                                                   for g in groups) + " |"
+                  for r in rows if "per_group" in r["decoded"]]
+    steps = data_steps(rows)
+    if steps:
+        lines += ["", "| Heads | Data | vs | τ | Difference, 95 % CI (paired bootstrap of prompts) |", "|---|---|---|---|---|"]
+        lines += [f"| {c['family']} | {c['to']} | {c['from']} | {c['high']:.2f} vs {c['low']:.2f} | "
+                  f"{c['high'] - c['low']:+.3f} [{c['ci95'][0]:+.3f}, {c['ci95'][1]:+.3f}]"
+                  + ("" if c["clear"] else " (within noise)") + " |" for c in steps]
     return "\n".join(lines) + "\n"
 
 
@@ -244,15 +289,15 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for (recipe, limit), report in sorted(reports.items(), key=lambda item: size_order(item[0][1])):
         run_dir = run_dir_of(runs, recipe, limit)
-        job = Path(report["recipe"]["data"]["path"] if isinstance(report["recipe"]["data"]["path"], str)
-                   else report["recipe"]["data"]["path"][0])
+        path = report["recipe"]["data"]["path"]
+        jobs = [Path(p) for p in ([path] if isinstance(path, str) else path)]
         data = read_data_summary(run_dir)  # what the run trained on
         if data is None:
             raise SystemExit(f"{run_dir / DATA_SUMMARY} is missing or unreadable: train {recipe} there again "
                              "(delete its final/ folder and rerun this command).")
         row = {"recipe": recipe, "family": family_label(report["recipe"]), "limit": limit,
-               "sequences": data["sequences"], "positions": data["answer_positions"],
-               "epochs": report["recipe"]["train"]["epochs"], **job_wall_times(job, data["share"]),
+               "data": [Path(j).name for j in data["jobs"]], "sequences": data["sequences"], "positions": data["answer_positions"],
+               "epochs": report["recipe"]["train"]["epochs"], **job_wall_times(jobs, data["share"]),
                "training_seconds": report["train_wall_seconds"],
                "teacher_forced": teacher_forced(run_dir / "final", base, table_for(report, tables, base, args.eval_job)),
                "decoded": decoded_tau(run_dir / "final", base, tokenizer, prompts, args.max_new_tokens)}
@@ -260,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
     (out / "scaling.json").write_text(json.dumps({"recipes": args.recipe, "sizes": args.sizes, "overrides": overrides,
                                                   "rows": rows, "orderings": orderings(rows),
+                                                  "data_steps": data_steps(rows),
                                                   "command": " ".join(sys.argv)}, indent=1) + "\n")
     (out / "table.md").write_text(markdown(rows))
     plot(rows, out / "scaling.png")

@@ -63,3 +63,25 @@ def test_a_paired_bootstrap_tells_a_clear_ordering_from_noise():
     table = script.markdown(rows)
     assert "(within noise)" in table.split("Medusa < Amphista")[1].splitlines()[0]
     assert "(within noise)" not in table.split("Medusa < Hydra")[1].splitlines()[0]
+
+
+def test_a_familys_rows_are_compared_as_data_steps_with_tau_per_task():
+    """Two runs of one family (another mixture of the same size) are compared on the same prompts;
+    the decoded τ per Spec-Bench task is grouped with MT-Bench's categories as one."""
+    script = load_script("data_scaling")
+    prompts = [{"category": c} for c in ("writing", "coding", "translation", "translation")]
+    per_prompt = [[41, 20], [41, 40], [21, 20], [61, 20]]
+    assert script.tau_per_group(prompts, per_prompt) == {"mt_bench": round(80 / 60, 3), "translation": 2.0}  # (tokens - prompts) / steps
+    first, second, other = row("Hydra", 0, 1.5), row("Hydra", 2944, 1.7), row("Medusa", 0, 1.4)
+    first["data"], second["data"] = ["pool-50"], ["self-open", "pool-50"]
+    low = [[41, 40], [61, 50], [81, 60], [31, 30]] * 6
+    first["decoded"]["per_prompt"], other["decoded"]["per_prompt"] = low, low
+    second["decoded"]["per_prompt"] = [[t, max(1, s - 12)] for t, s in low]
+    for r in (first, second):
+        r["decoded"]["per_group"] = {"mt_bench": r["decoded"]["tau"], "qa": 1.0}
+    steps = script.data_steps([first, other, second])
+    assert len(steps) == 1 and steps[0]["from"] == "10 of pool-50" and steps[0]["to"] == "10 of self-open + pool-50"
+    assert steps[0]["clear"] and steps[0]["ci95"][0] > 0
+    table = script.markdown([first, other, second])
+    assert "| Hydra | 10 of self-open + pool-50 | 1.70 | 1.00 |" in table
+    assert "| Hydra | 10 of self-open + pool-50 | 10 of pool-50 | 1.70 vs 1.50 | +0.200 [" in table
