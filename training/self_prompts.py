@@ -115,8 +115,15 @@ def keep(text: str, seen: set[str], banned: set[tuple[str, ...]], min_words: int
     return True
 
 
-def read_done(out: Path) -> tuple[list[dict], int]:
-    """The records a stopped run wrote and the next batch to sample; an unreadable file starts over."""
+def sampling_settings(config: SelfPromptsConfig) -> dict:
+    """What fixes the file's batches: a resume with other settings would mix two samplings."""
+    return {k: getattr(config, k) for k in ("seed", "batch_size", "max_new_tokens", "temperature", "min_words",
+                                            "base", "dtype")}
+
+
+def read_done(out: Path, settings: dict) -> tuple[list[dict], int]:
+    """The records a stopped run wrote and the next batch to sample; an unreadable file starts
+    over, one sampled with other settings is refused."""
     if not out.is_file():
         return [], 0
     try:
@@ -124,15 +131,21 @@ def read_done(out: Path) -> tuple[list[dict], int]:
         records = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines() if line.strip()]
         if len(records) != state["records"]:
             raise ValueError("count")
-        return records, int(state["next_batch"])
+        done = records, int(state["next_batch"])
+        saved = state["settings"]
     except (OSError, ValueError, KeyError, TypeError):
         print(f"{out}: unreadable or out of step with its progress file; sampling it again", file=sys.stderr)
         return [], 0
+    if saved != settings:
+        changed = ", ".join(f"{k} {saved.get(k)!r} → {v!r}" for k, v in settings.items() if saved.get(k) != v)
+        raise DataError(f"{out} was sampled with other settings ({changed}); use another --out, or delete it to start over.")
+    return done
 
 
 def run(config: SelfPromptsConfig) -> int:
     out = Path(config.out)
-    records, batch = read_done(out)
+    settings = sampling_settings(config)
+    records, batch = read_done(out, settings)
     if len(records) >= config.count:
         print(f"{out}: {len(records)} requests already")
         return 0
@@ -152,7 +165,8 @@ def run(config: SelfPromptsConfig) -> int:
                                 "prompt": text})
         batch += 1
         write_text_atomic(out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
-        write_text_atomic(out.with_suffix(".progress.json"), json.dumps({"records": len(records), "next_batch": batch}))
+        write_text_atomic(out.with_suffix(".progress.json"), json.dumps({"records": len(records), "next_batch": batch,
+                                                                       "settings": settings}))
         print(f"batch {batch}: {len(records)} of {config.count} requests", flush=True)
     return 0
 

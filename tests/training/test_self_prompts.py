@@ -53,6 +53,9 @@ def test_resumed_run_writes_the_same_requests_and_keeps_out_the_evaluation_promp
     assert self_prompts.run(config(base, stopped)) == 0
     assert stopped.read_text() == whole.read_text()
 
+    with pytest.raises(self_prompts.DataError, match=r"was sampled with other settings \(seed 0 → 1\); use another --out"):
+        self_prompts.run(config(base, whole, seed=1, count=20))
+
     banned = next(r["prompt"] for r in records if len(r["prompt"].split()) >= 13)  # inside an evaluation turn
     evaluation = tmp_path / "eval.jsonl"
     evaluation.write_text(json.dumps({"turns": ["please " + banned + " now"]}) + "\n")
