@@ -289,14 +289,13 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for (recipe, limit), report in sorted(reports.items(), key=lambda item: size_order(item[0][1])):
         run_dir = run_dir_of(runs, recipe, limit)
-        path = report["recipe"]["data"]["path"]
-        jobs = [Path(p) for p in ([path] if isinstance(path, str) else path)]
         data = read_data_summary(run_dir)  # what the run trained on
         if data is None:
             raise SystemExit(f"{run_dir / DATA_SUMMARY} is missing or unreadable: train {recipe} there again "
                              "(delete its final/ folder and rerun this command).")
+        jobs = [Path(j) for j in data["jobs"]]
         row = {"recipe": recipe, "family": family_label(report["recipe"]), "limit": limit,
-               "data": [Path(j).name for j in data["jobs"]], "sequences": data["sequences"], "positions": data["answer_positions"],
+               "data": [j.name for j in jobs], "sequences": data["sequences"], "positions": data["answer_positions"],
                "epochs": report["recipe"]["train"]["epochs"], **job_wall_times(jobs, data["share"]),
                "training_seconds": report["train_wall_seconds"],
                "teacher_forced": teacher_forced(run_dir / "final", base, table_for(report, tables, base, args.eval_job)),
