@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     print("seed ms per 2k prompt", build, flush=True)
 
     # ---- offline hit rate on held-out answers
-    from build_store import load_tokenizer  # noqa: E402  (scripts/ is on sys.path when run as a script)
+    from draftheads.decoding.base.loading import load_tokenizer
     from draftheads.training.features import chat_prompt_ids
 
     tokenizer = load_tokenizer(None)

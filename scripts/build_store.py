@@ -19,19 +19,10 @@ import sys
 import time
 from pathlib import Path
 
+from draftheads.decoding.base.loading import load_tokenizer
 from draftheads.decoding.drafters.store import (StoreHeader, FORMAT_VERSION, build_arrays, key_bits, save_store,
                                                 tokenizer_identity)
 from draftheads.training.features import read_jsonl
-
-
-def load_tokenizer(name: str | None):
-    """The tokenizer only (no weights are loaded): the embedded base's unless ``name`` is given."""
-    from transformers import AutoTokenizer
-
-    from draftheads.decoding.base.loading import resolve_base
-
-    path, _ = resolve_base(name)
-    return AutoTokenizer.from_pretrained(path)
 
 
 def read_records(path: Path, holdout_last: int, max_records: int | None) -> tuple[list[dict], list[dict]]:

@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..decoding.base.loading import load_base
+from ..decoding.base.loading import load_tokenizer
 from ..heads.checkpoint.atomic import write_text_atomic
 from .config_cli import parse_config, run_cli
 from .data import DataError
@@ -80,7 +80,7 @@ def task_prompt(n: int, passage: str) -> tuple[str, str]:
 
 
 def run(config: PassagePromptsConfig) -> int:
-    _, tokenizer = load_base(config.base)
+    tokenizer = load_tokenizer(config.base)
     records = []
     for n, (ids, passage) in enumerate(passages(answers(Path(config.job), config.skip_sources, tokenizer),
                                                 config.min_chars, config.max_chars)):

@@ -276,7 +276,7 @@ def load_base(name_or_path: str | None = None, gguf_file: str | None = None,
     """Load the frozen base model and its tokenizer. Default: the embedded SmolLM2 GGUF, in
     ``dtype="auto"``: the base's native dtype where the hardware computes it natively (bf16 for
     SmolLM2 on a CPU with AVX512-BF16), else float32 (see :func:`choose_dtype`)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     parse_dtype(dtype)  # a bad dtype string fails before any loading
     check_base_path(name_or_path)
@@ -295,9 +295,23 @@ def load_base(name_or_path: str | None = None, gguf_file: str | None = None,
                                f"{where or 'a weights file is damaged: ' + one_line(err)}. Download or save the "
                                "model again.") from None
     model.to(device).eval().requires_grad_(False)
+    return model, _tokenizer(path, name_or_path)
+
+
+def load_tokenizer(name_or_path: str | None = None, gguf_file: str | None = None):
+    """The base's tokenizer alone, no weights loaded: for jobs that only read or write token ids.
+    Default: the embedded SmolLM2's (a GGUF goes through the same conversion cache as
+    :func:`load_base`)."""
+    check_base_path(name_or_path)
+    path, _ = resolve_base(name_or_path, gguf_file)
+    return _tokenizer(path, name_or_path)
+
+
+def _tokenizer(path: str, name_or_path: str | None):
+    from transformers import AutoTokenizer
+
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as err:  # a model folder saved without its tokenizer
         raise MissingPathError(f"base model {name_or_path!r} has no usable tokenizer ({str(err).splitlines()[0]}): "
                                "save the tokenizer into the model folder (tokenizer.save_pretrained(folder)).") from None
-    return model, tokenizer

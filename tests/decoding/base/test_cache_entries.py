@@ -17,7 +17,7 @@ from draftheads.decoding.base import loading, packing
 from draftheads.decoding.calibration import CalibrationConfig, calibration_path, write_calibration
 from draftheads.decoding.cost import CostModel
 from draftheads.decoding.base import hardware
-from draftheads.heads.errors import DamagedFileError
+from draftheads.heads.errors import DamagedFileError, MissingPathError
 from draftheads.decoding.base.plan import ROW_BUCKETS, PackingPlan, packing_available
 from helpers import save_tiny_base
 
@@ -157,3 +157,26 @@ def test_the_cache_path_expands_the_home_folder(tmp_path, monkeypatch, value, ex
     target = calibration_path({"base": "x"}, CalibrationConfig())
     write_calibration(target, CostModel.from_table((1, 2), (1.0, 2.0)))
     assert target.is_file() and not os.listdir(cwd)  # no folder named "~" where the user stands
+
+
+def test_the_tokenizer_alone_loads_no_weights_and_a_folder_without_one_is_one_line(tmp_path, monkeypatch):
+    """``load_tokenizer`` (jobs that only read token ids): the same tokenizer ``load_base`` gives,
+    without reading the weights; a model folder saved without a tokenizer names the fix."""
+    from transformers import AutoModelForCausalLM
+
+    from helpers import tiny_llama
+
+    folder = tmp_path / "base"
+    save_tiny_base(folder)
+    _, expected = loading.load_base(str(folder), dtype="float32")
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("load_tokenizer read the weights")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_weights)
+    tokenizer = loading.load_tokenizer(str(folder))
+    assert tokenizer.get_vocab() == expected.get_vocab()
+    tiny_llama(0).save_pretrained(tmp_path / "no-tokenizer")
+    with pytest.raises(MissingPathError, match="has no usable tokenizer.*tokenizer.save_pretrained") as err:
+        loading.load_tokenizer(str(tmp_path / "no-tokenizer"))
+    assert "\n" not in str(err.value)
