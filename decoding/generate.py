@@ -32,7 +32,8 @@ from .drafters import Drafter, HeadsDrafter, MergedDrafter, auto_sources, build_
 from .drafters import needing
 from .limits import check_base_path, check_generator, parse_dtype
 from .loop import DecodingStats, plain_generate, speculate
-from .policy import AdaptivePolicy, FixedTree, TreePolicy, as_policy, best_budget, default_tree, resolve_tree, tree_for_budget
+from .policy import (AdaptivePolicy, FixedTree, TreePolicy, as_policy, best_budget, default_tree, expected_tau_scale,
+                     resolve_tree, tree_for_budget)
 from .request import Call, Request, eos_token_ids, make_request, prepare_call
 from .step import PhaseTimer
 
@@ -45,9 +46,6 @@ QUICK_CONTEXT = 256
 QUICK_CONTEXTS = (QUICK_CONTEXT, 1024)
 QUICK_CALIBRATION = CalibrationConfig(batch_sizes=(1,), contexts=QUICK_CONTEXTS, reps=3,
                                       extra_nodes=(3, 5, 9, 17, 33))
-#: the share of the checkpoint's expected drafted tokens that open-ended prompts reach (its τ
-#: is measured on held-out self-distilled text, which MT-Bench's prompts accept less of)
-DEFAULT_TAU_SCALE = 0.75
 
 
 class DraftHeadsModel:
@@ -142,13 +140,14 @@ class DraftHeadsModel:
         """Price this machine's step (a quick bs-1 calibration of the verify forward, the loop's
         overhead and the heads' drafting: seconds, once per machine/dtype/torch, cached) and
         take the stored tree it ranks best (step time × the checkpoint's expected τ, its drafted
-        part scaled by ``DEFAULT_TAU_SCALE``) as the default, and the same table as the merged
+        part scaled by :func:`~.policy.expected_tau_scale`) as the default, and the same table as the merged
         drafter's width model. Without heads, or with stored trees lacking an expected τ, the
         checkpoint's stored default stays."""
         cost = calibrate(self.base, self.heads, config or QUICK_CALIBRATION)
         self.step_table = cost.per_token_table(sorted({int(r['ctx']) for r in cost.forward.rows()}))
         if self.heads is not None and self.heads.config.trees and self.heads.config.expected_tau:
-            self.default_budget = best_budget(self.heads, cost, 1, QUICK_CONTEXT, DEFAULT_TAU_SCALE)[0].budget
+            scale = expected_tau_scale(self.heads)
+            self.default_budget = best_budget(self.heads, cost, 1, QUICK_CONTEXT, scale)[0].budget
             self.policy = self._default_policy = FixedTree(tree_for_budget(self.heads, self.default_budget))
 
     def use_sources(self, sources: str | Sequence[str], lookup_store: str | Path | None = None,

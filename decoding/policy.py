@@ -15,6 +15,7 @@ from typing import Iterable, Protocol, Sequence
 import torch
 
 from ..heads import CheckpointError, DraftHeads
+from ..heads.config import EXPECTED_TAU_SCALE
 from .base.loading import dtype_name
 from .calibration import CalibrationConfig, calibrate
 from .cost import CostModel
@@ -68,6 +69,12 @@ def as_policy(tree: Tree | TreePolicy) -> TreePolicy:
                         "(see draftheads.decoding.policy.TreePolicy).")
     return tree
 
+
+
+def expected_tau_scale(heads: DraftHeads) -> float:
+    """The share of the checkpoint's expected drafted tokens that decoding counts on: less than
+    all of it where the expected τ was measured on the training data's own held-out answers."""
+    return EXPECTED_TAU_SCALE[heads.config.expected_tau_on]
 
 
 def best_budget(heads, cost: CostModel, batch_size: int = 1, context_length: int = 256,

@@ -19,10 +19,16 @@ CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 CARD_NAME = "README.md"
 #: 1: the first layout (no version recorded); 2: adds ``draftheads_version``, ``base_revision``
-#: and ``owns_lm_head``. A reader loads every format up to its own and names both versions otherwise.
-FORMAT_VERSION = 3
+#: and ``owns_lm_head``; 4: adds ``expected_tau_on``. A reader loads every format up to its own and
+#: names both versions otherwise.
+FORMAT_VERSION = 4
 #: keys formats 1-2 kept in ``extra`` that format 3 made typed fields (moved on load)
 PROMOTED_FROM_EXTRA = ("default_budget", "expected_tau", "default_budget_by_dtype")
+#: the drafted part of a checkpoint's expected τ that decoding counts on, by what it was measured on:
+#: held-out training text is in-distribution (MT-Bench read 0.66-0.88 of its drafted part,
+#: docs/measurements.md); on the base's answers to evaluation prompts, the 8-node tree's decoded τ
+#: read above it (1.75 against 1.68: results/data_scaling/hydra-union)
+EXPECTED_TAU_SCALE = {"held_out": 0.75, "dev": 1.0}
 #: the package version, recorded in every ``config.json`` (``draftheads.__version__`` reads it)
 DRAFTHEADS_VERSION = "0.1.0"
 
@@ -67,8 +73,12 @@ class HeadConfig:
     #: the node budget of the default tree (when no per-dtype choice applies)
     default_budget: int = 4
     #: expected tokens per verification step of each stored tree, {budget: τ}, measured by
-    #: training's tree search on held-out text (the adaptive policy's prior)
+    #: training's tree search (the adaptive policy's prior) on ``expected_tau_on``'s text
     expected_tau: dict[str, float] = field(default_factory=dict)
+    #: what ``expected_tau`` was measured on: "held_out" (the training data's own held-out answers:
+    #: in-distribution, decoding reads less) or "dev" (the base's answers to evaluation prompts);
+    #: decoding scales the drafted part by :data:`EXPECTED_TAU_SCALE` of it
+    expected_tau_on: str = "held_out"
     #: the cost model's default budget per dtype name, {"bfloat16": {"budget": 6, ...}}
     #: (``scripts/default_trees.py``: a calibration of the step × ``expected_tau``)
     default_budget_by_dtype: dict[str, dict] = field(default_factory=dict)
@@ -90,6 +100,9 @@ class HeadConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"HeadConfig.{name} must be a positive integer, got {value!r}.")
+        if self.expected_tau_on not in EXPECTED_TAU_SCALE:
+            raise ValueError(f"HeadConfig.expected_tau_on must be one of {sorted(EXPECTED_TAU_SCALE)}, "
+                             f"got {self.expected_tau_on!r}.")
         if not isinstance(self.draft_vocab_size, int) or not 0 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"HeadConfig.draft_vocab_size must be in [0, vocab_size={self.vocab_size}] "
                              f"(0 = full vocabulary), got {self.draft_vocab_size!r}.")

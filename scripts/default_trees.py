@@ -5,9 +5,10 @@ loop's overhead and the heads' drafting) times the heads' expected τ per budget
 drafted part of τ scaled by ``--tau-scale``, then the budget with the highest expected
 tokens/s at ``--context`` tokens.
 
-Why a τ scale: the checkpoint's expected τ is measured on held-out self-distilled text, which
-the heads predict better than open-ended prompts; on MT-Bench the accepted part of τ measured
-0.66-0.88 of it (docs/measurements.md), so 0.75 is the default.
+Why a τ scale: a checkpoint's expected τ measured on held-out self-distilled text is
+in-distribution, so decoding counts on 0.75 of its drafted part; one measured on the base's
+answers to evaluation prompts (``expected_tau_on: dev``) is used as it is. Without ``--tau-scale``
+the checkpoint's own (:func:`~draftheads.decoding.policy.expected_tau_scale`), as decoding uses.
 
     python scripts/default_trees.py checkpoints/smollm2-135m-hydra --dtypes bfloat16,float32
 """
@@ -24,15 +25,16 @@ from draftheads.decoding import DraftHeadsModel
 from draftheads.decoding.base.loading import dtype_name
 from draftheads.decoding.limits import parse_dtype
 from draftheads.decoding.calibration import CalibrationConfig, calibrate
-from draftheads.decoding.policy import best_budget
+from draftheads.decoding.policy import best_budget, expected_tau_scale
 
 #: batch size 1 at the context the default is chosen for, best of 30 runs per point: a bs-1 forward
 #: is short, so one slow spell of a shared machine must not decide the default
 BATCH_ONE = CalibrationConfig(batch_sizes=(1,), contexts=(256,), reps=30)
 
 
-def choose(checkpoint: str, dtype: torch.dtype, context: int, tau_scale: float, refresh: bool) -> dict:
+def choose(checkpoint: str, dtype: torch.dtype, context: int, tau_scale: float | None, refresh: bool) -> dict:
     model = DraftHeadsModel.from_pretrained(checkpoint, dtype=dtype, tree=0)
+    tau_scale = expected_tau_scale(model.heads) if tau_scale is None else tau_scale
     cost = calibrate(model.base, model.heads, BATCH_ONE, refresh=refresh)
     ranked = best_budget(model.heads, cost, 1, context, tau_scale)
     return {"budget": ranked[0].budget, "context": context, "tau_scale": tau_scale,
@@ -46,7 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("checkpoints", nargs="+")
     parser.add_argument("--dtypes", default="bfloat16,float32")
     parser.add_argument("--context", type=int, default=256, help="context length the default is chosen for")
-    parser.add_argument("--tau-scale", type=float, default=0.75)
+    parser.add_argument("--tau-scale", type=float, default=None,
+                        help="the drafted part of the expected τ counted on (default: the checkpoint's, by what it "
+                             "was measured on)")
     parser.add_argument("--refresh", action="store_true", help="measure again even if a calibration is cached")
     parser.add_argument("--dry-run", action="store_true", help="print the choice, do not write the checkpoint")
     args = parser.parse_args(argv)

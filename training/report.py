@@ -163,6 +163,7 @@ def finish(heads: DraftHeads, eval_table: Features, recipe: Recipe, parts: Froze
     config.extra = {**config.extra, "recipe": recipe.to_dict(), "held_out_accuracy": accuracy}
     config.default_budget = recipe.run.default_budget
     config.expected_tau = {b: t["expected_tau"] for b, t in trees.items()}
+    config.expected_tau_on = recipe.run.trees_from
     out = Path(recipe.run.final_dir or Path(recipe.run.output_dir) / "final")
     seconds = progress.train_seconds
     report = {"recipe": recipe.to_dict(), "steps": progress.step, "planned_steps": total,

@@ -133,6 +133,25 @@ def test_candidates_from_a_checkpoint_config():
         candidates_from_heads(MedusaHeads(HeadConfig(num_heads=2, hidden_size=32, vocab_size=96)))
 
 
+def test_a_tau_measured_on_evaluation_answers_counts_whole_and_never_picks_a_smaller_tree():
+    """``expected_tau_on``: τ fitted on held-out training text counts 0.75 of its drafted part,
+    τ fitted on the base's answers to evaluation prompts all of it; the same figures then never
+    choose a smaller default tree, and some step costs choose a larger one."""
+    from draftheads.decoding.policy import best_budget, expected_tau_scale
+
+    trees = {"1": [[0]], "3": [[0], [1], [0, 0]]}
+    config = dict(num_heads=2, hidden_size=32, vocab_size=96, trees=trees, expected_tau={"1": 1.4, "3": 1.7})
+    held_out, dev = MedusaHeads(HeadConfig(**config)), MedusaHeads(HeadConfig(**config, expected_tau_on="dev"))
+    assert (expected_tau_scale(held_out), expected_tau_scale(dev)) == (0.75, 1.0)
+    picks = []
+    for per_node in (0.5, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0):
+        cost = synthetic_cost(lambda b, q, c: 20.0 + per_node * b * q)
+        picks.append(tuple(best_budget(h, cost, 1, 256, expected_tau_scale(h))[0].budget for h in (held_out, dev)))
+    assert all(d >= h for h, d in picks) and any(d > h for h, d in picks), picks
+    with pytest.raises(ValueError, match=r"expected_tau_on must be one of \['dev', 'held_out'\], got 'mt_bench'"):
+        HeadConfig(**config, expected_tau_on="mt_bench")
+
+
 def test_resolve_tree_arguments():
     assert resolve_tree("adaptive", None, None).num_nodes == 1  # no heads: plain decoding
     assert resolve_tree("0", None, None).num_nodes == 1

@@ -130,6 +130,8 @@ def test_an_evaluation_job_scores_each_epoch_by_source_on_labelled_rows(job):
     assert set(dev["groups"]) == {"tiny"} and dev["positions"] == answers  # every answer row, no prompt row
     assert dev["groups"]["tiny"]["top1"] == dev["top1"]
     assert report["trees_from"] == "dev" and report["tree_positions"] == answers  # the trees fit the dev answers
+    saved = json.loads((root / "dev" / "final" / "config.json").read_text())
+    assert saved["expected_tau_on"] == "dev"  # decoding counts on all of its drafted part
     assert report["held_out_positions"] < answers
 
 

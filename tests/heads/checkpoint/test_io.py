@@ -98,12 +98,13 @@ def test_format_1_checkpoints_still_load(tmp_path):
     heads = random_heads(model)
     heads.save_pretrained(tmp_path, dtype=None)
     config = json.loads((tmp_path / "config.json").read_text())
-    for key in ("draftheads_version", "base_revision", "owns_lm_head"):
+    for key in ("draftheads_version", "base_revision", "owns_lm_head", "expected_tau_on"):
         del config[key]
     config["format_version"] = 1
     (tmp_path / "config.json").write_text(json.dumps(config))
     loaded = load_heads(tmp_path, dtype=model.dtype)
     assert loaded.config.draftheads_version is None and not loaded.config.owns_lm_head
+    assert loaded.config.expected_tau_on == "held_out"  # what every checkpoint before format 4 fitted on
     hidden = torch.randn(3, model.config.hidden_size, dtype=model.dtype)
     assert torch.equal(heads.bind(model.lm_head.weight)(hidden), loaded.bind(model.lm_head.weight)(hidden))
 
