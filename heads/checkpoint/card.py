@@ -94,7 +94,9 @@ def trees_table(config: HeadConfig, expected: dict) -> str:
     if not config.trees:
         return ""
     rows = "\n".join(f"| {b} | {expected[b]:.2f} |" if b in expected else f"| {b} | — |" for b in config.trees)
-    return ("\n## Stored trees (node budget → expected τ on held-out positions)\n"
+    measured_on = {"held_out": "held-out positions of the training data",
+                   "dev": "the base's answers to the evaluation prompts"}[config.expected_tau_on]
+    return (f"\n## Stored trees (node budget → expected τ on {measured_on})\n"
             f"| nodes | expected τ |\n|---|---|\n{rows}\n")
 
 
