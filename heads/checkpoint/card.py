@@ -215,7 +215,7 @@ def model_card(config: HeadConfig, report: dict, name: str = "<repo id or folder
     recipe = report["recipe"]
     title = config.koala.label if config.koala else ((REGISTRY[config.family].display_name if config.family in REGISTRY
                                            else "") or config.family)
-    datasets = SELFDISTILL_DATASETS if recipe["data"]["kind"] == "selfdistill" else []
+    datasets = SELFDISTILL_DATASETS if recipe["data"]["kind"] in ("selfdistill", "job") else []
     expected = {b: t["expected_tau"] for b, t in report.get("trees", {}).items()}
     card = (front_matter(config, datasets) + f"# {title} heads ({recipe['name']})\n\n" + summary(config) + "\n"
             + usage(config, name) + "\n" + training_section(config, report) + accuracy_section(report["accuracy"])
