@@ -29,6 +29,9 @@ PROMOTED_FROM_EXTRA = ("default_budget", "expected_tau", "default_budget_by_dtyp
 #: docs/measurements.md); on the base's answers to evaluation prompts, the 8-node tree's decoded τ
 #: read above it (1.75 against 1.68: results/data_scaling/hydra-union)
 EXPECTED_TAU_SCALE = {"held_out": 0.75, "dev": 1.0}
+#: what each ``expected_tau_on`` value names, in words (the model card's)
+EXPECTED_TAU_TEXT = {"held_out": "held-out positions of the training data",
+                     "dev": "the base's answers to the evaluation prompts"}
 #: the package version, recorded in every ``config.json`` (``draftheads.__version__`` reads it)
 DRAFTHEADS_VERSION = "0.1.0"
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..config import REGISTRY, CheckpointError, HeadConfig, read_config, read_json_object
+from ..config import EXPECTED_TAU_TEXT, REGISTRY, CheckpointError, HeadConfig, read_config, read_json_object
 from ..errors import MissingPathError
 
 #: base ids that are not Hub ids → the Hub model they are (the embedded GGUF is a Q4_1
@@ -94,9 +94,7 @@ def trees_table(config: HeadConfig, expected: dict) -> str:
     if not config.trees:
         return ""
     rows = "\n".join(f"| {b} | {expected[b]:.2f} |" if b in expected else f"| {b} | — |" for b in config.trees)
-    measured_on = {"held_out": "held-out positions of the training data",
-                   "dev": "the base's answers to the evaluation prompts"}[config.expected_tau_on]
-    return (f"\n## Stored trees (node budget → expected τ on {measured_on})\n"
+    return (f"\n## Stored trees (node budget → expected τ on {EXPECTED_TAU_TEXT[config.expected_tau_on]})\n"
             f"| nodes | expected τ |\n|---|---|\n{rows}\n")
 
 
