@@ -20,7 +20,9 @@ DEFAULT_BUDGETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 def fit_trees(heads: DraftHeads, base, features: Features, budgets: tuple[int, ...] = DEFAULT_BUDGETS,
               default_budget: int = 4, source: str = "") -> dict[str, float]:
     """Write trees for ``budgets`` and their expected τ into ``heads.config`` (in place; the heads
-    are scored in float32 against float32 copies of the base's LM head); returns {budget: τ}."""
+    are scored in float32 against float32 copies of the base's LM head); returns {budget: τ}.
+    The τ is measured as training's per-epoch evaluation measures it (``expected_tau_on="dev"``),
+    so decoding counts it in full (:data:`~.heads.config.EXPECTED_TAU_SCALE`)."""
     heads.float().bind(base.get_output_embeddings().weight.float(), base.get_input_embeddings().weight.float())
     ranks = rank_table(heads, features, "teacher", torch.float32, "cpu")
     trees, taus = {}, {}
@@ -29,6 +31,8 @@ def fit_trees(heads: DraftHeads, base, features: Features, budgets: tuple[int, .
         trees[str(budget)], taus[str(budget)] = [list(p) for p in paths], round(tau, 4)
     heads.config.trees = trees
     heads.config.expected_tau, heads.config.default_budget = taus, default_budget
+    # teacher-forced on the base's own answers to evaluation prompts: what training records as "dev"
+    heads.config.expected_tau_on = "dev"
     heads.config.extra = {**heads.config.extra,
                           "trees_fitted_on": {"positions": int(ranks.shape[0]), "source": source}}
     return taus

@@ -174,6 +174,15 @@ def curves_section(report: dict) -> str:
             "\n![Loss, top-1 per head and τ per epoch](curves.png)\n")
 
 
+def band_clause(overall: dict, dtype: str | None) -> str:
+    """Where answers differ, say whether each first divergence lies within the dtype's rounding of
+    the top-1/top-2 gap (the rule for "same output"); results written before that count say nothing."""
+    outside = overall.get("divergences_outside_band")
+    if not overall.get("mismatching_prompts") or outside is None:
+        return ""
+    return f", {outside} of them outside {dtype or 'the dtype'}'s rounding band of the top-1/top-2 gap"
+
+
 def measured_section(measured: dict, entry: dict, meta: dict) -> str:
     """τ and speedup of one checkpoint from a benchmark's results JSON, with the command."""
     overall, groups = entry["speed"]["overall"], entry["speed"]["groups"]
@@ -186,7 +195,8 @@ def measured_section(measured: dict, entry: dict, meta: dict) -> str:
 
     lines = [speed(f"All prompts of `{Path(meta['prompts_file']).name}`", overall)] if len(groups) > 1 else []
     lines += [speed({"mt_bench": "MT-Bench"}.get(key, key), group) for key, group in groups.items()]
-    lines.append(f"- {overall['mismatching_prompts']}/{overall['prompts']} prompts differ from HF greedy `generate`.")
+    lines.append(f"- {overall['mismatching_prompts']}/{overall['prompts']} prompts differ from HF greedy `generate`"
+                 + band_clause(overall, meta.get("dtype")) + ".")
     acc = entry.get("accuracy")
     if acc:
         top1 = " / ".join(f"{v:.3f}" for v in acc["accuracy"]["top1"])

@@ -39,6 +39,10 @@ def test_shipped_cards_are_generated_from_recorded_figures(checkpoint):
     entry = json.loads((REPO / measured["results"]).read_text())["checkpoints"][checkpoint.name]
     mt = entry["speed"]["groups"]["mt_bench"]
     assert f"τ {mt['tau']:.2f}, {mt['speedup']:.2f}× HF `generate`" in card
+    overall = entry["speed"]["overall"]  # differing answers come with how many left the dtype's band
+    differ = f"{overall['mismatching_prompts']}/{overall['prompts']} prompts differ from HF greedy `generate`"
+    assert differ + (f", {overall['divergences_outside_band']} of them outside" if overall["mismatching_prompts"]
+                     else ".") in card
     assert f"{report['train_wall_seconds']} s wall time" in card
     assert "| 1 | {:.3f} | {:.3f} |".format(report["accuracy"]["top1"][0], report["accuracy"]["top5"][0]) in card
 

@@ -87,6 +87,7 @@ def test_imported_heads_get_trees_and_decode_with_the_adaptive_policy(tmp_path, 
     assert list(heads.config.trees) == ["1", "3"] and 1.0 <= taus["1"] <= taus["3"] <= 3.0
     heads.save_pretrained(tmp_path / "ours", dtype=None)
     loaded = load_heads(tmp_path / "ours", expected_fingerprint=fp, dtype=torch.float64)
+    assert loaded.config.expected_tau_on == "dev"  # fitted on the base's answers: counted in full
     grid = CalibrationConfig(batch_sizes=(1, 2), nodes=(1, 2, 4), contexts=(8, 16), max_tokens=4, reps=1)
     loaded.bind(model.get_output_embeddings().weight, model.get_input_embeddings().weight)
     policy = resolve_tree("adaptive", model, loaded, grid)
