@@ -31,7 +31,6 @@ def fit_trees(heads: DraftHeads, base, features: Features, budgets: tuple[int, .
         trees[str(budget)], taus[str(budget)] = [list(p) for p in paths], round(tau, 4)
     heads.config.trees = trees
     heads.config.expected_tau, heads.config.default_budget = taus, default_budget
-    # teacher-forced on the base's own answers to evaluation prompts: what training records as "dev"
     heads.config.expected_tau_on = "dev"
     heads.config.extra = {**heads.config.extra,
                           "trees_fitted_on": {"positions": int(ranks.shape[0]), "source": source}}

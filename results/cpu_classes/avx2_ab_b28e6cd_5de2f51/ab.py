@@ -1,30 +1,47 @@
-"""One version's draftheads on N dev prompts, fp32; prints JSON of timings (run per version, interleaved)."""
-import json, sys, time, torch
-from pathlib import Path
-ROOT = Path(__file__).resolve().parents[3]  # the repository root (prompts read from there)
+"""One version's draftheads on the A/B's prompts, float32; prints one JSON line of timings.
+Run once per version and repeat, interleaved (run.sh); hf.py times HF generate on the same prompts."""
+import json
+import sys
+import time
+
+import torch
+
 from draftheads import DraftHeadsModel
-heads, tree, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
-torch.set_num_threads(2)
-t0 = time.perf_counter()
-m = DraftHeadsModel.from_pretrained(heads, dtype="float32", tree=None if tree == "default" else int(tree))
-load = time.perf_counter() - t0
-prompts = []
-for f in ["mt_bench.jsonl", "spec_bench_dev.jsonl"]:
-    rows = [json.loads(l) for l in open(ROOT / "draftheads" / "data" / f)]
-    seen = set()
-    for r in rows:
-        c = r.get("category")
-        if c in seen: continue
-        seen.add(c); prompts.append(r["turns"][0])
-prompts = prompts[:n]
-out = {"load_s": load, "per": []}
-tree_nodes = None
-for p in prompts:
-    ids = m.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                          return_tensors="pt", return_dict=True)["input_ids"]
-    t = time.perf_counter(); o = m.generate(ids, max_new_tokens=128); dt = time.perf_counter() - t
-    s = m.last_stats.to_dict()
-    out["per"].append({"s": dt, "new": int(o.shape[1] - ids.shape[1]), "stats": {k: v for k, v in s.items() if isinstance(v, (int, float, str))}})
-tot = sum(x["s"] for x in out["per"]); new = sum(x["new"] for x in out["per"])
-out["total_s"] = tot; out["new"] = new; out["tok_s"] = new / tot
-print("RESULT", json.dumps(out))
+from draftheads.prompts import chat_input, read_prompts
+
+
+def ab_prompts() -> list[str]:
+    """The prompts the recorded run decoded: MT-Bench's first of each category (8), then the first
+    five of them again (13 decodes in all; both versions and HF ran the same list)."""
+    first = [r["prompt"] for r in read_prompts("mt-bench@1")]
+    return first + first[:5]
+
+
+def timed_run(generate, tokenizer) -> dict:
+    """{per: [{s, new, stats}], total_s, new, tok_s} over :func:`ab_prompts`; ``generate(ids)`` →
+    (output ids, a stats dict)."""
+    per = []
+    for prompt in ab_prompts():
+        ids = chat_input(tokenizer, prompt)
+        start = time.perf_counter()
+        out, stats = generate(ids)
+        per.append({"s": time.perf_counter() - start, "new": int(out.shape[1] - ids.shape[1]), "stats": stats})
+    total, new = sum(x["s"] for x in per), sum(x["new"] for x in per)
+    return {"per": per, "total_s": total, "new": new, "tok_s": new / total}
+
+
+def main(heads: str, tree: str) -> None:
+    torch.set_num_threads(2)
+    start = time.perf_counter()
+    model = DraftHeadsModel.from_pretrained(heads, dtype="float32", tree=None if tree == "default" else int(tree))
+    load = time.perf_counter() - start
+
+    def generate(ids):
+        out = model.generate(ids, max_new_tokens=128)
+        return out, {k: v for k, v in model.last_stats.to_dict().items() if isinstance(v, (int, float, str))}
+
+    print("RESULT", json.dumps({"load_s": load, **timed_run(generate, model.tokenizer)}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
