@@ -312,18 +312,42 @@ def finished_shards(out: Path, with_hidden: bool = False) -> list[tuple[int, Pat
 
 
 def export(out: Path, target: Path) -> int:
-    """The finished shards' token ids in the committed form: ``shard-NNNNN.npz`` + ``index.json``."""
+    """The finished shards' token ids in the committed form: ``shard-NNNNN.npz`` + ``index.json``.
+
+    Shards already committed in ``target`` for the same plan and absent from ``out`` are kept (each
+    read back whole first): a clone that resumes the job without rebuilding the earlier shards'
+    features exports its new shards beside the committed ones instead of dropping them."""
     plan = json.loads((out / PLAN).read_text(encoding="utf-8"))
-    index = {"plan": plan, "shards": []}
+    entries = {entry["shard"]: entry for entry in committed_entries(target, plan)}
     for number, folder in finished_shards(out):
         manifest = json.loads((folder / "manifest.json").read_text(encoding="utf-8"))
         shard = open_shard(folder, {}, "", with_hidden=False)
         save_token_ids(target / f"shard-{number:05d}.npz", shard)
-        index["shards"].append({k: manifest[k] for k in ("shard", "ids", "sequences", "tokens", "answer_tokens",
-                                                         "prompt_key", "dtype", "base_fingerprint")})
+        entries[number] = {k: manifest[k] for k in ("shard", "ids", "sequences", "tokens", "answer_tokens",
+                                                    "prompt_key", "dtype", "base_fingerprint")}
+    index = {"plan": plan, "shards": [entries[number] for number in sorted(entries)]}
     write_text_atomic(target / INDEX, json.dumps(index) + "\n")
     print(f"{len(index['shards'])} shards' token ids in {target}")
     return 0
+
+
+def committed_entries(target: Path, plan: dict) -> list[dict]:
+    """The index entries already in ``target`` (none if it has no index), each shard file checked;
+    an index of another plan is refused: its shards would sit beside this plan's under one index."""
+    if not (target / INDEX).is_file():
+        return []
+    try:
+        index = json.loads((target / INDEX).read_text(encoding="utf-8"))
+        kept, entries = index["plan"]["plan_key"], list(index["shards"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ShardError(f"{target / INDEX} cannot be read ({err}); restore it from git or export to an empty "
+                         "folder.") from None
+    if kept != plan["plan_key"]:
+        raise ShardError(f"{target / INDEX} holds another plan's shards (plan_key {kept}); export to an empty "
+                         "folder or remove that one first.")
+    for entry in entries:
+        load_token_ids(target / f"shard-{entry['shard']:05d}.npz", entry["ids"])
+    return entries
 
 
 def rebuild(config: DistillJobConfig) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +17,7 @@ from helpers import OracleHeads, left_pad, tiny_distill_setup, tiny_llama
 from draftheads.decoding import DraftHeadsModel, tree_from_paths
 from draftheads.training import distill_job, distill_shards
 from draftheads.training.distill_capture import answer_with_states, forward_states
-from draftheads.training.distill_job import DistillJobConfig, Prompt, interleave, main
+from draftheads.training.distill_job import Prompt, interleave, main
 from draftheads.training.distill_shards import ShardError, open_shard
 
 PAD = 0
@@ -153,7 +154,7 @@ def test_a_stopped_run_redoes_only_the_missing_shard(setup, monkeypatch, tmp_pat
 def test_start_at_builds_the_later_shards_first_then_the_earlier(setup, monkeypatch):
     """``--start-at``: the shards the decoder must answer can come before those whose answers
     are given, so a short run spends its time where the data is new."""
-    out, order = setup / "started", []
+    order = []
     original = distill_job.write_shard
 
     def recording(folder, shard, manifest):
@@ -220,6 +221,40 @@ def test_committed_token_ids_rebuild_the_same_shards(setup, tmp_path):
         assert a.ids == b.ids and a.tokens.tolist() == b.tokens.tolist()
         assert a.answer_starts.tolist() == b.answer_starts.tolist() and a.finished.tolist() == b.finished.tolist()
         np.testing.assert_allclose(a.hidden.astype(np.float32), b.hidden.astype(np.float32), rtol=1e-3, atol=1e-3)
+
+
+def test_an_export_keeps_committed_shards_the_clone_did_not_rebuild(setup, tmp_path, capsys):
+    """A clone resumes the job without rebuilding the earlier shards' features: its export adds
+    its new shard beside the committed ones, it does not drop them; a damaged committed shard and
+    another plan's index are each one line naming the file."""
+    assert main(job_args(setup, "full")) == 0
+    whole = tmp_path / "whole"
+    assert main(["--out", str(setup / "full"), "--export", str(whole)]) == 0
+    committed = tmp_path / "committed"  # what the repository held: shards 0-1
+    committed.mkdir()
+    index = json.loads((whole / "index.json").read_text())
+    for name in ("shard-00000.npz", "shard-00001.npz"):
+        shutil.copy(whole / name, committed / name)
+    (committed / "index.json").write_text(json.dumps({"plan": index["plan"], "shards": index["shards"][:2]}))
+    clone = tmp_path / "clone"  # the clone's job folder: only the shard it decoded
+    shutil.copytree(setup / "full", clone)
+    for folder in shard_dirs(clone)[:-1]:
+        shutil.rmtree(folder)
+    assert main(["--out", str(clone), "--export", str(committed)]) == 0
+    assert json.loads((committed / "index.json").read_text()) == index
+    assert sorted(p.name for p in committed.glob("*.npz")) == sorted(p.name for p in whole.glob("*.npz"))
+    capsys.readouterr()
+
+    (committed / "shard-00001.npz").write_bytes(b"not a shard")
+    assert main(["--out", str(clone), "--export", str(committed)]) == 2
+    error = capsys.readouterr().err.strip()
+    assert "\n" not in error and "shard-00001.npz" in error and "git checkout" in error
+
+    assert main(job_args(setup, "other-plan", "--max-new-tokens", "12", "--shards", "1")) == 0
+    capsys.readouterr()
+    assert main(["--out", str(setup / "other-plan"), "--export", str(whole)]) == 2
+    error = capsys.readouterr().err.strip()
+    assert "\n" not in error and "another plan" in error and str(whole / "index.json") in error
 
 
 def test_training_reads_a_job_only_for_its_base_and_dtype(setup):
