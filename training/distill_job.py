@@ -30,6 +30,7 @@ from ..decoding.fingerprint import fingerprint
 from ..decoding.generate import DraftHeadsModel
 from ..decoding.request import eos_token_ids
 from ..heads.checkpoint.atomic import write_text_atomic
+from ..heads.errors import one_line
 from .config_cli import parse_config, run_cli
 from .data import DataError, resolve_data_path
 from .distill_capture import answer_with_states, forward_states
@@ -314,9 +315,8 @@ def finished_shards(out: Path, with_hidden: bool = False) -> list[tuple[int, Pat
 def export(out: Path, target: Path) -> int:
     """The finished shards' token ids in the committed form: ``shard-NNNNN.npz`` + ``index.json``.
 
-    Shards already committed in ``target`` for the same plan and absent from ``out`` are kept (each
-    read back whole first): a clone that resumes the job without rebuilding the earlier shards'
-    features exports its new shards beside the committed ones instead of dropping them."""
+    Shards committed in ``target`` for the same plan and absent from ``out`` are kept (read back whole
+    first): a clone that resumes without the earlier shards' features adds to them, drops none."""
     plan = json.loads((out / PLAN).read_text(encoding="utf-8"))
     entries = {entry["shard"]: entry for entry in committed_entries(target, plan)}
     for number, folder in finished_shards(out):
@@ -332,29 +332,35 @@ def export(out: Path, target: Path) -> int:
 
 
 def committed_entries(target: Path, plan: dict) -> list[dict]:
-    """The index entries already in ``target`` (none if it has no index), each shard file checked;
-    an index of another plan is refused: its shards would sit beside this plan's under one index."""
-    if not (target / INDEX).is_file():
-        return []
-    try:
-        index = json.loads((target / INDEX).read_text(encoding="utf-8"))
-        kept, entries = index["plan"]["plan_key"], list(index["shards"])
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise ShardError(f"{target / INDEX} cannot be read ({err}); restore it from git or export to an empty "
-                         "folder.") from None
-    if kept != plan["plan_key"]:
+    """The index entries already in ``target`` (none without an index), each shard file checked; another
+    plan's index is refused: its shards would sit beside this plan's under one index."""
+    index = read_index(target) if (target / INDEX).is_file() else {"plan": plan, "shards": []}
+    if (kept := index["plan"]["plan_key"]) != plan["plan_key"]:
         raise ShardError(f"{target / INDEX} holds another plan's shards (plan_key {kept}); export to an empty "
                          "folder or remove that one first.")
-    for entry in entries:
+    for entry in index["shards"]:
         load_token_ids(target / f"shard-{entry['shard']:05d}.npz", entry["ids"])
-    return entries
+    return index["shards"]
+
+
+def read_index(folder: Path) -> dict:
+    """A committed folder's ``index.json`` ({plan, shards}); unreadable or malformed: one line naming it."""
+    path = folder / INDEX
+    try:
+        index = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(index["plan"]["plan_key"], str) or not isinstance(index["shards"], list):
+            raise ValueError("plan.plan_key or shards of the wrong type")
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ShardError(f"{path} cannot be read ({one_line(err)}); restore it from git "
+                         f"(`git checkout -- {path}`).") from None
+    return index
 
 
 def rebuild(config: DistillJobConfig) -> int:
     """Features for committed token ids, by a plain forward: shards as the job writes them."""
     begun, last = time.perf_counter(), 0.0
     source, out = Path(config.from_tokens), Path(config.out)
-    index = json.loads((source / INDEX).read_text(encoding="utf-8"))
+    index = read_index(source)
     check_plan(out, index["plan"])
     job = Job(config)
     for entry in index["shards"]:

@@ -225,8 +225,8 @@ def test_committed_token_ids_rebuild_the_same_shards(setup, tmp_path):
 
 def test_an_export_keeps_committed_shards_the_clone_did_not_rebuild(setup, tmp_path, capsys):
     """A clone resumes the job without rebuilding the earlier shards' features: its export adds
-    its new shard beside the committed ones, it does not drop them; a damaged committed shard and
-    another plan's index are each one line naming the file."""
+    its new shard beside the committed ones, it does not drop them; a damaged committed shard,
+    another plan's index and a malformed one (export or rebuild) are each one line naming the file."""
     assert main(job_args(setup, "full")) == 0
     whole = tmp_path / "whole"
     assert main(["--out", str(setup / "full"), "--export", str(whole)]) == 0
@@ -255,6 +255,13 @@ def test_an_export_keeps_committed_shards_the_clone_did_not_rebuild(setup, tmp_p
     assert main(["--out", str(setup / "other-plan"), "--export", str(whole)]) == 2
     error = capsys.readouterr().err.strip()
     assert "\n" not in error and "another plan" in error and str(whole / "index.json") in error
+
+    (committed / "index.json").write_text('{"plan": {}}')  # a malformed index: for the export and the rebuild
+    for args in (["--out", str(clone), "--export", str(committed)],
+                 ["--from-tokens", str(committed), "--out", str(tmp_path / "rebuilt"), "--base", str(setup / "base")]):
+        assert main(args) == 2
+        error = capsys.readouterr().err.strip()
+        assert "\n" not in error and str(committed / "index.json") in error and "git checkout" in error
 
 
 def test_training_reads_a_job_only_for_its_base_and_dtype(setup):
