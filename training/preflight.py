@@ -50,7 +50,21 @@ def preflight(recipe: Recipe) -> None:
     for path in paths if recipe.data.kind != "job" else ():  # a job's shards are checked as they open
         check_data(path, recipe.data.kind, dims[0] if dims else None, recipe.data.name, recipe.data.split,
                    recipe.data.columns, bool(recipe.data.sources or recipe.data.source_caps))
+    if recipe.heads.init_from:
+        check_start(recipe.heads.init_from)
     check_final_dir(recipe)
+
+
+def check_start(path: str) -> None:
+    """``heads.init_from`` names a checkpoint folder holding config.json (or a Hub id, resolved
+    when the heads are built): a typo is one line now, not after the data and the base load."""
+    if Path(path).exists() or is_hub_id(path):
+        if Path(path).exists() and not (Path(path) / "config.json").is_file():
+            raise RecipeError(f"Recipe key heads.init_from: {path} holds no config.json; name a heads checkpoint "
+                              "folder (e.g. checkpoints/smollm2-135m-hydra) or drop the key.")
+        return
+    raise RecipeError(f"Recipe key heads.init_from: {path} does not exist; name a heads checkpoint folder "
+                      "(e.g. checkpoints/smollm2-135m-hydra) or a Hub id, or drop the key.")
 
 
 def check_heads_fit(recipe: Recipe, vocab_size: int, hidden_size: int) -> None:

@@ -23,6 +23,9 @@ class HeadsSection:
     num_layers: int = 1
     draft_vocab_size: int = 8192  # 0 = full vocabulary
     extra: dict[str, Any] = field(default_factory=dict)  # the family's options (typed: HeadConfig.options)
+    # a checkpoint folder (or Hub id) whose weights start the run, e.g. the shipped heads or an imported Medusa:
+    # same family and shape, made for this base; its draft vocabulary is kept. A resume of this run wins
+    init_from: str | None = None
 
 
 @dataclass

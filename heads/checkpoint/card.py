@@ -135,6 +135,9 @@ def volume_lines(report: dict) -> str:
         sized = (f" of {data['sequences']:,} sequences ({data['answer_positions']:,} answer positions)"
                  if {"sequences", "answer_positions"} <= data.keys() else "")
         lines.append(f"- {report['epochs']:g} epoch(s){sized}")
+    start = ((report.get("recipe") or {}).get("heads") or {}).get("init_from")
+    if start:
+        lines.append(f"- Started from the weights of `{start}` (`heads.init_from`), not from fresh heads")
     if report.get("hardware"):
         lines.append(f"- Hardware: {report['hardware']}")
     return "".join(line + "\n" for line in lines)
