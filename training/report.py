@@ -135,6 +135,29 @@ def data_summary(recipe: Recipe) -> dict | None:
     return read_data_summary(Path(recipe.run.output_dir)) if recipe.data.kind == "job" else None
 
 
+def start_summary(path: str) -> dict:
+    """What a run started from (``heads.init_from``): the name given, its weights' sha256 (which
+    pins the version when the folder is later overwritten) and what its own training report says
+    it was trained on, its own start included (a chain of continued runs reads back whole)."""
+    import hashlib
+
+    from ..heads.checkpoint.hub import resolve_checkpoint
+    from ..heads.checkpoint.io import WEIGHTS_NAME
+
+    directory = resolve_checkpoint(path)
+    summary = {"path": path, "weights_sha256": hashlib.sha256((directory / WEIGHTS_NAME).read_bytes()).hexdigest()}
+    try:
+        before = json.loads((directory / "training_report.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return summary  # an imported or hand-made checkpoint: no report to cite
+    if isinstance(before, dict):
+        data = before.get("data") if isinstance(before.get("data"), dict) else {}
+        summary["trained"] = {"epochs": before.get("epochs"), "steps": before.get("steps"),
+                              "sequences": data.get("sequences"), "answer_positions": data.get("answer_positions"),
+                              "train_wall_seconds": before.get("train_wall_seconds"), "start": before.get("start")}
+    return summary
+
+
 def finish(heads: DraftHeads, eval_table: Features, recipe: Recipe, parts: FrozenParts, progress: Progress,
            dtype: torch.dtype, accelerator, total: int, curves: Curves | None = None,
            tree_table: Features | None = None) -> dict:
@@ -177,6 +200,8 @@ def finish(heads: DraftHeads, eval_table: Features, recipe: Recipe, parts: Froze
               "accuracy": accuracy, "trees": trees, "base_fingerprint": parts.fingerprint,
               "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
               "selection": chosen, "curves": curves.epochs}
+    if recipe.heads.init_from:
+        report["start"] = start_summary(recipe.heads.init_from)
     heads.save_pretrained(out, dtype=DTYPES[recipe.run.save_dtype], card=model_card(config, report, name=str(out)),
                           files={"training_report.json": json.dumps(report, indent=2) + "\n"})
     for directory in (Path(recipe.run.output_dir), out):

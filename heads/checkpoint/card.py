@@ -135,12 +135,23 @@ def volume_lines(report: dict) -> str:
         sized = (f" of {data['sequences']:,} sequences ({data['answer_positions']:,} answer positions)"
                  if {"sequences", "answer_positions"} <= data.keys() else "")
         lines.append(f"- {report['epochs']:g} epoch(s){sized}")
-    start = ((report.get("recipe") or {}).get("heads") or {}).get("init_from")
-    if start:
-        lines.append(f"- Started from the weights of `{start}` (`heads.init_from`), not from fresh heads")
+    start = report.get("start")
+    if isinstance(start, dict) and start.get("path"):
+        lines.append(f"- Started from the weights of `{start['path']}` (`heads.init_from`; model.safetensors sha256 "
+                     f"{str(start.get('weights_sha256', '?'))[:12]}…){trained_before(start.get('trained'))}, not from fresh heads")
     if report.get("hardware"):
         lines.append(f"- Hardware: {report['hardware']}")
     return "".join(line + "\n" for line in lines)
+
+
+def trained_before(trained: dict | None) -> str:
+    """What the starting weights' own report says they were trained on (empty when unknown)."""
+    if not isinstance(trained, dict) or trained.get("epochs") is None:
+        return ""
+    sized = (f" of {trained['sequences']:,} sequences ({trained['answer_positions']:,} answer positions)"
+             if isinstance(trained.get("sequences"), int) and isinstance(trained.get("answer_positions"), int) else "")
+    earlier = " after earlier runs of their own" if trained.get("start") else ""
+    return f", themselves trained {trained['epochs']:g} epoch(s){sized}{earlier}"
 
 
 def accuracy_section(accuracy: dict) -> str:

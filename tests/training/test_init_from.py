@@ -34,10 +34,18 @@ def test_a_run_started_from_a_checkpoint_trains_its_weights(tiny_setup):
     # at the recipe's lr the continued run starts where the trained heads are: below a fresh run's first losses
     run_inprocess(tiny_recipe(tiny_setup, "continued", heads__draft_vocab_size=64, heads__init_from=str(start)))
     assert max(first_losses(tiny_setup / "continued")) < min(first_losses(fresh))
-    # the card says where the weights started (from the training report's recipe)
+    # the report pins the starting weights (sha256) and what they had been trained on; the card says so
+    import hashlib
+
     from draftheads.heads.checkpoint.card import card_for_checkpoint
 
-    assert f"Started from the weights of `{start}`" in card_for_checkpoint(tiny_setup / "continued" / "final")
+    report = json.loads((tiny_setup / "continued" / "final" / "training_report.json").read_text())
+    digest = hashlib.sha256((start / "model.safetensors").read_bytes()).hexdigest()
+    assert report["start"]["path"] == str(start) and report["start"]["weights_sha256"] == digest
+    assert report["start"]["trained"]["epochs"] == 2 and report["start"]["trained"]["steps"] > 0
+    card = card_for_checkpoint(tiny_setup / "continued" / "final")
+    assert f"Started from the weights of `{start}` (`heads.init_from`; model.safetensors sha256 {digest[:12]}…), " \
+           "themselves trained 2 epoch(s)" in card
     assert "Started from" not in card_for_checkpoint(start)
 
 
