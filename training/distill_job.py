@@ -358,8 +358,7 @@ def read_index(folder: Path) -> dict:
 
 def rebuild(config: DistillJobConfig) -> int:
     """Features for committed token ids, by a plain forward: shards as the job writes them."""
-    begun, last = time.perf_counter(), 0.0
-    source, out = Path(config.from_tokens), Path(config.out)
+    begun, last, source, out = time.perf_counter(), 0.0, Path(config.from_tokens), Path(config.out)
     index = read_index(source)
     check_plan(out, index["plan"])
     job = Job(config)
@@ -376,7 +375,8 @@ def rebuild(config: DistillJobConfig) -> int:
         sequences = [given.sequence(k).astype(np.int64).tolist() for k in range(len(given))]
         given.hidden = np.concatenate([s.to(torch.float32).numpy() for s in
                                        forward_states(job.base, sequences, config.forward_tokens)]).astype(np.float16)
-        write_shard(folder, given, manifest_for(given, number, expected, {"given": len(given), "decoded": 0}))
+        write_shard(folder, given, manifest_for(given, number, expected, {  # seconds: what scaling tables count
+            "given": len(given), "decoded": 0, "seconds": round(time.perf_counter() - started, 1)}))
         last = time.perf_counter() - started
         print(f"shard {number}: {len(given)} sequences, {given.answer_tokens} answer tokens", flush=True)
     return 0

@@ -221,6 +221,8 @@ def test_committed_token_ids_rebuild_the_same_shards(setup, tmp_path):
         assert a.ids == b.ids and a.tokens.tolist() == b.tokens.tolist()
         assert a.answer_starts.tolist() == b.answer_starts.tolist() and a.finished.tolist() == b.finished.tolist()
         np.testing.assert_allclose(a.hidden.astype(np.float32), b.hidden.astype(np.float32), rtol=1e-3, atol=1e-3)
+        manifest = json.loads((again / "manifest.json").read_text())  # the features' wall time, for scaling tables
+        assert manifest["decoded"] == 0 and isinstance(manifest["seconds"], float) and manifest["seconds"] >= 0
 
 
 def test_an_export_keeps_committed_shards_the_clone_did_not_rebuild(setup, tmp_path, capsys):
