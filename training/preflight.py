@@ -58,13 +58,13 @@ def preflight(recipe: Recipe) -> None:
 def check_start(path: str) -> None:
     """``heads.init_from`` names a checkpoint folder holding config.json (or a Hub id, resolved
     when the heads are built): a typo is one line now, not after the data and the base load."""
-    if Path(path).exists() or is_hub_id(path):
-        if Path(path).exists() and not (Path(path) / "config.json").is_file():
-            raise RecipeError(f"Recipe key heads.init_from: {path} holds no config.json; name a heads checkpoint "
-                              "folder (e.g. checkpoints/smollm2-135m-hydra) or drop the key.")
-        return
-    raise RecipeError(f"Recipe key heads.init_from: {path} does not exist; name a heads checkpoint folder "
-                      "(e.g. checkpoints/smollm2-135m-hydra) or a Hub id, or drop the key.")
+    folder = Path(path)
+    if folder.exists() and not (folder / "config.json").is_file():
+        raise RecipeError(f"Recipe key heads.init_from: {path} holds no config.json; name a heads checkpoint "
+                          "folder (e.g. checkpoints/smollm2-135m-hydra) or drop the key.")
+    if not folder.exists() and not is_hub_id(path):
+        raise RecipeError(f"Recipe key heads.init_from: {path} does not exist; name a heads checkpoint folder "
+                          "(e.g. checkpoints/smollm2-135m-hydra) or a Hub id, or drop the key.")
 
 
 def check_heads_fit(recipe: Recipe, vocab_size: int, hidden_size: int) -> None:

@@ -60,10 +60,10 @@ def test_init_from_refuses_other_heads_and_a_missing_folder(tiny_setup):
     missing = tiny_recipe(tiny_setup, "missing", heads__init_from=str(tiny_setup / "no-such-run" / "final"))
     with pytest.raises(RecipeError, match=r"Recipe key heads\.init_from: .*no-such-run/final does not exist"):
         preflight(load_recipe(missing, []))
-    not_heads = tiny_recipe(tiny_setup, "not-heads", heads__init_from=str(tiny_setup / "base"))
     (tiny_setup / "empty").mkdir(exist_ok=True)
+    not_heads = tiny_recipe(tiny_setup, "not-heads", heads__init_from=str(tiny_setup / "empty"))
     with pytest.raises(RecipeError, match=r"empty holds no config\.json"):
-        preflight(load_recipe(not_heads, ["--heads.init_from", str(tiny_setup / "empty")]))
+        preflight(load_recipe(not_heads, []))
 
 
 def test_init_from_refuses_heads_of_another_base(tiny_setup):
