@@ -138,7 +138,9 @@ def data_summary(recipe: Recipe) -> dict | None:
 def start_summary(path: str) -> dict:
     """What a run started from (``heads.init_from``): the name given, its weights' sha256 (which
     pins the version when the folder is later overwritten) and what its own training report says
-    it was trained on, its own start included (a chain of continued runs reads back whole)."""
+    it was trained on, its own start included (a chain of continued runs reads back whole). Taken
+    when the run starts and kept in its checkpoints (``Progress.start``), so a resumed run names
+    the weights it started from even after the folder changed."""
     import hashlib
 
     from ..heads.checkpoint.hub import resolve_checkpoint
@@ -200,8 +202,8 @@ def finish(heads: DraftHeads, eval_table: Features, recipe: Recipe, parts: Froze
               "accuracy": accuracy, "trees": trees, "base_fingerprint": parts.fingerprint,
               "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
               "selection": chosen, "curves": curves.epochs}
-    if recipe.heads.init_from:
-        report["start"] = start_summary(recipe.heads.init_from)
+    if progress.start is not None:  # taken when the run started (a resumed run keeps its first start's)
+        report["start"] = progress.start
     heads.save_pretrained(out, dtype=DTYPES[recipe.run.save_dtype], card=model_card(config, report, name=str(out)),
                           files={"training_report.json": json.dumps(report, indent=2) + "\n"})
     for directory in (Path(recipe.run.output_dir), out):

@@ -43,7 +43,7 @@ from .losses import head_weights
 from .objective import compute_loss, lr_lambda, new_heads
 from .recipe import load_recipe
 from .recipe_sections import Recipe, RecipeError
-from .report import JsonlLog, epoch_ended, finish, metric_fields, record_epoch
+from .report import JsonlLog, epoch_ended, finish, metric_fields, record_epoch, start_summary
 from .resume import RECIPE_FILE, Curves, Progress, resume_point, save_checkpoint
 from .run_state import check_checkpoint_files, load_run_state
 from .batches import FeatureBatches, OnTheFlyBatches, cached_features, micro_batch_items, split_examples
@@ -236,6 +236,8 @@ def prepare_run(recipe: Recipe, accelerator, output_dir: Path, dtype: torch.dtyp
                           recipe.train.seed, accelerator.device, dtype) if recipe.adversarial.enabled else None
     model, optimizer = accelerator.prepare(heads, optimizer)
     progress = Progress()
+    if recipe.heads.init_from:  # pinned now: the folder may be overwritten by this run (run.final_dir) or another
+        progress.start = start_summary(recipe.heads.init_from)
     # the scheduler is stepped by hand once per optimizer step (accelerate's wrapper would step it
     # once per process); draftheads saves it itself as safetensors + JSON (accelerate would pickle it)
     own_state = {"scheduler": scheduler, "progress": progress}

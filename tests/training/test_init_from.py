@@ -31,22 +31,34 @@ def test_a_run_started_from_a_checkpoint_trains_its_weights(tiny_setup):
     assert before.keys() == after.keys()
     assert torch.equal(before["vocab_ids"], after["vocab_ids"])  # the checkpoint's draft vocabulary, not a recount
     assert max((before[k].double() - after[k].double()).abs().max().item() for k in before) < 1e-6
-    # at the recipe's lr the continued run starts where the trained heads are: below a fresh run's first losses
-    run_inprocess(tiny_recipe(tiny_setup, "continued", heads__draft_vocab_size=64, heads__init_from=str(start)))
-    assert max(first_losses(tiny_setup / "continued")) < min(first_losses(fresh))
-    # the report pins the starting weights (sha256) and what they had been trained on; the card says so
+    # at the recipe's lr the continued run starts where the trained heads are: below a fresh run's first losses;
+    # it is saved over the folder it started from (run.final_dir), as a user continuing shipped heads in place does
     import hashlib
+    import shutil
 
     from draftheads.heads.checkpoint.card import card_for_checkpoint
 
-    report = json.loads((tiny_setup / "continued" / "final" / "training_report.json").read_text())
+    in_place = shutil.copytree(start, tiny_setup / "in-place")
     digest = hashlib.sha256((start / "model.safetensors").read_bytes()).hexdigest()
-    assert report["start"]["path"] == str(start) and report["start"]["weights_sha256"] == digest
+    run_inprocess(tiny_recipe(tiny_setup, "continued", heads__draft_vocab_size=64, heads__init_from=str(in_place),
+                              run__final_dir=str(in_place)))
+    assert max(first_losses(tiny_setup / "continued")) < min(first_losses(fresh))
+    # the report pins the starting weights (sha256, taken when they were loaded, not the overwritten folder's)
+    # and what they had been trained on; the card says so
+    report = json.loads((in_place / "training_report.json").read_text())
+    assert hashlib.sha256((in_place / "model.safetensors").read_bytes()).hexdigest() != digest
+    assert report["start"]["path"] == str(in_place) and report["start"]["weights_sha256"] == digest
     assert report["start"]["trained"]["epochs"] == 2 and report["start"]["trained"]["steps"] > 0
-    card = card_for_checkpoint(tiny_setup / "continued" / "final")
-    assert f"Started from the weights of `{start}` (`heads.init_from`; model.safetensors sha256 {digest[:12]}…), " \
+    card = card_for_checkpoint(in_place)
+    assert f"Started from the weights of `{in_place}` (`heads.init_from`; model.safetensors sha256 {digest[:12]}…), " \
            "themselves trained 2 epoch(s)" in card
     assert "Started from" not in card_for_checkpoint(start)
+    # resumed after the folder was overwritten, the run still names the weights it started from (run state)
+    checkpoint = sorted((tiny_setup / "continued" / "checkpoints").glob("step-*"))[-1]
+    run_inprocess(tiny_recipe(tiny_setup, "continued", heads__draft_vocab_size=64, heads__init_from=str(in_place),
+                              run__final_dir=str(tiny_setup / "resumed"), run__resume=str(checkpoint)))
+    resumed = json.loads((tiny_setup / "resumed" / "training_report.json").read_text())
+    assert resumed["start"]["weights_sha256"] == digest and resumed["steps"] == report["steps"]
 
 
 def test_init_from_refuses_other_heads_and_a_missing_folder(tiny_setup):
