@@ -66,17 +66,22 @@ def device_name(device: torch.device) -> str:
             f"{', ' + limits if limits else ''}, {torch.get_num_threads()} threads)").strip()
 
 
+#: how the forward is timed (:func:`interleaved_best`): part of the key, so calibrations timed
+#: otherwise are measured again rather than trusted
+TIMING = "interleaved rounds"
+
+
 def calibration_key(model, heads=None) -> dict:
     """What the measured costs depend on: the base (fingerprint + the sizes that set its cost),
     the device, the dtype, torch, the thread count, the few-row kernel (its source and the dtypes
-    it runs here: a step through it costs less) and the heads (their drafting cost)."""
+    it runs here: a step through it costs less), how it is timed and the heads (their drafting cost)."""
     param = next(model.parameters())
     cfg = model.config
     key = {"base": fingerprint(model).to_dict(), "layers": int(cfg.num_hidden_layers),
            "intermediate_size": int(getattr(cfg, "intermediate_size", 0)),
            "device": device_name(param.device), "dtype": str(param.dtype), "torch": torch.__version__,
            "attention": PACKED_SDPA if uses_packed_sdpa(model) else str(getattr(cfg, "_attn_implementation", None)),
-           "kernel": kernel_identity()}
+           "kernel": kernel_identity(), "timing": TIMING}
     if heads is not None:
         hc = heads.config
         key["heads"] = {"family": hc.family, "num_heads": hc.num_heads, "num_layers": hc.num_layers,
@@ -105,10 +110,11 @@ def _synthetic_cache(model, bs: int, kv_len: int):
     return cache
 
 
-def _best_of(fn, reps: int) -> float:
-    """Minimum of ``reps`` timed calls after one warm-up, in ms: the minimum is the least
-    disturbed by other jobs sharing the machine."""
-    fn()
+def _best_of(fn, reps: int, warm: bool = True) -> float:
+    """Minimum of ``reps`` timed calls after one warm-up (``warm``), in ms: the minimum is the
+    least disturbed by other jobs sharing the machine."""
+    if warm:
+        fn()
     best = float("inf")
     for _ in range(reps):
         start = time.perf_counter()
@@ -123,7 +129,7 @@ def _sync(device: torch.device) -> None:
 
 
 @torch.no_grad()
-def measure_forward(model, bs: int, q: int, kv_len: int, reps: int = 2) -> float:
+def measure_forward(model, bs: int, q: int, kv_len: int, reps: int = 2, warm: bool = True) -> float:
     """ms of one verification forward exactly as the loop runs it (4D tree mask over the cache,
     LM head over every node, argmax); the cache is cropped back after each call."""
     device = next(model.parameters()).device
@@ -139,7 +145,7 @@ def measure_forward(model, bs: int, q: int, kv_len: int, reps: int = 2) -> float
         _sync(device)
         cache.crop(-q)
 
-    return _best_of(step, reps)
+    return _best_of(step, reps, warm)
 
 
 @torch.no_grad()
@@ -188,6 +194,19 @@ def measure_draft(model, heads, bs: int, tree: Tree, reps: int = 3) -> float:
     return _best_of(step, reps)
 
 
+def interleaved_best(points: list, measure, rounds: int) -> list[float]:
+    """The least of ``rounds`` timings of each point, the grid measured once per round (each
+    point warmed up in the first round only): a busy spell on a shared machine then lifts one
+    round of many points, which the other rounds undo, where repeating each point in a row let
+    it lift every timing of the few points it fell on (an AVX2 run priced 2-3 query tokens
+    above 4-5 at one context and not at the other). ``measure(point, warm)`` → ms."""
+    best = [float("inf")] * len(points)
+    for round_ in range(rounds):
+        for i, point in enumerate(points):
+            best[i] = min(best[i], measure(point, round_ == 0))
+    return best
+
+
 def monotone_envelope(rows: list[Row]) -> list[Row]:
     """Each point lowered to the cheapest point with at least as many query tokens and rows
     (same kv_len). For the loop's overhead and the drafting cost more work never takes less time,
@@ -203,18 +222,20 @@ def monotone_envelope(rows: list[Row]) -> list[Row]:
 def run_calibration(model, heads=None, config: CalibrationConfig = CalibrationConfig(), log=None) -> CostModel:
     """Measure the three tables on ``config``'s grid (no caching; see :func:`calibrate`)."""
     started = time.perf_counter()
-    forward, overhead, draft = [], [], []
+    overhead, draft = [], []
     nodes = config.grid_nodes(heads)
     # Warm-up first: a fresh process's first forwards page in the (memory-mapped) weights and size
     # the allocator, and would overprice the first grid point.
     for q in (1, max(nodes)):
         measure_forward(model, 1, q, config.contexts[0], reps=3)
-    for kv_len in config.contexts:
-        for bs in config.batch_sizes:
-            # q = 1 and 2 always, so every batch size has a slope to extrapolate along
-            for q in [q for q in nodes if q <= 2 or bs * q <= config.max_tokens]:
-                forward.append({"bs": bs, "q": q, "ctx": kv_len, "ms": measure_forward(model, bs, q, kv_len, config.reps)})
-            if log:
+    # q = 1 and 2 always, so every batch size has a slope to extrapolate along
+    points = [(kv_len, bs, q) for kv_len in config.contexts for bs in config.batch_sizes
+              for q in nodes if q <= 2 or bs * q <= config.max_tokens]
+    times = interleaved_best(points, lambda p, warm: measure_forward(model, p[1], p[2], p[0], 1, warm), config.reps)
+    forward = [{"bs": bs, "q": q, "ctx": kv_len, "ms": ms} for (kv_len, bs, q), ms in zip(points, times)]
+    if log:
+        for kv_len in config.contexts:
+            for bs in config.batch_sizes:
                 log(f"calibration kv_len={kv_len} bs={bs}: " + " ".join(f"q{r['q']}={r['ms']:.0f}ms"
                                                                 for r in forward if r['bs'] == bs and r['ctx'] == kv_len))
     for bs in config.batch_sizes:
@@ -225,11 +246,11 @@ def run_calibration(model, heads=None, config: CalibrationConfig = CalibrationCo
                 draft.append({"bs": bs, "q": budget, "ctx": 0, "ms": measure_draft(model, heads, bs, tree_from_paths(paths))})
     meta = {"key": calibration_key(model, heads), "config": asdict(config),
             "seconds": round(time.perf_counter() - started, 1), "raw_rows": forward,
-            "note": "ms = best of reps; overhead and draft tables then the monotone envelope (see monotone_envelope); "
+            "note": "ms = best of reps (the forward: of reps rounds over the grid, interleaved_best); overhead and draft tables then the monotone envelope (see monotone_envelope); "
                     "forward = verify + LM head + argmax over bs x q tree slots at context ctx"}
     # The forward table keeps its raw points: its true cost is not monotone in the work (MKL's
     # kernel for 2-3 rows can be slower than its GEMM for 4+), and lowering it to the envelope
-    # misprices exactly those points. Best-of-``reps`` is its only noise filter.
+    # misprices exactly those points. The best of ``reps`` interleaved rounds is its only noise filter.
     return CostModel(LatencyTable.from_rows(forward), LatencyTable.from_rows(monotone_envelope(overhead)),
                      LatencyTable.from_rows(monotone_envelope(draft)) if draft else None, meta)
 

@@ -247,3 +247,19 @@ def test_the_width_chooser_prices_nodes_by_the_context_they_attend_to():
     assert table.step_ms(2, 4, 1024) == pytest.approx(table.step_ms(1, 8, 1024))  # priced by query tokens
     single = cost.per_token_table([256])
     assert single.step_ms(1, 9, 5000) == pytest.approx(single.step_ms(1, 9, 256)) == pytest.approx(table.step_ms(1, 9, 256))
+
+
+def test_interleaved_rounds_undo_a_busy_spell_that_repeating_each_point_keeps():
+    # true costs rise with the point; a busy spell doubles every timing of calls 2-9 (of 4 points × 4 reps)
+    points, true = [0, 1, 2, 3], [10.0, 11.0, 12.0, 13.0]
+    calls = []
+
+    def measure(point, warm):
+        calls.append((point, warm))
+        return true[point] * (2.0 if 2 <= len(calls) - 1 <= 9 else 1.0)
+
+    assert calibration.interleaved_best(points, measure, rounds=4) == true  # each point has a round outside it
+    assert [warm for _, warm in calls] == [True] * 4 + [False] * 12  # warmed up in the first round only
+    calls.clear()
+    in_a_row = [min(measure(p, True) for _ in range(4)) for p in points]  # the old order: a point's reps back to back
+    assert in_a_row[1] == 22.0 and in_a_row[1] > in_a_row[2]  # point 1 priced above point 2: the spell kept
