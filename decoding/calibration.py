@@ -129,11 +129,12 @@ def _sync(device: torch.device) -> None:
 
 
 @torch.no_grad()
-def measure_forward(model, bs: int, q: int, kv_len: int, reps: int = 2, warm: bool = True) -> float:
+def measure_forward(model, bs: int, q: int, kv_len: int, reps: int = 2, warm: bool = True, cache=None) -> float:
     """ms of one verification forward exactly as the loop runs it (4D tree mask over the cache,
-    LM head over every node, argmax); the cache is cropped back after each call."""
+    LM head over every node, argmax); the cache (``cache``: one of bs rows and kv_len positions
+    to reuse, else a new one) is cropped back after each call."""
     device = next(model.parameters()).device
-    cache = _synthetic_cache(model, bs, kv_len)
+    cache = _synthetic_cache(model, bs, kv_len) if cache is None else cache
     valid = torch.ones(bs, kv_len, dtype=torch.bool, device=device)
     mask = tree_attention_mask(valid, torch.tril(torch.ones(q, q, dtype=torch.bool, device=device)))
     positions = (kv_len + torch.arange(q, device=device))[None].expand(bs, q)
@@ -207,6 +208,22 @@ def interleaved_best(points: list, measure, rounds: int) -> list[float]:
     return best
 
 
+def forward_timer(model):
+    """``measure((kv_len, bs, q), warm)`` for :func:`interleaved_best`: one forward's ms, the
+    synthetic cache built once for the consecutive points of one context and batch size (each
+    call crops it back), not once per call: filling it costs more than the forwards at large bs."""
+    held: dict[tuple[int, int], object] = {}
+
+    def measure(point: tuple[int, int, int], warm: bool) -> float:
+        kv_len, bs, q = point
+        if (kv_len, bs) not in held:
+            held.clear()  # one cache alive at a time
+            held[kv_len, bs] = _synthetic_cache(model, bs, kv_len)
+        return measure_forward(model, bs, q, kv_len, 1, warm, cache=held[kv_len, bs])
+
+    return measure
+
+
 def monotone_envelope(rows: list[Row]) -> list[Row]:
     """Each point lowered to the cheapest point with at least as many query tokens and rows
     (same kv_len). For the loop's overhead and the drafting cost more work never takes less time,
@@ -231,7 +248,7 @@ def run_calibration(model, heads=None, config: CalibrationConfig = CalibrationCo
     # q = 1 and 2 always, so every batch size has a slope to extrapolate along
     points = [(kv_len, bs, q) for kv_len in config.contexts for bs in config.batch_sizes
               for q in nodes if q <= 2 or bs * q <= config.max_tokens]
-    times = interleaved_best(points, lambda p, warm: measure_forward(model, p[1], p[2], p[0], 1, warm), config.reps)
+    times = interleaved_best(points, forward_timer(model), config.reps)
     forward = [{"bs": bs, "q": q, "ctx": kv_len, "ms": ms} for (kv_len, bs, q), ms in zip(points, times)]
     if log:
         for kv_len in config.contexts:
