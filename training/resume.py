@@ -26,7 +26,7 @@ class Progress:
         self.positions = 0  # training positions seen (all processes)
         self.train_seconds = 0.0
         self.last_loss = float("nan")
-        self.start: dict | None = None  # heads.init_from's summary, taken where its weights were loaded
+        self.start: dict | None = None  # heads.init_from's summary, taken as the run starts (train.prepare_run)
 
     def state_dict(self) -> dict:
         return dict(vars(self))
