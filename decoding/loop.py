@@ -19,6 +19,7 @@ from transformers import StoppingCriteriaList
 from .accept import Acceptor
 from .base.forward import lm_logits, prefill
 from .base.cache import KVState
+from .base.key_blocks import grouped_order
 from .drafters import Drafter, DraftState
 from .head_state import HeadState
 from .output import Emitter, generated_counts
@@ -172,6 +173,11 @@ def decode(base, policy, sequences: Sequences, out: Emitter, acceptor: Acceptor,
     """The loop: choose a tree for the live rows, run one :func:`decode_step`, emit what each
     row accepted; finished rows leave the batch when ``shrink``. roots (B,)."""
     stats, live, device = DecodingStats(), torch.arange(roots.shape[0]), roots.device
+    order = grouped_order(kv.valid)  # rows hiding the same leading key blocks side by side (.base.key_blocks)
+    if order is not None:
+        live, roots = live[order], roots[order.to(device)]
+        kv.select_rows(order.to(device))
+        heads_state.select_rows(order.to(device))
     while bool((running := out.running(live)).any()):
         if not bool(running.all()) and shrink:
             keep = running.nonzero().squeeze(1)  # finished rows leave: no compute for their trees

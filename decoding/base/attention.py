@@ -28,6 +28,8 @@ from typing import Iterator
 
 import torch
 
+from .key_blocks import key_runs
+
 PACKED_SDPA = "draftheads_packed_sdpa"
 #: The forward keyword that asks for packing. Only the decoder's own forwards pass it, so any
 #: other forward of the base — its own ``generate`` included — runs transformers' SDPA as is.
@@ -73,21 +75,50 @@ def _attend_ragged(module, rows: "RaggedRows", query: torch.Tensor, key: torch.T
 
 def _attend(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
             dropout: float, scaling: float | None, is_causal: bool | None, **kwargs):
-    """Grouped-query packing where it applies (see the module docstring), else transformers' SDPA."""
+    """The decoder's own forwards (:data:`PACK_FLAG`) attend in runs of rows that leave out their
+    leading wholly hidden key blocks (:mod:`.key_blocks`: bit-identical, less cache read); then
+    :func:`_attend_rows` per run, or once over every row and key."""
+    packed_requested = bool(kwargs.pop(PACK_FLAG, False))
+    runs = None
+    if packed_requested and attention_mask is not None and attention_mask.dim() == 4 \
+            and attention_mask.shape[0] == query.shape[0] == key.shape[0] and attention_mask.shape[-1] == key.shape[-2]:
+        runs = key_runs(attention_mask)
+    if runs is None:
+        return _attend_rows(module, query, key, value, attention_mask, packed_requested, dropout, scaling, is_causal,
+                            **kwargs)
+    n_rep = getattr(module, "num_key_value_groups", 1)
+    repeated = repeated_mask(attention_mask, n_rep) if _packs(module, query, key, attention_mask, True, kwargs) else None
+    outs = [_attend_rows(module, query[a:b], key[a:b, :, s:], value[a:b, :, s:], attention_mask[a:b, :, :, s:],
+                         packed_requested, dropout, scaling, is_causal,
+                         repeated=None if repeated is None else repeated[a:b, :, :, s:], **kwargs)[0]
+            for a, b, s in runs]
+    return torch.cat(outs), None  # (B, q, H, D)
+
+
+def _packs(module, query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None, packed_requested: bool,
+           kwargs: dict) -> bool:
+    """Whether :func:`_attend_rows` folds grouped query heads into rows (else transformers' SDPA runs)."""
+    n_rep = getattr(module, "num_key_value_groups", 1)
+    return not (not packed_requested or n_rep == 1 or query.shape[2] == 1 or attention_mask is None
+                or attention_mask.dim() != 4 or attention_mask.shape[1] != 1 or key.shape[1] * n_rep != query.shape[1]
+                or any(kwargs.get(k) is not None for k in ("position_bias", "cache", "softcap", "s_aux")))
+
+
+def _attend_rows(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attention_mask: torch.Tensor | None, packed_requested: bool, dropout: float, scaling: float | None,
+                 is_causal: bool | None, repeated: torch.Tensor | None = None, **kwargs):
+    """Grouped-query packing where it applies (see the module docstring), else transformers' SDPA.
+    ``repeated``: the mask already repeated for the groups (a run's slice of the forward's one)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    n_rep = getattr(module, "num_key_value_groups", 1)
-    batch, heads, q_len, dim = query.shape
-    packed_requested = bool(kwargs.pop(PACK_FLAG, False))
-    plain = (not packed_requested or n_rep == 1 or q_len == 1 or attention_mask is None or attention_mask.dim() != 4
-             or attention_mask.shape[1] != 1 or key.shape[1] * n_rep != heads
-             or any(kwargs.get(k) is not None for k in ("position_bias", "cache", "softcap", "s_aux")))
-    if plain:
+    if not _packs(module, query, key, attention_mask, packed_requested, kwargs):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
+    n_rep = module.num_key_value_groups
+    batch, heads, q_len, dim = query.shape
     # query heads k·n_rep … k·n_rep+n_rep-1 use key/value head k (repeat_kv's order): fold them into rows
     packed = query.reshape(batch, key.shape[1], n_rep * q_len, dim)
-    mask = repeated_mask(attention_mask, n_rep)  # row r·q + i of a group is query token i
+    mask = repeated if repeated is not None else repeated_mask(attention_mask, n_rep)  # row r·q + i is query token i
     out = torch.nn.functional.scaled_dot_product_attention(packed, key, value, attn_mask=mask, dropout_p=dropout,
                                                            scale=scaling)
     return out.reshape(out.shape[0], heads, q_len, dim).transpose(1, 2).contiguous(), None
