@@ -4,11 +4,12 @@ two ways:
 1. the decoder's attention alone (``_attend``) on a synthetic batch: rows cut in 1-16 runs, each
    reading every key or all but the first block: the price of one more run in (row, key) reads
    (what :data:`ATTENTION_CALL_KEYS` stands for);
-2. whole batched decodes, heads alone under the adaptive policy, on the batch bench's batches
+2. whole batched decodes under the adaptive policy (the heads alone, or ``--strategy``), on the batch bench's batches
    (MT-Bench and Spec-Bench dev, categories dealt round-robin, left padding): the cut and the
    row grouping on against both off, interleaved, alternating which runs first.
 
-    python scripts/bench_key_blocks.py --batch-size 16 --batches 2 --reps 2 --out results/key_blocks
+    python scripts/bench_key_blocks.py --batch-size 16 --batches 2 --reps 3 --out results/key_blocks
+    python scripts/bench_key_blocks.py --strategy adaptive+heads+context+store+stats --out results/key_blocks/default
 
 Writes ``key_blocks.json`` and ``key_blocks.png``.
 """
@@ -79,14 +80,19 @@ def call_keys(rows: list[dict], batch: int, context: int) -> dict:
     return out
 
 
-def decode_ab(batch: int, batches: int, reps: int, dtype: str, log=print) -> list[dict]:
-    """Every batch ``reps`` times each way, the order alternating: one record per decode."""
+def decode_ab(batch: int, batches: int, reps: int, dtype: str, strategy: str, log=print) -> list[dict]:
+    """Every batch ``reps`` times each way, the order alternating: one record per decode.
+    ``strategy``: a batch bench strategy name ("adaptive": the heads alone; "adaptive+" and the
+    sources joined by "+": drafting from those)."""
     from draftheads import DraftHeadsModel
     from draftheads.bench.batched import BatchBench, batches_of, left_pad
     from draftheads.prompts import chat_input, read_prompts, round_robin
 
     model = DraftHeadsModel.from_pretrained("checkpoints/smollm2-135m-hydra", dtype=dtype)
-    bench = BatchBench.prepare(model, [0, 1, 2, 4, 8, 16], False, None, False, log=log)
+    sources = strategy.split("+")[1:] or None
+    bench = BatchBench.prepare(model, [0, 1, 2, 4, 8, 16], False, sources, False, log=log)
+    if strategy not in bench.names:
+        raise SystemExit(f"--strategy {strategy}: not one of {', '.join(bench.names)}")
     encoded = [chat_input(model.tokenizer, p["prompt"])[0].tolist() for p in round_robin(read_prompts(PROMPTS))]
     bench.warm_up(encoded[:2])
 
@@ -101,11 +107,9 @@ def decode_ab(batch: int, batches: int, reps: int, dtype: str, log=print) -> lis
             for way in (("off", "on") if rep % 2 == 0 else ("on", "off")):
                 patches = off() if way == "off" else (nullcontext(), nullcontext())
                 with patches[0], patches[1]:
-                    model.policy = bench.adaptive
                     start = time.perf_counter()
-                    out = model.generate(ids, attention_mask=mask, max_new_tokens=128, pad_token_id=bench.pad)
+                    out, stats, _ = bench.run(strategy, ids, mask, 128)
                     seconds = time.perf_counter() - start
-                stats = model.last_stats
                 decode = seconds - stats.prefill_seconds
                 records.append({"rep": rep, "batch": bi, "way": way, "seconds": round(seconds, 3),
                                 "prefill_seconds": round(stats.prefill_seconds, 3), "decode_seconds": round(decode, 3),
@@ -141,6 +145,8 @@ def main(argv=None) -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--context", type=int, default=900, help="keys a row of the synthetic attention table")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--strategy", default="adaptive",
+                    help='"adaptive" (the heads alone) or e.g. "adaptive+heads+context+store+stats" (the default drafting)')
     ap.add_argument("--out", type=Path, default=Path("results/key_blocks"))
     args = ap.parse_args(argv)
     torch.set_num_threads(min(2, torch.get_num_threads()))
@@ -149,10 +155,11 @@ def main(argv=None) -> None:
     table = runs_table(dtype, args.batch_size, args.context)
     calls = call_keys(table, args.batch_size, args.context)
     print("one more run:", calls, flush=True)
-    records = decode_ab(args.batch_size, args.batches, args.reps, args.dtype)
+    records = decode_ab(args.batch_size, args.batches, args.reps, args.dtype, args.strategy)
     result = {"meta": {"command": "python scripts/bench_key_blocks.py " + " ".join(argv or sys.argv[1:]),
                        "device": device_name(torch.device("cpu")), "dtype": args.dtype,
-                       "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d"), "kv_block": KV_BLOCK},
+                       "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d"), "kv_block": KV_BLOCK,
+                       "strategy": args.strategy},
               "attention_runs": table, "one_more_run": calls, "decodes": records, "summary": summary(records)}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "key_blocks.json").write_text(json.dumps(result, indent=1))
@@ -173,7 +180,7 @@ def main(argv=None) -> None:
             right.bar([x + (k - 0.5) * 0.4 for x in range(3)], vals, width=0.4,
                       label="key blocks " + ("cut, rows grouped" if way == "on" else "read (before)"))
         right.set_xticks(range(3), [*names[:2], "decode ms/step ÷ 10"])
-        right.set_title(f"bs {args.batch_size} decodes, medians of {args.reps}, summed over {args.batches} batches")
+        right.set_title(f"{args.strategy}, bs {args.batch_size}: medians of {args.reps}, {args.batches} batches", fontsize=9)
         right.legend(fontsize=8)
     print(json.dumps(result["summary"], indent=1))
     print(f"wrote {args.out / 'key_blocks.json'} and .png")

@@ -217,9 +217,10 @@ def current_ragged_rows() -> RaggedRows | None:
     return _RAGGED.get()
 
 
-#: the last mask repeated and its repetition: (mask, its version, n_rep, repeated), swapped
-#: as one tuple (a thread reads either the old entry or the new one, never half of each)
-_REPEATED: tuple = (None, -1, 0, None)
+#: the last masks repeated, newest last: (mask, its version, n_rep, repeated) each, the tuple swapped
+#: whole (a thread reads the old one or the new one, never half of each). A ragged step alternates two
+#: masks (:meth:`RaggedRows.split_masks`), so a few are kept
+_REPEATED: tuple = ()
 
 
 def repeated_mask(mask: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -228,10 +229,11 @@ def repeated_mask(mask: torch.Tensor, n_rep: int) -> torch.Tensor:
     that tensor (same object, same version) instead of redone per layer."""
     global _REPEATED
     version = -2 if mask.is_inference() else mask._version
-    last, last_version, last_rep, repeated = _REPEATED
-    if mask is not last or version != last_version or n_rep != last_rep:
-        repeated = mask.repeat(1, 1, n_rep, 1)
-        _REPEATED = (mask, version, n_rep, repeated)
+    for seen, seen_version, seen_rep, repeated in _REPEATED:
+        if seen is mask and seen_version == version and seen_rep == n_rep:
+            return repeated
+    repeated = mask.repeat(1, 1, n_rep, 1)
+    _REPEATED = (*_REPEATED[-3:], (mask, version, n_rep, repeated))
     return repeated
 
 

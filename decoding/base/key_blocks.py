@@ -22,7 +22,8 @@ import torch
 #: blocks are skipped, so the blocks the kernel still reads are the ones it read before
 KV_BLOCK = 512
 #: one more kernel call costs about as much as reading this many (row, key) pairs
-#: (bf16 and float32, 2 threads, a run of the decoder's attention: 50-100 µs against ~100 ns; evidence: results/key_blocks)
+#: (bf16 and float32, 2 threads, a run of the decoder's attention: 50-100 µs against ~100 ns a (row, key);
+#: evidence: results/key_blocks)
 ATTENTION_CALL_KEYS = 768
 
 Runs = tuple[tuple[int, int, int], ...]  # (first row, one past the last row, first key read)
@@ -57,26 +58,29 @@ def row_runs(skips: list[int], length: int, call_keys: int = ATTENTION_CALL_KEYS
     return tuple(reversed(runs))
 
 
-#: the plan of the last mask seen: (mask, its version, runs or None), swapped as one tuple; the
-#: decoder hands the same mask tensor to every layer of a forward
-_LAST: tuple = (None, -1, None)
+#: the plans of the last masks seen, newest last: (mask, its version, runs or None) each, the tuple
+#: swapped whole. The decoder hands the same mask tensor to every layer of a forward; a ragged step
+#: (:class:`~.attention.RaggedRows`) alternates two, so a few are kept
+_PLANS: tuple = ()
+_KEPT = 4
 
 
 def key_runs(mask: torch.Tensor | None) -> Runs | None:
     """The runs for ``mask`` (B, 1, q, T) when cutting saves reading: None for one call over
     every key (no mask, a non-boolean one, a device whose kernel blocks differ, nothing hidden
     in whole blocks). Kept for the mask tensor, so each forward plans once."""
-    global _LAST
+    global _PLANS
     if mask is None or mask.dtype != torch.bool or mask.dim() != 4 or mask.device.type != "cpu" \
             or mask.shape[-1] <= KV_BLOCK:
         return None
     version = -2 if mask.is_inference() else mask._version
-    last, last_version, runs = _LAST
-    if mask is not last or version != last_version:
-        skips = leading_hidden_blocks(mask)
-        runs = row_runs(skips, mask.shape[-1]) if any(skips) else None
-        runs = None if runs is not None and runs == ((0, mask.shape[0], 0),) else runs
-        _LAST = (mask, version, runs)
+    for seen, seen_version, runs in _PLANS:
+        if seen is mask and seen_version == version:
+            return runs
+    skips = leading_hidden_blocks(mask)
+    runs = row_runs(skips, mask.shape[-1]) if any(skips) else None
+    runs = None if runs is not None and runs == ((0, mask.shape[0], 0),) else runs
+    _PLANS = (*_PLANS[-(_KEPT - 1):], (mask, version, runs))
     return runs
 
 
