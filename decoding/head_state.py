@@ -8,8 +8,9 @@ context and every row keeps its own length. Its cache starts at the last prompt 
 heads that read the prompt (``context_from_prompt``), holds the whole prompt laid out as the
 base's cache (:func:`over_prompt`).
 
-A listener (:func:`listening`; training's feature capture) hears every verification's states
-with the caller's row of each: what the decoder computes anyway, kept instead of recomputed.
+A listener (:func:`listening`; training's feature capture) hears the prefill's states and every
+verification's with the caller's row of each: what the decoder computes anyway, kept instead of
+recomputed.
 """
 from __future__ import annotations
 
@@ -26,6 +27,10 @@ from .drafters.step_trees import StepTrees
 
 
 class StateListener(Protocol):
+    def prefilled(self, states: torch.Tensor) -> None:
+        """states (B, T, d): every prompt position's final hidden state from the prefill, laid out
+        as the prompt (left padding; zeros at the padding when the prefill ran packed)."""
+
     def verified(self, rows: torch.Tensor, states: torch.Tensor, result: Acceptance) -> None:
         """rows (R,) the caller's row of each live row; states (R, N, d) every tree slot's final
         hidden state; ``result.path[:, :accepted + 1]`` the slots of the tokens each row kept."""
@@ -36,7 +41,8 @@ _LISTENER: ContextVar[StateListener | None] = ContextVar("draftheads_state_liste
 
 @contextmanager
 def listening(listener: StateListener) -> Iterator[None]:
-    """Decoding calls made inside the block tell ``listener`` every verification's states."""
+    """Decoding calls made inside the block tell ``listener`` the prefill's states and every
+    verification's."""
     token = _LISTENER.set(listener)
     try:
         yield
@@ -60,6 +66,8 @@ class HeadState:
         self.listener = _LISTENER.get()
         # the caller's row of each live row, kept only for a listener (the loop has its own ``live``)
         self.rows = torch.arange(last_hidden.shape[0]) if self.listener is not None else None
+        if self.listener is not None and prompt_states is not None:
+            self.listener.prefilled(prompt_states)
         if heads is None or not heads.contextual:
             return
         if heads.context_from_prompt:

@@ -145,11 +145,12 @@ def speculate(base, heads, policy, drafter: Drafter, request: Request, started: 
     sequences = Sequences(request.input_ids, request.attention_mask)  # the one owner of the tokens
     criteria = StoppingCriteriaList(request.criteria) if request.criteria else None
     out = Emitter(sequences, request.limits, request.eos, criteria, streamer, request.want_scores)
-    whole = heads is not None and heads.context_from_prompt  # the heads' layer reads every prompt state
-    cache, states = prefill(base, request.input_ids, request.attention_mask, all_states=whole)
-    hidden = states[:, -1].clone() if whole else states  # (B, d)
-    heads_state = HeadState(heads, hidden, states if whole else None, request.attention_mask)
-    del states  # the prompt's (B, T, d) states are not kept past the prefill
+    # every prompt position's state (B, T, d), computed by the forward anyway: heads that read the
+    # prompt and a listener (training's capture) take them; the rest only the last one's
+    cache, states = prefill(base, request.input_ids, request.attention_mask, all_states=True)
+    hidden = states[:, -1].clone()  # (B, d)
+    heads_state = HeadState(heads, hidden, states, request.attention_mask)
+    del states  # not kept past the prefill
     kv = KVState.after_prefill(cache, request.attention_mask)
     logits = lm_logits(base, hidden)  # (B, V)
     acceptor = Acceptor(request.config, request.mode, logits.shape[-1], sequences, generator, request.processors)

@@ -14,7 +14,6 @@ from typing import Iterator
 import torch
 
 from ..decoding.accept import Acceptance
-from ..decoding.base.architecture import decoder_body
 from ..decoding.base.forward import forward_all
 from ..decoding.head_state import listening
 from ..decoding.output import generated_counts
@@ -34,13 +33,10 @@ class StateCapture:
     def __post_init__(self):
         self.kept = [[] for _ in range(self.prompt_ids.shape[0])]
 
-    def prefill_hook(self, module, args, kwargs, output) -> None:
-        """A forward hook on the base's decoder body: the forward over exactly this prompt is the
-        prefill (other forwards — checks, calibration — are over other tokens)."""
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        if self.prompt is None and ids is not None and ids.shape == self.prompt_ids.shape \
-                and torch.equal(ids.cpu(), self.prompt_ids):
-            self.prompt = output.last_hidden_state.detach().cpu()
+    def prefilled(self, states: torch.Tensor) -> None:
+        """states (B, T, d): the prefill's, laid out as the prompt."""
+        if self.prompt is None:
+            self.prompt = states.detach().cpu()
 
     def verified(self, rows: torch.Tensor, states: torch.Tensor, result: Acceptance) -> None:
         """states (R, N, d); ``result.path`` (R, D+1) the kept slots root first."""
@@ -51,15 +47,11 @@ class StateCapture:
 
 
 @contextmanager
-def capturing(base, input_ids: torch.Tensor) -> Iterator[StateCapture]:
+def capturing(input_ids: torch.Tensor) -> Iterator[StateCapture]:
     """Decoding calls inside the block over ``input_ids`` (B, T) fill the returned capture."""
     capture = StateCapture(input_ids.cpu())
-    handle = decoder_body(base).register_forward_hook(capture.prefill_hook, with_kwargs=True)
-    try:
-        with listening(capture):
-            yield capture
-    finally:
-        handle.remove()
+    with listening(capture):
+        yield capture
 
 
 @dataclass
@@ -77,11 +69,11 @@ def answer_with_states(decoder, prompts: list[list[int]], max_new_tokens: int, p
     of tokenized prompts (left-padded here), each with the states its forwards computed."""
     ids, mask = left_pad(prompts, pad)
     device = next(decoder.base.parameters()).device
-    with capturing(decoder.base, ids) as capture:
+    with capturing(ids) as capture:
         out = decoder.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
                                do_sample=False, pad_token_id=pad)
     if capture.prompt is None:
-        raise RuntimeError("the decoder's prefill was not seen: the capture hook missed the prompt's forward.")
+        raise RuntimeError("the decoder's prefill was not heard: the call did not run the decoder's own prefill.")
     width = ids.shape[1]
     counts = generated_counts(out.cpu(), width, set(eos_token_ids(decoder.base.generation_config)))
     answered = []

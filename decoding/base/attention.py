@@ -133,12 +133,14 @@ class RaggedRows:
     (:func:`~.cache.reserved_layer_class`) unpacks the new keys and values into the row's N tree
     slots, and :func:`packed_gqa_sdpa` unpacks the queries, attends per row under the step's 4D
     mask and packs the output back. vLLM flattens a batch's tokens the same way; here it only
-    runs inside :func:`ragged_rows` (the decoder's :func:`~.forward.verify`)."""
+    runs inside :func:`ragged_rows` (the decoder's :func:`~.forward.verify` and, for a padded
+    batch of prompts, :func:`~.forward.forward_all`)."""
 
     index: torch.Tensor  # (K,) long, ascending: flat position b·N + j of each real slot
     batch: int  # B
     width: int  # N, the widest row's slots
-    sizes: tuple[int, ...]  # each row's real slots (a prefix of its N)
+    sizes: tuple[int, ...]  # each row's real slots (a prefix of its N when ``prefix``)
+    prefix: bool = True  # every row's real slots come first (a tree step); else anywhere (padded prompts)
     _masks: dict = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -146,6 +148,13 @@ class RaggedRows:
         """valid (B, N) bool, each row's real slots a prefix."""
         return cls(valid.reshape(-1).nonzero().flatten(), int(valid.shape[0]), int(valid.shape[1]),
                    tuple(valid.sum(1).tolist()))
+
+    @classmethod
+    def from_slots(cls, valid: torch.Tensor) -> "RaggedRows":
+        """valid (B, N) bool, the real slots anywhere in a row (left-padded prompts): attention
+        runs in one call over every row's N slots (no :attr:`split`)."""
+        return cls(valid.reshape(-1).nonzero().flatten(), int(valid.shape[0]), int(valid.shape[1]),
+                   tuple(valid.sum(1).tolist()), prefix=False)
 
     @property
     def count(self) -> int:
@@ -158,6 +167,8 @@ class RaggedRows:
         minimizes the kernel's work in row-slots, B·(s + c) + L·(N − s + c + g), where c is a
         row's pass over its cache and g the gathering of a long row's cache
         (:data:`ATTENTION_ROW_PASS`, :data:`ATTENTION_ROW_GATHER`)."""
+        if not self.prefix:
+            return self.width, None
         sizes = torch.tensor(self.sizes)
         best, best_cost = self.width, self.batch * (self.width + ATTENTION_ROW_PASS)
         for s in range(1, self.width):

@@ -53,7 +53,7 @@ def reserved_layer_class():
 
             def update(self, key_states, value_states, *args, **kwargs):
                 rows = current_ragged_rows()  # a packed forward's (1, H, K, D) → its rows' (B, H, N, D)
-                if rows is not None and self.is_initialized and key_states.shape[-2] == rows.count:
+                if rows is not None and key_states.shape[0] == 1 and key_states.shape[-2] == rows.count:
                     key_states, value_states = rows.unpack(key_states), rows.unpack(value_states)
                 if not self.is_initialized:
                     self.lazy_initialization(key_states, value_states)

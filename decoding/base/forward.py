@@ -37,10 +37,42 @@ def forward_all(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
     positions as transformers' ``generate`` numbers them (cumulative sum of the mask)."""
     position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
     cache = reserved_cache(model.config)
+    if packs_prompts(model, attention_mask):
+        return cache, _forward_packed(model, input_ids, attention_mask.bool(), position_ids, cache)
     with forward_context(model):
         out = decoder_body(model)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                use_cache=True, **cache_kwargs(model, cache), **_pack_kwargs(model))
     return cache, out.last_hidden_state
+
+
+def packs_prompts(model, attention_mask: torch.Tensor) -> bool:
+    """Whether :func:`forward_all` runs only the batch's real tokens (:func:`_forward_packed`):
+    padding in a batch the base attends to through :mod:`.attention`, without attention windows
+    (their masks are cut for tree steps, :func:`model_masks`)."""
+    return (attention_mask.shape[0] > 1 and not bool(attention_mask.bool().all()) and ragged_capable(model)
+            and not attention_layout(model.config).windowed)
+
+
+def _forward_packed(model, input_ids: torch.Tensor, valid: torch.Tensor, position_ids: torch.Tensor,
+                    cache) -> torch.Tensor:
+    """A padded batch of sequences with only its real tokens through the base, packed into one
+    sequence as a ragged tree step is (:class:`~.attention.RaggedRows`): the linear layers, norms
+    and activations compute the K real tokens, not B × T; attention unpacks them per row under
+    the causal mask over each row's real tokens, and the cache gets them in their padded places
+    (zeros at the padding, which no mask lets anything see). Why: in a batch of one long prompt
+    and short ones most of B × T is padding, and the prefill is most of a batched call.
+    Returns hidden states (B, T, d), zeros at the padding. evidence: results/packed_prefill"""
+    rows = RaggedRows.from_slots(valid)
+    length = valid.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=valid.device).tril()
+    mask = causal[None, None] & valid[:, None, None, :]  # (B, 1, T, T); a padding query sees nothing
+    tokens = input_ids.reshape(-1).index_select(0, rows.index)[None]  # (1, K)
+    positions = position_ids.reshape(-1).index_select(0, rows.index)[None]
+    with forward_context(model), ragged_rows(rows):
+        out = decoder_body(model)(input_ids=tokens, attention_mask=model_masks(model, mask, positions),
+                                  position_ids=positions, use_cache=True, **cache_kwargs(model, cache),
+                                  **_pack_kwargs(model))
+    return rows.scatter(out.last_hidden_state[0])
 
 
 @torch.no_grad()
