@@ -28,7 +28,7 @@ from typing import Iterator
 
 import torch
 
-from .key_blocks import key_runs
+from .key_blocks import forget_plans, key_runs
 
 PACKED_SDPA = "draftheads_packed_sdpa"
 #: The forward keyword that asks for packing. Only the decoder's own forwards pass it, so any
@@ -246,6 +246,19 @@ def repeated_mask(mask: torch.Tensor, n_rep: int) -> torch.Tensor:
     repeated = mask.repeat(1, 1, n_rep, 1)
     _REPEATED = (*_REPEATED[-3:], (mask, version, n_rep, repeated))
     return repeated
+
+
+@contextmanager
+def mask_memos() -> Iterator[None]:
+    """Around one forward: what was derived from its masks (the repeated masks here, the key-block
+    plans of :mod:`.key_blocks`) serves its layers and is let go when it ends; a prefill's
+    (B, 1, n_rep·T, T) repetition would otherwise stay alive until the next forward."""
+    global _REPEATED
+    try:
+        yield
+    finally:
+        _REPEATED = ()
+        forget_plans()
 
 
 def register_packed_sdpa() -> None:

@@ -14,7 +14,7 @@ import torch
 
 from ..fingerprint import lm_head_weight
 from .architecture import additive_mask, apply_logit_transforms, attention_layout, decoder_body, layer_masks
-from .attention import PACK_FLAG, RaggedRows, ragged_rows, uses_packed_sdpa
+from .attention import PACK_FLAG, RaggedRows, mask_memos, ragged_rows, uses_packed_sdpa
 from .cache import reserved_cache, reserved_layer_class
 from .packed import packed_matmul
 from .packing import forward_context, packed_lm_head
@@ -39,7 +39,7 @@ def forward_all(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
     cache = reserved_cache(model.config)
     if packs_prompts(model, attention_mask):
         return cache, _forward_packed(model, input_ids, attention_mask.bool(), position_ids, cache)
-    with forward_context(model):
+    with forward_context(model), mask_memos():
         out = decoder_body(model)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                use_cache=True, **cache_kwargs(model, cache), **_pack_kwargs(model))
     return cache, out.last_hidden_state
@@ -68,7 +68,7 @@ def _forward_packed(model, input_ids: torch.Tensor, valid: torch.Tensor, positio
     mask = causal[None, None] & valid[:, None, None, :]  # (B, 1, T, T); a padding query sees nothing
     tokens = input_ids.reshape(-1).index_select(0, rows.index)[None]  # (1, K)
     positions = position_ids.reshape(-1).index_select(0, rows.index)[None]
-    with forward_context(model), ragged_rows(rows):
+    with forward_context(model), ragged_rows(rows), mask_memos():
         out = decoder_body(model)(input_ids=tokens, attention_mask=model_masks(model, mask, positions),
                                   position_ids=positions, use_cache=True, **cache_kwargs(model, cache),
                                   **_pack_kwargs(model))
@@ -91,7 +91,7 @@ def verify(model, tokens: torch.Tensor, position_ids: torch.Tensor, mask: torch.
         rows = RaggedRows.from_valid(valid)
         tokens = tokens.reshape(-1).index_select(0, rows.index)[None]
         position_ids = position_ids.expand(valid.shape).reshape(-1).index_select(0, rows.index)[None]
-    with forward_context(model), ragged_rows(rows):
+    with forward_context(model), ragged_rows(rows), mask_memos():
         out = decoder_body(model)(input_ids=tokens, attention_mask=mask, position_ids=position_ids,
                                use_cache=True, **cache_kwargs(model, cache), **_pack_kwargs(model))
     states = out.last_hidden_state

@@ -84,6 +84,12 @@ def key_runs(mask: torch.Tensor | None) -> Runs | None:
     return runs
 
 
+def forget_plans() -> None:
+    """Let go of the kept plans (and their masks): a forward has ended (:func:`~.attention.mask_memos`)."""
+    global _PLANS
+    _PLANS = ()
+
+
 def grouped_order(valid: torch.Tensor, block: int = KV_BLOCK) -> torch.Tensor | None:
     """valid (B, T), each row's real cache slots → a row order that puts the rows hiding the
     same number of leading key blocks side by side (the longest prompts first, otherwise as they
