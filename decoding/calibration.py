@@ -195,16 +195,20 @@ def measure_draft(model, heads, bs: int, tree: Tree, reps: int = 3) -> float:
     return _best_of(step, reps)
 
 
-def interleaved_best(points: list, measure, rounds: int) -> list[float]:
+def interleaved_best(points: list, measure, rounds: int, on_round=None) -> list[float]:
     """The least of ``rounds`` timings of each point, the grid measured once per round (each
     point warmed up in the first round only): a busy spell on a shared machine then lifts one
     round of many points, which the other rounds undo, where repeating each point in a row let
     it lift every timing of the few points it fell on (an AVX2 run priced 2-3 query tokens
-    above 4-5 at one context and not at the other). ``measure(point, warm)`` → ms."""
+    above 4-5 at one context and not at the other). ``measure(point, warm)`` → ms;
+    ``on_round(round, rounds, seconds)`` after each round (a long calibration's progress)."""
     best = [float("inf")] * len(points)
     for round_ in range(rounds):
+        started = time.perf_counter()
         for i, point in enumerate(points):
             best[i] = min(best[i], measure(point, round_ == 0))
+        if on_round is not None:
+            on_round(round_ + 1, rounds, time.perf_counter() - started)
     return best
 
 
@@ -248,7 +252,9 @@ def run_calibration(model, heads=None, config: CalibrationConfig = CalibrationCo
     # q = 1 and 2 always, so every batch size has a slope to extrapolate along
     points = [(kv_len, bs, q) for kv_len in config.contexts for bs in config.batch_sizes
               for q in nodes if q <= 2 or bs * q <= config.max_tokens]
-    times = interleaved_best(points, forward_timer(model), config.reps)
+    progress = None if log is None else (
+        lambda done, rounds, seconds: log(f"calibration: round {done} of {rounds} over {len(points)} forwards, {seconds:.1f} s"))
+    times = interleaved_best(points, forward_timer(model), config.reps, progress)
     forward = [{"bs": bs, "q": q, "ctx": kv_len, "ms": ms} for (kv_len, bs, q), ms in zip(points, times)]
     if log:
         for kv_len in config.contexts:

@@ -258,8 +258,11 @@ def test_interleaved_rounds_undo_a_busy_spell_that_repeating_each_point_keeps():
         calls.append((point, warm))
         return true[point] * (2.0 if 2 <= len(calls) - 1 <= 9 else 1.0)
 
-    assert calibration.interleaved_best(points, measure, rounds=4) == true  # each point has a round outside it
+    rounds = []
+    assert calibration.interleaved_best(points, measure, rounds=4, on_round=lambda done, of, s: rounds.append(
+        (done, of, len(calls)))) == true  # each point has a round outside it
     assert [warm for _, warm in calls] == [True] * 4 + [False] * 12  # warmed up in the first round only
+    assert rounds == [(1, 4, 4), (2, 4, 8), (3, 4, 12), (4, 4, 16)]  # progress as each round ends
     calls.clear()
     in_a_row = [min(measure(p, True) for _ in range(4)) for p in points]  # the old order: a point's reps back to back
     assert in_a_row[1] == 22.0 and in_a_row[1] > in_a_row[2]  # point 1 priced above point 2: the spell kept
