@@ -76,7 +76,7 @@ def _attend_ragged(module, rows: "RaggedRows", query: torch.Tensor, key: torch.T
 def _attend(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
             dropout: float, scaling: float | None, is_causal: bool | None, **kwargs):
     """The decoder's own forwards (:data:`PACK_FLAG`) attend in runs of rows that leave out their
-    leading wholly hidden key blocks (:mod:`.key_blocks`: bit-identical, less cache read); then
+    leading wholly hidden key blocks (:mod:`.key_blocks`: the same math, less cache read); then
     :func:`_attend_rows` per run, or once over every row and key."""
     packed_requested = bool(kwargs.pop(PACK_FLAG, False))
     runs = None
