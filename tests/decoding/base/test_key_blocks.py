@@ -77,8 +77,8 @@ def test_cut_attention_equals_attention_over_every_key():
 
 
 def test_mixed_batch_with_a_long_prompt_is_identical_to_hf(monkeypatch):
-    """A 600-token prompt between short ones: the rows are regrouped and the short rows' attention
-    skips the first block, and the tokens are transformers' own."""
+    """A 600-token prompt between short ones: the prefill runs the real tokens only, the rows are
+    regrouped and the short rows' attention skips the first block, and the tokens are transformers' own."""
     model = tiny_llama(0, max_pos=1024)
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 96, (n,), generator=gen).tolist() for n in (12, 600, 7, 20)]
@@ -99,9 +99,13 @@ def test_mixed_batch_with_a_long_prompt_is_identical_to_hf(monkeypatch):
 
     monkeypatch.setattr(attention, "key_runs", spy_runs)
     monkeypatch.setattr("draftheads.decoding.loop.grouped_order", spy_order)
+    packed = []
+    from_slots = attention.RaggedRows.from_slots
+    monkeypatch.setattr(attention.RaggedRows, "from_slots", classmethod(lambda cls, v: packed.append(v) or from_slots(v)))
     heads = OracleHeads(reference[:, ids.shape[1]:].tolist(), vocab=96, error=0.3, seed=0)
     ours = DraftHeadsModel(model, heads, tree=tree_from_paths([(0,), (1,), (0, 0)])).generate(
         ids, attention_mask=mask, max_new_tokens=24, pad_token_id=0)
     assert ours.tolist() == reference.tolist()
     assert orders and orders[0].tolist() == [1, 0, 2, 3]
+    assert len(packed) == 1 and int(packed[0].sum()) == sum(map(len, prompts))  # the prefill ran the real tokens only
     assert any(runs is not None and any(s > 0 for _, _, s in runs) for runs in cuts)
