@@ -175,10 +175,10 @@ def decode(base, policy, sequences: Sequences, out: Emitter, acceptor: Acceptor,
     row accepted; finished rows leave the batch when ``shrink``. roots (B,)."""
     stats, live, device = DecodingStats(), torch.arange(roots.shape[0]), roots.device
     order = grouped_order(kv.valid)  # rows hiding the same leading key blocks side by side (.base.key_blocks)
-    if order is not None:
-        live, roots = live[order], roots[order.to(device)]
-        kv.select_rows(order.to(device))
-        heads_state.select_rows(order.to(device))
+    if order is not None:  # (a CPU cache only)
+        live, roots = live[order], roots[order]
+        kv.select_rows(order)
+        heads_state.select_rows(order)
     while bool((running := out.running(live)).any()):
         if not bool(running.all()) and shrink:
             keep = running.nonzero().squeeze(1)  # finished rows leave: no compute for their trees

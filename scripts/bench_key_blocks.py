@@ -28,7 +28,7 @@ import torch
 
 import draftheads.decoding.base.attention as attention
 from draftheads.decoding.base.key_blocks import KV_BLOCK
-from draftheads.decoding.calibration import device_name
+from draftheads.decoding.calibration import _best_of, device_name
 from draftheads.training.figures import figure
 
 PROMPTS = ["mt-bench@2", "spec-bench@4:translation,summarization,qa,math_reasoning,rag"]
@@ -38,16 +38,6 @@ class _Groups:
     """The attention module's one attribute the decoder's attention reads (SmolLM2: 9 query heads, 3 key/value)."""
     num_key_value_groups = 3
     is_causal = True
-
-
-def best_ms(fn, reps: int = 30) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best * 1e3
 
 
 def runs_table(dtype: torch.dtype, batch: int, context: int) -> list[dict]:
@@ -63,8 +53,8 @@ def runs_table(dtype: torch.dtype, batch: int, context: int) -> list[dict]:
             for cut in (0, KV_BLOCK):
                 runs = tuple((a, min(a + size, batch), cut) for a in range(0, batch, size))
                 with mock.patch.object(attention, "key_runs", lambda m, runs=runs: runs):
-                    ms = best_ms(lambda: attention._attend(_Groups(), query, key, value, mask, 0.0, 0.125, None,
-                                                           **{attention.PACK_FLAG: True}))
+                    ms = _best_of(lambda: attention._attend(_Groups(), query, key, value, mask, 0.0, 0.125, None,
+                                                           **{attention.PACK_FLAG: True}), reps=30)
                 rows.append({"q": q, "runs": len(runs), "first_key": cut, "ms": round(ms, 4)})
     return rows
 

@@ -11,6 +11,8 @@ Import from the module that defines a name (this package exports nothing):
 - :mod:`.forward` — the decoder's forwards: ``prefill``, ``forward_all``, ``verify``, ``lm_logits``
 - :mod:`.check` — ``check_base`` (the probe tree through :mod:`.forward`) and ``base_report``
 - :mod:`.attention` — grouped-query packed SDPA and ragged steps run packed (``RaggedRows``)
+- :mod:`.key_blocks` — a batch's attention without each row's leading padding blocks (``key_runs``)
+- :mod:`.mask_memo` — values derived from a forward's mask, made once for all its layers
 - :mod:`.cache` — the KV cache with room reserved ahead and per-row compaction (``KVState``)
 - :mod:`.packing` — which of the base's weights run packed, the per-machine packing plan cache,
   the context the forwards run in; the heads' packed readout (``use_packed_heads``)

@@ -28,7 +28,8 @@ from typing import Iterator
 
 import torch
 
-from .key_blocks import forget_plans, key_runs
+from .key_blocks import key_runs
+from .mask_memo import mask_memo
 
 PACKED_SDPA = "draftheads_packed_sdpa"
 #: The forward keyword that asks for packing. Only the decoder's own forwards pass it, so any
@@ -228,37 +229,14 @@ def current_ragged_rows() -> RaggedRows | None:
     return _RAGGED.get()
 
 
-#: the last masks repeated, newest last: (mask, its version, n_rep, repeated) each, the tuple swapped
-#: whole (a thread reads the old one or the new one, never half of each). A ragged step alternates two
-#: masks (:meth:`RaggedRows.split_masks`), so a few are kept
-_REPEATED: tuple = ()
+#: each forward's mask repeated for the grouped heads, made once for all its layers
+_REPEATED = mask_memo()
 
 
 def repeated_mask(mask: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """mask (B, 1, q, T) → (B, 1, n_rep·q, T), row r·q + i = row i. transformers builds one
-    mask per forward and hands the same tensor to every layer, so the repetition is kept for
-    that tensor (same object, same version) instead of redone per layer."""
-    global _REPEATED
-    version = -2 if mask.is_inference() else mask._version
-    for seen, seen_version, seen_rep, repeated in _REPEATED:
-        if seen is mask and seen_version == version and seen_rep == n_rep:
-            return repeated
-    repeated = mask.repeat(1, 1, n_rep, 1)
-    _REPEATED = (*_REPEATED[-3:], (mask, version, n_rep, repeated))
-    return repeated
-
-
-@contextmanager
-def mask_memos() -> Iterator[None]:
-    """Around one forward: what was derived from its masks (the repeated masks here, the key-block
-    plans of :mod:`.key_blocks`) serves its layers and is let go when it ends; a prefill's
-    (B, 1, n_rep·T, T) repetition would otherwise stay alive until the next forward."""
-    global _REPEATED
-    try:
-        yield
-    finally:
-        _REPEATED = ()
-        forget_plans()
+    """mask (B, 1, q, T) → (B, 1, n_rep·q, T), row r·q + i = row i; kept for the mask tensor
+    (:mod:`.mask_memo`) instead of redone per layer."""
+    return _REPEATED.get(mask, n_rep, lambda: mask.repeat(1, 1, n_rep, 1))
 
 
 def register_packed_sdpa() -> None:

@@ -14,8 +14,9 @@ import torch
 
 from ..fingerprint import lm_head_weight
 from .architecture import additive_mask, apply_logit_transforms, attention_layout, decoder_body, layer_masks
-from .attention import PACK_FLAG, RaggedRows, mask_memos, ragged_rows, uses_packed_sdpa
+from .attention import PACK_FLAG, RaggedRows, ragged_rows, uses_packed_sdpa
 from .cache import reserved_cache, reserved_layer_class
+from .mask_memo import mask_memos
 from .packed import packed_matmul
 from .packing import forward_context, packed_lm_head
 from .plan import packs

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from .mask_memo import mask_memo
+
 #: keys per block of CPU's flash-attention kernel (it starts its blocks at key 0): only whole
 #: blocks are skipped, so the blocks the kernel still reads are the ones it read before
 KV_BLOCK = 512
@@ -29,12 +31,17 @@ ATTENTION_CALL_KEYS = 768
 Runs = tuple[tuple[int, int, int], ...]  # (first row, one past the last row, first key read)
 
 
+def hidden_blocks(visible: torch.Tensor, block: int = KV_BLOCK) -> torch.Tensor:
+    """visible (B, T) bool → (B,) per row, the whole blocks before its first visible key (0 for
+    a row that sees nothing)."""
+    first = torch.where(visible.any(dim=1), visible.int().argmax(dim=1), 0)  # (B,)
+    return first // block
+
+
 def leading_hidden_blocks(mask: torch.Tensor, block: int = KV_BLOCK) -> list[int]:
     """mask (B, 1, q, T) bool, True = may attend → per row, the keys before its first key any
     of its queries may see, rounded down to a whole number of blocks (what may be skipped)."""
-    visible = mask[:, 0].any(dim=1)  # (B, T)
-    first = torch.where(visible.any(dim=1), visible.int().argmax(dim=1), 0)  # (B,), 0 for a row that sees nothing
-    return ((first // block) * block).tolist()
+    return (hidden_blocks(mask[:, 0].any(dim=1), block) * block).tolist()
 
 
 def row_runs(skips: list[int], length: int, call_keys: int = ATTENTION_CALL_KEYS) -> Runs:
@@ -58,36 +65,24 @@ def row_runs(skips: list[int], length: int, call_keys: int = ATTENTION_CALL_KEYS
     return tuple(reversed(runs))
 
 
-#: the plans of the last masks seen, newest last: (mask, its version, runs or None) each, the tuple
-#: swapped whole. The decoder hands the same mask tensor to every layer of a forward; a ragged step
-#: (:class:`~.attention.RaggedRows`) alternates two, so a few are kept
-_PLANS: tuple = ()
-_KEPT = 4
+#: the plan of each forward's mask, made once for all its layers
+_PLANS = mask_memo()
 
 
 def key_runs(mask: torch.Tensor | None) -> Runs | None:
     """The runs for ``mask`` (B, 1, q, T) when cutting saves reading: None for one call over
     every key (no mask, a non-boolean one, a device whose kernel blocks differ, nothing hidden
     in whole blocks). Kept for the mask tensor, so each forward plans once."""
-    global _PLANS
     if mask is None or mask.dtype != torch.bool or mask.dim() != 4 or mask.device.type != "cpu" \
             or mask.shape[-1] <= KV_BLOCK:
         return None
-    version = -2 if mask.is_inference() else mask._version
-    for seen, seen_version, runs in _PLANS:
-        if seen is mask and seen_version == version:
-            return runs
+    return _PLANS.get(mask, None, lambda: _plan(mask))
+
+
+def _plan(mask: torch.Tensor) -> Runs | None:
     skips = leading_hidden_blocks(mask)
     runs = row_runs(skips, mask.shape[-1]) if any(skips) else None
-    runs = None if runs is not None and runs == ((0, mask.shape[0], 0),) else runs
-    _PLANS = (*_PLANS[-(_KEPT - 1):], (mask, version, runs))
-    return runs
-
-
-def forget_plans() -> None:
-    """Let go of the kept plans (and their masks): a forward has ended (:func:`~.attention.mask_memos`)."""
-    global _PLANS
-    _PLANS = ()
+    return None if runs == ((0, mask.shape[0], 0),) else runs
 
 
 def grouped_order(valid: torch.Tensor, block: int = KV_BLOCK) -> torch.Tensor | None:
@@ -98,8 +93,7 @@ def grouped_order(valid: torch.Tensor, block: int = KV_BLOCK) -> torch.Tensor | 
     ones would split their run in two."""
     if valid.device.type != "cpu" or valid.shape[1] <= block:
         return None
-    first = torch.where(valid.any(dim=1), valid.int().argmax(dim=1), 0)  # (B,)
-    skips = first // block
+    skips = hidden_blocks(valid, block)
     if not bool(skips.any()):
         return None
     changes = int((skips[1:] != skips[:-1]).sum())

@@ -109,3 +109,30 @@ def test_mixed_batch_with_a_long_prompt_is_identical_to_hf(monkeypatch):
     assert orders and orders[0].tolist() == [1, 0, 2, 3]
     assert len(packed) == 1 and int(packed[0].sum()) == sum(map(len, prompts))  # the prefill ran the real tokens only
     assert any(runs is not None and any(s > 0 for _, _, s in runs) for runs in cuts)
+
+
+def test_a_forward_lets_go_of_what_it_derived_from_its_masks(monkeypatch):
+    """Within a forward the plan and the repeated mask are made once for all layers; after it,
+    none is kept (a prefill's repetition would otherwise stay alive)."""
+    from draftheads.decoding.base.attention import use_packed_sdpa
+    from draftheads.decoding.base.forward import forward_all
+    from draftheads.decoding.base.mask_memo import MaskMemo
+
+    memo, made = MaskMemo(kept=2), []
+    masks = [torch.ones(1, 1, 2, 3, dtype=torch.bool) for _ in range(3)]
+    for mask in (masks[0], masks[1], masks[0], masks[1]):  # two masks alternating: each made once
+        memo.get(mask, None, lambda m=mask: made.append(m) or len(made))
+    assert len(made) == 2
+    memo.get(masks[2], None, lambda: made.append(masks[2]))  # a third evicts the oldest
+    memo.get(masks[0], None, lambda: made.append(masks[0]))
+    assert len(made) == 4
+    model = tiny_llama(0, max_pos=1024)
+    assert use_packed_sdpa(model)
+    gen = torch.Generator().manual_seed(1)
+    ids, mask = left_pad([torch.randint(3, 96, (n,), generator=gen).tolist() for n in (600, 9)])
+    plans, repeats, plan, repeat = [], [], key_blocks._plan, torch.Tensor.repeat
+    monkeypatch.setattr(key_blocks, "_plan", lambda m: plans.append(m) or plan(m))
+    monkeypatch.setattr(torch.Tensor, "repeat", lambda t, *a: repeats.append(t.dtype) or repeat(t, *a))
+    forward_all(model, ids, mask)
+    assert len(plans) == 1 and repeats.count(torch.bool) == 1  # two layers, one plan and one repetition
+    assert attention._REPEATED._entries == () and key_blocks._PLANS._entries == ()
