@@ -6,7 +6,8 @@ from its keyword arguments; ``from_pretrained(path, decoding=DecodingConfig(tree
 keeps it as ``model.decoding``. What is read when:
 
 - ``tree``, ``calibration``, ``packed_attention``, ``packed_linears``: when the model is built;
-- ``sources``, ``lookup_store``, ``review``, ``merged_offer_scale``: when the drafting is chosen
+- ``sources``, ``lookup_store``, ``review``, ``merged_offer_scale``, ``heads_offer_scale``: when the
+  drafting is chosen
   (``from_pretrained``, :meth:`~.generate.DraftHeadsModel.use_sources`);
 - ``finished_rows``, ``delegate_plain``: at every ``generate`` call (change them with
   ``model.decoding = model.decoding.replace(finished_rows="mask")``).
@@ -42,6 +43,15 @@ FINISHED_ROWS = ("shrink", "mask")
 #: offer costs only the heads' proposal and lets the chooser weigh the heads' second choices
 #: against the lookups' (a scale of 4 lost on the heads' proposal time)
 MERGED_OFFER_SCALE = 2
+#: The heads alone may draw each step's tree from the stored tree of this many times the policy's
+#: node budget: they fill it, and each row verifies the budget's best nodes by calibrated confidence
+#: (their probabilities, scaled per depth by online hit rates) — a dynamic tree, as EAGLE-2 draws
+#: one. 1 (the default): the policy's stored tree as it is, Medusa's and Hydra's static tree. On 2
+#: CPU cores with the shipped SmolLM2 heads a scale of 4 raised τ 2.6-3.1 % but the larger offer's
+#: drafting (+2.2-2.6 ms a step on a ~43 ms step) cost more than that saved: 0.95-0.985× the tokens/s
+#: (scale 2: 0.96-0.97×). It pays where the heads' drafting is small beside the base's forward.
+#: evidence: results/dynamic_trees
+HEADS_OFFER_SCALE = 1
 
 #: ``tree=``: None (the checkpoint's default, priced on this machine by ``from_pretrained``),
 #: "adaptive", a node budget, a :class:`~.tree.Tree` or a :class:`~.policy.TreePolicy`
@@ -82,6 +92,8 @@ class DecodingConfig:
     delegate_plain: bool = False
     #: see :data:`MERGED_OFFER_SCALE`
     merged_offer_scale: int = MERGED_OFFER_SCALE
+    #: see :data:`HEADS_OFFER_SCALE`; a tree given as a Tree or a policy is verified as given
+    heads_offer_scale: int = HEADS_OFFER_SCALE
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: the checked, normalized values replace the given ones
@@ -104,6 +116,7 @@ class DecodingConfig:
             raise InputError(f"finished_rows={self.finished_rows!r}: expected 'shrink' (finished rows leave the "
                              "batch) or 'mask' (their trees are verified and ignored).")
         check_count("merged_offer_scale", self.merged_offer_scale, 1)
+        check_count("heads_offer_scale", self.heads_offer_scale, 1)
 
     def replace(self, **changes) -> "DecodingConfig":
         """A copy with ``changes`` (checked like the constructor's arguments; ``drafts=``: see

@@ -10,7 +10,7 @@ import time
 import warnings
 import weakref
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -36,6 +36,7 @@ from .policy import (AdaptivePolicy, FixedTree, TreePolicy, as_policy, best_budg
                      resolve_tree, tree_for_budget)
 from .request import Call, Request, eos_token_ids, make_request, prepare_call
 from .step import PhaseTimer
+from .tree import Tree
 
 
 #: the quick calibration behind the defaults (:meth:`DraftHeadsModel.calibrate_defaults`):
@@ -91,6 +92,7 @@ class DraftHeadsModel:
         self.default_budget: int | None = None
         self._default_policy: TreePolicy | None = None
         self._stores: dict = {}  # lookup_store argument → the opened (read-only, mapped) store
+        self._heads_alone: HeadsDrafter | None = None  # the drafter while ``drafter`` is None
         self.last_stats = DecodingStats()
 
     # -- loading ---------------------------------------------------------------------------
@@ -106,7 +108,7 @@ class DraftHeadsModel:
         ``decoding``: a :class:`~.config.DecodingConfig`; ``kwargs`` that name its fields are
         applied over it (``tree``, ``sources``, ``lookup_store``, ``review``, ``calibration``,
         ``packed_attention``, ``packed_linears``, ``finished_rows``, ``delegate_plain``,
-        ``merged_offer_scale``; see :mod:`.config`), the others go to the Hub (``revision``,
+        ``merged_offer_scale``, ``heads_offer_scale``; see :mod:`.config`), the others go to the Hub (``revision``,
         ``cache_dir``, ``token``, ``local_files_only``; ``HF_HUB_OFFLINE=1`` reads the cache only).
         ``sources="auto"`` (default): the heads and every lookup source there is data for
         (:func:`auto_sources`); ``tree=None`` (default): the stored tree this machine's quick
@@ -191,6 +193,26 @@ class DraftHeadsModel:
         if self.offers_larger_tree() and isinstance(self.drafter, MergedDrafter) and self.drafter.heads is not None:
             offer = self.default_budget * self.decoding.merged_offer_scale
             self.drafter.heads_tree = tree_for_budget(self.heads, offer)
+        if isinstance(self.drafter, HeadsDrafter):
+            self.drafter.offer = self.heads_offer()
+
+    def heads_offer(self) -> Callable[[Tree], Tree] | None:
+        """What the heads alone fill for a tree of the policy (:data:`~.config.HEADS_OFFER_SCALE`):
+        the stored tree of ``decoding.heads_offer_scale`` times its node budget. None (the policy's
+        trees verified as they are): at scale 1, for heads that store no trees, or for a tree
+        given as a Tree or a policy (its shape is the caller's choice)."""
+        heads, scale, given = self.heads, self.decoding.heads_offer_scale, self.decoding.tree
+        if heads is None or scale == 1 or not heads.config.trees or not (given is None or isinstance(given, (int, str))):
+            return None
+        offers: dict[int, Tree] = {}
+
+        def offer(tree: Tree) -> Tree:
+            budget = tree.num_nodes - 1
+            if budget not in offers:
+                offers[budget] = tree_for_budget(heads, budget * scale)
+            return offers[budget]
+
+        return offer
 
     def offers_larger_tree(self) -> bool:
         """Whether merged drafting offers the heads' larger tree (``decoding.merged_offer_scale``): only
@@ -281,11 +303,18 @@ class DraftHeadsModel:
             output, self.last_stats = plain_generate(self.base, request, started, streamer)
             return output
         self.refresh()
-        drafter = self.drafter if self.drafter is not None else HeadsDrafter(self.heads)
+        drafter = self.drafter if self.drafter is not None else self.heads_alone()
         with holding_packing(self.base), wearing(self.heads):
             output, self.last_stats = speculate(self.base, self.heads, self.policy, drafter, request, started,
                                                 generator, streamer, timer, decoding.finished_rows == "shrink")
         return output
+
+    def heads_alone(self) -> HeadsDrafter:
+        """The drafter while :attr:`drafter` is None: the heads alone, kept across calls (its hit
+        rates learn) while the heads are the same object."""
+        if self._heads_alone is None or self._heads_alone.heads is not self.heads:
+            self._heads_alone = HeadsDrafter(self.heads, self.heads_offer())
+        return self._heads_alone
 
     def refresh(self) -> None:
         """Before each call: decode with the weights as they are now. Every copy draftheads made

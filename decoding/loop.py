@@ -191,7 +191,7 @@ def decode(base, policy, sequences: Sequences, out: Emitter, acceptor: Acceptor,
                            sequences.generated)
         step = decode_step(base, drafter, acceptor, kv, heads_state, state, tree, timer)
         result = step.acceptance
-        policy.observe(step.drafts.shape, result.accepted[active])
+        policy.observe(step.drafts.chosen, result.accepted[active])
         stats.record(step.drafts.num_nodes, result.accepted[active], live.numel())
         stats.drafting_seconds += step.drafting_seconds
         out.emit_step(live, step.tokens, result.path, result.accepted, result.bonus,

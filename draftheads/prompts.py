@@ -25,6 +25,9 @@ from .training.features import chat_prompt_ids
 DATA_DIR = Path(__file__).resolve().parent / "data"
 #: built-in prompt sets: name → file in DATA_DIR
 PROMPT_SETS = {"mt-bench": "mt_bench.jsonl", "spec-bench": "spec_bench_dev.jsonl"}
+#: the dev prompts the heads are scored on (the README's bench rows, the data-scaling table):
+#: MT-Bench's first of each category and 8 of each other Spec-Bench dev task
+DEV_PROMPTS = ("mt-bench@1", "spec-bench@8:translation,summarization,qa,math_reasoning,rag")
 
 #: MT-Bench's eight categories (Spec-Bench counts them as one task, "mt_bench")
 MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")

@@ -37,9 +37,6 @@ from pathlib import Path
 
 import torch
 
-DEV_PROMPTS = ["mt-bench@1", "spec-bench@8:translation,summarization,qa,math_reasoning,rag"]
-
-
 # The papers' orderings at one tree size, same data: (lower, higher) by family label.
 ORDERINGS = (("Medusa", "Hydra"), ("Hydra", "Hydra++"), ("Medusa", "Amphista"))
 
@@ -275,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     args, overrides = parser.parse_known_args(argv)  # the rest: recipe overrides for every size (--train.epochs 2)
 
     from draftheads.decoding.base.loading import load_base
-    from draftheads.prompts import read_prompts
+    from draftheads.prompts import DEV_PROMPTS, read_prompts
     from draftheads.training.job_data import DATA_SUMMARY, read_data_summary
 
     out = Path(args.out)

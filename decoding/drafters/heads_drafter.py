@@ -1,9 +1,10 @@
-"""The heads as a drafter: they fill the policy's tree, the same shape for every row; and the
-heads as a draft source of the registry (:data:`HEADS`)."""
+"""The heads as a drafter: they fill the policy's tree — the same shape for every row, or each
+row's best nodes of a larger tree the heads offer (a dynamic tree) — and the heads as a draft
+source of the registry (:data:`HEADS`)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 import torch
@@ -11,9 +12,11 @@ import torch
 from ...heads import DraftHeads
 from ..tree import Tree
 from .candidates import CandidateBatch, path_products
+from .hitrate import HitRate
 from .step_trees import StepTrees
 from .interface import DraftState, plain_step
 from .registry import SourceSpec, source_id
+from .tries import select_rows
 
 if TYPE_CHECKING:
     from ..accept import Acceptance
@@ -21,21 +24,40 @@ if TYPE_CHECKING:
 
 @dataclass
 class HeadsDrafter:
-    """The heads fill the policy's tree (cut to the shallowest row's room); no state."""
+    """The heads fill the policy's tree (cut to the shallowest row's room).
+
+    ``offer`` (None: the policy's tree as is, every row one shape — Medusa's and Hydra's static
+    tree): the policy's tree → a larger tree the heads fill instead; each row then verifies as
+    many nodes as the policy's tree has, its best by calibrated path confidence (a dynamic tree,
+    as EAGLE-2 draws one). A node's confidence is its head probability scaled by the hit rate
+    its depth has shown (:class:`~.hitrate.HitRate`, learned from every verification: the
+    heads are over-confident on text unlike their training data), multiplied along its path."""
 
     heads: DraftHeads | None
+    offer: Callable[[Tree], Tree] | None = None
+    hitrate: HitRate = field(default_factory=HitRate)
+    _proposed: CandidateBatch | None = None  # the last dynamic step's nodes, every row
 
     def start(self, prompts: Sequence[Sequence[int]]) -> None:
-        """Heads read hidden states, not token histories."""
+        """Heads read hidden states, not token histories (the hit rates carry over requests)."""
 
     def propose(self, state: DraftState, tree: Tree) -> StepTrees:
         tree = tree.fitting(min(state.room))
+        self._proposed = None
         if self.heads is None or tree.num_nodes == 1:
             return plain_step(state.roots)
-        return StepTrees.uniform(tree, self.heads.propose(state.hidden, state.roots, tree.spec))
+        if self.offer is None:
+            return StepTrees.uniform(tree, self.heads.propose(state.hidden, state.roots, tree.spec))
+        offer = self.offer(tree).fitting(min(state.room))
+        tokens, probs = self.heads.propose(state.hidden, state.roots, offer.spec, with_probs=True)
+        self._proposed = select_rows(self.hitrate.rescore(heads_batch(offer, tokens, probs)), tree.num_nodes - 1)
+        return StepTrees.from_candidates(state.roots, self._proposed, chosen=tree)
 
     def observe(self, drafts: StepTrees, result: Acceptance, rows: Sequence[int]) -> None:
-        """Nothing to learn: the policy observes acceptance itself."""
+        """A dynamic step's accepted drafts calibrate the heads' hit rates (the policy observes
+        acceptance itself)."""
+        if self._proposed is not None:
+            self.hitrate.observe_rows(rows, self._proposed, drafts.accepted_tokens(result.path, result.accepted))
 
 
 def heads_batch(tree: Tree, tokens: torch.Tensor, probs: torch.Tensor) -> CandidateBatch:

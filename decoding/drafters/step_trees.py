@@ -37,6 +37,9 @@ class StepTrees:
     path_slots: torch.Tensor  # (B, N, D+1) long: slots root→slot, padded with the slot itself
     valid: torch.Tensor  # (B, N) bool; False at padding slots
     shape: Tree | None = None  # the one shape every row has, when uniform
+    #: the policy's tree these trees stand for — its shape, or (a dynamic tree) as many nodes in
+    #: each row — which the policy learns from; None: the drafter chose the size
+    chosen: Tree | None = None
 
     @property
     def batch(self) -> int:
@@ -76,7 +79,7 @@ class StepTrees:
         batch, device = tokens.shape[0], tokens.device
         expand = lambda t: t.to(device).expand(batch, *t.shape)  # noqa: E731
         valid = torch.ones(batch, tree.num_nodes, dtype=torch.bool, device=device)
-        return cls(tokens, expand(tree.parent), expand(tree.depth), expand(tree.path_slots), valid, tree)
+        return cls(tokens, expand(tree.parent), expand(tree.depth), expand(tree.path_slots), valid, tree, tree)
 
     @classmethod
     def from_rows(cls, roots: torch.Tensor, parents: Sequence[Sequence[int]],
@@ -121,11 +124,11 @@ class StepTrees:
                    torch.from_numpy(path_slots).to(device), torch.from_numpy(valid).to(device))
 
     @classmethod
-    def from_candidates(cls, roots: torch.Tensor, kept: "CandidateBatch") -> "StepTrees":
+    def from_candidates(cls, roots: torch.Tensor, kept: "CandidateBatch", chosen: Tree | None = None) -> "StepTrees":
         """:meth:`from_rows` for every row of a :class:`~.candidates.CandidateBatch` at once
         (row b's nodes parents-first, in the order its slots take): a few array operations per
         depth level instead of a Python walk per node, which was most of this step's cost at
-        one row (roots (B,))."""
+        one row (roots (B,)). ``chosen``: see the field."""
         batch, device = roots.shape[0], roots.device
         sizes = kept.sizes()
         nodes = 1 + int(sizes.max(initial=0))
@@ -152,7 +155,7 @@ class StepTrees:
         out = torch.from_numpy(token).to(device)
         out[:, 0] = roots
         return cls(out, torch.from_numpy(parent).to(device), torch.from_numpy(depth).to(device),
-                   torch.from_numpy(path_slots).to(device), torch.from_numpy(valid).to(device))
+                   torch.from_numpy(path_slots).to(device), torch.from_numpy(valid).to(device), chosen=chosen)
 
     def skips_padding(self) -> bool:
         """Whether this step's padding slots (rows with fewer nodes than the widest) are worth

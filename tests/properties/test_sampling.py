@@ -281,10 +281,12 @@ def test_typical_rule_semantics():
 
 
 # -- generate(): the wiring --------------------------------------------------------------------
-def random_heads(family: str, seed: int = 0):
+def random_heads(family: str, seed: int = 0, trees: dict | None = None):
+    """``trees``: stored trees (budget → paths), from which a budget's dynamic tree is drawn."""
     torch.manual_seed(seed)
     cls = {"medusa": MedusaHeads, "hydra": HydraHeads}[family]
-    heads = cls(HeadConfig(family=family, num_heads=3, hidden_size=32, vocab_size=VOCAB)).to(torch.float64)
+    heads = cls(HeadConfig(family=family, num_heads=3, hidden_size=32, vocab_size=VOCAB, trees=trees or {},
+                           expected_tau={b: 1.5 for b in trees or {}})).to(torch.float64)
     for p in heads.parameters():
         torch.nn.init.normal_(p, std=0.2)
     return heads
@@ -303,6 +305,24 @@ def test_generate_end_to_end_matches_exact_distribution(family, config_name, pat
     assert drafter.last_stats.tau > 1.0  # the trees were really used
     new = out[:, len(PROMPT): len(PROMPT) + K]
     joint = exact_joint(TABLES[config_name]).view(VOCAB, VOCAB, VOCAB)
+    assert chi2_test(new[:, 0] * VOCAB + new[:, 1], joint.sum(2).flatten()) > 0.01
+    assert chi2_test(new[:, 1] * VOCAB + new[:, 2], joint.sum(0).flatten()) > 0.01
+
+
+def test_dynamic_trees_match_exact_distribution():
+    """The heads alone on dynamic trees (each row its own best 2 nodes of the stored 8-node tree,
+    :class:`~draftheads.decoding.drafters.HeadsDrafter`): sampling still follows the exact
+    distribution."""
+    rows = 2000
+    stored = {"2": [[0], [0, 0]], "8": [list(p) for p in TREES["d3w3"][:8]]}
+    drafter = DraftHeadsModel(MODEL, random_heads("hydra", seed=3, trees=stored), tree=2, heads_offer_scale=4)
+    ids = torch.tensor([PROMPT] * rows)
+    out = drafter.generate(ids, max_new_tokens=K + 1, do_sample=True, generator=torch.Generator().manual_seed(11),
+                           eos_token_id=None, **CONFIGS["T1.0-topk4-topp0.9"])
+    assert drafter._heads_alone.offer is not None and drafter._heads_alone.hitrate.proposed.sum() > 0
+    assert drafter.last_stats.tau > 1.0
+    new = out[:, len(PROMPT): len(PROMPT) + K]
+    joint = exact_joint(TABLES["T1.0-topk4-topp0.9"]).view(VOCAB, VOCAB, VOCAB)
     assert chi2_test(new[:, 0] * VOCAB + new[:, 1], joint.sum(2).flatten()) > 0.01
     assert chi2_test(new[:, 1] * VOCAB + new[:, 2], joint.sum(0).flatten()) > 0.01
 
