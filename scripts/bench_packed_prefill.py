@@ -5,6 +5,7 @@ round-robin, chat template, left padding); interleaved, alternating which runs f
 that the two give the same states at every real position and the same first token per row.
 
     python scripts/bench_packed_prefill.py --dtypes bfloat16,float32 --batch-size 16 --batches 2 --reps 2 --out results/packed_prefill
+    python scripts/bench_packed_prefill.py --base gemma3-270m --dtypes bfloat16 --out results/packed_prefill/gemma3_270m
 
 Writes ``packed_prefill.json`` and ``packed_prefill.png``.
 """
@@ -27,9 +28,9 @@ from draftheads.training.figures import figure
 PROMPTS = ["mt-bench@2", "spec-bench@4:translation,summarization,qa,math_reasoning,rag"]
 
 
-def prefill_ab(dtype: str, batch: int, batches: int, reps: int, log=print) -> list[dict]:
+def prefill_ab(dtype: str, batch: int, batches: int, reps: int, base: str | None = None, log=print) -> list[dict]:
     """One record per batch: each way's seconds (every rep), prompt tokens, and how far apart
-    the two ways' states and first tokens are."""
+    the two ways' states and first tokens are. ``base``: a ``--base`` name or path (None: the embedded default)."""
     from draftheads.bench.batched import batches_of
     from draftheads.decoding.base.loading import load_base
     from draftheads.decoding.base.packing import use_packed_linears
@@ -37,7 +38,7 @@ def prefill_ab(dtype: str, batch: int, batches: int, reps: int, log=print) -> li
     from draftheads.decoding.request import left_pad
     from draftheads.prompts import chat_input, read_prompts, round_robin
 
-    model, tokenizer = load_base(dtype=dtype)
+    model, tokenizer = load_base(base, dtype=dtype)
     use_packed_linears(model)
     use_packed_sdpa(model)
     encoded = [chat_input(tokenizer, p["prompt"])[0].tolist() for p in round_robin(read_prompts(PROMPTS))]
@@ -72,6 +73,7 @@ def prefill_ab(dtype: str, batch: int, batches: int, reps: int, log=print) -> li
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--base", default=None, help="a --base name or path (default: the embedded SmolLM2)")
     ap.add_argument("--dtypes", default="bfloat16,float32")
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--batches", type=int, default=2)
@@ -79,7 +81,8 @@ def main(argv=None) -> None:
     ap.add_argument("--out", type=Path, default=Path("results/packed_prefill"))
     args = ap.parse_args(argv)
     torch.set_num_threads(min(2, torch.get_num_threads()))
-    runs = {dtype: prefill_ab(dtype, args.batch_size, args.batches, args.reps) for dtype in args.dtypes.split(",")}
+    runs = {dtype: prefill_ab(dtype, args.batch_size, args.batches, args.reps, args.base)
+            for dtype in args.dtypes.split(",")}
     summary = {dtype: {"padded_seconds": round(sum(r["median_seconds"]["padded"] for r in recs), 3),
                        "packed_seconds": round(sum(r["median_seconds"]["packed"] for r in recs), 3),
                        "max_state_difference": max(r["max_state_difference"] for r in recs),
@@ -88,7 +91,8 @@ def main(argv=None) -> None:
         s["packed_vs_padded"] = round(s["packed_seconds"] / s["padded_seconds"], 4)
     result = {"meta": {"command": "python scripts/bench_packed_prefill.py " + " ".join(argv or sys.argv[1:]),
                        "device": device_name(torch.device("cpu")), "threads": torch.get_num_threads(),
-                       "date": time.strftime("%Y-%m-%d"), "batch_size": args.batch_size, "reps": args.reps},
+                       "date": time.strftime("%Y-%m-%d"), "batch_size": args.batch_size, "reps": args.reps,
+                       "base": args.base or "embedded"},
               "batches": runs, "summary": summary}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "packed_prefill.json").write_text(json.dumps(result, indent=1))
@@ -103,7 +107,7 @@ def main(argv=None) -> None:
                 x += 1
         ax.set_xticks(range(x), labels, fontsize=8)
         ax.set_ylabel("prefill seconds (median)")
-        ax.set_title(f"Prefill of a padded batch of {args.batch_size}, 2 CPU cores")
+        ax.set_title(f"Prefill of a padded batch of {args.batch_size}, {args.base or 'SmolLM2'}, 2 CPU cores")
         ax.legend(fontsize=8)
     print(json.dumps(summary, indent=1))
     print(f"wrote {args.out / 'packed_prefill.json'} and .png")

@@ -48,10 +48,9 @@ def forward_all(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
 
 def packs_prompts(model, attention_mask: torch.Tensor) -> bool:
     """Whether :func:`forward_all` runs only the batch's real tokens (:func:`_forward_packed`):
-    padding in a batch the base attends to through :mod:`.attention`, without attention windows
-    (their masks are cut for tree steps, :func:`model_masks`)."""
-    return (attention_mask.shape[0] > 1 and not bool(attention_mask.bool().all()) and ragged_capable(model)
-            and not attention_layout(model.config).windowed)
+    padding in a batch the base attends to through :mod:`.attention` (attention windows
+    included: the masks are cut to them before the positions are packed)."""
+    return attention_mask.shape[0] > 1 and not bool(attention_mask.bool().all()) and ragged_capable(model)
 
 
 def _forward_packed(model, input_ids: torch.Tensor, valid: torch.Tensor, position_ids: torch.Tensor,
@@ -67,10 +66,11 @@ def _forward_packed(model, input_ids: torch.Tensor, valid: torch.Tensor, positio
     length = valid.shape[1]
     causal = torch.ones(length, length, dtype=torch.bool, device=valid.device).tril()
     mask = causal[None, None] & valid[:, None, None, :]  # (B, 1, T, T); a padding query sees nothing
+    masks = model_masks(model, mask, position_ids)  # windows by the padded (B, T) positions, before packing
     tokens = input_ids.reshape(-1).index_select(0, rows.index)[None]  # (1, K)
     positions = position_ids.reshape(-1).index_select(0, rows.index)[None]
     with forward_context(model), ragged_rows(rows), mask_memos():
-        out = decoder_body(model)(input_ids=tokens, attention_mask=model_masks(model, mask, positions),
+        out = decoder_body(model)(input_ids=tokens, attention_mask=masks,
                                   position_ids=positions, use_cache=True, **cache_kwargs(model, cache),
                                   **_pack_kwargs(model))
     return rows.scatter(out.last_hidden_state[0])
