@@ -319,7 +319,7 @@ def test_dynamic_trees_match_exact_distribution():
     ids = torch.tensor([PROMPT] * rows)
     out = drafter.generate(ids, max_new_tokens=K + 1, do_sample=True, generator=torch.Generator().manual_seed(11),
                            eos_token_id=None, **CONFIGS["T1.0-topk4-topp0.9"])
-    assert drafter._heads_alone.offer is not None and drafter._heads_alone.hitrate.proposed.sum() > 0
+    assert drafter.heads_alone().offer is not None and drafter.heads_alone().hitrate.proposed.sum() > 0
     assert drafter.last_stats.tau > 1.0
     new = out[:, len(PROMPT): len(PROMPT) + K]
     joint = exact_joint(TABLES["T1.0-topk4-topp0.9"]).view(VOCAB, VOCAB, VOCAB)

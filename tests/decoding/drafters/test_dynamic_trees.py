@@ -108,7 +108,7 @@ def test_dynamic_trees_greedy_identity_batched(tree):
     assert decoder.heads_offer() is not None
     ours = decoder.generate(ids, attention_mask=mask, max_new_tokens=20, pad_token_id=0)
     assert ours.tolist() == reference.tolist()
-    hitrate = decoder._heads_alone.hitrate
+    hitrate = decoder.heads_alone().hitrate
     assert hitrate.proposed.sum() > 0  # every dynamic step was observed
 
 
@@ -139,7 +139,7 @@ def test_static_by_default_when_asked_or_given_a_tree(options):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(StepTrees, "uniform", classmethod(spy))
         decoder.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=8)
-    assert seen and decoder._heads_alone.hitrate.proposed.sum() == 0
+    assert seen and decoder.heads_alone().hitrate.proposed.sum() == 0
 
 
 def test_heads_without_stored_trees_stay_static():
