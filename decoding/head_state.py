@@ -56,7 +56,8 @@ class HeadState:
     ``last_hidden`` (B, d): the base's state at each row's last prompt token. Heads whose layer
     reads the prompt (:attr:`~draftheads.heads.DraftHeads.context_from_prompt`) also take
     ``prompt_states`` (B, T, d), every prompt position's state, and the prompt's
-    ``attention_mask`` (B, T) (left padding 0); they are read once here and not kept."""
+    ``attention_mask`` (B, T) (left padding 0); they are read once here (and told to a listener,
+    :func:`listening`) and not kept."""
 
     def __init__(self, heads: DraftHeads | None, last_hidden: torch.Tensor, prompt_states: torch.Tensor | None = None,
                  attention_mask: torch.Tensor | None = None):

@@ -28,6 +28,9 @@ PROMPT_SETS = {"mt-bench": "mt_bench.jsonl", "spec-bench": "spec_bench_dev.jsonl
 #: the dev prompts the heads are scored on (the README's bench rows, the data-scaling table):
 #: MT-Bench's first of each category and 8 of each other Spec-Bench dev task
 DEV_PROMPTS = ("mt-bench@1", "spec-bench@8:translation,summarization,qa,math_reasoning,rag")
+#: the batched bench's prompts (the README's batch rows, the batch-path scripts): two of each
+#: MT-Bench category and four of each other Spec-Bench dev task, dealt round-robin into batches
+BATCH_PROMPTS = ("mt-bench@2", "spec-bench@4:translation,summarization,qa,math_reasoning,rag")
 
 #: MT-Bench's eight categories (Spec-Bench counts them as one task, "mt_bench")
 MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")

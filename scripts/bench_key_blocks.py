@@ -31,8 +31,6 @@ from draftheads.decoding.base.key_blocks import KV_BLOCK
 from draftheads.decoding.calibration import _best_of, device_name
 from draftheads.training.figures import figure
 
-PROMPTS = ["mt-bench@2", "spec-bench@4:translation,summarization,qa,math_reasoning,rag"]
-
 
 class _Groups:
     """The attention module's one attribute the decoder's attention reads (SmolLM2: 9 query heads, 3 key/value)."""
@@ -76,14 +74,14 @@ def decode_ab(batch: int, batches: int, reps: int, dtype: str, strategy: str, lo
     sources joined by "+": drafting from those)."""
     from draftheads import DraftHeadsModel
     from draftheads.bench.batched import BatchBench, batches_of, left_pad
-    from draftheads.prompts import chat_input, read_prompts, round_robin
+    from draftheads.prompts import BATCH_PROMPTS, chat_input, read_prompts, round_robin
 
     model = DraftHeadsModel.from_pretrained("checkpoints/smollm2-135m-hydra", dtype=dtype)
     sources = strategy.split("+")[1:] or None
     bench = BatchBench.prepare(model, [0, 1, 2, 4, 8, 16], False, sources, False, log=log)
     if strategy not in bench.names:
         raise SystemExit(f"--strategy {strategy}: not one of {', '.join(bench.names)}")
-    encoded = [chat_input(model.tokenizer, p["prompt"])[0].tolist() for p in round_robin(read_prompts(PROMPTS))]
+    encoded = [chat_input(model.tokenizer, p["prompt"])[0].tolist() for p in round_robin(read_prompts(BATCH_PROMPTS))]
     bench.warm_up(encoded[:2])
 
     def off():

@@ -25,8 +25,6 @@ import draftheads.decoding.base.forward as forward
 from draftheads.decoding.calibration import device_name
 from draftheads.training.figures import figure
 
-PROMPTS = ["mt-bench@2", "spec-bench@4:translation,summarization,qa,math_reasoning,rag"]
-
 
 def prefill_ab(dtype: str, batch: int, batches: int, reps: int, base: str | None = None, log=print) -> list[dict]:
     """One record per batch: each way's seconds (every rep), prompt tokens, and how far apart
@@ -36,12 +34,12 @@ def prefill_ab(dtype: str, batch: int, batches: int, reps: int, base: str | None
     from draftheads.decoding.base.packing import use_packed_linears
     from draftheads.decoding.base.attention import use_packed_sdpa
     from draftheads.decoding.request import left_pad
-    from draftheads.prompts import chat_input, read_prompts, round_robin
+    from draftheads.prompts import BATCH_PROMPTS, chat_input, read_prompts, round_robin
 
     model, tokenizer = load_base(base, dtype=dtype)
     use_packed_linears(model)
     use_packed_sdpa(model)
-    encoded = [chat_input(tokenizer, p["prompt"])[0].tolist() for p in round_robin(read_prompts(PROMPTS))]
+    encoded = [chat_input(tokenizer, p["prompt"])[0].tolist() for p in round_robin(read_prompts(BATCH_PROMPTS))]
     pad = model.generation_config.pad_token_id or 0
     warm_ids, warm_mask = left_pad(encoded[:2], pad)
     forward.forward_all(model, warm_ids, warm_mask)

@@ -24,12 +24,11 @@ from draftheads.decoding.calibration import calibrate
 from draftheads.decoding.policy import AdaptivePolicy
 from draftheads.decoding.request import left_pad
 from draftheads.decoding.step import PhaseTimer
-from draftheads.prompts import chat_input, read_prompts, round_robin
+from draftheads.prompts import BATCH_PROMPTS, chat_input, read_prompts, round_robin
 
 CONFIGS = {"heads": ("heads",), "lookups": ("context", "store", "stats"),
            "heads+lookups": ("heads", "context", "store", "stats"),
            "heads+lookups:per-row": ("heads", "context", "store", "stats")}  # each row its own node count
-DEFAULT_PROMPTS = ["mt-bench@2", "spec-bench@4:translation,summarization,qa,math_reasoning,rag"]
 
 
 def run_config(model, drafter, ids: torch.Tensor, mask: torch.Tensor, new: int) -> dict:
@@ -66,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--heads", default="checkpoints/smollm2-135m-hydra")
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--prompts", nargs="+", default=DEFAULT_PROMPTS)
+    parser.add_argument("--prompts", nargs="+", default=list(BATCH_PROMPTS))
     parser.add_argument("--batch-sizes", default="1,4,16")
     parser.add_argument("--configs", default="heads,lookups,heads+lookups", help=f"comma-separated, of {list(CONFIGS)}")
     parser.add_argument("--max-new-tokens", type=int, default=64)

@@ -49,8 +49,7 @@ class HeadsDrafter:
         if self.offer is None:
             return StepTrees.uniform(tree, self.heads.propose(state.hidden, state.roots, tree.spec))
         offer = self.offer(tree).fitting(min(state.room))
-        tokens, probs = self.heads.propose(state.hidden, state.roots, offer.spec, with_probs=True)
-        self._proposed = select_rows(self.hitrate.rescore(heads_batch(offer, tokens, probs)), tree.num_nodes - 1)
+        self._proposed = select_rows(heads_tries(self.heads, state, offer, self.hitrate), tree.num_nodes - 1)
         return StepTrees.from_candidates(state.roots, self._proposed, chosen=tree)
 
     def observe(self, drafts: StepTrees, result: Acceptance, rows: Sequence[int]) -> None:
@@ -58,6 +57,13 @@ class HeadsDrafter:
         acceptance itself)."""
         if self._proposed is not None:
             self.hitrate.observe_rows(rows, self._proposed, drafts.accepted_tokens(result.path, result.accepted))
+
+
+def heads_tries(heads: DraftHeads, state: DraftState, tree: Tree, hitrate: HitRate) -> CandidateBatch:
+    """Every live row's heads' proposal on ``tree`` as candidates, scored on the P(accepted)
+    scale by ``hitrate``'s calibration: what a dynamic tree and the merged tree choose from."""
+    tokens, probs = heads.propose(state.hidden, state.roots, tree.spec, with_probs=True)
+    return hitrate.rescore(heads_batch(tree, tokens, probs))
 
 
 def heads_batch(tree: Tree, tokens: torch.Tensor, probs: torch.Tensor) -> CandidateBatch:

@@ -17,7 +17,7 @@ from ..cost import LINEAR_COST
 from ..tree import Tree
 from .candidates import CandidateBatch
 from .step_trees import StepTrees
-from .heads_drafter import heads_batch
+from .heads_drafter import heads_tries
 from .lookup import LookupConfig, LookupSources
 from .interface import DraftState
 from .review import review
@@ -127,8 +127,7 @@ class MergedDrafter:
         """The heads' proposal for every live row on ``tree``, rescored on the P(accepted) scale;
         its time joins the median the heads are priced at (:meth:`~.worth.HeadsWorth.timed`)."""
         started = time.perf_counter()
-        tokens, probs = self.heads.propose(state.hidden, state.roots, tree.spec, with_probs=True)
-        heads = self.lookup.hitrate.rescore(heads_batch(tree, tokens, probs))
+        heads = heads_tries(self.heads, state, tree, self.lookup.hitrate)
         self.worth.timed((time.perf_counter() - started) * 1e3)
         return heads
 
