@@ -128,7 +128,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-@torch.no_grad()
+@torch.inference_mode()  # as the loop runs (generate.LOOP_MODE)
 def measure_forward(model, bs: int, q: int, kv_len: int, reps: int = 2, warm: bool = True, cache=None) -> float:
     """ms of one verification forward exactly as the loop runs it (4D tree mask over the cache,
     LM head over every node, argmax); the cache (``cache``: one of bs rows and kv_len positions
@@ -149,7 +149,7 @@ def measure_forward(model, bs: int, q: int, kv_len: int, reps: int = 2, warm: bo
     return _best_of(step, reps, warm)
 
 
-@torch.no_grad()
+@torch.inference_mode()  # as the loop runs (generate.LOOP_MODE)
 def measure_overhead(model, bs: int, q: int, kv_len: int = 64, reps: int = 3) -> float:
     """ms of the loop's work around the forward: greedy acceptance, KV compaction of the
     accepted path, and the per-row Python bookkeeping of emitting tokens."""
@@ -180,7 +180,7 @@ def measure_overhead(model, bs: int, q: int, kv_len: int = 64, reps: int = 3) ->
     return min(step() for _ in range(reps))
 
 
-@torch.no_grad()
+@torch.inference_mode()  # as the loop runs (generate.LOOP_MODE)
 def measure_draft(model, heads, bs: int, tree: Tree, reps: int = 3) -> float:
     """ms of ``heads.propose`` for a batch of bs rows and one stored tree."""
     device = next(model.parameters()).device

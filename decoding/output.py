@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..heads.kept import keeping
 from .base.forward import forward_all, lm_logits
 from .sequences import Sequences
 
@@ -75,10 +76,12 @@ class Emitter:
     def _stream(self, emitted: list[int], drafted: int) -> None:
         if self.streamer is None or not emitted:
             return
+        with keeping():  # the streamer may keep it
+            tokens = torch.tensor(emitted)
         if hasattr(self.streamer, "put_step"):
-            self.streamer.put_step(torch.tensor(emitted), min(drafted, len(emitted)))
+            self.streamer.put_step(tokens, min(drafted, len(emitted)))
         else:
-            self.streamer.put(torch.tensor(emitted))
+            self.streamer.put(tokens)
 
     def emit_first(self, roots: torch.Tensor, reported: torch.Tensor | None) -> None:
         """roots (B,) the token after each prompt; reported (B, V) its scores (or None)."""
@@ -162,3 +165,29 @@ def stack_scores(scores: list[list[torch.Tensor]], steps: int, vocab: int) -> tu
     position, whatever the model's dtype (every row has one by now: see :func:`fill_finished_scores`)."""
     zero = torch.zeros(vocab, dtype=torch.float32)
     return tuple(torch.stack([(row[i] if i < len(row) else zero).float() for row in scores]) for i in range(steps))
+
+
+def released(value):
+    """What a ``generate`` call returns, as the caller may use it: every tensor the decoder made
+    under inference mode (its loop runs there: :meth:`~.generate.DraftHeadsModel.run`) cloned
+    into a normal tensor — in a tensor, a tuple or list, a ``ModelOutput`` or a cache's layers (a
+    layer's ``SCRATCH`` buffers dropped) — so in-place writes and autograd work on it as on
+    transformers' own output."""
+    if isinstance(value, torch.Tensor):
+        if not value.is_inference():
+            return value
+        with keeping():
+            return value.clone()
+    if isinstance(value, (tuple, list)):
+        return type(value)(released(item) for item in value)
+    if isinstance(value, dict):  # ModelOutput too: setting a key sets its attribute
+        for key in list(value.keys()):
+            value[key] = released(value[key])
+        return value
+    for layer in getattr(value, "layers", None) or ():  # a transformers Cache
+        for name in getattr(layer, "SCRATCH", ()):
+            setattr(layer, name, None)
+        for name, item in list(vars(layer).items()):
+            if isinstance(item, torch.Tensor):
+                setattr(layer, name, released(item))
+    return value

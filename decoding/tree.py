@@ -13,6 +13,7 @@ from typing import Iterable, Sequence
 
 import torch
 
+from ..heads.kept import kept
 from ..heads.protocol import TreeSpec
 
 #: a node named by its rank at each depth, root first: ``(r1, r2, ...)`` (Medusa's "path")
@@ -75,6 +76,7 @@ def normalize_paths(paths: Iterable[Sequence[int]]) -> tuple[Ranks, ...]:
 
 
 @functools.lru_cache(maxsize=256)
+@kept
 def _build(paths: tuple[Ranks, ...]) -> Tree:
     slot = {(): 0} | {p: i + 1 for i, p in enumerate(paths)}
     n = len(paths) + 1

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .config import HeadConfig, register
+from .kept import kept
 from .medusa import ResBlock
 from .options import FamilyOptions, OptionError
 from .protocol import DraftHeads, TreeSpec
@@ -93,6 +94,7 @@ class HydraHead(nn.Module):
 
 
 @functools.lru_cache(maxsize=128)
+@kept
 def _levels(parent: tuple[int, ...], depth: tuple[int, ...], rank: tuple[int, ...]):
     """Per depth d ≥ 1: (the distinct parent slots of depth-d nodes, the depth-d node slots,
     each node's index into that parent list, each node's rank). Cached per tree shape."""

@@ -24,6 +24,7 @@ from .checkpoint.hub import upload_checkpoint
 from .checkpoint.io import load_heads, save_heads
 from .config import CheckpointError, HeadConfig
 from .content import FingerprintMemo, fingerprint_of
+from .kept import keeping
 from .options import FamilyOptions
 
 
@@ -116,7 +117,8 @@ class DraftHeads(nn.Module):
             raise CheckpointError(
                 f"These heads expect an LM head of shape ({self.config.vocab_size}, {self.config.hidden_size}) "
                 f"but the base has {tuple(lm_head_weight.shape)}: the checkpoint was made for another base model.")
-        self._shared = SharedBase(lm_head_weight.detach(), None if embed_weight is None else embed_weight.detach())
+        with keeping():
+            self._shared = SharedBase(lm_head_weight.detach(), None if embed_weight is None else embed_weight.detach())
         self._draft_weights = {}
         if self in _READOUTS:  # its copy was made from the rows of the LM head bound before
             _READOUTS[self].clear()
@@ -138,10 +140,11 @@ class DraftHeads(nn.Module):
             return weight
         cached = self._draft_weights.get(dtype)
         if cached is None or cached.device != weight.device:
-            if not self._draft_weights:
-                self._draft_source = fingerprint_of(weight)
-            rows = weight.index_select(0, self.vocab_ids.to(weight.device)) if self.config.draft_vocab_size else weight
-            cached = self._draft_weights[dtype] = rows.to(dtype)
+            with keeping():  # training multiplies by it later (heads/kept.py)
+                if not self._draft_weights:
+                    self._draft_source = fingerprint_of(weight)
+                rows = weight.index_select(0, self.vocab_ids.to(weight.device)) if self.config.draft_vocab_size else weight
+                cached = self._draft_weights[dtype] = rows.to(dtype)
         return cached
 
     def readout(self, states: torch.Tensor) -> torch.Tensor:
@@ -266,8 +269,9 @@ class DraftHeads(nn.Module):
             return tokens
         inverse = self._draft_inverse
         if inverse is None or inverse.device != tokens.device:
-            inverse = torch.full((self.config.vocab_size,), -1, dtype=torch.long, device=tokens.device)
-            inverse[self.vocab_ids.to(tokens.device)] = torch.arange(self.vocab_ids.numel(), device=tokens.device)
+            with keeping():
+                inverse = torch.full((self.config.vocab_size,), -1, dtype=torch.long, device=tokens.device)
+                inverse[self.vocab_ids.to(tokens.device)] = torch.arange(self.vocab_ids.numel(), device=tokens.device)
             self._draft_inverse = inverse
         return inverse[tokens]
 

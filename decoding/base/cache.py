@@ -50,6 +50,9 @@ def reserved_layer_class():
 
         class ReservedLayer(DynamicLayer):
             _key_buffer = _value_buffer = None
+            #: what a cache handed to the caller drops (:func:`~draftheads.decoding.output.released`):
+            #: its next update starts a new buffer
+            SCRATCH = ("_key_buffer", "_value_buffer")
 
             def update(self, key_states, value_states, *args, **kwargs):
                 rows = current_ragged_rows()  # a packed forward's (1, H, K, D) → its rows' (B, H, N, D)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 import torch
 
+from ...heads import kept as kept_tensors
 from ..tree import Tree
 
 if TYPE_CHECKING:
@@ -183,6 +184,7 @@ def children_table(parent: torch.Tensor) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=512)
+@kept_tensors.kept
 def _children(parent: tuple[int, ...]) -> torch.Tensor:
     """(N,) parent slots → (N, W) each slot's children in slot order, padded with -1."""
     kids: list[list[int]] = [[] for _ in parent]
