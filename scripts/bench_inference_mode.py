@@ -12,15 +12,15 @@ Writes ``inference_mode.json`` and ``inference_mode.png``.
 """
 from __future__ import annotations
 
-import argparse
+import functools
 import json
-import statistics
 import sys
 import time
-from pathlib import Path
+from contextlib import contextmanager
 
 import torch
 
+from draftheads.bench.ab import ab_parser, ab_records, ab_totals
 from draftheads.decoding.calibration import device_name
 from draftheads.prompts import DEV_PROMPTS
 from draftheads.training.figures import figure
@@ -28,59 +28,20 @@ from draftheads.training.figures import figure
 MODES = {"inference_mode": torch.inference_mode, "no_grad": torch.no_grad}
 
 
-def run(model, prompts: list[dict], max_new_tokens: int, log=print) -> list[dict]:
-    """One record per prompt: each mode's new tokens, steps and seconds, and whether they agree."""
+@contextmanager
+def loop_mode(mode):
+    """The decoder's loop under ``mode`` inside the block."""
     from draftheads.decoding import generate as generate_module
-    from draftheads.prompts import chat_input
 
-    names = list(MODES)
-    records = []
-    for i, item in enumerate(prompts):
-        ids = chat_input(model.tokenizer, item["prompt"])
-        record = {"category": item.get("category", "?"), "prompt_tokens": int(ids.shape[1])}
-        answers = {}
-        for name in (names if i % 2 == 0 else names[::-1]):
-            generate_module.LOOP_MODE = MODES[name]
-            try:
-                start = time.perf_counter()
-                out = model.generate(ids, max_new_tokens=max_new_tokens)
-                seconds = time.perf_counter() - start
-            finally:
-                generate_module.LOOP_MODE = torch.inference_mode
-            answers[name] = out[0, ids.shape[1]:].tolist()
-            record[name] = {"new_tokens": len(answers[name]), "steps": model.last_stats.steps,
-                            "seconds": round(seconds, 4)}
-        record["same_tokens"] = answers[names[0]] == answers[names[1]]
-        records.append(record)
-        log(f"prompt {i}: " + ", ".join(f"{n} {record[n]['new_tokens']} tokens, {record[n]['steps']} steps, "
-                                        f"{record[n]['seconds']:.2f} s" for n in names))
-    return records
-
-
-def totals(records: list[dict]) -> dict:
-    out = {}
-    for name in MODES:
-        tokens = sum(r[name]["new_tokens"] for r in records)
-        steps = sum(r[name]["steps"] for r in records)
-        seconds = sum(r[name]["seconds"] for r in records)
-        out[name] = {"tokens_per_second": round(tokens / seconds, 2), "ms_per_step": round(1e3 * seconds / steps, 2),
-                     "tau": round((tokens - len(records)) / max(1, steps), 4)}
-    ratios = [r["no_grad"]["seconds"] / r["inference_mode"]["seconds"] for r in records]
-    out["inference_over_no_grad"] = {
-        "tokens_per_second": round(out["inference_mode"]["tokens_per_second"] / out["no_grad"]["tokens_per_second"], 4),
-        "ms_per_step": round(out["inference_mode"]["ms_per_step"] / out["no_grad"]["ms_per_step"], 4),
-        "median_prompt_speedup": round(statistics.median(ratios), 4)}
-    out["same_tokens"] = sum(r["same_tokens"] for r in records)
-    return out
+    generate_module.LOOP_MODE = mode
+    try:
+        yield
+    finally:
+        generate_module.LOOP_MODE = torch.inference_mode
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--heads", default="checkpoints/smollm2-135m-hydra")
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--out", type=Path, default=Path("results/inference_mode"))
-    args = ap.parse_args(argv)
+    args = ab_parser(__doc__.split("\n\n")[0], "results/inference_mode").parse_args(argv)
     from draftheads.decoding import DraftHeadsModel
     from draftheads.prompts import read_prompts
 
@@ -89,8 +50,9 @@ def main(argv=None) -> None:
     prompts = read_prompts(DEV_PROMPTS)
     from draftheads.prompts import chat_input
     model.generate(chat_input(model.tokenizer, prompts[0]["prompt"]), max_new_tokens=16)  # warm-up
-    records = run(model, prompts, args.max_new_tokens)
-    summary = totals(records)
+    ways = {name: functools.partial(loop_mode, mode) for name, mode in MODES.items()}
+    records = ab_records(model, prompts, ways, args.max_new_tokens)
+    summary = ab_totals(records, list(MODES))
     dtype = str(model.base.dtype).removeprefix("torch.")
     result = {"meta": {"command": "python scripts/bench_inference_mode.py " + " ".join(argv or sys.argv[1:]),
                        "device": device_name(torch.device("cpu")), "threads": torch.get_num_threads(),

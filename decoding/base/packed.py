@@ -13,8 +13,11 @@ from .plan import PLAN, fewrow_applies, packs
 
 def tensor_key(weight: torch.Tensor) -> tuple:
     """What identifies a weight's tensor cheaply (dtype, device, storage, autograd version, shape):
-    a copy whose key differs is remade on its next use."""
-    return weight.dtype, weight.device, weight.data_ptr(), weight._version, tuple(weight.shape)
+    a copy whose key differs is remade on its next use. An inference tensor (a model built under
+    ``torch.inference_mode``) has no version: its content fingerprint, checked before each
+    decoding call, is what sees it change."""
+    version = 0 if weight.is_inference() else weight._version
+    return weight.dtype, weight.device, weight.data_ptr(), version, tuple(weight.shape)
 
 
 class PackedWeight:

@@ -26,7 +26,7 @@ from .fewrow import load_kernel
 from .hardware import cpu_key
 from .loading import cache_root
 from .packed import PackedReadout, PackedWeight
-from .plan import PLAN, can_pack, measure_shape, shape_key, valid_shape_key, valid_timings
+from .plan import PLAN, STREAM_BYTES, can_pack, measure_shape, shape_key, valid_shape_key, valid_timings
 
 
 _PACKED_BASES: "weakref.WeakKeyDictionary[torch.nn.Module, PackedWeight]" = weakref.WeakKeyDictionary()
@@ -81,8 +81,10 @@ def release_packing(model) -> None:
 
 
 def packing_cache_path() -> Path:
-    """This machine's packing measurements (keyed by :func:`~.hardware.cpu_key`)."""
-    digest = hashlib.sha256(json.dumps(cpu_key(), sort_keys=True).encode()).hexdigest()[:16]
+    """This machine's packing measurements (keyed by :func:`~.hardware.cpu_key` and how much of a
+    weight's copies a product is timed over, :data:`~.plan.STREAM_BYTES`)."""
+    key = {"cpu": cpu_key(), "stream_bytes": STREAM_BYTES}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return cache_root() / "packing" / f"{digest}.json"
 
 
@@ -123,8 +125,10 @@ def plan_packing(weights) -> None:
     missing = PLAN.missing(weights)
     if not missing:
         return
+    footprint = sum(w.numel() * w.element_size() for w in weights)
     for dtype, out_features, in_features in missing:
-        PLAN.add(shape_key(dtype, out_features, in_features), measure_shape(dtype, out_features, in_features))
+        PLAN.add(shape_key(dtype, out_features, in_features),
+                 measure_shape(dtype, out_features, in_features, footprint=footprint))
     try:
         write_text_atomic(path, json.dumps({"key": cpu_key(), "shapes": PLAN.timings}, indent=1))
     except UnwritablePathError as err:

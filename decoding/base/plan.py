@@ -23,6 +23,7 @@ packed path is only taken inside the decoder's own forwards (:mod:`.binding`).
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import re
 import time
@@ -99,18 +100,44 @@ def _best_ms(fn, reps: int) -> float:
     return best * 1e3
 
 
-def measure_shape(dtype: torch.dtype, out_features: int, in_features: int, reps: int = 3) -> dict[str, list[float]]:
+#: the most bytes of weight copies a shape is timed over (:func:`measure_shape`): more than a
+#: CPU's last-level cache, so a product reads its weight from memory as in decoding, where a
+#: base's weights (212-424 MB for SmolLM2) stream past between two uses of one. Timed warm in
+#: cache instead, the compute-bound paths win at 4-7 rows where the memory-bound few-row kernel
+#: is faster in decoding. evidence: results/packing_regime
+STREAM_BYTES = 128 << 20
+
+
+def stream_copies(weight_bytes: int, footprint: int) -> int:
+    """How many copies of a weight of ``weight_bytes`` a product is timed over: enough to fill
+    the smaller of ``footprint`` (the bytes of all the weights being planned: a model small enough
+    to stay in cache is timed warm) and :data:`STREAM_BYTES`."""
+    return max(1, min(footprint, STREAM_BYTES) // max(1, weight_bytes))
+
+
+def _rotating(products: list) -> "callable":
+    """One product per call, the next copy's each time: x → products[i % n](x)."""
+    turn = itertools.count()
+    return lambda x: products[next(turn) % len(products)](x)
+
+
+def measure_shape(dtype: torch.dtype, out_features: int, in_features: int, reps: int = 3,
+                  footprint: int = 0) -> dict[str, list[float]]:
     """ms per call of ``F.linear``, of the packed product and (where it is loaded for the dtype) of the
     few-row kernel for a random weight of this shape at every row count of :data:`ROW_BUCKETS`,
-    interleaved (one noisy spell hits every path alike)."""
+    interleaved (one noisy spell hits every path alike); each call reads the next of
+    :func:`stream_copies` copies of the weight (``footprint``: the bytes of the weights being planned)."""
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, 8)
-    paths = {"linear_ms": lambda x: nn.functional.linear(x, weight),
-             "packed_ms": lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")}
+    weights = [weight] + [weight.clone() for _ in range(stream_copies(weight.numel() * weight.element_size(),
+                                                                         footprint) - 1)]
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, 8) for w in weights]
+    paths = {"linear_ms": _rotating([functools.partial(_linear, weight=w) for w in weights]),
+             "packed_ms": _rotating([functools.partial(_packed, packed=p) for p in packed])}
     if fewrow_applies(weight):
-        blocked = block_weight(weight)
-        paths["fewrow_ms"] = lambda x: fewrow_linear(x, blocked, out_features)
+        blocked = [block_weight(w) for w in weights]
+        paths["fewrow_ms"] = _rotating([functools.partial(fewrow_linear, blocked=b, out_features=out_features)
+                                        for b in blocked])
     timings: dict[str, list[float]] = {name: [] for name in paths}
     with torch.no_grad():
         for rows in ROW_BUCKETS:
@@ -118,6 +145,14 @@ def measure_shape(dtype: torch.dtype, out_features: int, in_features: int, reps:
             for name, path in paths.items():
                 timings[name].append(round(_best_ms(lambda: path(x), reps), 4))
     return timings
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return nn.functional.linear(x, weight)
+
+
+def _packed(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
 #: the longest a measured product may take, ms: anything above is no measurement (a JSON file

@@ -7,6 +7,7 @@ import functools
 import torch
 from torch import nn
 
+from ...heads.kept import kept
 from ...heads.content import FingerprintMemo, fingerprint_of
 from .packed import PackedWeight, packed_matmul, tensor_key
 from .plan import PLAN, ROW_BUCKETS, packs, row_bucket, shape_key
@@ -84,6 +85,7 @@ class SiblingProduct:
 
 
 @functools.lru_cache(maxsize=None)
+@kept  # first asked inside the decoder's forwards, under inference mode
 def stacking_exact(dtype: torch.dtype, shapes: tuple[tuple[int, int], ...]) -> tuple[bool, ...]:
     """Per row bucket: whether one product of random weights of ``shapes`` stacked equals, bit
     for bit, the products each weight takes alone here (the plan's path for its shape). Why a

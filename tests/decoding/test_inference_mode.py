@@ -96,3 +96,21 @@ def test_released_clones_only_inference_tensors():
     assert out["a"][0] is normal
     assert not out["a"][1].is_inference() and not out["b"][0].is_inference()
     assert out["a"][1].tolist() == [0, 1, 2]
+
+
+def test_a_model_built_and_decoded_under_inference_mode_decodes_as_transformers():
+    """A pipeline, or a user, may build the model inside inference mode: its weights are then
+    inference tensors (no version counter), and the decoder's first look at a fused product's
+    exactness happens inside a forward; neither may fail."""
+    from draftheads.decoding.base.packed import tensor_key
+    from draftheads.decoding.base.siblings import stacking_exact
+
+    stacking_exact.cache_clear()
+    with torch.inference_mode():
+        assert all(isinstance(v, bool) for v in stacking_exact(torch.float32, ((16, 8), (16, 8))))
+        model = tiny_llama(1, dtype=torch.float32)
+        heads = random_heads("hydra", model)
+        assert tensor_key(model.lm_head.weight)[3] == 0  # no version to read
+        ours = DraftHeadsModel(model, heads, tree=tree_from_paths(TREE)).generate(PROMPT, max_new_tokens=10)
+        theirs = model.generate(PROMPT, max_new_tokens=10, do_sample=False)
+    assert ours.tolist() == theirs.tolist()

@@ -45,7 +45,7 @@ def bound(request, monkeypatch, tmp_path):
     monkeypatch.setattr(plan, "path_of", lambda key, rows: "fewrow" if request.param == "fewrow" else "packed")
     for module in (plan_module, packed_module, siblings_module, packing_module):  # each reads the plan
         monkeypatch.setattr(module, "PLAN", plan)
-    monkeypatch.setattr(packing_module, "measure_shape", lambda dtype, out, inp: {
+    monkeypatch.setattr(packing_module, "measure_shape", lambda dtype, out, inp, **_: {
         name: [1.0] * len(plan_module.ROW_BUCKETS) for name in ("linear_ms", "packed_ms", "fewrow_ms")})
     if request.param == "stacked":
         monkeypatch.setattr(siblings_module, "STACKED_DTYPES", (torch.float32,))

@@ -70,7 +70,7 @@ def test_a_bad_packing_entry_is_dropped_with_one_warning_and_measured_again(tmp_
     measured = []
     plan = PackingPlan()
     monkeypatch.setattr(packing, "PLAN", plan)
-    monkeypatch.setattr(packing, "measure_shape", lambda dtype, out, inp: measured.append((out, inp)) or dict(GOOD))
+    monkeypatch.setattr(packing, "measure_shape", lambda dtype, out, inp, **_: measured.append((out, inp)) or dict(GOOD))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         packing.plan_packing([torch.zeros(3, 4), torch.zeros(8, 4)])

@@ -85,6 +85,38 @@ def test_measure_shape_times_both_paths_at_every_bucket():
     assert len(entry["linear_ms"]) == len(entry["packed_ms"]) == len(ROW_BUCKETS)
 
 
+def test_a_shape_is_timed_over_copies_filling_the_planned_weights_up_to_the_stream_bound():
+    """Decoding reads a big base's weights from memory, a tiny one's from cache: the copies a
+    product is timed over fill the footprint of the weights being planned, up to STREAM_BYTES."""
+    assert plan_module.stream_copies(1 << 20, 0) == 1  # nothing said: warm
+    assert plan_module.stream_copies(1 << 20, 4 << 20) == 4  # a small model: its own footprint
+    assert plan_module.stream_copies(1 << 20, 1 << 40) == plan_module.STREAM_BYTES >> 20  # a big one: the bound
+    assert plan_module.stream_copies(1 << 30, 1 << 40) == 1  # a weight bigger than the bound streams anyway
+
+
+@pytest.mark.skipif(not plan_module.packing_available(torch.float32), reason="this torch build has no oneDNN packed linear")
+def test_measure_shape_reads_a_new_copy_of_the_weight_each_call(monkeypatch):
+    seen = []
+    real = plan_module._linear
+    monkeypatch.setattr(plan_module, "_linear", lambda x, weight: seen.append(weight.data_ptr()) or real(x, weight))
+    entry = plan_module.measure_shape(torch.float32, 24, 16, reps=1, footprint=5 * 24 * 16 * 4)
+    assert valid_timings(entry)
+    assert len(set(seen)) == 5  # every copy, in turn
+    assert seen[:5] == list(dict.fromkeys(seen))[:5] and seen[5] == seen[0]
+
+
+def test_the_plan_is_measured_with_the_footprint_of_the_weights_planned(monkeypatch, tmp_path):
+    monkeypatch.setenv("DRAFTHEADS_CACHE", str(tmp_path))
+    footprints = []
+    monkeypatch.setattr(packing, "measure_shape", lambda dtype, out, inp, footprint=0, **_: footprints.append(footprint) or {
+        "linear_ms": [1.0] * len(ROW_BUCKETS), "packed_ms": [0.5] * len(ROW_BUCKETS)})
+    monkeypatch.setattr(packing, "PLAN", plan_module.PackingPlan())
+    weights = [torch.zeros(40, 24), torch.zeros(24, 40), torch.zeros(40, 24)]
+    packing.plan_packing(weights)
+    if plan_module.packing_available(torch.float32):
+        assert footprints and set(footprints) == {3 * 40 * 24 * 4}
+
+
 @pytest.mark.parametrize("content", ["", "{", "[]", '{"key": 1}', "\x00\x01binary", '{"key": null, "shapes": {}}'])
 def test_an_unreadable_packing_cache_is_measured_again_with_a_warning(tmp_path, content):
     path = tmp_path / "packing.json"
@@ -106,7 +138,7 @@ def test_malformed_cache_entries_are_dropped_not_trusted(tmp_path):
 
 def test_packing_cache_round_trip_and_an_unwritable_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(packing, "PLAN", PackingPlan())
-    monkeypatch.setattr(packing, "measure_shape", lambda dtype, out, inp: {
+    monkeypatch.setattr(packing, "measure_shape", lambda dtype, out, inp, **_: {
         "linear_ms": [1.0] * len(ROW_BUCKETS), "packed_ms": [float(out)] * len(ROW_BUCKETS)})
     monkeypatch.setenv("DRAFTHEADS_CACHE", str(tmp_path / "cache"))
     weights = [torch.zeros(3, 4), torch.zeros(5, 4), torch.zeros(5, 4).double()]
