@@ -1,8 +1,9 @@
 """What a product of a few rows costs on this machine, per path: ``F.linear``, oneDNN's packed
 product and the few-row kernel (decoding/base/fewrow.py: float32, and bfloat16 where native), for the weight shapes of the embedded
 base (SmolLM2-135M) and the shipped heads' draft vocabulary, at the row counts a verification
-step uses. The same measurement the decoder makes at load (``decoding.base.plan.measure_shape``:
-interleaved, best of ``--reps``), saved as JSON + PNG.
+step uses. The decoder's measurement at load (``decoding.base.plan.measure_shape``: interleaved,
+best of ``--reps``) with each weight warm in cache — the decoder itself times over streamed copies
+(``STREAM_BYTES``; ``scripts/bench_packing_regime.py`` compares the two) — saved as JSON + PNG.
 
     python scripts/bench_linear_paths.py --out results/cpu_classes/linear_paths_avx512
 """
