@@ -24,6 +24,7 @@ from .base.loading import cache_root
 from .base.attention import PACKED_SDPA, uses_packed_sdpa
 from .base.cache import tree_attention_mask
 from .fingerprint import fingerprint
+from .output import in_loop_mode
 from .cost import CostModel, CostSurfaceError, LatencyTable, Row, load_cost_surface
 from .tree import Tree, chain_tree, tree_from_paths
 
@@ -128,7 +129,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-@torch.inference_mode()  # as the loop runs (generate.LOOP_MODE)
+@in_loop_mode
 def measure_forward(model, bs: int, q: int, kv_len: int, reps: int = 2, warm: bool = True, cache=None) -> float:
     """ms of one verification forward exactly as the loop runs it (4D tree mask over the cache,
     LM head over every node, argmax); the cache (``cache``: one of bs rows and kv_len positions
@@ -149,7 +150,7 @@ def measure_forward(model, bs: int, q: int, kv_len: int, reps: int = 2, warm: bo
     return _best_of(step, reps, warm)
 
 
-@torch.inference_mode()  # as the loop runs (generate.LOOP_MODE)
+@in_loop_mode
 def measure_overhead(model, bs: int, q: int, kv_len: int = 64, reps: int = 3) -> float:
     """ms of the loop's work around the forward: greedy acceptance, KV compaction of the
     accepted path, and the per-row Python bookkeeping of emitting tokens."""
@@ -180,7 +181,7 @@ def measure_overhead(model, bs: int, q: int, kv_len: int = 64, reps: int = 3) ->
     return min(step() for _ in range(reps))
 
 
-@torch.inference_mode()  # as the loop runs (generate.LOOP_MODE)
+@in_loop_mode
 def measure_draft(model, heads, bs: int, tree: Tree, reps: int = 3) -> float:
     """ms of ``heads.propose`` for a batch of bs rows and one stored tree."""
     device = next(model.parameters()).device

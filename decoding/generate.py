@@ -32,17 +32,12 @@ from .drafters import Drafter, HeadsDrafter, MergedDrafter, auto_sources, build_
 from .drafters import needing
 from .limits import check_base_path, check_generator, parse_dtype
 from .loop import DecodingStats, plain_generate, speculate
-from .output import released
+from .output import loop_mode, released
 from .policy import (AdaptivePolicy, FixedTree, TreePolicy, as_policy, best_budget, default_tree, expected_tau_scale,
                      resolve_tree, tree_for_budget)
 from .request import Call, Request, eos_token_ids, make_request, prepare_call
 from .step import PhaseTimer
 from .tree import Tree
-
-#: the loop runs under inference mode: no autograd bookkeeping on its thousands of small ops a
-#: step; what it returns is released as normal tensors (:func:`~.output.released`), what it keeps
-#: is made outside it (:mod:`draftheads.heads.kept`). evidence: results/inference_mode
-LOOP_MODE = torch.inference_mode
 
 
 #: the quick calibration behind the defaults (:meth:`DraftHeadsModel.calibrate_defaults`):
@@ -310,7 +305,7 @@ class DraftHeadsModel:
             return output
         self.refresh()
         drafter = self.drafter if self.drafter is not None else self.heads_alone()
-        with holding_packing(self.base), wearing(self.heads), LOOP_MODE():
+        with holding_packing(self.base), wearing(self.heads), loop_mode():
             output, self.last_stats = speculate(self.base, self.heads, self.policy, drafter, request, started,
                                                 generator, streamer, timer, decoding.finished_rows == "shrink")
         return released(output)

@@ -5,14 +5,39 @@ sequences / ``GenerateDecoderOnlyOutput``.
 The loop only says "row b emitted these tokens (the first ``drafted`` were accepted drafts)";
 :class:`Emitter` decides where each row stops, writes the tokens into the call's
 :class:`~.sequences.Sequences` (their one writer) and keeps what the return value needs.
+
+The loop runs under :data:`LOOP_MODE` (:func:`loop_mode`), and what it hands back leaves it
+through :func:`released`.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 
 from ..heads.kept import keeping
 from .base.forward import forward_all, lm_logits
 from .sequences import Sequences
+
+#: the mode the decoder's loop runs in, and the calibration that times it: inference mode, no
+#: autograd bookkeeping on a step's thousands of small ops; what the loop returns is released as
+#: normal tensors (:func:`released`), what it keeps is made outside it
+#: (:mod:`draftheads.heads.kept`). evidence: results/inference_mode
+LOOP_MODE = torch.inference_mode
+
+
+def loop_mode():
+    """:data:`LOOP_MODE` entered (read at the call, so a bench can compare another mode)."""
+    return LOOP_MODE()
+
+
+def in_loop_mode(fn):
+    """``fn`` runs inside :func:`loop_mode` (the calibration's timings: as the loop runs)."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with loop_mode():
+            return fn(*args, **kwargs)
+    return run
 
 
 class Emitter:

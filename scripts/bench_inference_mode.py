@@ -1,5 +1,5 @@
 """The default decoder (shipped heads + lookups, the calibrated tree, bs 1, greedy) with its loop
-under ``torch.inference_mode`` (``decoding.generate.LOOP_MODE``, the default) against the same
+under ``torch.inference_mode`` (``decoding.output.LOOP_MODE``, the default) against the same
 loop under ``torch.no_grad`` (what it ran before), on the dev prompts. Per prompt both ways run
 back to back on the same model, the order alternating; tokens/s, ms per verification step, and
 whether the two answers are the same tokens.
@@ -31,13 +31,13 @@ MODES = {"inference_mode": torch.inference_mode, "no_grad": torch.no_grad}
 @contextmanager
 def loop_mode(mode):
     """The decoder's loop under ``mode`` inside the block."""
-    from draftheads.decoding import generate as generate_module
+    from draftheads.decoding import output
 
-    generate_module.LOOP_MODE = mode
+    kept, output.LOOP_MODE = output.LOOP_MODE, mode
     try:
         yield
     finally:
-        generate_module.LOOP_MODE = torch.inference_mode
+        output.LOOP_MODE = kept
 
 
 def main(argv=None) -> None:

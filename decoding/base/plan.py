@@ -28,7 +28,7 @@ import math
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
@@ -115,7 +115,7 @@ def stream_copies(weight_bytes: int, footprint: int) -> int:
     return max(1, min(footprint, STREAM_BYTES) // max(1, weight_bytes))
 
 
-def _rotating(products: list) -> "callable":
+def _rotating(products: list[Callable[[torch.Tensor], torch.Tensor]]) -> Callable[[torch.Tensor], torch.Tensor]:
     """One product per call, the next copy's each time: x → products[i % n](x)."""
     turn = itertools.count()
     return lambda x: products[next(turn) % len(products)](x)
