@@ -22,7 +22,7 @@ from .base.attention import use_packed_sdpa
 from .base.check import check_base
 from .base.forward import ragged_capable
 from .base.loading import dtype_name, load_base
-from .base.packing import holding_packing, plan_packing, refresh_heads, refresh_packing, use_packed_heads
+from .base.packing import base_weights, holding_packing, plan_packing, refresh_heads, refresh_packing, use_packed_heads
 from .base.packing import use_packed_linears
 from .fingerprint import fingerprint
 from .calibration import CalibrationConfig, calibrate
@@ -350,7 +350,8 @@ def attach_heads(heads: DraftHeads, base, packed_linears: bool = True) -> None:
     heads.draft_dtype = drafting_dtype(base)
     if packed_linears:
         use_packed_heads(heads)
-        plan_packing([heads.draft_weight(heads.draft_dtype)] + [p for p in heads.parameters() if p.dim() == 2])
+        plan_packing([heads.draft_weight(heads.draft_dtype)] + [p for p in heads.parameters() if p.dim() == 2],
+                     alongside=base_weights(base))
 
 
 

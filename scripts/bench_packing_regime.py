@@ -37,10 +37,7 @@ def plan_timings(timings: dict):
     kept = dict(plan.timings)
 
     def use(entries: dict) -> None:
-        plan.timings.clear()
-        plan._verdicts.clear()
-        for key, entry in entries.items():
-            plan.add(key, entry)
+        plan.replace(entries)
         stacking_exact.cache_clear()  # whether a fused product is bit-exact depends on the paths taken
 
     use(timings)

@@ -10,7 +10,7 @@ import warnings
 import weakref
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import torch
 
@@ -26,7 +26,7 @@ from .fewrow import load_kernel
 from .hardware import cpu_key
 from .loading import cache_root
 from .packed import PackedReadout, PackedWeight
-from .plan import PLAN, STREAM_BYTES, can_pack, measure_shape, shape_key, valid_shape_key, valid_timings
+from .plan import FOOTPRINT_RULE, PLAN, STREAM_BYTES, can_pack, measure_shape, shape_key, valid_shape_key, valid_timings
 
 
 _PACKED_BASES: "weakref.WeakKeyDictionary[torch.nn.Module, PackedWeight]" = weakref.WeakKeyDictionary()
@@ -51,12 +51,16 @@ def use_packed_linears(model) -> bool:
     return True
 
 
+def base_weights(model) -> list[torch.Tensor]:
+    """The base's weights a decoding forward streams: the LM head and its body's matrices."""
+    return [lm_head_weight(model)] + [p for p in decoder_body(model).parameters() if p.dim() == 2]
+
+
 def _plan_base(model) -> None:
     """Measure (or read) the packing plan for every weight shape of the base, the LM head and the
     stacked sibling products included."""
     products = fuse_siblings(decoder_body(model))
-    plan_packing([lm_head_weight(model)] + [p for p in decoder_body(model).parameters() if p.dim() == 2]
-                 + [product.shape for product in products])
+    plan_packing(base_weights(model) + [product.shape for product in products])
 
 
 def refresh_packing(model, memo: FingerprintMemo | None = None) -> None:
@@ -82,8 +86,8 @@ def release_packing(model) -> None:
 
 def packing_cache_path() -> Path:
     """This machine's packing measurements (keyed by :func:`~.hardware.cpu_key` and how much of a
-    weight's copies a product is timed over, :data:`~.plan.STREAM_BYTES`)."""
-    key = {"cpu": cpu_key(), "stream_bytes": STREAM_BYTES}
+    weight's copies a product is timed over, :data:`~.plan.STREAM_BYTES` and :data:`~.plan.FOOTPRINT_RULE`)."""
+    key = {"cpu": cpu_key(), "stream_bytes": STREAM_BYTES, "footprint": FOOTPRINT_RULE}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return cache_root() / "packing" / f"{digest}.json"
 
@@ -108,10 +112,12 @@ def read_packing_cache(path: Path) -> dict:
     return good
 
 
-def plan_packing(weights) -> None:
+def plan_packing(weights, alongside: Iterable[torch.Tensor] = ()) -> None:
     """Decide, for every shape among ``weights`` that packs here, at which row counts the packed
     path is faster (:class:`~.plan.PackingPlan`): from this machine's cache,
-    else measured now (a few timings a shape, once per machine) and cached. An unwritable
+    else measured now (a few timings a shape, once per machine) and cached. A shape is timed over
+    the footprint decoding streams: ``weights`` and the weights read ``alongside`` them between
+    two uses (the base's, for the heads: :func:`~.plan.stream_copies`). An unwritable
     cache keeps the measurement in memory, with a warning. Float32 weights, and bfloat16 ones
     where bf16 is native, also get the few-row kernel as a candidate
     (:mod:`.fewrow`, compiled once per machine)."""
@@ -125,7 +131,7 @@ def plan_packing(weights) -> None:
     missing = PLAN.missing(weights)
     if not missing:
         return
-    footprint = sum(w.numel() * w.element_size() for w in weights)
+    footprint = sum(w.numel() * w.element_size() for w in [*weights, *alongside])
     for dtype, out_features, in_features in missing:
         PLAN.add(shape_key(dtype, out_features, in_features),
                  measure_shape(dtype, out_features, in_features, footprint=footprint))

@@ -107,10 +107,14 @@ def _best_ms(fn, reps: int) -> float:
 #: is faster in decoding. evidence: results/packing_regime
 STREAM_BYTES = 128 << 20
 
+#: what a timing's footprint counts (a cache timed under another rule is measured again): every
+#: weight a decoding step streams, the base's around the heads' (:func:`~.packing.plan_packing`)
+FOOTPRINT_RULE = "decoder working set"
+
 
 def stream_copies(weight_bytes: int, footprint: int) -> int:
     """How many copies of a weight of ``weight_bytes`` a product is timed over: enough to fill
-    the smaller of ``footprint`` (the bytes of all the weights being planned: a model small enough
+    the smaller of ``footprint`` (the bytes a decoding step streams, :data:`FOOTPRINT_RULE`: a model small enough
     to stay in cache is timed warm) and :data:`STREAM_BYTES`."""
     return max(1, min(footprint, STREAM_BYTES) // max(1, weight_bytes))
 
@@ -278,6 +282,12 @@ class PackingPlan:
     def add(self, key: ShapeKey, entry: dict[str, list[float]]) -> None:
         self.timings[key] = entry
         self._verdicts.pop(key, None)
+        self._fusions.clear()
+
+    def replace(self, timings: dict[ShapeKey, dict[str, list[float]]]) -> None:
+        """Decide from ``timings`` alone from now on (every verdict made again)."""
+        self.timings = dict(timings)
+        self._verdicts.clear()
         self._fusions.clear()
 
 

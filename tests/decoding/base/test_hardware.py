@@ -76,6 +76,10 @@ def test_the_plan_packs_only_where_packing_measured_faster():
     plan.add(shape_key(torch.float32, 12, 8), {"linear_ms": linear_ms, "packed_ms": packed_ms})
     assert [plan.pays(weight, rows) for rows in (1, 2, 3, 9, 63, 64, 1000)] == [False, True, True, True, True, False, False]
     assert plan.pays(weight.double(), 1)  # another dtype is another shape
+    plan.replace({shape_key(torch.float32, 12, 8): {"linear_ms": linear_ms, "packed_ms": [3.0] * len(ROW_BUCKETS)}})
+    assert not any(plan.pays(weight, rows) for rows in (1, 3, 9, 64))  # every verdict made again
+    plan.replace({})
+    assert plan.pays(weight, 3) and not plan.timings
 
 
 @pytest.mark.skipif(not plan_module.packing_available(torch.float32), reason="this torch build has no oneDNN packed linear")
@@ -115,6 +119,32 @@ def test_the_plan_is_measured_with_the_footprint_of_the_weights_planned(monkeypa
     weights = [torch.zeros(40, 24), torch.zeros(24, 40), torch.zeros(40, 24)]
     packing.plan_packing(weights)
     assert footprints and set(footprints) == {3 * 40 * 24 * 4}
+    footprints.clear()  # the heads' shapes: timed with the base's weights streaming between two uses
+    packing.plan_packing([torch.zeros(8, 24)], alongside=weights)
+    assert footprints == [8 * 24 * 4 + 3 * 40 * 24 * 4]
+
+
+def test_a_cache_timed_under_another_rule_is_not_read(monkeypatch):
+    """Timings made warm, or with another footprint, decide other paths: each rule has its own file."""
+    path = packing.packing_cache_path()
+    monkeypatch.setattr(packing, "FOOTPRINT_RULE", "the planned weights only")
+    assert packing.packing_cache_path() != path
+    monkeypatch.setattr(packing, "STREAM_BYTES", 0)
+    assert len({packing.packing_cache_path(), path}) == 2
+
+
+def test_the_heads_are_planned_with_the_base_streaming_alongside(monkeypatch):
+    """Between two uses of a head's weight a step streams the whole base: the heads' shapes are
+    timed with the base's weights in their footprint, not warm in cache."""
+    from draftheads.decoding import generate
+    from helpers import random_heads, tiny_llama
+
+    seen = []
+    monkeypatch.setattr(generate, "plan_packing", lambda weights, alongside=(): seen.append(list(alongside)))
+    base = tiny_llama(dtype=torch.float32)
+    generate.attach_heads(random_heads("medusa", base), base)
+    body = [p for p in base.model.parameters() if p.dim() == 2]
+    assert len(seen) == 1 and seen[0][0] is base.lm_head.weight and len(seen[0]) == 1 + len(body)
 
 
 @pytest.mark.parametrize("content", ["", "{", "[]", '{"key": 1}', "\x00\x01binary", '{"key": null, "shapes": {}}'])
