@@ -14,18 +14,14 @@ from __future__ import annotations
 
 import functools
 import json
-import sys
-import time
 from contextlib import contextmanager
 
 import torch
 
-from draftheads.bench.ab import ab_parser, ab_records, ab_totals
+from draftheads.bench.ab import ab_meta, ab_parser, ab_records, ab_totals, ab_write
 from draftheads.decoding.base import plan as plan_module
 from draftheads.decoding.base.siblings import stacking_exact
-from draftheads.decoding.calibration import device_name
 from draftheads.prompts import DEV_PROMPTS
-from draftheads.training.figures import figure
 
 WAYS = ("streamed", "warm")
 
@@ -74,25 +70,11 @@ def main(argv=None) -> None:
     records = ab_records(model, prompts, ways, args.max_new_tokens)
     summary = ab_totals(records, list(WAYS))
     paths = {name: {key: list(plan_module.fastest_paths(entry)) for key, entry in plans[name].items()} for name in WAYS}
-    dtype = str(model.base.dtype).removeprefix("torch.")
-    result = {"meta": {"command": "python scripts/bench_packing_regime.py " + " ".join(argv or sys.argv[1:]),
-                       "device": device_name(torch.device("cpu")), "threads": torch.get_num_threads(),
-                       "date": time.strftime("%Y-%m-%d"), "dtype": dtype, "heads": args.heads,
-                       "stream_bytes": plan_module.STREAM_BYTES, "row_buckets": list(plan_module.ROW_BUCKETS),
-                       "prompts": list(DEV_PROMPTS), "max_new_tokens": args.max_new_tokens},
-              "summary": summary, "paths": paths, "timings": plans, "prompts": records}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "packing_regime.json").write_text(json.dumps(result, indent=1))
-    with figure(args.out / "packing_regime.png", 1, 2, figsize=(9, 3.6)) as (fig, axes):
-        for ax, key, label in zip(axes, ("tokens_per_second", "ms_per_step"), ("tokens/s", "ms a verification step")):
-            ax.bar(range(len(WAYS)), [summary[n][key] for n in WAYS], color=["C0", "C1"])
-            ax.set_xticks(range(len(WAYS)), [f"plan timed {n}" for n in WAYS])
-            ax.set_ylabel(label)
-        fig.suptitle(f"The default decoder, {len(records)} dev prompts, {dtype}, bs 1 "
-                     f"({summary['same_tokens']} of {len(records)} answers the same)")
-    print(json.dumps({name: {k: v for k, v in paths[name].items()} for name in WAYS}, indent=None)[:2000])
-    print(json.dumps(summary, indent=1))
-    print(f"wrote {args.out / 'packing_regime.json'} and .png")
+    meta = ab_meta("bench_packing_regime.py", argv, model, args, DEV_PROMPTS)
+    meta.update(stream_bytes=plan_module.STREAM_BYTES, row_buckets=list(plan_module.ROW_BUCKETS))
+    result = {"meta": meta, "summary": summary, "paths": paths, "timings": plans, "prompts": records}
+    print(json.dumps(paths, indent=None)[:2000])
+    ab_write(args.out, "packing_regime", result, {name: f"plan timed {name}" for name in WAYS}, "The default decoder")
 
 
 if __name__ == "__main__":

@@ -130,7 +130,7 @@ def measure_shape(dtype: torch.dtype, out_features: int, in_features: int, reps:
     """ms per call of ``F.linear``, of the packed product and (where it is loaded for the dtype) of the
     few-row kernel for a random weight of this shape at every row count of :data:`ROW_BUCKETS`,
     interleaved (one noisy spell hits every path alike); each call reads the next of
-    :func:`stream_copies` copies of the weight (``footprint``: the bytes of the weights being planned)."""
+    :func:`stream_copies` copies of the weight (``footprint``: the bytes a decoding step streams)."""
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
     weights = [weight] + [weight.clone() for _ in range(stream_copies(weight.numel() * weight.element_size(),

@@ -5,7 +5,9 @@ hits the ways alike (the scripts that A/B one switch: ``scripts/bench_inference_
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Callable, ContextManager
@@ -65,3 +67,36 @@ def ab_totals(records: list[dict], names: list[str]) -> dict:
         "median_prompt_speedup": round(statistics.median(r[second]["seconds"] / r[first]["seconds"] for r in records), 4)}
     out["same_tokens"] = sum(r["same_tokens"] for r in records)
     return out
+
+
+def ab_meta(script: str, argv: list[str] | None, model, args: argparse.Namespace, prompts: list[str]) -> dict:
+    """What a result says of its run: the command, the machine, the date, the dtype, the heads,
+    the prompts and new tokens."""
+    import torch
+
+    from ..decoding.calibration import device_name
+
+    return {"command": f"python scripts/{script} " + " ".join(argv or sys.argv[1:]),
+            "device": device_name(torch.device("cpu")), "threads": torch.get_num_threads(),
+            "date": time.strftime("%Y-%m-%d"), "dtype": str(model.base.dtype).removeprefix("torch."),
+            "heads": args.heads, "prompts": list(prompts), "max_new_tokens": args.max_new_tokens}
+
+
+def ab_write(out: Path, stem: str, result: dict, labels: dict[str, str], title: str) -> None:
+    """``OUT/STEM.json`` (``result``) and ``OUT/STEM.png``: tokens/s and ms a step per way (the
+    ways of ``labels``, in its order, labelled by its values), under ``title``."""
+    from ..training.figures import figure
+
+    summary, names = result["summary"], list(labels)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    with figure(out / f"{stem}.png", 1, 2, figsize=(9, 3.6)) as (fig, axes):
+        for ax, key, label in zip(axes, ("tokens_per_second", "ms_per_step"), ("tokens/s", "ms a verification step")):
+            ax.bar(range(len(names)), [summary[n][key] for n in names], color=[f"C{i}" for i in range(len(names))])
+            ax.set_xticks(range(len(names)), [labels[n] for n in names])
+            ax.set_ylabel(label)
+        records = len(result["prompts"])
+        fig.suptitle(f"{title}, {records} dev prompts, {result['meta']['dtype']}, bs 1 "
+                     f"({summary['same_tokens']} of {records} answers the same)")
+    print(json.dumps(summary, indent=1))
+    print(f"wrote {out / stem}.json and .png")
