@@ -1,7 +1,7 @@
 """Tree speculative decoding: base wrapper, trees, acceptance, KV bookkeeping, the loop."""
 from .accept import Acceptance, greedy_accept
 from .base.loading import load_base
-from .fingerprint import BaseFingerprint, fingerprint
+from .base.fingerprint import BaseFingerprint, fingerprint
 from .head_state import HeadState
 from .generate import DraftHeadsModel
 from .calibration import calibrate

@@ -71,7 +71,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .drafters.step_trees import StepTrees, children_table
+from .step_trees import StepTrees, children_table
 from .processors import NodeProcessors, node_prefixes
 from .sequences import Sequences
 
@@ -101,7 +101,7 @@ def greedy_accept(tokens: torch.Tensor, parent: torch.Tensor, depth: torch.Tenso
                   predicted: torch.Tensor, valid: torch.Tensor | None = None) -> Acceptance:
     """tokens, predicted (B, N): drafted tokens and the base's argmax per slot; parent, depth
     (N,) or (B, N); path_slots (N, D+1) or (B, N, D+1); valid (B, N) masks the padding slots of
-    per-row trees (:class:`~.drafters.StepTrees`)."""
+    per-row trees (:class:`~.step_trees.StepTrees`)."""
     batch, nodes = tokens.shape
     parent, depth, path_slots = _per_row(batch, nodes, parent, depth, path_slots)
     parent_safe = parent.clamp(min=0)
@@ -285,8 +285,8 @@ class Acceptor:
                              "logits processors yet (they differ there); ask for one of them.")
         self.last_scores: torch.Tensor | None = None
 
-    def _scores(self, logits: torch.Tensor, rows: torch.Tensor, drafts: StepTrees | None = None) -> torch.Tensor:
-        """logits (B, N, V) at the rows' tree slots (N = 1 and no drafts: after the prompt) → the
+    def _scores(self, logits: torch.Tensor, rows: torch.Tensor, trees: StepTrees | None = None) -> torch.Tensor:
+        """logits (B, N, V) at the rows' tree slots (N = 1 and no trees: after the prompt) → the
         processed float32 scores, each slot's processors given that slot's own tokens so far."""
         batch, nodes, vocab = logits.shape
         scores = logits.to(dtype=torch.float32, copy=True).reshape(batch * nodes, vocab)
@@ -295,10 +295,10 @@ class Acceptor:
             ids, lengths = torch.full((batch * nodes, 1), vocab, dtype=torch.long, device=logits.device), None
         else:
             history, ends = self.sequences.history(rows.cpu(), vocab)
-            if drafts is None:
+            if trees is None:
                 ids, lengths = history, ends
             else:
-                ids, lengths = node_prefixes(history, ends, drafts.tokens, drafts.path_slots, drafts.depth, vocab)
+                ids, lengths = node_prefixes(history, ends, trees.tokens, trees.path_slots, trees.depth, vocab)
         self.last_scores = self.processors(ids, scores, lengths, entry_rows).view(batch, nodes, vocab)
         return self.last_scores
 
@@ -321,14 +321,13 @@ class Acceptor:
             return greedy_tokens(scores)
         return sample_from(scores.softmax(-1), self._uniform(logits.shape[0])).to(logits.device)
 
-    def accept(self, drafts: StepTrees, logits: torch.Tensor, rows: torch.Tensor) -> Acceptance:
-        """The verified drafts (one tree per row), logits (B, N, V) at their slots; rows (B,)
+    def accept(self, trees: StepTrees, logits: torch.Tensor, rows: torch.Tensor) -> Acceptance:
+        """The verified trees (one per row), logits (B, N, V) at their slots; rows (B,)
         the original batch rows still decoding (for their tokens so far)."""
-        tokens, parent, depth, path_slots, valid = (drafts.tokens, drafts.parent, drafts.depth, drafts.path_slots,
-                                                    drafts.valid)
+        tokens, parent, depth, path_slots, valid = (trees.tokens, trees.parent, trees.depth, trees.path_slots, trees.valid)
         if self.mode == "greedy" and len(self.processors) == 0:
             return greedy_accept(tokens, parent, depth, path_slots, greedy_tokens(logits), valid)
-        scores = self._scores(logits, rows, drafts)
+        scores = self._scores(logits, rows, trees)
         if self.mode == "greedy":  # greedy with processors: argmax of the processed scores
             return greedy_accept(tokens, parent, depth, path_slots, greedy_tokens(scores), valid)
         probs = scores.softmax(-1)
@@ -336,6 +335,6 @@ class Acceptor:
         if isinstance(self.mode, Typical):
             return typical_accept(tokens, probs, parent, depth, path_slots, self._uniform(batch),
                                   self.mode.epsilon, self.mode.delta, valid)
-        children = drafts.children()
-        uniforms = self._uniform(batch, drafts.max_depth, children.shape[-1])
+        children = trees.children()
+        uniforms = self._uniform(batch, trees.max_depth, children.shape[-1])
         return lossless_accept(tokens, probs, parent, depth, path_slots, uniforms, self._uniform(batch), children)

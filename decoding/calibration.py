@@ -14,16 +14,16 @@ from pathlib import Path
 
 import torch
 
-from ..heads.errors import UnwritablePathError
+from ..core.errors import UnwritablePathError
 from .base.fewrow import kernel_identity
 from .base.hardware import cpu_model, isa_limits
-from ..heads.checkpoint.atomic import write_text_atomic
+from ..core.atomic import write_text_atomic
 from .accept import greedy_tokens
 from .base.forward import lm_logits, verify
 from .base.loading import cache_root
 from .base.attention import PACKED_SDPA, uses_packed_sdpa
 from .base.cache import tree_attention_mask
-from .fingerprint import fingerprint
+from .base.fingerprint import fingerprint
 from .output import in_loop_mode
 from .cost import CostModel, CostSurfaceError, LatencyTable, Row, load_cost_surface
 from .tree import Tree, chain_tree, tree_from_paths

@@ -6,11 +6,12 @@ from its keyword arguments; ``from_pretrained(path, decoding=DecodingConfig(tree
 keeps it as ``model.decoding``. What is read when:
 
 - ``tree``, ``calibration``, ``packed_attention``, ``packed_linears``: when the model is built;
-- ``sources``, ``lookup_store``, ``review``, ``merged_offer_scale``, ``heads_offer_scale``: when the
-  drafting is chosen
-  (``from_pretrained``, :meth:`~.generate.DraftHeadsModel.use_sources`);
-- ``finished_rows``, ``delegate_plain``: at every ``generate`` call (change them with
-  ``model.decoding = model.decoding.replace(finished_rows="mask")``).
+- ``sources``, ``lookup_store``, ``review``, ``merged_offer_scale``, ``heads_offer_scale``,
+  ``per_row_counts``: when the drafting is built (:func:`~.builder.build_decoding`);
+- ``finished_rows``, ``delegate_plain``: at every ``generate`` call.
+
+Another configuration over the same base and heads is ``model.with_decoding(config)``: a light
+model sharing both, built whole by the same builder.
 
 :meth:`DecodingConfig.to_dict` / :meth:`DecodingConfig.from_dict` are a symmetric pair (JSON-plain).
 ``drafts=`` is the old name of ``sources=``: :meth:`DecodingConfig.replace` (and so ``from_pretrained``)
@@ -27,7 +28,8 @@ from typing import Any, Union
 
 from .calibration import CalibrationConfig
 from .drafters import check_review, check_store_argument, parse_sources
-from .limits import InputError, InputTypeError, check_count, parse_tree_option
+from ..core.errors import InputError, InputTypeError
+from .input_checks import check_count, parse_tree_option
 from .tree import Tree, tree_from_paths
 
 #: ``sources=`` value that lets the model choose its sources when the heads load
@@ -35,7 +37,7 @@ from .tree import Tree, tree_from_paths
 AUTO = "auto"
 #: what ``finished_rows`` may be: "shrink" drops a finished row from the batch (cache rows
 #: included); "mask" keeps verifying its (ignored) tree, kept as the comparison point.
-#: Shrinking is faster. evidence: results/batch
+#: Shrinking is faster. evidence: results/batch/adaptive_fp32
 FINISHED_ROWS = ("shrink", "mask")
 #: In merged drafting (heads + lookups) the heads offer the stored tree for this many times the
 #: heads-alone default budget: that default is priced as if every node were verified, while a
@@ -50,7 +52,7 @@ MERGED_OFFER_SCALE = 2
 #: CPU cores with the shipped SmolLM2 heads a scale of 4 raised τ 2.6-3.1 % but the larger offer's
 #: drafting (+2.2-2.6 ms a step on a ~43 ms step) cost more than that saved: 0.95-0.985× the tokens/s
 #: (scale 2: 0.96-0.97×). It pays where the heads' drafting is small beside the base's forward.
-#: evidence: results/dynamic_trees
+#: evidence: results/trees/dynamic_trees
 HEADS_OFFER_SCALE = 1
 
 #: ``tree=``: None (the checkpoint's default, priced on this machine by ``from_pretrained``),
@@ -94,6 +96,9 @@ class DecodingConfig:
     merged_offer_scale: int = MERGED_OFFER_SCALE
     #: see :data:`HEADS_OFFER_SCALE`; a tree given as a Tree or a policy is verified as given
     heads_offer_scale: int = HEADS_OFFER_SCALE
+    #: merged drafting: each row its own node count under one batch budget (vLLM's adaptive
+    #: verification budget, for trees) instead of one width for every row
+    per_row_counts: bool = False
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: the checked, normalized values replace the given ones
@@ -109,7 +114,7 @@ class DecodingConfig:
         if self.calibration is not None and not isinstance(self.calibration, CalibrationConfig):
             raise InputTypeError(f"calibration={self.calibration!r}: pass a draftheads.decoding.calibration."
                                  "CalibrationConfig (the grid tree='adaptive' measures) or None (the default grid).")
-        for name in ("packed_attention", "packed_linears", "delegate_plain"):
+        for name in ("packed_attention", "packed_linears", "delegate_plain", "per_row_counts"):
             if not isinstance(getattr(self, name), bool):
                 raise InputTypeError(f"{name}={getattr(self, name)!r}: expected True or False.")
         if self.finished_rows not in FINISHED_ROWS:

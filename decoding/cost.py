@@ -25,7 +25,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from ..heads.errors import DraftheadsError
+from ..core.errors import DraftheadsError
 
 Row = dict  # {"bs", "q", "ctx", "ms"}: one measured point
 #: the most interpolated curves a :class:`LatencyTable` keeps (:meth:`LatencyTable._curve`)

@@ -1,99 +1,72 @@
-"""``DraftHeadsModel``: load a base and its heads, configure the drafting and the tree policy,
-and the drop-in ``generate()``. The rest lives in modules named for it: the options
-(:mod:`.config`), the request and its checks (:mod:`.request`, :mod:`.limits`), the loop
-(:mod:`.loop`, one step in :mod:`.step`), the tree policies (:mod:`.policy`), the drafters
-(:mod:`.drafters`).
+"""``DraftHeadsModel``: load a base and its heads, hold how they decode, and the drop-in
+``generate()``. The rest lives in modules named for it: the options (:mod:`.config`), the
+policy and the drafter built from them (:mod:`.builder`), the request and its checks
+(:mod:`.request`, :mod:`.input_checks`, :mod:`.memory`), the loop (:mod:`.loop`, one step in :mod:`.step`), the tree
+policies (:mod:`.policy`), the drafters (:mod:`.drafters`).
 """
 from __future__ import annotations
 
+import copy
 import time
 import warnings
 import weakref
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
 from ..heads import DraftHeads, load_heads
+from .accept import Typical
 from .base.binding import wearing
 from .base.hardware import bf16_native
-from .accept import Typical
-from .base.attention import use_packed_sdpa
-from .base.check import check_base
-from .base.forward import ragged_capable
-from .base.loading import dtype_name, load_base
+from .base.loading import load_base
 from .base.packing import base_weights, holding_packing, plan_packing, refresh_heads, refresh_packing, use_packed_heads
-from .base.packing import use_packed_linears
-from .fingerprint import fingerprint
-from .calibration import CalibrationConfig, calibrate
+from .base.prepare import prepare_base
+from .calibration import CalibrationConfig
+from .builder import Decoding, StepCosts, Stores, build_decoding, measure_step_costs
 from .config import AUTO, DecodingConfig, TreeOption, decoding_config, split_options
-from .cost import CostModel
-from .drafters import Drafter, HeadsDrafter, MergedDrafter, auto_sources, build_drafter, check_review, open_store, parse_sources
-from .drafters import needing
-from .limits import check_base_path, check_generator, parse_dtype
+from .drafters import Drafter, parse_sources
+from .base.fingerprint import fingerprint
+from ..core.errors import InputError
+from .base.loading import check_base_path
+from .input_checks import check_generator
+from .base.dtypes import parse_dtype
 from .loop import DecodingStats, plain_generate, speculate
 from .output import loop_mode, released
-from .policy import (AdaptivePolicy, FixedTree, TreePolicy, as_policy, best_budget, default_tree, expected_tau_scale,
-                     resolve_tree, tree_for_budget)
-from .request import Call, Request, eos_token_ids, make_request, prepare_call
+from .policy import TreePolicy
+from .request import Call, Request, make_request, prepare_call
 from .step import PhaseTimer
-from .tree import Tree
-
-
-#: the quick calibration behind the defaults (:meth:`DraftHeadsModel.calibrate_defaults`):
-#: batch size 1, the stored trees' sizes and the merged drafter's widths, at a short context
-#: (where the default tree is chosen) and a long one (so the width chooser prices the nodes of
-#: a long prompt by its KV length, :meth:`~.cost.CostModel.per_token_table`)
-QUICK_CONTEXT = 256
-QUICK_CONTEXTS = (QUICK_CONTEXT, 1024)
-QUICK_CALIBRATION = CalibrationConfig(batch_sizes=(1,), contexts=QUICK_CONTEXTS, reps=3,
-                                      extra_nodes=(3, 5, 9, 17, 33))
-
 
 class DraftHeadsModel:
     """A frozen base model plus draft heads, with a ``generate()`` that returns exactly what
     the base's greedy ``generate()`` returns, faster."""
 
     def __init__(self, base, heads: DraftHeads | None = None, tokenizer=None, tree: TreeOption = None,
-                 decoding: DecodingConfig | None = None, **options):
+                 decoding: DecodingConfig | None = None, machine_defaults: bool = False, **options):
         """``decoding`` (default: :class:`~.config.DecodingConfig`'s defaults) with ``tree`` and
         the keyword ``options`` (its fields: ``packed_attention=False``, ...) applied over it.
-        Built here: the packing, the heads' binding and the tree (``tree=None``: the checkpoint's
-        default tree; :meth:`from_pretrained` also prices it on this machine); the drafting is
-        chosen by :meth:`from_pretrained` or :meth:`use_sources` (until then: the heads alone)."""
+        The base is prepared once (:func:`~.base.prepare.prepare_base`), the heads bound to it,
+        then the policy and the drafter built whole (:func:`~.builder.build_decoding`).
+        ``machine_defaults`` (what :meth:`from_pretrained` passes): ``tree=None`` takes the stored
+        tree this machine's quick calibration prices best (:func:`~.builder.measure_step_costs`)
+        and ``sources="auto"`` every source there is data for; without it, the checkpoint's
+        stored default tree and, for "auto", the heads alone."""
         if tree is not None:
             options["tree"] = tree
-        #: the options this model decodes with (:mod:`.config`)
-        self.decoding: DecodingConfig = decoding_config(decoding, **options)
-        packed_attention, packed_linears = self.decoding.packed_attention, self.decoding.packed_linears
+        config = decoding_config(decoding, **options)
         self.base = base
-        self.packed_linears = packed_linears
-        check_base(base, probe=False)  # an architecture the loop cannot run is refused before anything
-        if packed_attention:  # grouped-query SDPA without copying the KV cache (decoding/base/attention.py)
-            use_packed_sdpa(base)
-        if packed_linears:  # oneDNN-packed weights for our forwards only (decoding/base/packing.py)
-            use_packed_linears(base)
-        check_base(base)  # the decoder's forwards, fast paths included, against the model's own (once)
+        prepare_base(base, config.packed_attention, config.packed_linears)
         self.tokenizer = tokenizer
         self.heads = heads
         if heads is not None:
-            attach_heads(heads, base, packed_linears)
-        tree = resolve_tree(self.decoding.tree, base, heads, self.decoding.calibration)
-        if tree is None:
-            tree = default_tree(heads, base.dtype)
-        self.policy: TreePolicy = as_policy(tree)
-        #: who fills the trees; None: the heads alone (:class:`~.drafters.HeadsDrafter` over ``self.heads``)
-        self.drafter: Drafter | None = None
-        #: the sources ``drafter`` merges (("heads",) for the heads alone), named in reports
-        self.sources: tuple[str, ...] = ("heads",) if heads is not None else ()
-        #: this machine's bs-1 step times (:meth:`calibrate_defaults`); None: not measured
-        self.step_table: CostModel | None = None
-        #: the heads-alone node budget this machine's quick calibration chose (None: the tree was
-        #: given); :meth:`use_sources` offers ``decoding.merged_offer_scale`` times it when lookups join
-        self.default_budget: int | None = None
-        self._default_policy: TreePolicy | None = None
-        self._stores: dict = {}  # lookup_store argument → the opened (read-only, mapped) store
-        self._heads_alone: HeadsDrafter | None = None  # the drafter while ``drafter`` is None
+            attach_heads(heads, base, config.packed_linears)  # bound before a calibration drafts with them
+        measure = machine_defaults and config.tree is None
+        #: this machine's bs-1 step costs (empty: not measured), shared by :meth:`with_decoding`'s models
+        self.step_costs: StepCosts = measure_step_costs(base, heads) if measure else StepCosts()
+        self._auto_sources = machine_defaults
+        self._stores = Stores()  # lookup_store argument → the opened store, shared by every build
+        self._decoding: Decoding = build_decoding(config, base, heads, tokenizer, self.step_costs, self._stores,
+                                                  auto=machine_defaults)
         self.last_stats = DecodingStats()
 
     # -- loading ---------------------------------------------------------------------------
@@ -109,49 +82,79 @@ class DraftHeadsModel:
         ``decoding``: a :class:`~.config.DecodingConfig`; ``kwargs`` that name its fields are
         applied over it (``tree``, ``sources``, ``lookup_store``, ``review``, ``calibration``,
         ``packed_attention``, ``packed_linears``, ``finished_rows``, ``delegate_plain``,
-        ``merged_offer_scale``, ``heads_offer_scale``; see :mod:`.config`), the others go to the Hub (``revision``,
-        ``cache_dir``, ``token``, ``local_files_only``; ``HF_HUB_OFFLINE=1`` reads the cache only).
-        ``sources="auto"`` (default): the heads and every lookup source there is data for
-        (:func:`auto_sources`); ``tree=None`` (default): the stored tree this machine's quick
-        calibration prices best (:meth:`calibrate_defaults`; seconds, once per machine, cached)."""
+        ``merged_offer_scale``, ``heads_offer_scale``, ``per_row_counts``; see :mod:`.config`), the
+        others go to the Hub (``revision``, ``cache_dir``, ``token``, ``local_files_only``;
+        ``HF_HUB_OFFLINE=1`` reads the cache only). ``sources="auto"`` (default): the heads and
+        every lookup source there is data for (:func:`auto_sources`); ``tree=None`` (default): the
+        stored tree this machine's quick calibration prices best (seconds, once per machine, cached)."""
         options, hub_kwargs = split_options(kwargs)
         config = decoding_config(decoding, **options)  # every option is checked before anything loads
         if base is None:
             check_base_path(base_name_or_path)
             parse_dtype(dtype)
             base, tokenizer = load_base(base_name_or_path, dtype=dtype)
-        check_base(base, probe=False)
-        if config.packed_attention:  # before an adaptive tree's calibration, which measures the loop's forward
-            use_packed_sdpa(base)
-        if config.packed_linears:
-            use_packed_linears(base)
-        check_base(base)  # before anything measures or binds heads to a base it would refuse
+        prepare_base(base, config.packed_attention, config.packed_linears)  # refused before the heads load
         heads = None
         if heads_path is not None:
             heads = load_heads(heads_path, expected_fingerprint=fingerprint(base).with_sketch(base),
                                base_name=getattr(base, "name_or_path", None) or None, **hub_kwargs)
-            attach_heads(heads, base, config.packed_linears)  # bound before an adaptive tree's calibration drafts with them
-        model = cls(base, heads, tokenizer, decoding=config)
-        if config.tree is None:
-            model.calibrate_defaults()
-        sources = auto_sources(heads, config.lookup_store) if config.sources == AUTO else config.sources
-        check_review(config.review, sources)
-        model._build_drafter(sources, config.lookup_store, config.review)
-        return model
+        return cls(base, heads, tokenizer, decoding=config, machine_defaults=True)
+
+    # -- how it decodes: one home, built by decoding/builder.py ------------------------------
+    @property
+    def decoding(self) -> DecodingConfig:
+        """The options this model decodes with (:mod:`.config`); another: :meth:`with_decoding`."""
+        return self._decoding.config
+
+    @property
+    def policy(self) -> TreePolicy:
+        """The tree policy: which tree each step verifies."""
+        return self._decoding.policy
+
+    @property
+    def drafter(self) -> Drafter:
+        """Who fills the trees (:class:`~.drafters.HeadsDrafter` for the heads alone)."""
+        return self._decoding.drafter
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        """The sources the drafter merges (("heads",) for the heads alone), named in reports."""
+        return self._decoding.sources
+
+    def max_nodes(self, batch_size: int, context_length: int) -> int:
+        """The most slots a row's step may verify, root included (what the memory check prices)."""
+        return self._decoding.max_nodes(batch_size, context_length)
+
+    def drafting_summary(self) -> dict:
+        """What fills the trees: the sources, the heads' tree, the widest step, and in merged
+        drafting how often the heads proposed in the last call."""
+        return self._decoding.summary()
+
+    def with_decoding(self, decoding: DecodingConfig | None = None, drafter: Drafter | None = None,
+                      **options) -> "DraftHeadsModel":
+        """A light model over the same base, heads, stores and step costs that decodes with
+        ``decoding`` (default: this model's) and the keyword ``options`` applied over it; this
+        model is unchanged. ``drafter``: a drafter of your own (any :class:`~.drafters.Drafter`).
+        The base's preparation is this model's: ``packed_attention`` / ``packed_linears`` that
+        differ from it are refused (build another model with :meth:`from_pretrained`)."""
+        config = decoding_config(decoding if decoding is not None else self.decoding, **options)
+        for name in ("packed_attention", "packed_linears"):
+            if getattr(config, name) != getattr(self.decoding, name):
+                raise InputError(f"with_decoding({name}={getattr(config, name)}): the base was prepared with "
+                                 f"{name}={getattr(self.decoding, name)}; build another model "
+                                 f"(DraftHeadsModel.from_pretrained(..., {name}=...)) to change it.")
+        built = build_decoding(config, self.base, self.heads, self.tokenizer, self.step_costs, self._stores,
+                               auto=self._auto_sources, drafter=drafter)
+        twin = copy.copy(self)
+        twin._decoding, twin.last_stats = built, DecodingStats()
+        return twin
 
     def calibrate_defaults(self, config: CalibrationConfig | None = None) -> None:
-        """Price this machine's step (a quick bs-1 calibration of the verify forward, the loop's
-        overhead and the heads' drafting: seconds, once per machine/dtype/torch, cached) and
-        take the stored tree it ranks best (step time × the checkpoint's expected τ, its drafted
-        part scaled by :func:`~.policy.expected_tau_scale`) as the default, and the same table as the merged
-        drafter's width model. Without heads, or with stored trees lacking an expected τ, the
-        checkpoint's stored default stays."""
-        cost = calibrate(self.base, self.heads, config or QUICK_CALIBRATION)
-        self.step_table = cost.per_token_table(sorted({int(r['ctx']) for r in cost.forward.rows()}))
-        if self.heads is not None and self.heads.config.trees and self.heads.config.expected_tau:
-            scale = expected_tau_scale(self.heads)
-            self.default_budget = best_budget(self.heads, cost, 1, QUICK_CONTEXT, scale)[0].budget
-            self.policy = self._default_policy = FixedTree(tree_for_budget(self.heads, self.default_budget))
+        """Price this machine's step again (:func:`~.builder.measure_step_costs`) and rebuild how
+        this model decodes on it (the default tree for ``tree=None``, the merged drafter's width model)."""
+        self.step_costs = measure_step_costs(self.base, self.heads, config)
+        self._decoding = build_decoding(self.decoding, self.base, self.heads, self.tokenizer, self.step_costs,
+                                        self._stores, auto=self._auto_sources)
 
     def use_sources(self, sources: str | Sequence[str], lookup_store: str | Path | None = None,
                     review: bool = False) -> None:
@@ -163,12 +166,11 @@ class DraftHeadsModel:
         ``lookup_store.safetensors`` beside the heads). ``review=True`` (the vertical cascade): the
         heads rescore each lookup draft within their depth before it takes a verification slot
         (their probability of its token joins its calibrated hit rate). ``model.decoding`` records
-        the choice."""
+        the choice; :meth:`with_decoding` leaves this model as it is instead."""
         if isinstance(sources, str) and sources.strip().lower() == AUTO:
             parse_sources(sources)  # "auto" is from_pretrained's choice, refused here as before
-        config = self.decoding.replace(sources=sources, lookup_store=lookup_store, review=review)  # before the store opens
-        self._build_drafter(config.sources, lookup_store, review)
-        self.decoding = config
+        config = self.decoding.replace(sources=sources, lookup_store=lookup_store, review=review)
+        self._decoding = build_decoding(config, self.base, self.heads, self.tokenizer, self.step_costs, self._stores)
 
     def use_drafts(self, drafts: str | Sequence[str], lookup_store: str | Path | None = None,
                    review: bool = False) -> None:
@@ -176,62 +178,6 @@ class DraftHeadsModel:
         warnings.warn("use_drafts() is now use_sources(); use_drafts() still works but will be removed.",
                       FutureWarning, stacklevel=2)
         self.use_sources(drafts, lookup_store, review)
-
-    def _build_drafter(self, sources: tuple[str, ...], lookup_store: str | Path | None, review: bool) -> None:
-        """The drafter of checked ``sources`` (:meth:`use_sources`), the store opened once per file."""
-        self.sources = sources
-        store = None
-        uses_store = bool(needing("store", sources))
-        if uses_store or lookup_store is not None:  # a store named is checked even when these sources skip it
-            key = None if lookup_store is None else str(Path(lookup_store).resolve())
-            if key not in self._stores:  # opened and checked once per file, shared by every drafter
-                self._stores[key] = open_store(lookup_store, self.heads, self.tokenizer,
-                                               self.base.get_input_embeddings().num_embeddings)
-            store = self._stores[key] if uses_store else None
-        eos = eos_token_ids(self.base.generation_config)
-        self.drafter = build_drafter(sources, self.heads, store, self.step_cost(), eos[0] if eos else None, review,
-                                     ragged_capable(self.base))
-        if self.offers_larger_tree() and isinstance(self.drafter, MergedDrafter) and self.drafter.heads is not None:
-            offer = self.default_budget * self.decoding.merged_offer_scale
-            self.drafter.heads_tree = tree_for_budget(self.heads, offer)
-        if isinstance(self.drafter, HeadsDrafter):
-            self.drafter.offer = self.heads_offer()
-
-    def heads_offer(self) -> Callable[[Tree], Tree] | None:
-        """What the heads alone fill for a tree of the policy (:data:`~.config.HEADS_OFFER_SCALE`):
-        the stored tree of ``decoding.heads_offer_scale`` times its node budget. None (the policy's
-        trees verified as they are): at scale 1, for heads that store no trees, or for a tree
-        given as a Tree or a policy (its shape is the caller's choice)."""
-        heads, scale, given = self.heads, self.decoding.heads_offer_scale, self.decoding.tree
-        if heads is None or scale == 1 or not heads.config.trees or not (given is None or isinstance(given, (int, str))):
-            return None
-        offers: dict[int, Tree] = {}
-
-        def offer(tree: Tree) -> Tree:
-            budget = tree.num_nodes - 1
-            if budget not in offers:
-                offers[budget] = tree_for_budget(heads, budget * scale)
-            return offers[budget]
-
-        return offer
-
-    def offers_larger_tree(self) -> bool:
-        """Whether merged drafting offers the heads' larger tree (``decoding.merged_offer_scale``): only
-        while the policy is the default fixed tree this machine's calibration chose — a pinned
-        tree or an adaptive policy (which sizes trees per batch) is followed as it is."""
-        return bool(self.default_budget) and self.policy is self._default_policy
-
-    def step_cost(self):
-        """The step-time model the merged drafter sizes trees with: the adaptive policy's
-        calibration, else this machine's quick calibration (:meth:`calibrate_defaults`), else the
-        checkpoint's stored bs-1 table for this dtype (measured elsewhere), else a linear guess."""
-        if isinstance(self.policy, AdaptivePolicy):
-            return self.policy.cost
-        if self.step_table is not None:
-            return self.step_table
-        by_dtype = self.heads.config.default_budget_by_dtype if self.heads is not None else {}
-        ranked = by_dtype.get(dtype_name(self.base.dtype), {}).get("ranked")
-        return CostModel.from_ranked(ranked) if ranked else None
 
     @property
     def base(self):
@@ -276,14 +222,14 @@ class DraftHeadsModel:
 
         Every generation option means what it means in transformers (the config is merged and the
         logits processors and stopping criteria are built by transformers' own methods, the
-        caller's own included; :mod:`~draftheads.decoding.options` lists what is honoured and
+        caller's own included; :mod:`~draftheads.decoding.generation_options` lists what is honoured and
         what refused). Returns what transformers returns, with these documented edges:
         ``scores``/``logits`` are float32 as there; with ``return_dict_in_generate`` a batch's
         ``past_key_values`` and the scores of rows that finished early come from one extra forward
         over the output (equal up to float rounding); an answer that would pass
         ``max_position_embeddings`` stops there with a ``UserWarning`` (transformers continues).
         Bad inputs and options draftheads cannot honour raise
-        :class:`~draftheads.decoding.limits.InputError` before any work."""
+        :class:`~draftheads.core.errors.InputError` before any work."""
         check_generator(generator)
         if input_ids is None:  # transformers names the prompt ``inputs``
             input_ids = kwargs.pop("inputs", None)
@@ -297,25 +243,18 @@ class DraftHeadsModel:
             acceptance: str | Typical | None = None, timer: PhaseTimer | None = None):
         """Decode a prepared call (:func:`~.request.prepare_call`, or what transformers hands a
         ``custom_generate`` callable: :func:`~.request.prepared_call`); see :meth:`generate`."""
-        decoding = self.decoding  # the per-call switches, read once
-        request = make_request(self.base, self.policy.max_nodes, call, streamer, acceptance)
+        decoding = self._decoding  # the policy, the drafter and the per-call switches, read once
+        request = make_request(self.base, decoding.max_nodes, call, streamer, acceptance)
         started = time.perf_counter()
-        if decoding.delegate_plain and self._delegates(request, generator):
+        if decoding.config.delegate_plain and self._delegates(request, generator):
             output, self.last_stats = plain_generate(self.base, request, started, streamer)
             return output
         self.refresh()
-        drafter = self.drafter if self.drafter is not None else self.heads_alone()
         with holding_packing(self.base), wearing(self.heads), loop_mode():
-            output, self.last_stats = speculate(self.base, self.heads, self.policy, drafter, request, started,
-                                                generator, streamer, timer, decoding.finished_rows == "shrink")
+            output, self.last_stats = speculate(self.base, self.heads, decoding.policy, decoding.drafter, request,
+                                                started, generator, streamer, timer,
+                                                decoding.config.finished_rows == "shrink")
         return released(output)
-
-    def heads_alone(self) -> HeadsDrafter:
-        """The drafter while :attr:`drafter` is None: the heads alone, kept across calls (its hit
-        rates learn) while the heads are the same object."""
-        if self._heads_alone is None or self._heads_alone.heads is not self.heads:
-            self._heads_alone = HeadsDrafter(self.heads, self.heads_offer())
-        return self._heads_alone
 
     def refresh(self) -> None:
         """Before each call: decode with the weights as they are now. Every copy draftheads made
@@ -328,7 +267,7 @@ class DraftHeadsModel:
         if self.heads is None:
             return
         if not shares_base_tensors(self.heads, self.base):
-            attach_heads(self.heads, self.base, self.packed_linears)
+            attach_heads(self.heads, self.base, self.decoding.packed_linears)
         refresh_heads(self.heads, memo)
 
     def _delegates(self, request: Request, generator) -> bool:

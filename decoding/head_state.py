@@ -23,7 +23,7 @@ import torch
 from ..heads import DraftHeads
 from .accept import Acceptance
 from .base.cache import KVState, reserved_cache
-from .drafters.step_trees import StepTrees
+from .step_trees import StepTrees
 
 
 class StateListener(Protocol):
@@ -88,7 +88,7 @@ class HeadState:
         self.kv = KVState.after_prefill(cache, first)
         self.hidden = out[:, 0]
 
-    def step(self, states: torch.Tensor, drafts: StepTrees, result: Acceptance) -> None:
+    def step(self, states: torch.Tensor, trees: StepTrees, result: Acceptance) -> None:
         """After a verification: ``states`` (B, N, d) of every tree slot; keep the accepted ones."""
         if self.listener is not None:
             self.listener.verified(self.rows, states, result)
@@ -96,7 +96,7 @@ class HeadState:
         if self.kv is None:
             self.hidden = states[rows, result.best]
             return
-        mask, positions, past = self.kv.tree_inputs(drafts.ancestor, drafts.depth)
+        mask, positions, past = self.kv.tree_inputs(trees.ancestor, trees.depth)
         out = self.heads.contextualize(states, positions, mask, self.kv.cache)
         self.kv.commit(result.path + past, result.accepted + 1)
         self.hidden = out[rows, result.best]

@@ -39,7 +39,7 @@ def decode_rate(new_tokens: int, first_tokens: int, seconds: float, prefill_seco
     """Decode-phase tokens per second: the tokens after each row's first, over the time after
     the prefill. Every strategy and transformers pay the same prefill, which on long prompts in
     a batch is most of a run, so end-to-end rates hide what decoding gains; 0 without a decode
-    phase. evidence: results/batch_phases_bf16"""
+    phase. evidence: results/batch/batch_phases_bf16"""
     decode_seconds = seconds - prefill_seconds
     return (new_tokens - first_tokens) / decode_seconds if decode_seconds > 0 else 0.0
 
@@ -191,8 +191,8 @@ def decode(base, policy, sequences: Sequences, out: Emitter, acceptor: Acceptor,
                            sequences.generated)
         step = decode_step(base, drafter, acceptor, kv, heads_state, state, tree, timer)
         result = step.acceptance
-        policy.observe(step.drafts.chosen, result.accepted[active])
-        stats.record(step.drafts.num_nodes, result.accepted[active], live.numel())
+        policy.observe(step.trees.chosen, result.accepted[active])
+        stats.record(step.trees.num_nodes, result.accepted[active], live.numel())
         stats.drafting_seconds += step.drafting_seconds
         out.emit_step(live, step.tokens, result.path, result.accepted, result.bonus,
                       acceptor.reported(step.logits) if out.want_scores else None)

@@ -15,14 +15,14 @@ import functools
 
 import torch
 
-from ..heads.kept import keeping
+from ..core.kept import keeping
 from .base.forward import forward_all, lm_logits
 from .sequences import Sequences
 
 #: the mode the decoder's loop runs in, and the calibration that times it: inference mode, no
 #: autograd bookkeeping on a step's thousands of small ops; what the loop returns is released as
 #: normal tensors (:func:`released`), what it keeps is made outside it
-#: (:mod:`draftheads.heads.kept`). evidence: results/inference_mode
+#: (:mod:`draftheads.core.kept`). evidence: results/loop/inference_mode
 LOOP_MODE = torch.inference_mode
 
 

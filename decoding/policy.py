@@ -15,11 +15,11 @@ from typing import Iterable, Protocol, Sequence
 import torch
 
 from ..heads import CheckpointError, DraftHeads
-from ..heads.config import EXPECTED_TAU_SCALE
+from ..heads.head_config import EXPECTED_TAU_SCALE
 from .base.loading import dtype_name
 from .calibration import CalibrationConfig, calibrate
 from .cost import CostModel
-from .limits import InputError
+from ..core.errors import InputError
 from .tree import Tree, chain_tree, tree_from_paths
 
 

@@ -30,7 +30,7 @@ import functools
 
 import torch
 
-from .limits import InputError
+from ..core.errors import InputError
 
 SCORES, SET, PREFIX = "scores", "set", "prefix"
 

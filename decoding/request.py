@@ -13,8 +13,10 @@ from typing import Any
 import torch
 
 from .accept import resolve_acceptance
-from .limits import InputError, InputTypeError, check_inputs, check_memory, wanted_new_tokens, warn_context_cut
-from .options import generate_arguments, refuse_options
+from ..core.errors import InputError, InputTypeError
+from .input_checks import check_inputs, wanted_new_tokens, warn_context_cut
+from .memory import check_memory
+from .generation_options import generate_arguments, refuse_options
 from .processors import NodeProcessors
 
 

@@ -63,7 +63,7 @@ def _untimed(name: str, device: torch.device) -> Iterator[None]:
 
 @dataclass
 class StepResult:
-    drafts: StepTrees  # the trees that were verified, one per live row
+    trees: StepTrees  # the trees that were verified, one per live row
     logits: torch.Tensor  # (B, N, V) the base's logits at every tree slot
     acceptance: Acceptance  # per row: deepest accepted slot, accepted drafts, path, bonus token
     drafting_seconds: float = 0.0  # the drafter's proposal (lookups, heads, merge, width choice)
@@ -71,7 +71,7 @@ class StepResult:
     @property
     def tokens(self) -> torch.Tensor:
         """(B, N) tree tokens, column 0 = the roots."""
-        return self.drafts.tokens
+        return self.trees.tokens
 
 
 def decode_step(base, drafter: Drafter, acceptor, kv: KVState, heads_state: HeadState, state: DraftState,
@@ -87,24 +87,24 @@ def decode_step(base, drafter: Drafter, acceptor, kv: KVState, heads_state: Head
     phase = timer.phase if timer is not None else _untimed
     started = time.perf_counter()
     with phase("propose", device):
-        with packed_forward(getattr(drafter, "heads", None)):  # packed heads' layers (if bound) draft faster
-            drafts = drafter.propose(state, tree)
+        with packed_forward(heads_state.heads):  # packed heads' layers (if bound) draft faster
+            trees = drafter.propose(state, tree)
     drafting = time.perf_counter() - started
     with phase("tree_inputs", device):
-        mask, positions, past = kv.tree_inputs(drafts.ancestor, drafts.depth)
-    ragged = drafts.valid if drafts.skips_padding() else None  # padding slots are not computed
+        mask, positions, past = kv.tree_inputs(trees.ancestor, trees.depth)
+    ragged = trees.valid if trees.skips_padding() else None  # padding slots are not computed
     with computed_rows(ragged):
         with phase("forward", device):
-            states = verify(base, drafts.tokens, positions, mask, kv.cache, ragged)  # (B, N, d)
+            states = verify(base, trees.tokens, positions, mask, kv.cache, ragged)  # (B, N, d)
         with phase("lm_head", device):
             logits = lm_logits(base, states)  # (B, N, V)
     with phase("accept", device):
-        result = acceptor.accept(drafts, logits, torch.tensor(state.rows))
+        result = acceptor.accept(trees, logits, torch.tensor(state.rows))
     with phase("commit", device):
         kv.commit(result.path + past, result.accepted + 1)
     with phase("context", device):
-        heads_state.step(states, drafts, result)
-        drafter.observe(drafts, result, state.rows)
+        heads_state.step(states, trees, result)
+        drafter.observe(trees, result, state.rows)
     if timer is not None:
         timer.steps += 1
-    return StepResult(drafts, logits, result, drafting)
+    return StepResult(trees, logits, result, drafting)

@@ -13,7 +13,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from ..heads.kept import kept
+from ..core.kept import kept
 from ..heads.protocol import TreeSpec
 
 #: a node named by its rank at each depth, root first: ``(r1, r2, ...)`` (Medusa's "path")

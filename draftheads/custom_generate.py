@@ -13,7 +13,7 @@ the heads are loaded, checked against its fingerprint and bound once, then cache
 with the logits processors and stopping criteria transformers prepared — the caller's own
 included — and returns what transformers returns. Under each dtype's guarantee the output
 equals the model's own ``generate``; what the decoder does not implement is refused by name
-before any work (:mod:`draftheads.decoding.options`); the heads stay bound where the model was
+before any work (:mod:`draftheads.decoding.generation_options`); the heads stay bound where the model was
 at its first call (a model moved or cast since is refused, :func:`unbind` forgets them).
 transformers 5.24 hands a callable only the arguments it adds to ``_sample``'s, so the
 ``streamer``, an ``assistant_model`` and the like are read from transformers' ``generate`` call
@@ -32,8 +32,8 @@ from .decoding import DraftHeadsModel
 from .decoding.base.attention import release_packed_sdpa
 from .decoding.base.packing import release_packing
 from .decoding.config import DecodingConfig, decoding_config, split_options
-from .decoding.limits import InputError
-from .decoding.options import refuse_options
+from .core.errors import InputError
+from .decoding.generation_options import refuse_options
 from .decoding.request import prepared_call
 from .decoding.base.binding import release_linears
 
@@ -243,7 +243,7 @@ def write_custom_generate(checkpoint: str | Path, source: str | None = None) -> 
     finds the heads — the Hub repo id the folder is pushed to, or (default) this folder's
     absolute path. transformers copies the module elsewhere before running it, so the source is
     written into it rather than found from its own location (as one escaped string literal)."""
-    from .heads.config import DRAFTHEADS_VERSION
+    from .heads.head_config import DRAFTHEADS_VERSION
 
     source = source or str(Path(checkpoint).resolve())
     check_source(source)

@@ -22,8 +22,8 @@ import time
 
 import torch
 
-from .heads.errors import DraftheadsError
-from .decoding.limits import InputError
+from .core.errors import DraftheadsError
+from .core.errors import InputError
 
 #: colours of the answer's spans: accepted drafts, the base's own token of each step
 DRAFT_COLOUR, BASE_COLOUR = "#bbf7d0", "#e5e7eb"
@@ -239,7 +239,7 @@ def cmd_demo(args) -> int:
     check_port(args.host, args.port)
     from .bench import warm_up_paths
     from .decoding import DraftHeadsModel
-    from .options import find_heads
+    from .arguments import find_heads
 
     heads = find_heads(args.heads)
     model = DraftHeadsModel.from_pretrained(heads, base_name_or_path=args.base, dtype=args.dtype, tree=args.tree,
@@ -258,7 +258,7 @@ def cmd_demo(args) -> int:
 
 def add_command(sub, common) -> None:
     """Register ``demo`` on the ``draftheads`` parser (``common``: --heads, --base, --dtype, ...)."""
-    from .options import add_sources_option
+    from .arguments import add_sources_option
 
     demo = sub.add_parser("demo", parents=[common], help="a local Gradio page: the answer streaming with accepted "
                                                          "drafts coloured, plain generate beside it, tokens/s and τ")

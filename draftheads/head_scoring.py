@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from .bench import hf_greedy
-from .decoding.fingerprint import fingerprint
+from .decoding.base.fingerprint import fingerprint
 from .heads import DraftHeads
 from .prompts import PROMPT_SETS
 from .training.features import (Features, chat_prompt_ids, extract_features, load_shards, read_jsonl,

@@ -1,6 +1,7 @@
 """The figures the benchmarks write: ``results.png`` (``draftheads bench``), ``throughput.png`` and
-``latency_surface.png`` (``draftheads bench --batch-sizes``) and ``chart.png``
-(``scripts/compare_heads.py``). Drawn off-screen by :func:`.training.figures.figure`."""
+``latency_surface.png`` (``draftheads bench --batch-sizes``), ``sources.png`` (``draftheads bench
+--sources`` / ``--parts``) and ``chart.png`` (``scripts/compare_heads.py``). Drawn off-screen by
+:func:`.training.figures.figure`."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -100,15 +101,19 @@ def plot_chart(results: dict, path: Path) -> None:
         axes[1].set_xticks(range(len(groups)), groups)
 
 
-def plot_drafts(results: dict, path: Path) -> None:
-    """``drafts.png`` (``draftheads bench --drafts``): speedup over HF plain generate per category
-    for every drafting configuration, with transformers' prompt lookup as the peer."""
+def plot_sources(results: dict, path: Path) -> None:
+    """``sources.png`` (``draftheads bench --sources`` / ``--parts``): speedup over HF plain generate
+    per category for every source configuration, with transformers' prompt lookup as the peer.
+    ``results``: a bench's payload, old or new (:func:`~.bench.summary.with_sources`)."""
     import numpy as np
 
+    from .bench.summary import SOURCES, with_sources
+
+    results = with_sources(results)
     groups = [*results["by_category"], "overall"]
     summaries = [results["by_category"].get(g, results["overall"]) for g in groups]
-    names = list(summaries[0].get("drafts", {}))
-    series = {name: [s["drafts"][name]["speedup"] for s in summaries] for name in names}
+    names = list(summaries[0].get(SOURCES, {}))
+    series = {name: [s[SOURCES][name]["speedup"] for s in summaries] for name in names}
     if all("prompt_lookup" in s for s in summaries):
         series["HF prompt lookup"] = [s["prompt_lookup"]["speedup"] for s in summaries]
     width = 0.8 / max(1, len(series))

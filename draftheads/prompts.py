@@ -18,7 +18,7 @@ from typing import Sequence
 
 import torch
 
-from .heads.errors import DraftheadsError
+from .core.errors import DraftheadsError
 from .training.features import chat_prompt_ids
 
 #: the data shipped with the package (evaluation prompts, GPU cost surfaces; README and licences there)

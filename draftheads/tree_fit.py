@@ -22,7 +22,7 @@ def fit_trees(heads: DraftHeads, base, features: Features, budgets: tuple[int, .
     """Write trees for ``budgets`` and their expected τ into ``heads.config`` (in place; the heads
     are scored in float32 against float32 copies of the base's LM head); returns {budget: τ}.
     The τ is measured as training's per-epoch evaluation measures it (``expected_tau_on="dev"``),
-    so decoding counts it in full (:data:`~.heads.config.EXPECTED_TAU_SCALE`)."""
+    so decoding counts it in full (:data:`~.heads.head_config.EXPECTED_TAU_SCALE`)."""
     heads.float().bind(base.get_output_embeddings().weight.float(), base.get_input_embeddings().weight.float())
     ranks = rank_table(heads, features, "teacher", torch.float32, "cpu")
     trees, taus = {}, {}

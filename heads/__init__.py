@@ -1,8 +1,9 @@
 """Draft-head families behind one interface (see :mod:`.protocol`), their typed options
-(:mod:`.options`), config (:mod:`.config`) and checkpoint format (:mod:`.checkpoint`)."""
-from .errors import DraftheadsError
-from .config import REGISTRY, CheckpointError, HeadConfig, build_heads, display_name, read_config, register
-from .options import FamilyOptions, KoalaOptions, OptionError
+(:mod:`.family_options`), config (:mod:`.head_config`) and checkpoint format (:mod:`.checkpoint`)."""
+from ..core.errors import DraftheadsError
+from .head_config import REGISTRY, HeadConfig, build_heads, display_name, read_config, register
+from ..core.errors import CheckpointError
+from .family_options import FamilyOptions, KoalaOptions, OptionError
 from .protocol import DraftHeads, TreeSpec, cartesian_tokens
 from .checkpoint.io import load_heads
 from .medusa import MedusaHeads, MedusaOptions, ResBlock

@@ -32,9 +32,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .config import HeadConfig, register
+from .head_config import HeadConfig, register
 from .medusa import resblock_stacks
-from .options import FamilyOptions
+from .family_options import FamilyOptions
 from .protocol import DraftHeads, TreeSpec, cartesian_probs, cartesian_tokens
 
 #: Seed of the head-index embedding's init: construction stays independent of the global RNG

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .config import HeadConfig, register
-from .kept import kept
+from .head_config import HeadConfig, register
+from ..core.kept import kept
 from .medusa import ResBlock
-from .options import FamilyOptions, OptionError
+from .family_options import FamilyOptions, OptionError
 from .protocol import DraftHeads, TreeSpec
 
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .config import HeadConfig, register
-from .options import FamilyOptions
+from .head_config import HeadConfig, register
+from .family_options import FamilyOptions
 from .protocol import DraftHeads, TreeSpec, cartesian_probs, cartesian_tokens
 
 

@@ -22,10 +22,11 @@ from torch import nn
 
 from .checkpoint.hub import upload_checkpoint
 from .checkpoint.io import load_heads, save_heads
-from .config import CheckpointError, HeadConfig
-from .content import FingerprintMemo, fingerprint_of
-from .kept import keeping
-from .options import FamilyOptions
+from ..core.errors import CheckpointError
+from .head_config import HeadConfig
+from ..core.content import FingerprintMemo, fingerprint_of
+from ..core.kept import keeping
+from .family_options import FamilyOptions
 
 
 class FastReadout(Protocol):
@@ -140,7 +141,7 @@ class DraftHeads(nn.Module):
             return weight
         cached = self._draft_weights.get(dtype)
         if cached is None or cached.device != weight.device:
-            with keeping():  # training multiplies by it later (heads/kept.py)
+            with keeping():  # training multiplies by it later (core/kept.py)
                 if not self._draft_weights:
                     self._draft_source = fingerprint_of(weight)
                 rows = weight.index_select(0, self.vocab_ids.to(weight.device)) if self.config.draft_vocab_size else weight

@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 
 from draftheads.decoding.base.loading import load_base
-from draftheads.decoding.fingerprint import fingerprint
+from draftheads.decoding.base.fingerprint import fingerprint
 from draftheads.heads.checkpoint.io import fingerprint_diffs
-from draftheads.heads.config import CONFIG_NAME
+from draftheads.heads.head_config import CONFIG_NAME
 
 
 def main() -> int:

@@ -4,7 +4,7 @@ tree, the default), or each step's best nodes of the stored tree of ``--scale`` 
 calibrated confidence (the dynamic tree). Per prompt both ways run back to back, the order
 alternating; τ (tokens after the first per verification), tok/s and the drafting time per step.
 
-    python scripts/bench_dynamic_trees.py --budgets 8,default --out results/dynamic_trees
+    python scripts/bench_dynamic_trees.py --budgets 8,default --out results/trees/dynamic_trees
 
 Writes ``dynamic_trees.json`` and ``dynamic_trees.png``.
 """
@@ -78,7 +78,7 @@ def main(argv=None) -> None:
     ap.add_argument("--scale", type=int, default=4, help="the dynamic way's heads_offer_scale")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--out", type=Path, default=Path("results/dynamic_trees"))
+    ap.add_argument("--out", type=Path, default=Path("results/trees/dynamic_trees"))
     args = ap.parse_args(argv)
     from draftheads.decoding.base.loading import load_base
     from draftheads.prompts import read_prompts

@@ -4,9 +4,9 @@ loop under ``torch.no_grad`` (what it ran before), on the dev prompts. Per promp
 back to back on the same model, the order alternating; tokens/s, ms per verification step, and
 whether the two answers are the same tokens.
 
-    python scripts/bench_inference_mode.py --out results/inference_mode/avx512_bf16
+    python scripts/bench_inference_mode.py --out results/loop/inference_mode/avx512_bf16
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \\
-        python scripts/bench_inference_mode.py --out results/inference_mode/avx2_fp32
+        python scripts/bench_inference_mode.py --out results/loop/inference_mode/avx2_fp32
 
 Writes ``inference_mode.json`` and ``inference_mode.png``.
 """
@@ -36,7 +36,7 @@ def loop_under(mode):
 
 
 def main(argv=None) -> None:
-    args = ab_parser(__doc__.split("\n\n")[0], "results/inference_mode").parse_args(argv)
+    args = ab_parser(__doc__.split("\n\n")[0], "results/loop/inference_mode").parse_args(argv)
     from draftheads.decoding import DraftHeadsModel
     from draftheads.prompts import read_prompts
 

@@ -8,8 +8,8 @@ two ways:
    (MT-Bench and Spec-Bench dev, categories dealt round-robin, left padding): the cut and the
    row grouping on against both off, interleaved, alternating which runs first.
 
-    python scripts/bench_key_blocks.py --batch-size 16 --batches 2 --reps 3 --out results/key_blocks
-    python scripts/bench_key_blocks.py --strategy adaptive+heads+context+store+stats --out results/key_blocks/default
+    python scripts/bench_key_blocks.py --batch-size 16 --batches 2 --reps 3 --out results/attention/key_blocks
+    python scripts/bench_key_blocks.py --strategy adaptive+heads+context+store+stats --out results/attention/key_blocks/default
 
 Writes ``key_blocks.json`` and ``key_blocks.png``.
 """
@@ -135,7 +135,7 @@ def main(argv=None) -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--strategy", default="adaptive",
                     help='"adaptive" (the heads alone) or e.g. "adaptive+heads+context+store+stats" (the default drafting)')
-    ap.add_argument("--out", type=Path, default=Path("results/key_blocks"))
+    ap.add_argument("--out", type=Path, default=Path("results/attention/key_blocks"))
     args = ap.parse_args(argv)
     torch.set_num_threads(min(2, torch.get_num_threads()))
     torch.manual_seed(0)

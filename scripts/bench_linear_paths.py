@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from draftheads.decoding.base.loading import cache_root
-from draftheads.heads.checkpoint.atomic import write_text_atomic
+from draftheads.core.atomic import write_text_atomic
 from draftheads.decoding.base.fewrow import kernel_status, load_kernel
 from draftheads.decoding.base.hardware import cpu_key
 from draftheads.decoding.base.plan import ROW_BUCKETS, fastest_paths, measure_shape
@@ -64,7 +64,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--out", type=Path, default=Path("results/linear_paths"))
+    parser.add_argument("--out", type=Path, default=Path("results/cpu_classes/linear_paths"))
     args = parser.parse_args()
     load_kernel(cache_root() / "kernels")
     results = run(getattr(torch, args.dtype), args.reps)

@@ -4,8 +4,8 @@ the decoder runs), on the batch bench's batches (MT-Bench and Spec-Bench dev, ca
 round-robin, chat template, left padding); interleaved, alternating which runs first. Also checks
 that the two give the same states at every real position and the same first token per row.
 
-    python scripts/bench_packed_prefill.py --dtypes bfloat16,float32 --batch-size 16 --batches 2 --reps 2 --out results/packed_prefill
-    python scripts/bench_packed_prefill.py --base gemma3-270m --dtypes bfloat16 --out results/packed_prefill/gemma3_270m
+    python scripts/bench_packed_prefill.py --dtypes bfloat16,float32 --batch-size 16 --batches 2 --reps 2 --out results/attention/packed_prefill
+    python scripts/bench_packed_prefill.py --base gemma3-270m --dtypes bfloat16 --out results/attention/packed_prefill/gemma3_270m
 
 Writes ``packed_prefill.json`` and ``packed_prefill.png``.
 """
@@ -76,7 +76,7 @@ def main(argv=None) -> None:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--batches", type=int, default=2)
     ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--out", type=Path, default=Path("results/packed_prefill"))
+    ap.add_argument("--out", type=Path, default=Path("results/attention/packed_prefill"))
     args = ap.parse_args(argv)
     torch.set_num_threads(min(2, torch.get_num_threads()))
     runs = {dtype: prefill_ab(dtype, args.batch_size, args.batches, args.reps, args.base)

@@ -6,9 +6,9 @@ Both plans are measured in this process; per prompt both run back to back on one
 alternating. Writes the two plans' paths per shape and row bucket, tokens/s, ms a step, and
 whether the answers are the same tokens.
 
-    python scripts/bench_packing_regime.py --out results/packing_regime/avx512_bf16
+    python scripts/bench_packing_regime.py --out results/cpu_classes/packing_regime/avx512_bf16
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \\
-        python scripts/bench_packing_regime.py --out results/packing_regime/avx2_fp32
+        python scripts/bench_packing_regime.py --out results/cpu_classes/packing_regime/avx2_fp32
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def warm_plan(streamed: dict) -> dict:
 
 
 def main(argv=None) -> None:
-    args = ab_parser(__doc__.split("\n\n")[0], "results/packing_regime").parse_args(argv)
+    args = ab_parser(__doc__.split("\n\n")[0], "results/cpu_classes/packing_regime").parse_args(argv)
     from draftheads.decoding import DraftHeadsModel
     from draftheads.prompts import chat_input, read_prompts
 

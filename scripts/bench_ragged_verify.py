@@ -4,7 +4,7 @@ the widest and computed whole, the padding left out of the linear layers and the
 (:class:`draftheads.decoding.base.attention.RaggedRows`, what the decoder runs). Uniform steps of
 1-4 slots a row are the yardstick: a ragged step should cost about what its real slots cost.
 
-    python scripts/bench_ragged_verify.py --batch-size 16 --context 1000 --out results/ragged_verify/bf16
+    python scripts/bench_ragged_verify.py --batch-size 16 --context 1000 --out results/attention/ragged_verify/bf16
 
 One verify forward + LM head over a synthetic cache of ``--context`` slots a row (costs do not
 depend on the values), chains as trees, medians of ``--reps`` after a warm-up; the three ways run
@@ -83,7 +83,7 @@ def main(argv=None) -> None:
     ap.add_argument("--context", type=int, default=1000)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--out", type=Path, default=Path("results/ragged_verify"))
+    ap.add_argument("--out", type=Path, default=Path("results/attention/ragged_verify"))
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     model, _ = load_base(dtype=args.dtype)

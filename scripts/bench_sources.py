@@ -1,7 +1,7 @@
 """Per-step drafting cost and offline hit rate of the lookup sources on real SmolLM2 tokens.
 
     taskset -c 1 python scripts/bench_sources.py \\
-        --store /tmp/store_holdout.safetensors --holdout-last 300 --out results/lookup_sources/bench.json
+        --store /tmp/store_holdout.safetensors --holdout-last 300 --out results/drafting_sources/lookup_sources/bench.json
 
 Cost: long streams of the base's own answers (``response_ids`` of consecutive records
 concatenated to ``--context`` tokens) are fed one token per step — the worst case, one accepted
@@ -97,14 +97,14 @@ class RowView:
     """One row of a :class:`LookupSources` with a single source's extend/propose calls."""
 
     def __init__(self, drafter: LookupSources, prompt):
-        self.drafter = drafter
+        self.lookup = drafter
         drafter.start(0, prompt)
 
     def extend(self, tokens):
-        self.drafter.extend(0, tokens)
+        self.lookup.extend(0, tokens)
 
     def propose(self, budget):
-        return self.drafter.propose(0, budget)
+        return self.lookup.propose(0, budget)
 
 
 def summary(samples: list[float]) -> dict:
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spec-bench", default=None, help="spec-bench (or a Spec-Bench-style file): also replay the base's answers")
     parser.add_argument("--spec-bench-per-category", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--out", default=str(root / "results" / "lookup_sources" / "bench.json"))
+    parser.add_argument("--out", default=str(root / "results" / "drafting_sources" / "lookup_sources" / "bench.json"))
     args = parser.parse_args(argv)
 
     records = list(read_jsonl(args.data))

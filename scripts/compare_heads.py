@@ -34,7 +34,8 @@ import torch
 
 from draftheads.bench import hf_greedy, summarize, timed_draftheads, timed_hf
 from draftheads.prompts import chat_input, read_prompts
-from draftheads.decoding import DraftHeadsModel, Tree, fingerprint, load_base
+from draftheads.decoding import DraftHeadsModel, Tree, load_base
+from draftheads.decoding.base.fingerprint import fingerprint
 from draftheads.decoding.step import PhaseTimer
 from draftheads.head_scoring import answer_features, answers_cache_path, base_answers, score_heads
 from draftheads.heads import HeadConfig, display_name, load_heads, read_config
@@ -345,7 +346,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--accuracy-max-new-tokens", type=int, default=128)
     parser.add_argument("--latency-steps", type=int, default=16)
     parser.add_argument("--base", default=None, help="base model (default: the embedded SmolLM2)")
-    parser.add_argument("--out", type=Path, default=Path("results/compare_heads"))
+    parser.add_argument("--out", type=Path, default=Path("results/heads/compare_heads"))
     args = parser.parse_args(argv)
     if args.per_category < 1 or args.max_new_tokens < 1 or args.latency_steps < 1:
         parser.error("--per-category, --max-new-tokens and --latency-steps must be positive")

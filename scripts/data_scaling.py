@@ -4,7 +4,7 @@ the same self-distilled data, each scored on what predicts decoding.
     python scripts/data_scaling.py --recipe recipes/hydra-smollm2.yaml --sizes 400,1200,0 \\
         --eval-job data_cache/eval-smollm2 --out results/data_scaling/hydra [--data.path JOB ...]
     python scripts/data_scaling.py --recipe recipes/{medusa,hydra,hydrapp,amphista,koala-hydra}-smollm2.yaml \\
-        --sizes 1200 --eval-job data_cache/eval-smollm2 --out results/orderings --train.epochs 2 ...
+        --sizes 1200 --eval-job data_cache/eval-smollm2 --out results/data_scaling/orderings --train.epochs 2 ...
 
 Per recipe and size (``data.limit`` sequences, a seeded sample of the job's mixture, the same for
 every recipe with the same ``train.seed``; 0 = all of it):
@@ -126,15 +126,15 @@ def eval_table(eval_job: Path, base, with_prompt: bool):
     """The evaluation job (MT-Bench and Spec-Bench dev) as one table and its rows per prompt
     source, as a run's per-epoch evaluation reads it."""
     from draftheads.decoding.base.loading import dtype_name
-    from draftheads.decoding.fingerprint import fingerprint
-    from draftheads.training.job_data import job_eval_table
+    from draftheads.decoding.base.fingerprint import fingerprint
+    from draftheads.training.data.job_data import job_eval_table
 
     return job_eval_table(eval_job, fingerprint(base).to_dict(), dtype_name(base.dtype), with_prompt)
 
 
 def table_for(report: dict, tables: dict, base, eval_job: str) -> tuple:
     """The evaluation table laid out as this run's heads read it (with the prompt's rows or not)."""
-    from draftheads.training.job_data import reads_prompt
+    from draftheads.training.data.job_data import reads_prompt
     from draftheads.training.recipe import Recipe, build
 
     with_prompt = reads_prompt(build(Recipe, report["recipe"]))
@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from draftheads.decoding.base.loading import load_base
     from draftheads.prompts import DEV_PROMPTS, read_prompts
-    from draftheads.training.job_data import DATA_SUMMARY, read_data_summary
+    from draftheads.training.data.job_data import DATA_SUMMARY, read_data_summary
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -23,7 +23,7 @@ import torch
 
 from draftheads.decoding import DraftHeadsModel
 from draftheads.decoding.base.loading import dtype_name
-from draftheads.decoding.limits import parse_dtype
+from draftheads.decoding.base.dtypes import parse_dtype
 from draftheads.decoding.calibration import CalibrationConfig, calibrate
 from draftheads.decoding.policy import best_budget, expected_tau_scale
 

@@ -24,7 +24,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftheads.bench import batch_divergences
 from draftheads.decoding import DraftHeadsModel, tree_from_paths
-from draftheads.decoding.fingerprint import fingerprint
+from draftheads.decoding.base.fingerprint import fingerprint
 from draftheads.decoding.request import left_pad
 from draftheads.heads import HeadConfig, build_heads
 

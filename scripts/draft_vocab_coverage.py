@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from draftheads.training.job_data import sequence_sources
+from draftheads.training.data.job_data import sequence_sources
 from draftheads.training.losses import draft_vocab
 
 

@@ -1,7 +1,7 @@
 """Held-out accuracy of head checkpoints on the base's own answers to an evaluation set.
 
     python scripts/eval_heads.py checkpoints/smollm2-135m-medusa checkpoints/smollm2-135m-hydra \\
-        --prompts mt-bench --limit 20 --out results/heads_eval.json
+        --prompts mt-bench --limit 20 --out results/heads/heads_eval/eval.json
 
 The base (same dtype as decoding, fp32 by default) answers the prompts greedily (cached under
 ``data_cache/``), its hidden states are extracted once, and every checkpoint is scored on the
@@ -20,7 +20,7 @@ import torch
 
 from draftheads.prompts import read_prompts
 from draftheads.decoding.base.loading import load_base
-from draftheads.decoding.fingerprint import fingerprint
+from draftheads.decoding.base.fingerprint import fingerprint
 from draftheads.head_scoring import answer_features, answers_cache_path, base_answers, score_heads
 from draftheads.heads import load_heads
 

@@ -1,5 +1,5 @@
 """Self-distilled data and a trained head family in one timed run, for one GPU machine without a
-network: the base answers new training prompts at a large batch (``training/distill_job.py``),
+network: the base answers new training prompts at a large batch (``training/data/distill_job.py``),
 then a recipe trains on the job's shards, each stage bounded by its share of the wall-clock
 budget. Everything is written as it goes (whole shards, checkpoints, ``summary.json`` after each
 stage): a cut run keeps what it made, and the same command resumes it.
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import yaml
 
-from draftheads.heads.checkpoint.atomic import write_text_atomic
+from draftheads.core.atomic import write_text_atomic
 from draftheads.training.resume import checkpoint_dirs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -165,7 +165,7 @@ def failed(stage: str, log: Path, code: int) -> Stop:
 
 def job_command(args: argparse.Namespace, folder: Path, seconds: float, *extra: str) -> list[str]:
     base = ["--base", args.base] if args.base else []
-    return [sys.executable, "-m", "draftheads.training.distill_job", "--out", str(folder), "--device", args.device,
+    return [sys.executable, "-m", "draftheads.training.data.distill_job", "--out", str(folder), "--device", args.device,
             "--dtype", args.dtype, "--seconds", str(max(1, int(seconds))), *base, *extra]
 
 
@@ -333,9 +333,9 @@ def heads_from_checkpoint(recipe_path: Path, overrides: list[str], checkpoint: P
     """A stopped run's last checkpoint finished as the trainer finishes a run (the best epoch's
     heads when one was scored, trees, ``save_pretrained`` into ``final/``; the report records
     its step count). A trainer option to stop at a deadline would make this unnecessary."""
-    from draftheads.decoding.limits import DTYPES
+    from draftheads.decoding.base.dtypes import DTYPES
     from draftheads.training.recipe import load_recipe
-    from draftheads.training.report import finish
+    from draftheads.training.final_checkpoint import write_final_checkpoint
     from draftheads.training.run_state import check_checkpoint_files, load_run_state
     from draftheads.training.evaluation import DEV, HELD_OUT
     from draftheads.training.train import make_accelerator, prepare_data, prepare_run
@@ -350,8 +350,8 @@ def heads_from_checkpoint(recipe_path: Path, overrides: list[str], checkpoint: P
     load_run_state(checkpoint, run.own_state, optional=("curves",))
     print(f"[gpu_heads] training stopped at the budget's end: {checkpoint} is finished as the heads", flush=True)
     trees_on = eval_sets[DEV][0] if recipe.run.trees_from == "dev" else None  # as the trainer's own finish
-    return finish(run.heads, eval_sets[HELD_OUT][0], recipe, parts, run.progress, dtype, accelerator, run.total,
-                  run.curves, trees_on)
+    return write_final_checkpoint(run.heads, eval_sets[HELD_OUT][0], recipe, parts, run.progress, dtype, accelerator,
+                                  run.total, run.curves, trees_on)
 
 
 # -- the run -------------------------------------------------------------------------------------------------

@@ -13,9 +13,9 @@ from the warm-up value over the rest of the loop, which must stay within ``--tol
 heads and a lookup store built from the model's own answers (a minute or two on 2 cores);
 ``--heads <checkpoint>`` runs that checkpoint on its base (the embedded SmolLM2 by default) with
 MT-Bench prompts (about 20 minutes on one core). This script was ``scripts/rss_loop.py``;
-``results/rss_loop/rss.json`` is its earlier run with the heads alone (``--sources heads``).
+``results/loop/rss_loop/rss.json`` is its earlier run with the heads alone (``--sources heads``).
 
-    python scripts/memory_loop.py --out results/memory_loop/memory.json
+    python scripts/memory_loop.py --out results/loop/memory_loop/memory.json
 """
 from __future__ import annotations
 
@@ -134,7 +134,7 @@ def main() -> int:
     parser.add_argument("--tolerance-mib", type=float, default=5.0)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (one: a tiny model's forward is "
                                                                  "latency-bound, and the machine may be shared)")
-    parser.add_argument("--out", default="results/memory_loop/memory.json")
+    parser.add_argument("--out", default="results/loop/memory_loop/memory.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     configs = [d.strip() for d in args.sources.split(";") if d.strip()]

@@ -2,7 +2,7 @@
 milliseconds of ``decode_step`` (propose = all drafting: lookups, heads, merge, width choice)
 under the adaptive tree policy, on the same left-padded batches of a category mix.
 
-    python scripts/profile_drafting.py --batch-sizes 1,4,16 --out results/drafting_phases/after
+    python scripts/profile_drafting.py --batch-sizes 1,4,16 --out results/drafting_sources/drafting_phases/after
 
 Prompts are cut to their last ``--prompt-tokens`` tokens so prefill stays short: the phases
 of the decode steps are what this measures. Configurations run interleaved per batch size,
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from draftheads.bench.runs import config_drafter, drafting
+from draftheads.bench.runs import config_model
 from draftheads.decoding import DraftHeadsModel
 from draftheads.decoding.calibration import calibrate
 from draftheads.decoding.policy import AdaptivePolicy
@@ -31,13 +31,12 @@ CONFIGS = {"heads": ("heads",), "lookups": ("context", "store", "stats"),
            "heads+lookups:per-row": ("heads", "context", "store", "stats")}  # each row its own node count
 
 
-def run_config(model, drafter, ids: torch.Tensor, mask: torch.Tensor, new: int) -> dict:
+def run_config(model, ids: torch.Tensor, mask: torch.Tensor, new: int) -> dict:
     """One generate with a phase timer: per-step phase means, steps, seconds, new tokens."""
     timer = PhaseTimer()
-    with drafting(model, drafter):
-        started = time.perf_counter()
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=new, timer=timer)
-        seconds = time.perf_counter() - started
+    started = time.perf_counter()
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=new, timer=timer)
+    seconds = time.perf_counter() - started
     return {"phases_ms": {k: round(v, 3) for k, v in timer.per_step().items()}, "steps": timer.steps,
             "seconds": round(seconds, 3), "new_tokens": int(out.shape[0] * (out.shape[1] - ids.shape[1]))}
 
@@ -73,13 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="a folder for phases.json and phases.png")
     args = parser.parse_args(argv)
     model = DraftHeadsModel.from_pretrained(args.heads, dtype=args.dtype)
-    model.policy = AdaptivePolicy.from_heads(model.heads, calibrate(model.base, model.heads))
-    drafters = {}
-    for name in args.configs.split(","):
-        with drafting(model, model.drafter):
-            drafters[name] = None if CONFIGS[name] == ("heads",) else config_drafter(model, CONFIGS[name])
-            if name.endswith(":per-row"):
-                drafters[name].width.per_row = True
+    adaptive = AdaptivePolicy.from_heads(model.heads, calibrate(model.base, model.heads))
+    drafters = {name: config_model(model, CONFIGS[name], tree=adaptive, per_row_counts=name.endswith(":per-row"))
+                for name in args.configs.split(",")}
     prompts = round_robin(read_prompts(args.prompts))
     rows = [chat_input(model.tokenizer, p["prompt"])[0].tolist()[-args.prompt_tokens:] for p in prompts]
     pad = model.tokenizer.pad_token_id if model.tokenizer.pad_token_id is not None else 0
@@ -89,10 +84,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"bs {bs}: only {len(rows)} prompts, skipped", file=sys.stderr)
             continue
         ids, mask = left_pad(rows[:bs], pad)
-        for drafter in drafters.values():  # warm-up: kernels for this batch's shapes
-            run_config(model, drafter, ids[:, -32:], mask[:, -32:], 8)
-        results[str(bs)] = {name: run_config(model, drafter, ids, mask, args.max_new_tokens)
-                            for name, drafter in drafters.items()}
+        for variant in drafters.values():  # warm-up: kernels for this batch's shapes
+            run_config(variant, ids[:, -32:], mask[:, -32:], 8)
+        results[str(bs)] = {name: run_config(variant, ids, mask, args.max_new_tokens)
+                            for name, variant in drafters.items()}
         for name, r in results[str(bs)].items():
             ph = r["phases_ms"]
             print(f"bs {bs:>2} {name:<14} propose {ph['propose']:6.2f}  forward {ph['forward']:6.2f}  "

@@ -16,7 +16,7 @@ import torch
 
 from draftheads.bench import hf_greedy, timed
 from draftheads.bench.summary import run_tau
-from draftheads.options import find_heads, tree_argument
+from draftheads.arguments import find_heads, tree_argument
 from draftheads.prompts import chat_input, read_prompts
 from draftheads.decoding import DraftHeadsModel
 from draftheads.decoding.step import PHASES, PhaseTimer

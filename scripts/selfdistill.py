@@ -1,6 +1,6 @@
 """Let the base answer training prompts (resumable shards → a ``datasets`` dataset with
-provenance), for head training. Same as ``python -m draftheads.training.data``. The prompts are a
-local file or folder, or a Hub dataset id (``--name``, ``--split``, ``--columns`` FROM:TO):
+provenance), for head training. Same as ``python -m draftheads.training.data.self_distillation``.
+The prompts are a local file or folder, or a Hub dataset id (``--name``, ``--split``, ``--columns`` FROM:TO):
 
     python scripts/selfdistill.py --prompts openai/gsm8k --name main --columns question:prompt \\
         --limit 3072 --out data_cache/selfdistill-gsm8k
@@ -11,7 +11,7 @@ On this machine the first 3,072 prompts of the local train_prompts.jsonl are alr
 selfdistill_smollm2.jsonl beside it; ``--skip 3072`` starts after them. Re-running the same
 command resumes at the first unfinished shard.
 """
-from draftheads.training.self_distillation import main
+from draftheads.training.data.self_distillation import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -17,17 +17,17 @@ outs = {}
 m.generate(ids[:2], attention_mask=mask[:2], max_new_tokens=4, pad_token_id=2)
 for rnd in range(2):
     for mode in ("shrink", "mask"):
-        m.decoding = m.decoding.replace(finished_rows=mode)
+        variant = m.with_decoding(finished_rows=mode)
         t = time.perf_counter()
-        out = m.generate(ids, attention_mask=mask, max_new_tokens=48, pad_token_id=2, eos_token_id=eos)
+        out = variant.generate(ids, attention_mask=mask, max_new_tokens=48, pad_token_id=2, eos_token_id=eos)
         dt = time.perf_counter() - t
         n = sum(generated_counts(out, ids.shape[1], set(eos)))
         res[mode].append({"seconds": round(dt, 3), "new_tokens": n, "tokens_per_second": round(n / dt, 3),
-                          "steps": m.last_stats.steps, "rows_per_step": m.last_stats.batch_sizes})
+                          "steps": variant.last_stats.steps, "rows_per_step": variant.last_stats.batch_sizes})
         outs[mode] = out.tolist()
         print(mode, res[mode][-1]["tokens_per_second"], res[mode][-1]["steps"], flush=True)
 ref = m.base.generate(ids, attention_mask=mask, max_new_tokens=48, do_sample=False, pad_token_id=2, eos_token_id=eos)
 res["identical_to_hf"] = {k: v == ref.tolist() for k, v in outs.items()}
 res["finish_step_per_row"] = generated_counts(ref, ids.shape[1], set(eos))
-json.dump(res, open("results/batch/shrink_vs_mask.json", "w"), indent=1)
+json.dump(res, open("results/batch/adaptive_fp32/shrink_vs_mask.json", "w"), indent=1)
 print(json.dumps({k: v for k, v in res.items() if k not in ("shrink", "mask")}))

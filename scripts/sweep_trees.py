@@ -1,7 +1,7 @@
 """Measure tokens/s and τ of every stored tree budget (and plain HF generate) on a few
 prompts, in one run, to pick a checkpoint's default budget for this machine.
 
-    python scripts/sweep_trees.py --heads checkpoints/smollm2-135m-medusa --limit 6 --out results/sweep
+    python scripts/sweep_trees.py --heads checkpoints/smollm2-135m-medusa --limit 6 --out results/trees/sweep
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from draftheads.bench import timed
-from draftheads.options import find_heads
+from draftheads.arguments import find_heads
 from draftheads.prompts import chat_input, read_prompts
 from draftheads.decoding import DraftHeadsModel, tree_for_budget
 from draftheads.decoding.loop import tau
@@ -26,7 +26,7 @@ def main() -> int:
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--budgets", default="0,1,2,3,4,6,8,12,16,24")
-    parser.add_argument("--out", default="results/sweep")
+    parser.add_argument("--out", default="results/trees/sweep")
     args = parser.parse_args()
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     model = DraftHeadsModel.from_pretrained(find_heads(args.heads), dtype=dtype)

@@ -17,7 +17,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftheads.decoding.request import left_pad  # noqa: F401 (tests pad batches by the package's one rule)
-from draftheads.decoding.fingerprint import fingerprint
+from draftheads.decoding.base.fingerprint import fingerprint
 from draftheads.decoding.calibration import CalibrationConfig
 from draftheads.decoding.drafters import (Candidates, StoreHeader, TokenizerIdentity, build_arrays, save_store,
                                           tokenizer_identity)
@@ -323,7 +323,7 @@ def write_medusa(folder, module: nn.ModuleList, layers: int, fmt: str, base: str
 def saved_tree_heads(folder, model):
     """Random Medusa heads for ``model`` with two stored trees and their expected τ (what the
     default tree's calibration and the adaptive policy need), saved to ``folder``."""
-    from draftheads.decoding.fingerprint import fingerprint
+    from draftheads.decoding.base.fingerprint import fingerprint
     from draftheads.heads import MedusaHeads
 
     cfg = model.config

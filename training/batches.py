@@ -8,9 +8,8 @@ from pathlib import Path
 
 import torch
 
-from .data import DataError, example_features, shifted_rows
+from .data.records import DataError, example_features, shifted_rows
 from .features import Example, Features, extract_features, load_shards
-from .losses import input_noise
 
 
 def split_examples(examples: list[Example], eval_examples: int) -> tuple[list[Example], list[Example]]:
@@ -77,20 +76,6 @@ def chunk_rows(chunks: list[tuple[int, int]]) -> torch.Tensor:
     for i, (s, e) in enumerate(chunks):
         rows[i, : e - s] = torch.arange(s, e)
     return rows
-
-
-def head_logits(model, table: Features, rows: torch.Tensor, num_heads: int, device, dtype,
-                noise_alpha: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draft logits (P, K, V) for ``rows`` and the rows they belong to, flattened: per-position
-    families read ``rows`` (P,) directly; contextual ones read padded chunks (B, T) as sequences."""
-    safe = rows.clamp(min=0)
-    hidden = input_noise(table.hidden[safe].to(device, dtype), noise_alpha)
-    tokens = table.targets[safe, :num_heads].clamp(min=0).to(device)
-    if rows.dim() == 1:
-        return model(hidden, tokens=tokens), rows
-    valid = rows >= 0
-    logits = model(hidden, tokens=tokens, attention_mask=valid.to(device))
-    return logits[valid.to(device)], rows[valid]
 
 
 class OnTheFlyBatches:

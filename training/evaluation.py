@@ -11,12 +11,13 @@ import torch
 
 from ..decoding.tree import tree_from_paths, tree_from_ranks
 from ..heads import DraftHeads
-from .data import DataError, example_features, token_examples
+from .data.records import DataError, example_features, token_examples
 from .features import Example, Features, read_jsonl, selfdistill_examples
 from .losses import label_ranks, topk_accuracy
 from .objective import head_labels
 from .recipe_sections import Recipe
-from .batches import cached_features, chunk_rows, head_logits, sequence_chunks
+from .batches import cached_features, chunk_rows, sequence_chunks
+from .head_forward import head_logits
 
 
 EVAL_RANK_CAP = 16  # ranks beyond this only matter as "missed" for trees and top-k
@@ -130,14 +131,14 @@ def load_eval_table(recipe: Recipe, accelerator, fp: dict, base,
     answers, records ``{"prompt", "response_ids", "group"}`` (or token ids: ``{"input_ids",
     "response_start", "group"}``; ``group`` optional, e.g. mt_bench, spec_bench_dev), as
     features (cached under ``data.features_dir``/dev when set) and the row indices of each
-    group; an evaluation job's folder is read as it lies (:func:`~.job_data.job_eval_table`).
+    group; an evaluation job's folder is read as it lies (:func:`~.data.job_data.job_eval_table`).
     ``base`` and ``tokenizer``: the run's, loaded once for every table."""
     path = recipe.data.eval_path
     if not path:
         return None
     if Path(path).is_dir():  # a self-distillation job's folder: its states are read where they lie
         from ..decoding.base.loading import dtype_name
-        from .job_data import job_eval_table, reads_prompt
+        from .data.job_data import job_eval_table, reads_prompt
 
         return job_eval_table(Path(path), fp, dtype_name(base.dtype), reads_prompt(recipe))
     if not Path(path).is_file():

@@ -17,7 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..decoding.base.architecture import decoder_body
-from ..heads.checkpoint.atomic import atomic_file
+from ..core.atomic import atomic_file
 
 MAX_TARGETS = 9  # future tokens stored per position: x_{t+1} (the root) + enough for up to 8 heads
 SHARD_EXAMPLES = 128  # examples per feature shard (the held-out split is counted in shards)

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import torch
 
-from ..heads.errors import MissingPathError
+from ..core.errors import MissingPathError
 from ..decoding.base.loading import load_base
-from ..decoding.fingerprint import fingerprint
-from ..decoding.limits import DTYPES
+from ..decoding.base.fingerprint import fingerprint
+from ..decoding.base.dtypes import DTYPES
 
 
 def load_frozen_base(name: str, dtype: str):

@@ -1,5 +1,5 @@
 """What the heads minimize: labels per head, the supervised loss (cross-entropy / teacher KL,
-weighted per head), KOALA's adversarial term, the LR schedule, and fresh heads for a recipe.
+weighted per head), KOALA's adversarial term and the LR schedule.
 """
 from __future__ import annotations
 
@@ -8,15 +8,13 @@ import math
 
 import torch
 
-from ..heads import DraftHeads, HeadConfig, build_heads
-from ..heads.errors import one_line
-from .adversarial import Adversary, expected_embedding, koala_info
+from ..heads import DraftHeads
+from .adversarial import Adversary, expected_embedding
 from .features import Features
-from .frozen import FrozenParts
-from .losses import (distill_loss, draft_vocab, generator_objective, head_targets, label_counts, mask_labels,
+from .losses import (distill_loss, generator_objective, head_targets, label_counts, mask_labels,
                      teacher_logits)
-from .recipe_sections import Recipe, RecipeError
-from .batches import head_logits
+from .recipe_sections import Recipe
+from .head_forward import head_logits
 
 
 def head_labels(table: Features, rows: torch.Tensor, heads: DraftHeads, source: str) -> torch.Tensor:
@@ -93,44 +91,3 @@ def lr_lambda(total: int, warmup_ratio: float, min_ratio: float):
         return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return factor
-
-
-def new_heads(recipe: Recipe, parts: FrozenParts, label_ids: torch.Tensor, dtype: torch.dtype,
-              prompt_ids: torch.Tensor | None = None) -> DraftHeads:
-    """Fresh heads of the recipe's family, bound to the frozen LM head and embeddings; the draft
-    vocabulary is the most frequent of the training labels (ties: of ``prompt_ids``)."""
-    vocab_size, d = parts.lm_head.shape
-    extra = dict(recipe.heads.extra)
-    if recipe.adversarial.enabled:  # a KOALA checkpoint says so (reports label it KOALA-<family>)
-        extra["koala"] = koala_info(recipe.heads.family, recipe.heads.num_layers, recipe.adversarial)
-    config = HeadConfig(family=recipe.heads.family, num_heads=recipe.heads.num_heads,
-                        num_layers=recipe.heads.num_layers, hidden_size=d, vocab_size=vocab_size,
-                        draft_vocab_size=recipe.heads.draft_vocab_size, extra=extra)
-    heads = build_heads(config).to(dtype)
-    if recipe.heads.init_from:
-        try:
-            heads.load_state_dict(start_weights(recipe.heads.init_from, config, parts.fingerprint))
-        except RuntimeError as err:  # shapes set by the family's options (heads.extra)
-            raise RecipeError(f"heads.init_from {recipe.heads.init_from}: its weights do not fit the recipe's heads "
-                              f"({one_line(err)[:200]}); set heads.extra as the checkpoint's config.json has it.") from None
-    else:
-        heads.vocab_ids.copy_(draft_vocab(label_ids, recipe.heads.draft_vocab_size, vocab_size, prompt_ids))
-    return heads.bind(parts.lm_head, parts.embed)
-
-
-#: what a starting checkpoint must share with the recipe's heads (the weights' shapes follow from them)
-SAME_SHAPE = ("family", "num_heads", "num_layers", "hidden_size", "vocab_size", "draft_vocab_size")
-
-
-def start_weights(path: str, config: HeadConfig, fingerprint: dict) -> dict[str, torch.Tensor]:
-    """The weights (draft vocabulary included) of the checkpoint ``heads.init_from`` names, for
-    heads of ``config``: one made for another base, or of another family or shape, is one line."""
-    from ..heads.checkpoint.io import load_heads
-
-    start = load_heads(path, expected_fingerprint=fingerprint)
-    differing = [f"{key} {getattr(start.config, key)!r} (recipe: {getattr(config, key)!r})" for key in SAME_SHAPE
-                 if getattr(start.config, key) != getattr(config, key)]
-    if differing:
-        raise RecipeError(f"heads.init_from {path} holds other heads than the recipe trains: " + ", ".join(differing)
-                          + "; set the recipe's heads.* to match, or drop heads.init_from.")
-    return {name: tensor.detach().clone() for name, tensor in start.state_dict().items()}

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import torch
 
-from ..heads.errors import DraftheadsError, one_line
-from .data import DATA_OPTIONS, DataError, is_hub_id, load_records, resolve_data_path
-from .data_checks import check_data
+from ..core.errors import DraftheadsError, one_line
+from .data.records import DATA_OPTIONS, DataError, is_hub_id, load_records, resolve_data_path
+from .data.data_checks import check_data
 from .frozen import base_dims
-from .job_data import check_job_folder
+from .data.job_data import check_job_folder
 from .recipe_sections import Recipe, RecipeError
 
 
@@ -27,7 +27,7 @@ def preflight(recipe: Recipe) -> None:
     data record holds what training reads with its token ids inside the base's vocabulary, the
     heads fit that vocabulary and hidden size (both read from the base's config, no weights),
     and the final checkpoint's folder may be written."""
-    from ..decoding.limits import check_base_path
+    from ..decoding.base.loading import check_base_path
 
     paths = data_paths(recipe)
     if not paths or not all(paths):
@@ -91,7 +91,7 @@ def check_heads_fit(recipe: Recipe, vocab_size: int, hidden_size: int) -> None:
 def check_final_dir(recipe: Recipe) -> None:
     """The final checkpoint's folder may be written: absent, empty or a checkpoint of ours, so a
     folder of the user's is refused now and not after the whole run."""
-    from ..heads.checkpoint.atomic import choose_destination
+    from ..core.atomic import choose_destination
 
     final = Path(recipe.run.final_dir or Path(recipe.run.output_dir) / "final")
     key = "run.final_dir" if recipe.run.final_dir else "run.output_dir (its final/ folder)"

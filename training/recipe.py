@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from ..heads.errors import one_line
+from ..core.errors import one_line
 from .recipe_checks import check_values
 from .recipe_sections import CHOICES, Recipe, RecipeError
 

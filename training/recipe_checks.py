@@ -98,7 +98,7 @@ def check_family_options(family: str, extra: dict, options_class: type) -> None:
     otherwise train with the default without a word."""
     import difflib
 
-    from ..heads.options import OptionError, check_value
+    from ..heads.family_options import OptionError, check_value
 
     options = options_class.kinds()
     for key, value in extra.items():

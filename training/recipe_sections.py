@@ -8,8 +8,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..heads.errors import DraftheadsError
-from .data import HUB_DEFAULTS
+from ..core.errors import DraftheadsError
+from .data.records import HUB_DEFAULTS
 
 
 class RecipeError(DraftheadsError, ValueError):
@@ -31,10 +31,10 @@ class HeadsSection:
 @dataclass
 class DataSection:
     # selfdistill (prompt + response_ids) | conversations (messages) | tokens (input_ids) | job (the output
-    # folder of python -m draftheads.training.distill_job: token ids + the base's states, no feature pass)
+    # folder of python -m draftheads.training.data.distill_job: token ids + the base's states, no feature pass)
     kind: str = "selfdistill"
     # a local file, datasets dir or self-distillation output dir, or a Hub dataset id, or a list of them
-    # (concatenated in order); no default: a clone carries no training set (training/data.py:load_records)
+    # (concatenated in order); no default: a clone carries no training set (training/data/records.py:load_records)
     path: str | list[str] = ""
     name: str | None = None  # Hub datasets: the configuration (load_dataset's name), e.g. main for openai/gsm8k
     split: str = "train"  # Hub datasets: the split to read

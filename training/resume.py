@@ -9,7 +9,8 @@ import os
 import shutil
 from pathlib import Path
 
-from ..heads.config import CheckpointError, read_json_object
+from ..core.errors import CheckpointError
+from ..heads.head_config import read_json_object
 from .recipe_sections import Recipe, RecipeError
 from .run_state import foreign_entries, save_run_state
 

@@ -32,22 +32,24 @@ from pathlib import Path
 import torch
 
 from ..decoding.base.loading import dtype_name
-from ..decoding.limits import DTYPES
+from ..decoding.base.dtypes import DTYPES
 from ..heads import REGISTRY, DraftHeads
-from ..heads.errors import DraftheadsError, one_line
+from ..core.errors import DraftheadsError, one_line
 from .adversarial import Adversary
-from .data import DataError, example_features, load_examples, resolve_data_path
+from .data.records import DataError, example_features, load_examples, resolve_data_path
 from .evaluation import DEV, HELD_OUT, eval_tables, evaluate, load_eval_table
 from .frozen import frozen_parts, load_frozen_base, unsharded_loading
+from .final_checkpoint import write_final_checkpoint
+from .head_init import new_heads
 from .losses import head_weights
-from .objective import compute_loss, lr_lambda, new_heads
+from .objective import compute_loss, lr_lambda
 from .recipe import load_recipe
 from .recipe_sections import Recipe, RecipeError
-from .report import JsonlLog, epoch_ended, finish, metric_fields, record_epoch, start_summary
+from .report import JsonlLog, epoch_ended, metric_fields, record_epoch, start_summary
 from .resume import RECIPE_FILE, Curves, Progress, resume_point, save_checkpoint
 from .run_state import check_checkpoint_files, load_run_state
 from .batches import FeatureBatches, OnTheFlyBatches, cached_features, micro_batch_items, split_examples
-from .job_data import job_batches
+from .data.job_data import job_batches
 from .preflight import data_paths, preflight
 
 
@@ -153,8 +155,8 @@ def train(recipe: Recipe) -> dict:
     report = {}
     if accelerator.is_main_process:
         trees_on = eval_sets[DEV][0] if recipe.run.trees_from == "dev" else None
-        report = finish(run.heads, eval_sets[HELD_OUT][0], recipe, parts, run.progress, dtype, accelerator, run.total,
-                        run.curves, trees_on)
+        report = write_final_checkpoint(run.heads, eval_sets[HELD_OUT][0], recipe, parts, run.progress, dtype,
+                                        accelerator, run.total, run.curves, trees_on)
         log.write({"step": run.progress.step, "eval": report["accuracy"], "final": True})
     accelerator.wait_for_everyone()
     accelerator.end_training()

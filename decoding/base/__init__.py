@@ -7,9 +7,9 @@ Import from the module that defines a name (this package exports nothing):
 - :mod:`.loading` — ``load_base``: embedded / packaged (``PACKAGED_BASES``) / GGUF / local / Hub
   bases, the dtype a base runs in, the cache folder (``cache_root``) and the source checkout
 - :mod:`.architecture` — what of a base's architecture the decoder honours (attention windows,
-  logit transforms) and ``check_base``'s comparison against the model's own forward
+  logit transforms) and ``check_forwards``' comparison against the model's own forward
 - :mod:`.forward` — the decoder's forwards: ``prefill``, ``forward_all``, ``verify``, ``lm_logits``
-- :mod:`.check` — ``check_base`` (the probe tree through :mod:`.forward`) and ``base_report``
+- :mod:`.check` — ``check_decodable`` (the probe tree through :mod:`.forward`) and ``base_report``
 - :mod:`.attention` — grouped-query packed SDPA and ragged steps run packed (``RaggedRows``)
 - :mod:`.key_blocks` — a batch's attention without each row's leading padding blocks (``key_runs``)
 - :mod:`.mask_memo` — values derived from a forward's mask, made once for all its layers
@@ -23,4 +23,5 @@ Import from the module that defines a name (this package exports nothing):
 - :mod:`.rows` — the rows a forward computes (padding slots left out)
 - :mod:`.fewrow` (+ ``fewrow.c``) — the few-row CPU kernel, compiled on first use
 - :mod:`.hardware` — what this machine computes natively, as torch reports it
+- :mod:`.fingerprint` — the base's fingerprint a head checkpoint records and ``from_pretrained`` checks
 """

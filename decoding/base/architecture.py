@@ -15,7 +15,7 @@ three things a model's own ``forward`` does are done here, through the model's o
   chunked layers cannot).
 
 And because an architecture can apply something none of these rules knows of, every base is
-checked once when it is bound (:func:`check_base`): the decoder's logits, through its own
+checked once when it is bound (:func:`check_forwards`): the decoder's logits, through its own
 prefill and tree verification, must match the model's own forward on a short probe. A base that
 fails is refused with one line naming the architecture — never decoded to a different answer.
 """
@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from ...heads.errors import DraftheadsError
+from ...core.errors import DraftheadsError
 
 #: the layer types a tree can be verified through, and whether the type has a window
 FULL, SLIDING = "full_attention", "sliding_attention"
@@ -173,7 +173,7 @@ HEAD_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 0.02
 PROBE_LENGTH, PROBE_MAX = 16, 96
 
 
-def check_base(model, lm_logits: Callable, verify_tree: Callable) -> None:
+def check_forwards(model, lm_logits: Callable, verify_tree: Callable) -> None:
     """Refuse, with one line, a base the decoder would decode differently from its own forward.
     ``lm_logits(model, states)``: the decoder's LM head; ``verify_tree(model, prompt, tokens,
     parents)`` → the decoder's logits at a tree's nodes (its prefill, :func:`~.forward.verify`, LM head). The probe: ``split`` tokens of
@@ -209,7 +209,7 @@ def check_base(model, lm_logits: Callable, verify_tree: Callable) -> None:
 
 
 def checked(model) -> bool:
-    """Whether :func:`check_base` passed for this model object."""
+    """Whether :func:`check_forwards` passed for this model object."""
     return model in _CHECKED
 
 

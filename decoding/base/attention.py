@@ -8,7 +8,7 @@ transformers already avoids the copy by folding the ``n_rep`` query heads of a g
 query axis (``pack_gqa``); this does the same for ``q`` tokens: the group's ``n_rep × q`` query
 rows attend to the group's one key/value head, under the row's mask repeated ``n_rep`` times.
 Same math per query row (bit-identical in float32 on SmolLM2), no cache copy.
-evidence: results/batch
+evidence: results/batch/adaptive_fp32
 
 It is registered through transformers' public ``AttentionInterface`` under
 :data:`PACKED_SDPA` and packs only when the forward was called with ``PACK_FLAG=True`` (the
@@ -58,7 +58,7 @@ def _attend_ragged(module, rows: "RaggedRows", query: torch.Tensor, key: torch.T
     ``s`` slots of every row go in one call over the cache as it is, the slots past ``s`` of
     the few longer rows in a second over their gathered cache rows (:attr:`RaggedRows.split`).
     A query row's softmax never mixes with another's, so the split changes no result.
-    evidence: results/ragged_verify"""
+    evidence: results/attention/ragged_verify"""
     unpacked = rows.unpack(query)  # (B, H, N, D)
     short, long = rows.split
     if long is None:
@@ -208,7 +208,7 @@ class RaggedRows:
 
 
 #: the attention kernel's cost in query row-slots: a row's pass over its cache, gathering a
-#: row's cache for the second call, a call's overhead (evidence: results/ragged_verify)
+#: row's cache for the second call, a call's overhead (evidence: results/attention/ragged_verify)
 ATTENTION_ROW_PASS, ATTENTION_ROW_GATHER, ATTENTION_CALL = 4.0, 2.5, 2.0
 
 

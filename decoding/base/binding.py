@@ -16,7 +16,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from ...heads.content import FingerprintMemo
+from ...core.content import FingerprintMemo
 from .packed import PackedWeight, packed_matmul
 from .plan import PACKED_DTYPES, packing_available, packs
 from .rows import subset_product

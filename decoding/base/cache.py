@@ -80,7 +80,7 @@ def reserved_cache(config):
     (:func:`reserved_layer_class`). Sliding-window layers keep their whole past too: a tree's
     mask cuts each layer's window (:func:`~.architecture.layer_masks`), and the accepted slots
     are moved down the same way in every layer. Other layers (recurrent, ...) stay
-    transformers' own, and such a base is refused (:func:`~.architecture.check_base`)."""
+    transformers' own, and such a base is refused (:func:`~.architecture.check_forwards`)."""
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
 

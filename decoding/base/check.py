@@ -1,11 +1,11 @@
 """Refuse, before any work, a base the decoder cannot verify a tree on exactly as its own forward
-computes (:func:`check_base`, probing one tree through :func:`probe_tree_logits`), and report
+computes (:func:`check_decodable`, probing one tree through :func:`probe_tree_logits`), and report
 what of the base's architecture the decoder honours (:func:`base_report`)."""
 from __future__ import annotations
 
 import torch
 
-from .architecture import architecture_name, attention_layout, check_base as check_architecture, check_structure
+from .architecture import architecture_name, attention_layout, check_forwards, check_structure
 from .architecture import checked, logit_settings
 from .attention import uses_packed_sdpa
 from .cache import KVState
@@ -13,13 +13,13 @@ from .forward import lm_logits, prefill, ragged_capable, verify
 from .packing import packed_lm_head
 
 
-def check_base(model, probe: bool = True) -> None:
+def check_decodable(model, probe: bool = True) -> None:
     """Refuse, before any work, a base the decoder cannot verify a tree on exactly as its own
-    forward computes (:func:`~.architecture.check_base`: once per model object); ``probe=False``:
+    forward computes (:func:`~.architecture.check_forwards`: once per model object); ``probe=False``:
     only what needs no forward (:func:`~.architecture.check_structure`), before the fast paths
     are set up."""
     if probe:
-        check_architecture(model, lm_logits, probe_tree_logits)
+        check_forwards(model, lm_logits, probe_tree_logits)
     else:
         check_structure(model)
 

@@ -41,8 +41,8 @@ from pathlib import Path
 
 import torch
 
-from ...heads.checkpoint.atomic import atomic_file
-from ...heads.errors import DraftheadsError
+from ...core.atomic import atomic_file
+from ...core.errors import DraftheadsError
 from .hardware import bf16_native, is_x86
 
 SOURCE = Path(__file__).with_name("fewrow.c")
@@ -131,10 +131,10 @@ def first_line(text: str) -> str:
 
 def _compile(compiler: list[str], target: Path) -> None:
     """Build into a temporary file renamed over ``target``
-    (:func:`~draftheads.heads.checkpoint.atomic.atomic_file`): a reader never sees half a library. A
+    (:func:`~draftheads.core.atomic.atomic_file`): a reader never sees half a library. A
     compiler that cannot run or fails is a :class:`CompilerError` naming it and its first line
     of output (an unwritable cache folder stays
-    :func:`~draftheads.heads.errors.cannot_write`'s error)."""
+    :func:`~draftheads.core.errors.cannot_write`'s error)."""
     command = shlex.join(compiler)
     with atomic_file(target) as tmp:
         try:

@@ -12,7 +12,7 @@ import inspect
 
 import torch
 
-from ..fingerprint import lm_head_weight
+from .fingerprint import lm_head_weight
 from .architecture import additive_mask, apply_logit_transforms, attention_layout, decoder_body, layer_masks
 from .attention import PACK_FLAG, RaggedRows, ragged_rows, uses_packed_sdpa
 from .cache import reserved_cache, reserved_layer_class
@@ -61,7 +61,7 @@ def _forward_packed(model, input_ids: torch.Tensor, valid: torch.Tensor, positio
     the causal mask over each row's real tokens, and the cache gets them in their padded places
     (zeros at the padding, which no mask lets anything see). Why: in a batch of one long prompt
     and short ones most of B × T is padding, and the prefill is most of a batched call.
-    Returns hidden states (B, T, d), zeros at the padding. evidence: results/packed_prefill"""
+    Returns hidden states (B, T, d), zeros at the padding. evidence: results/attention/packed_prefill"""
     rows = RaggedRows.from_slots(valid)
     length = valid.shape[1]
     causal = torch.ones(length, length, dtype=torch.bool, device=valid.device).tril()

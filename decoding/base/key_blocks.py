@@ -12,7 +12,7 @@ a few hundred differed in the last bit of the kernel's float32 sums (the zeros t
 added). Rows are cut in contiguous runs, each one kernel call over the keys from the run's first
 wholly visible block on (views, no copies); the loop groups rows with equal cuts
 (:func:`grouped_order`).
-evidence: results/key_blocks
+evidence: results/attention/key_blocks
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from .mask_memo import mask_memo
 KV_BLOCK = 512
 #: one more kernel call costs about as much as reading this many (row, key) pairs
 #: (bf16 and float32, 2 threads, a run of the decoder's attention: 50-100 µs against ~100 ns a (row, key);
-#: evidence: results/key_blocks)
+#: evidence: results/attention/key_blocks)
 ATTENTION_CALL_KEYS = 768
 
 Runs = tuple[tuple[int, int, int], ...]  # (first row, one past the last row, first key read)

@@ -16,9 +16,10 @@ from pathlib import Path
 
 import torch
 
-from ...heads.errors import DamagedFileError, MissingPathError, UnwritablePathError, cannot_write, one_line
-from ..fingerprint import file_sha256
-from ..limits import DTYPES, DtypeError, check_base_path, parse_dtype
+from ...core.errors import (DamagedFileError, InputTypeError, MissingPathError, UnwritablePathError, cannot_write,
+                             one_line)
+from .fingerprint import file_sha256
+from .dtypes import DTYPES, DtypeError, parse_dtype
 from .architecture import UnsupportedBaseError
 from .hardware import native_cpu_dtypes
 
@@ -268,6 +269,21 @@ def _discard(folder: Path) -> None:
     except OSError:
         return
     shutil.rmtree(aside, ignore_errors=True)
+
+
+def check_base_path(name_or_path: str | None) -> None:
+    """A base that names a local path must exist: refuse it here rather than letting the Hub
+    client try to download a folder name."""
+    if name_or_path is None:
+        return
+    if not isinstance(name_or_path, (str, Path)):
+        raise InputTypeError(f"base_name_or_path must be a path or a Hub id (str), got {type(name_or_path).__name__}.")
+    text = str(name_or_path)
+    looks_local = (text.startswith(("/", "./", "../", "~", ".\\")) or text.endswith(".gguf") or text.count("/") > 1
+                   or isinstance(name_or_path, Path))
+    if looks_local and not Path(text).expanduser().exists():
+        raise MissingPathError(f"base model {text!r} does not exist: pass an existing model directory, a .gguf "
+                                "file, a Hub id already in the local cache, or None for the embedded SmolLM2.")
 
 
 def load_base(name_or_path: str | None = None, gguf_file: str | None = None,

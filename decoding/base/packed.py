@@ -1,12 +1,12 @@
 """A weight's packed copies, kept beside it: the oneDNN-packed copy and the few-row kernel's
 blocked copy (:mod:`.fewrow`), each made on first use and checked against the weight's content
-(:func:`~draftheads.heads.content.content_fingerprint`) before each decoding call; and the one
+(:func:`~draftheads.core.content.content_fingerprint`) before each decoding call; and the one
 product through them (:func:`packed_matmul`) that the plan picks (:mod:`.plan`)."""
 from __future__ import annotations
 
 import torch
 
-from ...heads.content import FingerprintMemo, fingerprint_of
+from ...core.content import FingerprintMemo, fingerprint_of
 from .fewrow import block_weight, fewrow_linear
 from .plan import PLAN, fewrow_applies, packs
 
@@ -23,7 +23,7 @@ def tensor_key(weight: torch.Tensor) -> tuple:
 class PackedWeight:
     """A weight's oneDNN-packed copy and its few-row kernel copy, each made on first use and kept
     with the fingerprint of the content it was made from
-    (:func:`~draftheads.heads.content.content_fingerprint`). A copy is remade when the weight is
+    (:func:`~draftheads.core.content.content_fingerprint`). A copy is remade when the weight is
     another tensor or was changed through autograd (:func:`tensor_key`, checked on every use, for
     free), and dropped by :meth:`drop_stale` — called before each decoding call — when the
     content changed any other way."""

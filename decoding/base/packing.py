@@ -14,10 +14,10 @@ from typing import Iterable, Iterator
 
 import torch
 
-from ...heads.checkpoint.atomic import write_text_atomic
-from ...heads.content import FingerprintMemo
-from ...heads.errors import UnwritablePathError
-from ..fingerprint import lm_head_weight
+from ...core.atomic import write_text_atomic
+from ...core.content import FingerprintMemo
+from ...core.errors import UnwritablePathError
+from .fingerprint import lm_head_weight
 from .architecture import decoder_body
 from .attention import packed_attention
 from .binding import fuse_siblings, packed_forward, packed_linears, refresh_linears, release_linears, wearing

@@ -104,7 +104,7 @@ def _best_ms(fn, reps: int) -> float:
 #: CPU's last-level cache, so a product reads its weight from memory as in decoding, where a
 #: base's weights (212-424 MB for SmolLM2) stream past between two uses of one. Timed warm in
 #: cache instead, the compute-bound paths win at 4-7 rows where the memory-bound few-row kernel
-#: is faster in decoding. evidence: results/packing_regime
+#: is faster in decoding. evidence: results/cpu_classes/packing_regime
 STREAM_BYTES = 128 << 20
 
 #: what a timing's footprint counts (a cache timed under another rule is measured again): every

@@ -7,8 +7,8 @@ import functools
 import torch
 from torch import nn
 
-from ...heads.kept import kept
-from ...heads.content import FingerprintMemo, fingerprint_of
+from ...core.kept import kept
+from ...core.content import FingerprintMemo, fingerprint_of
 from .packed import PackedWeight, packed_matmul, tensor_key
 from .plan import PLAN, ROW_BUCKETS, packs, row_bucket, shape_key
 

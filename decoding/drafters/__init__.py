@@ -17,22 +17,23 @@ from .registry import (REGISTRY, SourceSpec, lookup_names, needing, register, so
                        unregister)
 from .candidates import CandidateBatch, Candidates
 from .tries import count_rows, count_trie, merge, merge_rows, select, select_rows
-from .context_source import CONTEXT, ContextConfig, ContextSource, NgramIndex, SuffixAutomaton
+from .sources.context_source import CONTEXT, ContextConfig, ContextSource, NgramIndex, SuffixAutomaton
 from .hitrate import HitRate, HitRateConfig, default_q
-from .step_trees import StepTrees, children_table
+from ..step_trees import StepTrees, children_table
 from .choice import (STORE_NAME, auto_sources, build_drafter, check_review, check_store_argument, open_store,
                      parse_sources)
-from .heads_drafter import HEADS, HeadsDrafter, heads_batch
+from .sources.heads_source import HEADS
+from .heads_drafter import HeadsDrafter, heads_batch
 from .lookup import LookupConfig, LookupSources
 from .merged import LookupDrafter, MergedDrafter
 from .interface import Drafter, DraftState, LookupSource, plain_step
 from .review import review
 from .width import WidthChooser
 from .worth import HeadsWorth
-from .stats import STATS, BigramTable, StatsConfig, StatsSource
+from .sources.stats_source import STATS, BigramTable, StatsConfig, StatsSource
 from .store import (ModelStore, StoreConfig, StoreError, StoreHeader, TokenizerIdentity, build_arrays, save_store,
                     tokenizer_identity)
-from .store_source import STORE, StoreSource
+from .sources.store_source import STORE, StoreSource
 from .sources import BUILT_IN  # importing it registers them
 
 __all__ = ["auto_sources", "BigramTable", "BUILT_IN", "build_arrays", "build_drafter", "CandidateBatch", "Candidates",

@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from ...heads import DraftHeads
 from ..cost import LINEAR_COST, CostModel
-from ..limits import InputError, InputTypeError
-from .heads_drafter import HEADS, HeadsDrafter
+from ...core.errors import InputError, InputTypeError
+from ..tree import Tree
+from .heads_drafter import HeadsDrafter
+from .sources.heads_source import HEADS
 from .lookup import LookupConfig, LookupSources
 from .merged import MergedDrafter
 from .interface import Drafter
@@ -18,7 +20,7 @@ from .store import ModelStore, StoreError, tokenizer_identity
 from .width import PACKED_PADDING_SHARE, PADDED_SLOT_SHARE, WidthChooser
 
 
-#: the store file a head checkpoint ships beside its weights (``scripts/build_store.py``)
+#: the store file a head checkpoint ships beside its weights (``draftheads store build``)
 STORE_NAME = "lookup_store.safetensors"
 
 
@@ -51,11 +53,15 @@ def check_review(review: bool, sources: Sequence[str]) -> None:
 
 
 def build_drafter(sources: Sequence[str], heads: DraftHeads | None, store=None, cost: CostModel | None = None,
-                  eos_token_id: int | None = None, review: bool = False, packed_ragged: bool = False) -> Drafter:
-    """The drafter for ``sources`` (:func:`parse_sources`): the heads alone → :class:`HeadsDrafter`;
-    any lookup → :class:`MergedDrafter` (with the heads when "heads" is among them).
-    ``packed_ragged``: the base verifies ragged rows packed (:func:`~..base.verifies_ragged`),
-    so the width chooser prices a ragged step's padding at :data:`~.width.PACKED_PADDING_SHARE`."""
+                  eos_token_id: int | None = None, review: bool = False, packed_ragged: bool = False,
+                  heads_tree: Tree | None = None, offer: Callable[[Tree], Tree] | None = None,
+                  per_row: bool = False) -> Drafter:
+    """The drafter for ``sources`` (:func:`parse_sources`): the heads alone → :class:`HeadsDrafter`
+    (filling ``offer``'s larger tree where given); any lookup → :class:`MergedDrafter` (with the
+    heads when "heads" is among them, filling ``heads_tree`` where given; ``per_row``: each row
+    its own node count). ``packed_ragged``: the base verifies ragged rows packed
+    (:func:`~..base.verifies_ragged`), so the width chooser prices a ragged step's padding at
+    :data:`~.width.PACKED_PADDING_SHARE`."""
     if heads is None and needing("heads", sources):
         raise InputError(f"sources include {', '.join(repr(n) for n in needing('heads', sources))} but no head "
                          f"checkpoint was loaded: pass heads_path, or draft with lookups only "
@@ -63,12 +69,12 @@ def build_drafter(sources: Sequence[str], heads: DraftHeads | None, store=None, 
     check_review(review, sources)
     lookups = [s for s in sources if s != HEADS.name]  # LookupSources names any unknown one
     if not lookups:
-        return HeadsDrafter(heads)
+        return HeadsDrafter(heads, offer)
     config = LookupConfig(tuple(spec_of(name).config(eos_token_id=eos_token_id) for name in lookup_names()))
     return MergedDrafter(heads if HEADS.name in sources else None, LookupSources(store, config, sources=lookups),
-                         WidthChooser(cost if cost is not None else LINEAR_COST,
+                         WidthChooser(cost if cost is not None else LINEAR_COST, per_row=per_row,
                                       padding_share=PACKED_PADDING_SHARE if packed_ragged else PADDED_SLOT_SHARE),
-                         review=review)
+                         review=review, heads_tree=heads_tree)
 
 
 def check_store_argument(lookup_store) -> None:
@@ -84,7 +90,7 @@ def open_store(path: str | Path | None, heads: DraftHeads | None, tokenizer, voc
     if path is None:
         folder = heads.checkpoint_dir if heads is not None else None
         if folder is None or not (Path(folder) / STORE_NAME).is_file():
-            raise StoreError(f"No {STORE_NAME} beside the heads ({folder}): build one with `python scripts/build_store.py "
+            raise StoreError(f"No {STORE_NAME} beside the heads ({folder}): build one with `draftheads store build "
                              f"--data <the base's answers.jsonl> --out <heads dir>/{STORE_NAME}` or pass lookup_store=.")
         path = Path(folder) / STORE_NAME
     return ModelStore.open(path, expect=tokenizer_identity(tokenizer) if tokenizer is not None else None,
@@ -96,7 +102,7 @@ def auto_sources(heads: DraftHeads | None, lookup_store: str | Path | None = Non
     the context, and the store and its bigram statistics when there is a store (``lookup_store``,
     or one shipped beside the heads). Faster than the heads alone on every Spec-Bench category:
     the merged tree spends each step's slots on whichever source is likelier to be accepted.
-    evidence: results/bench_drafts_bf16"""
+    evidence: results/drafting_sources/bench_drafts_bf16"""
     folder = heads.checkpoint_dir if heads is not None else None
     has_store = lookup_store is not None or (folder is not None and (folder / STORE_NAME).is_file())
     return available((["heads"] if heads is not None else []) + (["store"] if has_store else []))

@@ -1,6 +1,6 @@
 """The heads as a drafter: they fill the policy's tree — the same shape for every row, or each
 row's best nodes of a larger tree the heads offer (a dynamic tree) — and the heads as a draft
-source of the registry (:data:`HEADS`)."""
+source of the registry (:data:`~.sources.heads_source.HEADS`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -11,11 +11,11 @@ import torch
 
 from ...heads import DraftHeads
 from ..tree import Tree
-from .candidates import CandidateBatch, path_products
+from .candidates import CandidateBatch, path_products, step_trees
 from .hitrate import HitRate
-from .step_trees import StepTrees
+from ..step_trees import StepTrees
 from .interface import DraftState, plain_step
-from .registry import SourceSpec, source_id
+from .registry import source_id
 from .tries import select_rows
 
 if TYPE_CHECKING:
@@ -50,13 +50,18 @@ class HeadsDrafter:
             return StepTrees.uniform(tree, self.heads.propose(state.hidden, state.roots, tree.spec))
         offer = self.offer(tree).fitting(min(state.room))
         self._proposed = select_rows(heads_tries(self.heads, state, offer, self.hitrate), tree.num_nodes - 1)
-        return StepTrees.from_candidates(state.roots, self._proposed, chosen=tree)
+        return step_trees(state.roots, self._proposed, chosen=tree)
 
-    def observe(self, drafts: StepTrees, result: Acceptance, rows: Sequence[int]) -> None:
+    def max_nodes(self, tree_nodes: int) -> int:
+        """The most slots a row's step verifies under a policy tree of ``tree_nodes``: that tree's
+        (a dynamic step keeps as many of the offer's nodes)."""
+        return tree_nodes
+
+    def observe(self, trees: StepTrees, result: Acceptance, rows: Sequence[int]) -> None:
         """A dynamic step's accepted drafts calibrate the heads' hit rates (the policy observes
         acceptance itself)."""
         if self._proposed is not None:
-            self.hitrate.observe_rows(rows, self._proposed, drafts.accepted_tokens(result.path, result.accepted))
+            self.hitrate.observe_rows(rows, self._proposed, trees.accepted_tokens(result.path, result.accepted))
 
 
 def heads_tries(heads: DraftHeads, state: DraftState, tree: Tree, hitrate: HitRate) -> CandidateBatch:
@@ -83,13 +88,3 @@ def heads_batch(tree: Tree, tokens: torch.Tensor, probs: torch.Tensor) -> Candid
     return CandidateBatch(batch, row, parent, tokens[:, 1:].cpu().numpy().astype(np.int64).reshape(-1), depth,
                           path_products(share, parent, depth), np.full(row.size, source_id("heads"), dtype=np.int8),
                           depth.astype(np.int16), share)
-
-
-def heads_prior(bucket: int) -> float:
-    """The heads' probabilities start at face value (their calibration is learned per depth)."""
-    return 1.0
-
-
-#: the heads as a draft source: they need a head checkpoint and draft from hidden states (the
-#: merged drafter calls them itself, so no per-row source)
-HEADS = SourceSpec("heads", heads_prior, needs=("heads",))

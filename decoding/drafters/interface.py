@@ -2,7 +2,7 @@
 
 A :class:`Drafter` sees each live row's state (:class:`DraftState`) and the policy's tree (its
 node budget, and the shape the heads fill) and returns one tree per row
-(:class:`~.step_trees.StepTrees`); after the verification it hears what each row accepted. A
+(:class:`~..step_trees.StepTrees`); after the verification it hears what each row accepted. A
 :class:`LookupSource` is one row's lookup source (context, store, statistics, or any other
 registered in :mod:`.registry`): it hears the row's new tokens and proposes a scored candidate
 trie.
@@ -19,9 +19,9 @@ import torch
 
 from ..tree import Tree, chain_tree
 from .candidates import Candidates
-from .step_trees import StepTrees
+from ..step_trees import StepTrees
 
-if TYPE_CHECKING:  # the acceptance rules read drafts (accept → drafters.step_trees): no run-time import back
+if TYPE_CHECKING:  # the result a drafter observes: a type only
     from ..accept import Acceptance
 
 
@@ -44,7 +44,12 @@ class Drafter(Protocol):
 
     def propose(self, state: DraftState, tree: Tree) -> StepTrees: ...
 
-    def observe(self, drafts: StepTrees, result: Acceptance, rows: Sequence[int]) -> None: ...
+    def max_nodes(self, tree_nodes: int) -> int:
+        """The most slots (root included) a row's step may verify when the policy's trees have at
+        most ``tree_nodes``: the memory check prices this, not the policy's tree."""
+        ...
+
+    def observe(self, trees: StepTrees, result: Acceptance, rows: Sequence[int]) -> None: ...
 
 
 def plain_step(roots: torch.Tensor) -> StepTrees:

@@ -68,7 +68,7 @@ class LookupSources:
             names = " and ".join(repr(n) for n in needing("store", lookup_names()))
             rest = " or ".join(repr(n) for n in lookup_names() if not needing("store", [n]))
             raise ValueError(f"The {names} lookup sources need a model store: build one with "
-                             "`python scripts/build_store.py --data <the base's answers.jsonl> --out <heads dir>/"
+                             "`draftheads store build --data <the base's answers.jsonl> --out <heads dir>/"
                              f"lookup_store.safetensors`, or draft with {rest} only.")
         self.store, self.config, self.sources = store, config, tuple(sources)
         self.specs = [spec_of(name) for name in self.sources]

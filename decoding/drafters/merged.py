@@ -15,8 +15,8 @@ import numpy as np
 from ...heads import DraftHeads
 from ..cost import LINEAR_COST
 from ..tree import Tree
-from .candidates import CandidateBatch
-from .step_trees import StepTrees
+from .candidates import CandidateBatch, step_trees
+from ..step_trees import StepTrees
 from .heads_drafter import heads_tries
 from .lookup import LookupConfig, LookupSources
 from .interface import DraftState
@@ -72,6 +72,13 @@ class MergedDrafter:
             self.lookup.start(row, prompt)
             self._seen[row] = 0
 
+    def max_nodes(self, tree_nodes: int) -> int:
+        """The most slots a row's step verifies under a policy tree of ``tree_nodes``, root
+        included: the heads' tree (their larger offer where set) and the lookups' nodes, cut at
+        the width chooser's widest — more than the policy's tree (:meth:`propose`'s budget)."""
+        offered = self.heads_tree.num_nodes if self.heads_tree is not None and tree_nodes > 1 else tree_nodes
+        return min(self.width.max_nodes, offered + self.lookup_nodes)
+
     def propose(self, state: DraftState, tree: Tree) -> StepTrees:
         if self.heads_tree is not None and tree.num_nodes > 1:  # a plain step stays plain
             tree = self.heads_tree
@@ -113,7 +120,7 @@ class MergedDrafter:
             width, keep = (priced[0], priced[0] - 1) if priced and not self.width.per_row else self._cut(tries, kv_len)
         # best-first order: each row's first nodes (width − 1, or its own count) are a prefix-closed tree
         self._proposed = tries.first(keep)
-        return StepTrees.from_candidates(state.roots, self._proposed)
+        return step_trees(state.roots, self._proposed)
 
     def _count_heads_step(self, proposed: bool) -> None:
         """A step the heads could draft in: they proposed, or their worth check skipped them."""
@@ -136,7 +143,7 @@ class MergedDrafter:
         where rows take their own node counts (``width.per_row``); None at one row, with
         ``width.finish_power`` 0, or with one width for every row: there the weights moved
         nothing but the width and decoded no faster, while per-row counts gain from them.
-        evidence: results/batch_drafting_bf16_v4"""
+        evidence: results/batch/batch_drafting_bf16_v4"""
         if len(state.rows) < 2 or not self.width.finish_power or not self.width.per_row:
             return None
         emitted = [len(state.generated[row]) for row in state.rows] if state.generated else [1] * len(state.rows)
@@ -152,9 +159,9 @@ class MergedDrafter:
         counts = self.width.counts(tries, kv_len, self._weights)
         return 1.0 + float(counts.sum()) / max(tries.rows, 1), counts
 
-    def observe(self, drafts: StepTrees, result: Acceptance, rows: Sequence[int]) -> None:
+    def observe(self, trees: StepTrees, result: Acceptance, rows: Sequence[int]) -> None:
         """Each row's accepted drafts calibrate the hit rates of the sources that proposed them."""
-        accepted = drafts.accepted_tokens(result.path, result.accepted)
+        accepted = trees.accepted_tokens(result.path, result.accepted)
         self.lookup.observe_rows(rows, self._proposed, accepted)
         self.worth.observe(accepted, result.bonus)
 

@@ -8,7 +8,7 @@ most-recent-first into one uint64 (``bits`` per token, the all-ones digit markin
 answer's start"); ``keys`` is sorted and ``positions`` holds the matching j. The suffix of
 length m ≤ n of a history then owns one contiguous key range (its m digits on top), found by
 two binary searches: longest match first costs ≤ 2n ``searchsorted`` calls on a mapped
-array. ``bigram_next``/``bigram_prob`` (V,) is the statistics table (:mod:`.stats`) built from
+array. ``bigram_next``/``bigram_prob`` (V,) is the statistics table (:mod:`.sources.stats_source`) built from
 the same tokens. The header (safetensors ``__metadata__``) records the format version, the
 tokenizer identity (vocab size + SHA-256 of its vocab), n, the build date and the source.
 """
@@ -25,8 +25,8 @@ from typing import Sequence
 
 import numpy as np
 
-from ...heads.checkpoint.atomic import atomic_file
-from ...heads.errors import DraftheadsError
+from ...core.atomic import atomic_file
+from ...core.errors import DraftheadsError
 from ..base.hardware import available_ram_bytes
 
 FORMAT = "draftheads-lookup-store"
@@ -34,7 +34,7 @@ FORMAT_VERSION = 1
 SEPARATOR = -1
 _DTYPES = {"I32": np.int32, "U64": np.uint64, "F32": np.float32}
 _NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
-FIX = "rebuild it with `python scripts/build_store.py --data <answers.jsonl> --out <store.safetensors>`"
+FIX = "rebuild it with `draftheads store build --data <answers.jsonl> --out <store.safetensors>`"
 
 
 class StoreError(DraftheadsError, ValueError):
@@ -287,7 +287,7 @@ class ModelStore:
             raise StoreError(f"{path} was built for another tokenizer (vocab {header.vocab_size}, sha256 "
                              f"{header.vocab_sha256[:12]}…; this base's is vocab {expect.vocab_size}, "
                              f"{expect.vocab_sha256[:12]}…): its token ids mean other words here; rebuild it from "
-                             f"this base's answers with `python scripts/build_store.py --data <answers.jsonl> --out {path}`.")
+                             f"this base's answers with `draftheads store build --data <answers.jsonl> --out {path}`.")
         if header.tokens == 0 or layout["keys"]["shape"][0] == 0:
             raise StoreError(f"{path} is an empty store (no answer tokens); {FIX} from data with answers.")
         _check_header(path, header, layout)

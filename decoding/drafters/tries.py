@@ -4,7 +4,7 @@ once: a handful of array operations per step, however many rows), with one-row f
 (:func:`count_trie`, :func:`merge`, :func:`select`) that run the same code on a batch of one.
 
 Why arrays and not a dict per node: a step's drafting must not grow with its rows in Python,
-or at a large batch it eats what the lookups' extra τ saves. evidence: results/drafting_phases
+or at a large batch it eats what the lookups' extra τ saves. evidence: results/drafting_sources/drafting_phases
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ import numpy as np
 
 from ..cost import LINEAR_COST, CostModel
 from .candidates import CandidateBatch
-from .step_trees import SKIP_PADDING_SLOTS
+from ..step_trees import SKIP_PADDING_SLOTS
 
 
 #: how steeply a row's worth falls as its projected finish moves ahead of the batch's last
@@ -18,11 +18,11 @@ FINISH_POWER = 8
 
 #: what a padding slot left out of the linear layers still costs, as a share of a computed one
 #: (attention, norms, the gather and scatter): the share at which whole per-row runs' steps that
-#: skip padding take what they are priced at, as one-width steps do. evidence: results/ragged_verify
+#: skip padding take what they are priced at, as one-width steps do. evidence: results/attention/ragged_verify
 PADDED_SLOT_SHARE = 0.55
 #: what a padding slot of a ragged step costs when the base verifies the rows packed
 #: (:class:`~..attention.RaggedRows`: only attention sees the padding), priced against the
-#: one-width steps of the same run. evidence: results/ragged_verify
+#: one-width steps of the same run. evidence: results/attention/ragged_verify
 PACKED_PADDING_SHARE = 0.2
 
 
@@ -62,7 +62,7 @@ class WidthChooser:
 
         The step is priced at the slots it computes plus what its padding still costs: rows
         are padded to the widest, and where the padding is left out of the linear layers
-        (:meth:`~.step_trees.StepTrees.skips_padding`) a padding slot still costs about
+        (:meth:`~..step_trees.StepTrees.skips_padding`) a padding slot still costs about
         :data:`PADDED_SLOT_SHARE` of a real one (attention, norms, the gather and scatter).
 
         ``weights`` (B,): what a token of each row is worth (:func:`finish_weights`; None: 1

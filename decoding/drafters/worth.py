@@ -83,7 +83,7 @@ def reach(tree: Candidates, tokens: Sequence[int]) -> int:
 
 #: how many of the heads' latest proposal times their cost estimate is the median of: a cold
 #: first call (a kernel built per new row count, many warm calls' time) must not price the
-#: heads out for dozens of steps. evidence: results/drafting_phases
+#: heads out for dozens of steps. evidence: results/drafting_sources/drafting_phases
 HEADS_MS_WINDOW = 9
 
 
@@ -104,7 +104,7 @@ class HeadsWorth:
     #: the most live rows at which the heads' proposal is weighed against its cost (above: the
     #: heads always propose). In a batch the rows without a lookup match set how many steps it
     #: takes, and the heads are what drafts for them: skipping the heads for the batch as a whole
-    #: costs those rows their drafts and the batch steps. evidence: results/batch_drafting_bf16_v4
+    #: costs those rows their drafts and the batch steps. evidence: results/batch/batch_drafting_bf16_v4
     weigh_up_to: int = 1
     ms: float | None = None
     gain: float | None = None

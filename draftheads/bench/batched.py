@@ -16,7 +16,7 @@ from ..decoding.loop import FirstTokenClock, decode_rate
 from ..decoding.output import generated_counts
 from ..decoding.request import left_pad
 from ..plots import plot_surface, plot_throughput
-from .runs import config_drafter, drafting, keep_fastest, model_state, rotated, run_meta, timed
+from .runs import config_model, keep_fastest, rotated, run_meta, timed
 from .summary import batch_size_result, new_tally, policy_on_surfaces, strategy_table, tally
 
 
@@ -79,15 +79,14 @@ class BatchBench:
     eos: set[int]
     cost: object  # the calibrated CostModel
     adaptive: object  # the AdaptivePolicy over the compared budgets
-    policies: dict  # strategy name → its tree policy
-    drafters: dict  # "adaptive+<sources>" → its drafter (absent: the heads alone)
+    models: dict  # strategy name → a light model decoding that way (``with_decoding``), "hf" aside
     names: list[str]
 
     @classmethod
     def prepare(cls, model, budgets: list[int], compare_mask: bool, sources: Sequence[str] | None, review: bool,
                 log=print, recalibrate: bool = False) -> "BatchBench":
-        """Calibrate, build every strategy's policy and drafter. Sets ``model.policy`` (callers
-        restore the model with :func:`~.runs.model_state`)."""
+        """Calibrate, then build every strategy as a light model over ``model``'s base and heads
+        (its policy, drafter and finished-row handling); ``model`` itself is not changed."""
         from ..decoding.calibration import calibrate
         from ..decoding.policy import AdaptivePolicy, FixedTree, tree_for_budget
         from ..decoding.request import eos_token_ids
@@ -100,32 +99,29 @@ class BatchBench:
         adaptive = AdaptivePolicy.from_heads(model.heads, cost, budgets=budgets)
         policies = {f"fixed:{b}": FixedTree(tree_for_budget(model.heads, b)) for b in budgets}
         policies["adaptive"] = policies["adaptive:mask"] = adaptive
-        model.policy = adaptive  # the drafters below size their trees with its cost model
-        drafters = {}
-        with drafting(model, model.drafter):  # configuration name → its drafter
-            for combo in batch_draft_combos(sources, review) if sources else []:
-                name = "+".join(combo)
-                drafters[name] = config_drafter(model, combo)
-                if "heads" in combo and combo[-1] != "review":  # the same drafting, each row its own node count
-                    drafters[name + PER_ROW] = config_drafter(model, combo)
-                    drafters[name + PER_ROW].width.per_row = True
-        names = strategy_names(budgets, compare_mask and not sources, list(drafters))
-        return cls(model, pad, eos, cost, adaptive, policies, drafters, names)
+        models = {name: model.with_decoding(tree=policy, sources="heads",
+                                            finished_rows="mask" if name.endswith(":mask") else "shrink")
+                  for name, policy in policies.items()}
+        drafting = []  # configuration names with lookups; their drafters size trees with the adaptive policy's costs
+        for combo in batch_draft_combos(sources, review) if sources else []:
+            name = "+".join(combo)
+            drafting.append(name)
+            models["adaptive+" + name] = config_model(model, combo, tree=adaptive)
+            if "heads" in combo and combo[-1] != "review":  # the same drafting, each row its own node count
+                drafting.append(name + PER_ROW)
+                models["adaptive+" + name + PER_ROW] = config_model(model, combo, tree=adaptive, per_row_counts=True)
+        names = strategy_names(budgets, compare_mask and not sources, drafting)
+        return cls(model, pad, eos, cost, adaptive, models, names)
 
     def run(self, name: str, ids: torch.Tensor, mask: torch.Tensor, new: int):
         """One strategy on one batch: (its output, its DecodingStats (None for HF), its prefill seconds)."""
-        model = self.model
         if name == "hf":
             clock, started = FirstTokenClock(), time.perf_counter()
-            out = model.base.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
-                                      pad_token_id=self.pad, logits_processor=[clock])
+            out = self.model.base.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
+                                           pad_token_id=self.pad, logits_processor=[clock])
             return out, None, clock.since(started)
-        model.policy = self.policies.get(name, self.adaptive)
-        finished_rows = "mask" if name.endswith(":mask") else "shrink"
-        if model.decoding.finished_rows != finished_rows:
-            model.decoding = model.decoding.replace(finished_rows=finished_rows)
-        with drafting(model, self.drafters.get(name.removeprefix("adaptive+"))):  # None: the heads alone
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=new, pad_token_id=self.pad)
+        model = self.models[name]
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new, pad_token_id=self.pad)
         return out, model.last_stats, model.last_stats.prefill_seconds
 
     def warm_up(self, rows: list[list[int]]) -> None:
@@ -185,22 +181,21 @@ def run_batch_bench(model, prompts: list[dict], batch_sizes: list[int], budgets:
     saved too). The adaptive policy chooses among exactly the compared budgets, so "best fixed
     tree" is the best of its own options. With ``sources`` (source names) the adaptive policy
     with the heads alone runs against the same policy with lookups (:func:`batch_draft_combos`),
-    whose merged trees are sized by its cost model. The model's policy, drafter and
-    finished-row handling are as they were afterwards."""
+    whose merged trees are sized by its cost model. The model is not changed (each strategy is a
+    light model over its base and heads)."""
     from ..prompts import chat_input
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    with model_state(model):
-        bench = BatchBench.prepare(model, budgets, compare_mask, sources, review, log, recalibrate)
-        encoded = [chat_input(model.tokenizer, p["prompt"])[0].tolist() for p in prompts]
-        bench.warm_up(encoded[:2])
-        results: dict = {}
-        for bs in batch_sizes:
-            batches = batches_of(encoded, bs, max_batches)
-            if not batches:
-                log(f"bs {bs}: fewer than {bs} prompts, skipped (raise --limit)")
-                continue
-            results[str(bs)] = bench.batch_size(batches, max_new_tokens, repeats, log)
+    bench = BatchBench.prepare(model, budgets, compare_mask, sources, review, log, recalibrate)
+    encoded = [chat_input(model.tokenizer, p["prompt"])[0].tolist() for p in prompts]
+    bench.warm_up(encoded[:2])
+    results: dict = {}
+    for bs in batch_sizes:
+        batches = batches_of(encoded, bs, max_batches)
+        if not batches:
+            log(f"bs {bs}: fewer than {bs} prompts, skipped (raise --limit)")
+            continue
+        results[str(bs)] = bench.batch_size(batches, max_new_tokens, repeats, log)
     cost = bench.cost
     payload = {"meta": run_meta(meta, model.base, max_new_tokens=max_new_tokens, batch_sizes=batch_sizes,
                                 budgets=budgets, repeats=repeats, calibration_seconds=cost.meta.get("seconds")),

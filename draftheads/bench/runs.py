@@ -1,11 +1,10 @@
-"""What every bench shares: timed runs of transformers and of draftheads, the drafting
-configurations, and :func:`model_state`, which puts back whatever a bench changed on the model."""
+"""What every bench shares: timed runs of transformers and of draftheads, and the drafting
+configurations, each a light model over the same base and heads
+(:meth:`~draftheads.decoding.DraftHeadsModel.with_decoding`): a bench never changes the model it is given."""
 from __future__ import annotations
 
 import platform
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 
@@ -86,8 +85,8 @@ def eos_ids(base) -> list[int]:
 def draft_configs(model, sources: tuple[str, ...], review: bool = False) -> dict[str, object]:
     """The bench's drafting configurations for ``sources`` (``--sources``): each source alone, the
     lookups together (the Hierarchy Drafting hierarchy), with ``review`` every source merged
-    under the vertical cascade, and every source merged (last: the headline). name → a drafter
-    for ``model.drafter`` (None: the heads alone)."""
+    under the vertical cascade, and every source merged (last: the headline). name → a light
+    model drafting that way (:func:`config_model`)."""
     from ..decoding.drafters import parse_sources
 
     sources = parse_sources(sources)
@@ -99,8 +98,7 @@ def draft_configs(model, sources: tuple[str, ...], review: bool = False) -> dict
         wanted.append(sources)
     if review:
         wanted.insert(len(wanted) - 1, sources + ("review",))
-    with drafting(model, model.drafter):
-        return {"+".join(combo): config_drafter(model, combo) for combo in wanted}
+    return {"+".join(combo): config_model(model, combo) for combo in wanted}
 
 
 #: the name ``--parts`` gives the model's own drafting (the summary compares it with the others)
@@ -111,66 +109,30 @@ TWIN_CONFIG = "twin"
 
 def part_configs(model, twin: bool = False) -> dict[str, object]:
     """The default drafting beside its parts (``--parts``): the heads alone, the lookups alone
-    (together) and the model's own drafter, last (the headline). What the default must show:
-    it is never much slower than the better of its parts. ``twin``: also a second drafter of
-    the default's very sources and settings, which learns on its own: how far two identical
+    (together) and the model itself, last (the headline). What the default must show: it is
+    never much slower than the better of its parts. ``twin``: also a second model of the
+    default's very sources and settings, whose drafter learns on its own: how far two identical
     configurations read apart in the same run is the noise floor of that comparison."""
     sources = tuple(model.sources)
     lookups = tuple(s for s in sources if s != "heads")
-    own = model.drafter
-    with drafting(model, own):
-        configs = {"+".join(combo): config_drafter(model, combo) for combo in (("heads",), lookups)
-                   if combo and combo != sources}
-        if twin:
-            configs[TWIN_CONFIG] = config_drafter(model, sources)
-    return {**configs, DEFAULT_CONFIG: own}
+    configs = {"+".join(combo): config_model(model, combo) for combo in (("heads",), lookups)
+               if combo and combo != sources}
+    if twin:
+        configs[TWIN_CONFIG] = config_model(model, sources)
+    return {**configs, DEFAULT_CONFIG: model}
 
 
-def config_drafter(model, combo: tuple[str, ...]):
-    """The drafter of one bench configuration: source names, a trailing "review" for the
-    vertical cascade. Sets ``model.drafter`` (callers restore theirs with :func:`drafting`)."""
+def config_model(model, combo: tuple[str, ...], **options):
+    """A light model over ``model``'s base and heads drafting with one bench configuration: source
+    names, a trailing "review" for the vertical cascade; ``options``: more decoding options."""
     reviewed = combo[-1] == "review"
-    model.use_sources(combo[:-1] if reviewed else combo, review=reviewed)
-    return model.drafter
-
-
-@contextmanager
-def drafting(model, drafter) -> Iterator[None]:
-    """``model`` drafts with ``drafter`` inside the block; its own drafter is back afterwards."""
-    own, model.drafter = model.drafter, drafter
-    try:
-        yield
-    finally:
-        model.drafter = own
-
-
-
-#: what a bench may change on a model (tree policy, drafter, its sources, its decoding options:
-#: finished-row handling, the drafting :meth:`~draftheads.decoding.DraftHeadsModel.use_sources` records)
-MODEL_STATE = ("policy", "drafter", "sources", "decoding")
-
-
-@contextmanager
-def model_state(model) -> Iterator[None]:
-    """Whatever the block changes on ``model`` among :data:`MODEL_STATE` is back as it was
-    afterwards, however the block ends (an attribute the model only inherited from its class
-    is inherited again)."""
-    own = vars(model)
-    saved = {name: own[name] for name in MODEL_STATE if name in own}
-    try:
-        yield
-    finally:
-        for name in MODEL_STATE:
-            if name in saved:
-                setattr(model, name, saved[name])
-            else:
-                own.pop(name, None)
+    return model.with_decoding(sources=combo[:-1] if reviewed else combo, review=reviewed, **options)
 
 
 def rotated(names: list[str], shift: int) -> list[str]:
     """The strategies in batch ``shift``'s order: each batch starts one strategy later, so a slow
     spell of a shared machine (tens of seconds) does not always hit the same strategy.
-    evidence: results/ragged_verify/bf16_run1 and bf16_run2 (one step, timed in two runs)."""
+    evidence: results/attention/ragged_verify/bf16_run1 and bf16_run2 (one step, timed in two runs)."""
     k = shift % len(names)
     return names[k:] + names[:k]
 

@@ -19,10 +19,10 @@ import torch
 from ..decoding.guarantee import first_divergence as divergence
 from ..decoding.output import generated_counts
 from ..decoding.request import left_pad
-from ..plots import plot, plot_drafts
-from .runs import (PROMPT_LOOKUP_TOKENS, draft_configs, draftheads_run, draftheads_timing, drafting, eos_ids, hf_greedy,
-                   keep_fastest, model_state, part_configs, rotated, run_meta, run_timing, timed)
-from .summary import group, summarize
+from ..plots import plot, plot_sources
+from .runs import (PROMPT_LOOKUP_TOKENS, draft_configs, draftheads_run, draftheads_timing, eos_ids, hf_greedy,
+                   keep_fastest, part_configs, rotated, run_meta, run_timing, timed)
+from .summary import SOURCES, group, summarize
 
 
 def padded_pair(base, first: torch.Tensor, second: torch.Tensor, max_new_tokens: int, pad: int) -> list[torch.Tensor]:
@@ -46,16 +46,16 @@ def bench_prompt(model, ids: torch.Tensor, max_new_tokens: int, control: bool = 
                  configs: dict[str, object] | None = None, repeats: int = 1,
                  shift: int = 0) -> tuple[dict, torch.Tensor]:
     """One prompt, interleaved: HF plain, draftheads under each drafting configuration (default:
-    the model's own drafter) and (``control``) HF prompt lookup, the one-argument peer — each
+    the model itself; each configuration a light model over its base and heads) and (``control``) HF prompt lookup, the one-argument peer — each
     ``repeats`` times, in an order rotated by ``shift`` (the prompt's index: no entry always
     runs right after another, so a slow spell of a shared machine does not keep hitting the
     same one), keeping each entry's fastest run (greedy output does not depend on timing:
     repeating only filters slow spells). Returns the row and HF's plain output (the
     reference). The last configuration is the row's headline ``draftheads`` entry."""
-    drafters = configs or {"draftheads": model.drafter}
+    drafters = configs or {"draftheads": model}
     runs: dict[str, Callable[[], tuple]] = {HF_ENTRY: lambda: timed(lambda: hf_greedy(model.base, ids, max_new_tokens))}
-    for name, drafter in drafters.items():
-        runs[name] = lambda drafter=drafter: drafted_run(model, drafter, ids, max_new_tokens)
+    for name, variant in drafters.items():
+        runs[name] = lambda variant=variant: draftheads_run(variant, ids, max_new_tokens)
     if control:
         runs[PROMPT_LOOKUP_ENTRY] = lambda: timed(lambda: hf_greedy(
             model.base, ids, max_new_tokens, prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS))
@@ -71,19 +71,13 @@ def bench_prompt(model, ids: torch.Tensor, max_new_tokens: int, control: bool = 
            "draftheads": {k: ours[k] for k in ("new_tokens", "seconds", "tokens_per_second", "tau", "verify_steps")},
            "speedup": ours["speedup"], "mismatch": ours["mismatch"]}
     if configs:
-        row["drafts"] = timings
+        row[SOURCES] = timings
     if control:
         lookup, seconds = best[PROMPT_LOOKUP_ENTRY]
         timing = run_timing(lookup.shape[1] - ids.shape[1], seconds)
         row["prompt_lookup"] = {**timing, "speedup": round(timing["tokens_per_second"] / hf["tokens_per_second"], 4),
                                 "mismatch": divergence(model.base, plain, lookup, ids.shape[1])}
     return row, plain
-
-
-def drafted_run(model, drafter, ids: torch.Tensor, max_new_tokens: int) -> tuple:
-    """:func:`~.runs.draftheads_run` with ``drafter`` filling the trees."""
-    with drafting(model, drafter):
-        return draftheads_run(model, ids, max_new_tokens)
 
 
 def second_turns(model, prompts: list[dict], max_new_tokens: int) -> list[dict]:
@@ -110,9 +104,8 @@ def warm_up(model, configs: dict[str, object] | None, control: bool) -> None:
 
     warm = chat_input(model.tokenizer, "Hello!")
     hf_greedy(model.base, warm, 8)
-    for drafter in (configs or {"own": model.drafter}).values():
-        with drafting(model, drafter):
-            model.generate(warm, max_new_tokens=8)
+    for variant in (configs or {"own": model}).values():
+        variant.generate(warm, max_new_tokens=8)
     if control:
         hf_greedy(model.base, warm, 8, prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS)
 
@@ -127,7 +120,7 @@ def prompt_ids(tokenizer, item: dict) -> torch.Tensor:
 
 def log_row(log, row: dict, index: int, total: int, control: bool) -> None:
     lookup = f"  lookup {row['prompt_lookup']['speedup']:.2f}x" if control else ""
-    each = "".join(f"  {name} {r['speedup']:.2f}x τ={r['tau']:.2f}" for name, r in row.get("drafts", {}).items())
+    each = "".join(f"  {name} {r['speedup']:.2f}x τ={r['tau']:.2f}" for name, r in row.get(SOURCES, {}).items())
     log(f"[{index}/{total}] id={row['id']} {row['category']} "
         f"hf {row['hf']['tokens_per_second']:.1f} tok/s  ours {row['draftheads']['tokens_per_second']:.1f} "
         f"tok/s  τ={row['draftheads']['tau']:.2f}  speedup {row['speedup']:.2f}x{lookup}{each}"
@@ -165,28 +158,27 @@ def run_bench(model, prompts: list[dict], max_new_tokens: int, out_dir: Path, me
     too. ``parts``: the model's own drafting beside its parts, the heads alone and the lookups
     alone (:func:`~.runs.part_configs`; ``twin``: and a second default drafter, the A/A control).
     ``repeats``: each prompt's entries run that many times,
-    the fastest counted (:func:`bench_prompt`). The model's drafter and sources are as they were afterwards."""
+    the fastest counted (:func:`bench_prompt`). The model is not changed (each configuration is a light model)."""
     base = model.base
     out_dir.mkdir(parents=True, exist_ok=True)
-    with model_state(model):
-        configs = draft_configs(model, sources, review) if sources else (part_configs(model, twin) if parts else None)
-        warm_up(model, configs, control)
-        if turn2:
-            prompts = prompts + second_turns(model, prompts, max_new_tokens)
-        pad = base.generation_config.pad_token_id if base.generation_config.pad_token_id is not None else eos_ids(base)[0]
-        rows: list[dict] = []
-        for start in range(0, len(prompts), 2):
-            rows += bench_pair(model, prompts[start: start + 2], max_new_tokens, control, configs, pad, log, start,
-                               len(prompts), repeats)
-        tree_nodes = model.policy.choose(1, 0).num_nodes
+    configs = draft_configs(model, sources, review) if sources else (part_configs(model, twin) if parts else None)
+    warm_up(model, configs, control)
+    if turn2:
+        prompts = prompts + second_turns(model, prompts, max_new_tokens)
+    pad = base.generation_config.pad_token_id if base.generation_config.pad_token_id is not None else eos_ids(base)[0]
+    rows: list[dict] = []
+    for start in range(0, len(prompts), 2):
+        rows += bench_pair(model, prompts[start: start + 2], max_new_tokens, control, configs, pad, log, start,
+                           len(prompts), repeats)
+    tree_nodes = model.policy.choose(1, 0).num_nodes
     overall = summarize(rows)
     by_category = {c: summarize([r for r in rows if group(r) == c]) for c in dict.fromkeys(group(r) for r in rows)}
     results = {"meta": run_meta(meta, base, max_new_tokens=max_new_tokens, prompts=len(rows),
                                 cpu_capability=torch.backends.cpu.get_cpu_capability(), tree_nodes=tree_nodes,
-                                default_drafts=list(model.sources), drafts=list(configs) if configs else None),
+                                default_sources=list(model.sources), sources=list(configs) if configs else None),
                "overall": overall, "by_category": by_category, "per_prompt": rows}
     (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     plot(rows, overall, out_dir / "results.png")
     if configs:
-        plot_drafts(results, out_dir / "drafts.png")
+        plot_sources(results, out_dir / "sources.png")
     return results

@@ -7,6 +7,38 @@ from pathlib import Path
 from ..decoding.loop import decode_rate, ms_per_step, tau
 from .runs import DEFAULT_CONFIG, TWIN_CONFIG
 
+#: the key a bs-1 bench writes its source configurations under: in each prompt's row and each
+#: summary (name → timing), in ``meta`` (the names timed) and ``meta["default_sources"]`` (the
+#: model's own sources). Runs written before the rename used ``drafts`` / ``default_drafts``:
+#: every reader goes through :func:`with_sources`.
+SOURCES, DEFAULT_SOURCES = "sources", "default_sources"
+OLD_KEYS = {"drafts": SOURCES, "default_drafts": DEFAULT_SOURCES}
+
+
+def renamed(entry: dict) -> dict:
+    """``entry`` with its old keys under their new names. An old key wins over the new one beside
+    it: in an old run's ``meta``, ``sources`` is the command's ``--sources`` and ``drafts`` the
+    names timed, which the bench now writes as ``sources``."""
+    if not OLD_KEYS.keys() & entry.keys():
+        return entry
+    return {**{k: v for k, v in entry.items() if k not in OLD_KEYS},
+            **{OLD_KEYS[k]: v for k, v in entry.items() if k in OLD_KEYS}}
+
+
+def with_sources(results: dict) -> dict:
+    """A bench's ``results.json`` payload, old (``drafts``) or new (``sources``), with the source
+    configurations under :data:`SOURCES` in ``meta``, ``overall``, ``by_category`` and
+    ``per_prompt`` (a batched run's payload: in ``meta``). ``results`` is not changed."""
+    out = dict(results)
+    for key in ("meta", "overall"):
+        if isinstance(out.get(key), dict):
+            out[key] = renamed(out[key])
+    if isinstance(out.get("by_category"), dict):
+        out["by_category"] = {name: renamed(s) for name, s in out["by_category"].items()}
+    if isinstance(out.get("per_prompt"), list):
+        out["per_prompt"] = [renamed(row) for row in out["per_prompt"]]
+    return out
+
 
 def group(row: dict) -> str:
     from ..prompts import group_of
@@ -59,10 +91,10 @@ def summarize(rows: list[dict]) -> dict:
             "draftheads_vs_prompt_lookup": round(our_tps / (lookup_tokens / lookup_seconds), 4),
             "mismatching_prompts": len(control), "divergence_gaps_ulps": [m["gap_ulps"] for m in control],
             "divergences_outside_band": sum(not m["within_band"] for m in control)}
-    if rows and all("drafts" in r for r in rows):
-        summary["drafts"] = {name: drafts_summary(rows, name, hf_tps, summary.get("prompt_lookup"))
-                             for name in rows[0]["drafts"]}
-        speeds = {name: d["tokens_per_second"] for name, d in summary["drafts"].items()}
+    if rows and all(SOURCES in r for r in rows):
+        summary[SOURCES] = {name: source_summary(rows, name, hf_tps, summary.get("prompt_lookup"))
+                            for name in rows[0][SOURCES]}
+        speeds = {name: d["tokens_per_second"] for name, d in summary[SOURCES].items()}
         parts = [tps for name, tps in speeds.items() if name not in (DEFAULT_CONFIG, TWIN_CONFIG)]
         if DEFAULT_CONFIG in speeds and parts:
             summary["default_vs_best_part"] = round(speeds[DEFAULT_CONFIG] / max(parts), 4)
@@ -71,10 +103,10 @@ def summarize(rows: list[dict]) -> dict:
     return summary
 
 
-def drafts_summary(rows: list[dict], name: str, hf_tps: float, lookup: dict | None) -> dict:
-    """One drafting configuration over ``rows``: tokens/s, speedup over HF plain and over HF's
+def source_summary(rows: list[dict], name: str, hf_tps: float, lookup: dict | None) -> dict:
+    """One source configuration over ``rows``: tokens/s, speedup over HF plain and over HF's
     prompt lookup, τ, and divergences (with those outside the dtype's band)."""
-    runs = [r["drafts"][name] for r in rows]
+    runs = [r[SOURCES][name] for r in rows]
     tokens, seconds = sum(x["new_tokens"] for x in runs), sum(x["seconds"] for x in runs)
     steps = sum(x["verify_steps"] for x in runs)
     diverged = [x["mismatch"] for x in runs if x["mismatch"]]
@@ -85,6 +117,7 @@ def drafts_summary(rows: list[dict], name: str, hf_tps: float, lookup: dict | No
     if lookup:
         out["vs_prompt_lookup"] = round(tps / lookup["tokens_per_second"], 4)
     return out
+
 
 
 def policy_on_surfaces(heads, paths: list[Path], batch_sizes=(1, 2, 4, 8, 16, 32, 64)) -> dict:

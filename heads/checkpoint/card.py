@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..config import EXPECTED_TAU_TEXT, REGISTRY, CheckpointError, HeadConfig, read_config, read_json_object
-from ..errors import MissingPathError
+from ..head_config import EXPECTED_TAU_TEXT, REGISTRY, HeadConfig, read_config, read_json_object
+from ...core.errors import CheckpointError
+from ...core.errors import MissingPathError
 
 #: base ids that are not Hub ids → the Hub model they are (the embedded GGUF is a Q4_1
 #: quantization of SmolLM2-135M-Instruct; the fingerprint pins the exact weights)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..config import CONFIG_NAME, WEIGHTS_NAME, CheckpointError, read_config
+from ..head_config import CONFIG_NAME, WEIGHTS_NAME, read_config
+from ...core.errors import CheckpointError
 
 
 def looks_like_repo_id(name: str) -> bool:

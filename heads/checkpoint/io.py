@@ -14,8 +14,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..config import CARD_NAME, CONFIG_NAME, WEIGHTS_NAME, CheckpointError, HeadConfig, build_heads, read_config
-from .atomic import atomic_directory
+from ..head_config import CARD_NAME, CONFIG_NAME, WEIGHTS_NAME, HeadConfig, build_heads, read_config
+from ...core.errors import CheckpointError
+from ...core.atomic import atomic_directory
 from .card import basic_card
 from .hub import resolve_checkpoint
 
@@ -91,8 +92,8 @@ def check_state(weights: Path, config: HeadConfig, state: dict[str, torch.Tensor
                               "re-train the checkpoint.")
 
 
-def check_base(config: HeadConfig, expected_fingerprint: dict, base_name: str | None = None,
-               where: str | Path = "the checkpoint") -> None:
+def check_heads_base(config: HeadConfig, expected_fingerprint: dict, base_name: str | None = None,
+                     where: str | Path = "the checkpoint") -> None:
     """Refuse heads made for another base; the message names both bases and both fingerprints."""
     saved = config.base_fingerprint
     if saved is None:
@@ -121,7 +122,7 @@ def load_heads(directory: str | Path, expected_fingerprint: dict | None = None,
     directory = resolve_checkpoint(directory, **hub_kwargs)
     config = read_config(directory)
     if expected_fingerprint is not None:
-        check_base(config, expected_fingerprint, base_name, directory)
+        check_heads_base(config, expected_fingerprint, base_name, directory)
     heads = build_heads(config)
     weights = directory / WEIGHTS_NAME
     if not weights.is_file():

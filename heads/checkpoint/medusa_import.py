@@ -26,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-from ..config import CheckpointError, HeadConfig, read_json_object
+from ...core.errors import CheckpointError
+from ..head_config import HeadConfig, read_json_object
 from ..medusa import MedusaHeads
 
 WEIGHT_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")

@@ -24,9 +24,10 @@ from pathlib import Path
 
 import torch
 
-from ..config import DRAFTHEADS_VERSION, CheckpointError
+from ..head_config import DRAFTHEADS_VERSION
+from ...core.errors import CheckpointError
 from ..protocol import DraftHeads
-from .atomic import atomic_directory, check_output_dir
+from ...core.atomic import atomic_directory, check_output_dir
 
 TARGETS = ("vllm-medusa", "vllm-mlp-speculator")
 

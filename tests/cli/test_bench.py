@@ -1,31 +1,11 @@
-"""draftheads/bench: what every bench shares — the model comes back as it was (``model_state``),
-runs interleave in a rotating order and keep the fastest repeat; τ over a run."""
+"""draftheads/bench: what every bench shares — runs interleave in a rotating order and keep the fastest repeat; τ over a run."""
 from __future__ import annotations
 
 import pytest
 
-from draftheads.bench import keep_fastest, model_state, rotated
+from draftheads.bench import keep_fastest, rotated
 from draftheads.bench.summary import run_tau
-from draftheads.decoding.config import DecodingConfig
 from draftheads.decoding.loop import tau
-
-
-class Model:
-    decoding = DecodingConfig()  # inherited from the class: what the block sets must go again
-
-    def __init__(self):
-        self.policy, self.drafter, self.sources = "pinned", None, ("heads",)
-
-
-def test_model_state_puts_back_what_the_block_changed_even_on_error():
-    model = Model()
-    with pytest.raises(RuntimeError):
-        with model_state(model):
-            model.policy, model.drafter, model.sources = "adaptive", object(), ()
-            model.decoding = model.decoding.replace(finished_rows="mask")
-            raise RuntimeError("a strategy failed")
-    assert (model.policy, model.drafter, model.sources) == ("pinned", None, ("heads",))
-    assert "decoding" not in vars(model) and model.decoding.finished_rows == "shrink"
 
 
 def test_strategies_rotate_and_the_fastest_repeat_counts():
@@ -58,23 +38,23 @@ def test_a_prompts_entries_rotate_and_each_keeps_its_fastest_run(monkeypatch):
 
     runs = {"a": iter([(2.0, (1.5, 2)), (1.0, (3.0, 1))]), "b": iter([(0.5, (1.5, 2)), (0.75, (3.0, 1))])}
 
-    def fake_drafted(model, drafter, ids, max_new_tokens):
-        calls.append(drafter)
-        took, stats = next(runs[drafter])
+    def fake_drafted(variant, ids, max_new_tokens):  # a configuration's light model: here its name
+        calls.append(variant)
+        took, stats = next(runs[variant])
         return answer, took, stats
 
     monkeypatch.setattr(single, "timed", fake_timed)
     monkeypatch.setattr(single, "hf_greedy", fake_greedy)
-    monkeypatch.setattr(single, "drafted_run", fake_drafted)
+    monkeypatch.setattr(single, "draftheads_run", fake_drafted)
     model = type("Model", (), {"base": None, "drafter": None})()
     row, plain = single.bench_prompt(model, ids, 3, control=True, configs={"a": "a", "b": "b"}, repeats=2, shift=1)
     # entries hf, a, b, prompt_lookup; prompt 1 of 2 repeats: rotations 2 and 3
     assert calls == ["b", "prompt_lookup", "hf", "a", "prompt_lookup", "hf", "a", "b"]
     assert row["hf"]["seconds"] == 1.0 and row["prompt_lookup"]["seconds"] == 1.5
-    assert (row["drafts"]["a"]["seconds"], row["drafts"]["a"]["tau"], row["drafts"]["a"]["verify_steps"]) == (1.0, 3.0, 1)
-    assert (row["drafts"]["b"]["seconds"], row["drafts"]["b"]["tau"], row["drafts"]["b"]["verify_steps"]) == (0.5, 1.5, 2)
+    assert (row["sources"]["a"]["seconds"], row["sources"]["a"]["tau"], row["sources"]["a"]["verify_steps"]) == (1.0, 3.0, 1)
+    assert (row["sources"]["b"]["seconds"], row["sources"]["b"]["tau"], row["sources"]["b"]["verify_steps"]) == (0.5, 1.5, 2)
     assert row["draftheads"]["seconds"] == 0.5 and row["speedup"] == 2.0  # b, the last configuration, heads the row
-    assert row["drafts"]["a"]["mismatch"] is None and torch.equal(plain, answer)
+    assert row["sources"]["a"]["mismatch"] is None and torch.equal(plain, answer)
 
 
 def test_tau_is_tokens_per_verification():
@@ -92,7 +72,7 @@ def test_parts_bench_times_the_default_beside_its_parts(tmp_path, monkeypatch):
     import json
 
     from draftheads.cli import main
-    from draftheads.decoding import fingerprint
+    from draftheads.decoding.base.fingerprint import fingerprint
     from draftheads.heads import HeadConfig, MedusaHeads
     from helpers import save_tiny_base
 
@@ -109,16 +89,16 @@ def test_parts_bench_times_the_default_beside_its_parts(tmp_path, monkeypatch):
                  "--dtype", "float64", "--tree", "3", "--max-new-tokens", "12", "--parts", "--twin", "--repeats", "2",
                  "--out", str(out)]) == 0
     results = json.loads((out / "results.json").read_text())
-    assert results["meta"]["drafts"] == ["heads", "context", "twin", "default"]
+    assert results["meta"]["sources"] == ["heads", "context", "twin", "default"]
     for row in results["per_prompt"]:
-        assert list(row["drafts"]) == ["heads", "context", "twin", "default"]
-        assert all(run["mismatch"] is None for run in row["drafts"].values())
+        assert list(row["sources"]) == ["heads", "context", "twin", "default"]
+        assert all(run["mismatch"] is None for run in row["sources"].values())
     for summary in [*results["by_category"].values(), results["overall"]]:
-        speeds = {name: d["tokens_per_second"] for name, d in summary["drafts"].items()}
+        speeds = {name: d["tokens_per_second"] for name, d in summary["sources"].items()}
         expected = speeds["default"] / max(speeds["heads"], speeds["context"])
         assert summary["default_vs_best_part"] == pytest.approx(expected, rel=1e-3)
         assert summary["twin_vs_default"] == pytest.approx(speeds["twin"] / speeds["default"], rel=1e-3)
-    assert (out / "drafts.png").is_file()
+    assert (out / "sources.png").is_file()
 
 
 def test_parts_is_refused_beside_another_comparison(capsys):
@@ -138,3 +118,20 @@ def test_twin_without_parts_is_refused(capsys):
         main(["bench", "--prompts", "mt-bench@1", "--twin"])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.strip().splitlines() == ["error: --twin is the control of --parts: add --parts."]
+
+
+def test_a_runs_source_configurations_read_alike_under_the_old_key_and_the_new():
+    """Runs written before the rename keep ``drafts`` (and ``default_drafts``) on disk; every
+    reader goes through ``with_sources``, which gives both under ``sources``, the old run's
+    configurations winning over the command's own ``--sources`` in ``meta``."""
+    from draftheads.bench.summary import with_sources
+
+    timing = {"speedup": 2.0, "tau": 1.5}
+    old = {"meta": {"sources": None, "drafts": ["heads", "default"], "default_drafts": ["heads", "context"]},
+           "overall": {"drafts": {"heads": timing}}, "by_category": {"qa": {"drafts": {"heads": timing}}},
+           "per_prompt": [{"id": 1, "drafts": {"heads": timing}}]}
+    new = {"meta": {"sources": ["heads", "default"], "default_sources": ["heads", "context"]},
+           "overall": {"sources": {"heads": timing}}, "by_category": {"qa": {"sources": {"heads": timing}}},
+           "per_prompt": [{"id": 1, "sources": {"heads": timing}}]}
+    assert with_sources(old) == with_sources(new) == new
+    assert "drafts" in old["overall"]  # the payload read is not changed

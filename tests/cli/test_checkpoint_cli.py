@@ -11,9 +11,9 @@ from safetensors.torch import load_file
 
 from helpers import REPO, tiny_llama
 from draftheads.cli import main
-from draftheads.decoding import fingerprint
+from draftheads.decoding.base.fingerprint import fingerprint
 from draftheads.heads import HeadConfig, HydraHeads, load_heads
-from draftheads.heads.checkpoint.atomic import current_umask
+from draftheads.core.atomic import current_umask
 from draftheads.heads.checkpoint.card import card_for_checkpoint
 from draftheads.heads.checkpoint.medusa_import import import_medusa
 from helpers import draftheads_full_logits, vllm_medusa_reference

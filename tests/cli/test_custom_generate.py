@@ -12,7 +12,7 @@ import torch
 
 from draftheads import custom_generate
 from draftheads.custom_generate import _DECODERS, write_custom_generate
-from draftheads.decoding.limits import InputError
+from draftheads.core.errors import InputError
 from draftheads.heads import CheckpointError
 from helpers import Collect, left_pad, saved_tree_heads, tiny_llama
 

@@ -12,11 +12,10 @@ from pathlib import Path
 import huggingface_hub
 import pytest
 import torch
-import yaml
 
 from helpers import reference_heads, save_tiny_base, tiny_llama, tiny_recipe, write_medusa
 from draftheads.cli import main
-from draftheads.decoding import fingerprint
+from draftheads.decoding.base.fingerprint import fingerprint
 from draftheads.heads import HeadConfig, MedusaHeads
 
 
@@ -150,6 +149,50 @@ def test_train_errors_are_one_line(files, capsys, argv, message):
     assert fill([message], files["root"])[0] in line, line
 
 
+SELFDISTILL = [
+    ([], "draftheads selfdistill: the following arguments are required: --prompts (see `draftheads selfdistill --help`)"),
+    (["--prompts", "ROOT/prompts.jsonl", "--bogus", "1"], "draftheads selfdistill: unrecognized arguments: --bogus 1"),
+    (["--prompts", "ROOT/prompts.jsonl", "--columns", "question"], "argument --columns: expected FROM:TO"),
+    (["--prompts", "ROOT/missing.jsonl", "--out", "ROOT/distilled"], "Data 'ROOT/missing.jsonl' not found"),
+]
+
+
+@pytest.mark.parametrize("argv,message", SELFDISTILL, ids=[" ".join(a[-2:]) or "none" for a, _ in SELFDISTILL])
+def test_selfdistill_errors_are_one_line(files, capsys, argv, message):
+    """The subcommand the data errors name (``draftheads selfdistill``) ends a bad argument as every other does."""
+    line = run_cli(["selfdistill", *fill(argv, files["root"])], capsys)
+    assert fill([message], files["root"])[0] in line, line
+    assert not (files["root"] / "distilled").exists()
+
+
+def test_selfdistill_help_names_the_subcommand(capsys):
+    assert main(["selfdistill", "--help"]) == 0
+    usage = capsys.readouterr().out
+    assert usage.startswith("usage: draftheads selfdistill") and "--prompts" in usage and "python -m" not in usage
+
+
+def test_figures_passes_its_options_on(monkeypatch, tmp_path):
+    """``draftheads figures`` runs :func:`draftheads.readme_figures.main` with its options, and returns its status."""
+    import types
+
+    seen = []
+    fake = types.ModuleType("draftheads.readme_figures")
+    fake.main = lambda argv: seen.append(argv) or 1
+    monkeypatch.setitem(sys.modules, "draftheads.readme_figures", fake)
+    assert main(["figures", "--readme", str(tmp_path / "R.md"), "--check"]) == 1
+    assert main(["figures", "--results", "res"]) == 1
+    assert seen == [["--readme", str(tmp_path / "R.md"), "--results", "results", "--check"],
+                    ["--readme", "README.md", "--results", "res"]]
+
+
+def test_figures_errors_are_one_line(files, capsys, monkeypatch):
+    line = run_cli(["figures", "--readme", str(files["root"] / "missing.md")], capsys)
+    assert f"{files['root'] / 'missing.md'} not found" in line, line
+    assert "unrecognized arguments: --bogus" in run_cli(["figures", "--bogus"], capsys)
+    monkeypatch.setitem(sys.modules, "draftheads.readme_figures", None)  # an install without the module
+    assert "draftheads figures needs draftheads.readme_figures" in run_cli(["figures"], capsys)
+
+
 EXPORT = [
     (["ROOT/heads", "ROOT/heads"], "the output folder ROOT/heads is the source ROOT/heads"),
     (["ROOT/heads", "ROOT/heads/vllm"], "is inside the source"),
@@ -210,7 +253,7 @@ def test_card_errors_are_one_line(files, capsys, argv, message):
 
 def test_card_into_an_unwritable_checkpoint_is_one_line(files, capsys, monkeypatch):
     """A read-only checkpoint folder (refused directly: the tests may run as root)."""
-    import draftheads.heads.checkpoint.atomic as atomic
+    import draftheads.core.atomic as atomic
 
     def refuse(*_args, **_kwargs):
         raise PermissionError(13, "Permission denied")

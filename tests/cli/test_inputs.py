@@ -8,8 +8,9 @@ import json
 
 import pytest
 
-from draftheads.cli import main, read_prompts
-from draftheads.decoding.limits import InputError
+from draftheads.cli import main
+from draftheads.cli.parsing import read_prompts
+from draftheads.core.errors import InputError
 from draftheads.prompts import PromptFileError, read_prompts as read_prompt_file
 
 

@@ -45,17 +45,36 @@ def compare_results():
                 for name, label in (("medusa", "Medusa"), ("hydra", "Hydra"))}}
 
 
+def sources_results(key: str) -> dict:
+    """A bs-1 bench's payload with its source configurations under ``key`` (``drafts``: a run
+    written before the rename)."""
+    def summary(k: float) -> dict:
+        return {key: {"heads": {"speedup": 1.2 + k}, "default": {"speedup": 1.5 + k}}, "prompt_lookup": {"speedup": 1.1}}
+
+    return {"meta": {"dtype": "torch.bfloat16"}, "by_category": {"qa": summary(0.0), "math": summary(0.1)},
+            "overall": summary(0.05)}
+
+
 @pytest.mark.parametrize("draw", [
     lambda path: plots.plot(*bench_rows(), path),
     lambda path: plots.plot_throughput(batch_results(), path, 32, heads="hydra"),
     lambda path: plots.plot_surface(*cost_and_policy(), path),
     lambda path: plots.plot_chart(compare_results(), path),
-], ids=["plot", "plot_throughput", "plot_surface", "plot_chart"])
+    lambda path: plots.plot_sources(sources_results("sources"), path),
+], ids=["plot", "plot_throughput", "plot_surface", "plot_chart", "plot_sources"])
 def test_each_figure_is_a_png_and_is_closed(draw, tmp_path):
     path = tmp_path / "figure.png"
     draw(path)
     assert path.read_bytes()[:8] == PNG
     assert open_figures() == []
+
+
+def test_sources_png_draws_a_run_written_under_the_old_key_as_under_the_new(tmp_path):
+    drawn = {}
+    for key in ("sources", "drafts", "neither"):
+        plots.plot_sources(sources_results(key), tmp_path / f"{key}.png")
+        drawn[key] = (tmp_path / f"{key}.png").read_bytes()
+    assert drawn["drafts"] == drawn["sources"] != drawn["neither"]  # "neither": prompt lookup's bars alone
 
 
 def test_a_failing_figure_is_closed_and_not_written(tmp_path):

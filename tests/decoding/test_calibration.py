@@ -14,7 +14,8 @@ import torch
 
 import draftheads.decoding.calibration as calibration
 from helpers import TINY_GRID, tiny_llama
-from draftheads.decoding import DraftHeadsModel, fingerprint
+from draftheads.decoding import DraftHeadsModel
+from draftheads.decoding.base.fingerprint import fingerprint
 from draftheads.decoding.calibration import CalibrationConfig, calibrate, calibration_key, calibration_path
 from draftheads.decoding.policy import AdaptivePolicy
 from draftheads.heads import HeadConfig, MedusaHeads
@@ -121,7 +122,7 @@ def test_an_unusable_cache_file_is_reported_by_name_and_measured_again(tmp_path,
 def read_only(tmp_path, monkeypatch):
     """A cache whose files cannot be created (as a read-only folder refuses them; the tests may
     run as root, whom chmod does not stop, so the refusal is made directly)."""
-    import draftheads.heads.checkpoint.atomic as atomic
+    import draftheads.core.atomic as atomic
 
     def refuse(*_args, **_kwargs):
         raise PermissionError(13, "Permission denied")

@@ -15,7 +15,7 @@ from draftheads.custom_generate import _DECODERS
 from draftheads.decoding import DraftHeadsModel
 from draftheads.decoding.calibration import CalibrationConfig
 from draftheads.decoding.config import DecodingConfig
-from draftheads.decoding.limits import InputError, InputTypeError
+from draftheads.core.errors import InputError, InputTypeError
 from draftheads.decoding.policy import FixedTree
 from draftheads.decoding.tree import tree_from_paths
 from helpers import left_pad, saved_tree_heads, tiny_llama

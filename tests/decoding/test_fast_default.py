@@ -21,7 +21,8 @@ from draftheads.decoding.base.loading import choose_dtype, native_dtype
 from draftheads.decoding.base.packing import use_packed_linears
 from draftheads.decoding.base.plan import packing_available
 from draftheads.decoding.policy import default_budget
-from draftheads.decoding.limits import DtypeError, InputTypeError, parse_dtype
+from draftheads.decoding.base.dtypes import DtypeError, parse_dtype
+from draftheads.core.errors import InputTypeError
 from draftheads.decoding.step import PHASES, PhaseTimer
 from draftheads.streamer import DRAFT_COLOUR, RESET, DraftColourStreamer
 

@@ -1,11 +1,11 @@
 """transformers' generation options, every one of them: honoured by draftheads (the model's own
-tokens) or refused by name before any work (decoding/options.py, decoding/processors.py).
+tokens) or refused by name before any work (decoding/generation_options.py, decoding/processors.py).
 
 The options are read from the installed transformers when the tests are collected — every
 attribute of ``GenerationConfig()`` and every argument of ``generate()`` — so an option a later
 transformers adds has no entry in ``SAMPLES`` and fails here until it is classified in
-decoding/options.py and given a sample. Each sample sets the option on a left-padded batch of a
-tiny random Llama (float64, greedy unless the sample samples deterministically) through both
+decoding/generation_options.py and given a sample. Each sample sets the option on a left-padded
+batch of a tiny random Llama (float64, greedy unless the sample samples deterministically) through both
 doors: ``model.generate(..., custom_generate=fn)`` and ``DraftHeadsModel.generate`` (with drafts
 that know the answer, so deep tree nodes are accepted and their processors matter).
 """
@@ -24,8 +24,8 @@ from transformers import (GenerationConfig, MaxLengthCriteria, RepetitionPenalty
 
 from draftheads import custom_generate
 from draftheads.decoding import DraftHeadsModel, tree_from_paths
-from draftheads.decoding.limits import InputError
-from draftheads.decoding.options import CLASSIFIED, transformers_options
+from draftheads.core.errors import InputError
+from draftheads.decoding.generation_options import CLASSIFIED, transformers_options
 from draftheads.decoding.processors import NodeProcessors, PrefixOnly, node_prefixes
 from helpers import Collect, OracleHeads, left_pad, saved_tree_heads, tiny_llama
 
@@ -209,7 +209,7 @@ def has_quanto() -> bool:
 def test_every_transformers_option_is_classified_and_has_a_sample():
     options = transformers_options()
     assert {"temperature", "stopping_criteria", "watermarking_config", "dola_layers"} <= options  # read, not listed
-    assert options <= CLASSIFIED, f"classify in decoding/options.py: {sorted(options - CLASSIFIED)}"
+    assert options <= CLASSIFIED, f"classify in decoding/generation_options.py: {sorted(options - CLASSIFIED)}"
     assert options <= set(SAMPLES), f"give these a sample here: {sorted(options - set(SAMPLES))}"
 
 
@@ -257,7 +257,8 @@ def door(ctx: Context, form: str, answer: list[list[int]] | None = None) -> Call
 @pytest.mark.parametrize("name", sorted(transformers_options()))
 def test_every_option_is_honoured_or_refused_by_name_before_any_work(ctx, name, form):
     if name not in SAMPLES:
-        pytest.fail(f"{name}: a transformers option without a sample; classify it in decoding/options.py, add it here")
+        pytest.fail(f"{name}: a transformers option without a sample; classify it in decoding/generation_options.py, "
+                    "add it here")
     cases = [SAMPLES[name] if (name, form) not in REFUSED_BY_TRANSFORMERS else (R, SAMPLES[name][1])]
     if name in REFUSED_VALUES and (form == "decoder" or has_quanto()):
         # transformers builds the quantized cache before it calls a custom_generate (without optimum-quanto it fails)
@@ -425,7 +426,7 @@ def test_processors_at_tree_nodes_equal_transformers_on_each_nodes_own_prefix(op
 
 def test_an_option_draftheads_does_not_know_is_refused_when_set(monkeypatch):
     """What a later transformers adds: set, it is refused by name (never dropped); unset, nothing happens."""
-    from draftheads.decoding import options
+    from draftheads.decoding import generation_options as options
 
     monkeypatch.setattr(options, "transformers_options", lambda: frozenset({"temperature", "future_option"}))
     config = GenerationConfig()

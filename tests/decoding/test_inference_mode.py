@@ -1,7 +1,7 @@
 """The decoder's loop runs under ``torch.inference_mode`` (decoding/generate.py); what it hands the
 caller is a normal tensor (decoding/output.py ``released``), and what it keeps across calls —
 the heads' gathered LM-head rows, the bound base tensors, cached tree buffers — is made outside
-inference mode (heads/kept.py), so the caller's in-place writes and a later training step work
+inference mode (core/kept.py), so the caller's in-place writes and a later training step work
 as after transformers' own ``generate``."""
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ import torch
 
 from helpers import TINY_GRID, OracleHeads, left_pad, tiny_heads, tiny_llama
 from draftheads.decoding import DraftHeadsModel, chain_tree, tree_from_paths
-from draftheads.decoding.limits import InputError
+from draftheads.core.errors import InputError
 from draftheads.decoding.calibration import calibrate, calibration_key, calibration_path
 from draftheads.decoding.cost import CostModel, LatencyTable, interp1, load_cost_surface
 from draftheads.decoding.policy import AdaptivePolicy, Candidate, FixedTree, candidates_from_heads, resolve_tree
@@ -228,10 +228,10 @@ def test_adaptive_decoding_matches_hf_batched_greedy(case, finished_rows):
     firsts = {row[0] for row in continuations}
     eos = [2] + [t for t in continuations[case % 5][3 + case:] if t not in firsts][:1]  # rows end at different steps
     # delegate_plain off: keep 5 rows in the loop, the tree must change as the batch shrinks
-    drafter = DraftHeadsModel(MODEL, None, tree=batch_sensitive_policy(), finished_rows=finished_rows,
-                              delegate_plain=False)
+    policy = batch_sensitive_policy()
     for rows in (slice(0, 5), slice(4, 5)):  # the batch, then its last row alone
-        drafter.heads = OracleHeads(continuations[rows], vocab=96, error=0.2, seed=case)
+        drafter = DraftHeadsModel(MODEL, OracleHeads(continuations[rows], vocab=96, error=0.2, seed=case),
+                                  tree=policy, finished_rows=finished_rows, delegate_plain=False)
         sub_mask = mask[rows][:, mask[rows].any(0)]
         sub_ids = ids[rows][:, mask[rows].any(0)]
         reference = MODEL.generate(sub_ids, attention_mask=sub_mask, max_new_tokens=20, do_sample=False,
@@ -258,10 +258,9 @@ def test_plain_choice_hands_the_batch_to_the_base_generate():
     ids, mask = left_pad(prompts)
     reference = MODEL.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=PAD,
                                return_dict_in_generate=True, output_scores=True)
-    drafter = DraftHeadsModel(MODEL, None, tree=batch_sensitive_policy())
-    assert not drafter.decoding.delegate_plain  # off by default: the loop drops finished rows, the base's generate does not
-    drafter.decoding = drafter.decoding.replace(delegate_plain=True)
-    drafter.heads = OracleHeads(reference.sequences[:, ids.shape[1]:].tolist(), vocab=96, error=0.0, seed=0)
+    assert not DraftHeadsModel(MODEL, None).decoding.delegate_plain  # off by default: the loop drops finished rows
+    heads = OracleHeads(reference.sequences[:, ids.shape[1]:].tolist(), vocab=96, error=0.0, seed=0)
+    drafter = DraftHeadsModel(MODEL, heads, tree=batch_sensitive_policy(), delegate_plain=True)
     ours = drafter.generate(ids, attention_mask=mask, max_new_tokens=16, pad_token_id=PAD,
                             return_dict_in_generate=True, output_scores=True)
     assert isinstance(ours, GenerateDecoderOnlyOutput) and ours.sequences.tolist() == reference.sequences.tolist()
@@ -309,7 +308,7 @@ def test_cli_tree_and_batch_size_arguments():
                               "--budgets", "0,4"])
     assert args.tree == "adaptive" and args.batch_sizes == [1, 2, 4] and args.budgets == [0, 4]
     assert parser.parse_args(["generate", "--prompt", "hi", "--tree", "8"]).tree == 8
-    from draftheads.cli import batches_per_size
+    from draftheads.cli.bench_command import batches_per_size
 
     assert batches_per_size([1, 4, 32], [2]) == {1: 2, 4: 2, 32: 2}
     assert batches_per_size([1, 4, 32], [6, 4, 1]) == {1: 6, 4: 4, 32: 1}

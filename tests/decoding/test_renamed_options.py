@@ -12,9 +12,9 @@ from draftheads import custom_generate
 from draftheads.cli import parse_args
 from draftheads.decoding import DraftHeadsModel
 from draftheads.decoding.config import DecodingConfig
-from draftheads.decoding.limits import InputError
+from draftheads.core.errors import InputError
 from draftheads.heads import HeadConfig, MedusaHeads
-from draftheads.options import renamed_sources_option
+from draftheads.arguments import renamed_sources_option
 from helpers import tiny_llama
 
 MODEL = tiny_llama(0, max_pos=64)

@@ -30,7 +30,7 @@ class ChainDrafter:
         tokens = torch.tensor([[int(r)] + self.chains[b] for b, r in enumerate(state.roots.tolist())])
         return StepTrees.uniform(chain_tree(tokens.shape[1] - 1), tokens)
 
-    def observe(self, drafts, result, rows):
+    def observe(self, trees, result, rows):
         self.observed.append((result.accepted.tolist(), list(rows)))
 
 

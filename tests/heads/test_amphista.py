@@ -9,7 +9,8 @@ import torch
 import yaml
 
 from helpers import REPO, tiny_llama
-from draftheads.decoding import DraftHeadsModel, fingerprint, tree_from_paths
+from draftheads.decoding import DraftHeadsModel, tree_from_paths
+from draftheads.decoding.base.fingerprint import fingerprint
 from draftheads.heads import REGISTRY, AmphistaHeads, AmphistaOptions, HeadConfig, build_heads, load_heads
 
 TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 1, 0], [1, 0, 0], [0, 0, 0, 0], [3], [3, 0], [3, 0, 0], [3, 0, 0, 1]]

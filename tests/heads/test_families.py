@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from helpers import FAMILIES, random_heads, tiny_llama
-from draftheads.decoding import DraftHeadsModel, fingerprint, tree_from_paths
+from draftheads.decoding import DraftHeadsModel, tree_from_paths
+from draftheads.decoding.base.fingerprint import fingerprint
 from draftheads.heads import load_heads
 
 TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 1, 0], [1, 0, 0]]

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from helpers import REPO, tiny_llama
-from draftheads.decoding import fingerprint
+from draftheads.decoding.base.fingerprint import fingerprint
 from draftheads.heads import (AmphistaHeads, AmphistaOptions, CheckpointError, DraftHeads, HeadConfig, HydraHeads,
                               HydraOptions, HydraPlusPlusOptions, KoalaOptions, MedusaHeads, MedusaOptions, OptionError,
                               build_heads, read_config)
-from draftheads.heads.config import DRAFTHEADS_VERSION, PROMOTED_FROM_EXTRA
+from draftheads.heads.head_config import DRAFTHEADS_VERSION, PROMOTED_FROM_EXTRA
 
 SHIPPED = sorted((REPO / "checkpoints").glob("*/config.json"))
 KOALA = {"label": "KOALA-Hydra", "layers": 2, "adversarial_weight": 0.1, "schedule": "linear", "warmup_steps": 300,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from helpers import FAMILIES, REPO, random_heads, tiny_llama
-from draftheads.decoding import fingerprint
+from draftheads.decoding.base.fingerprint import fingerprint
 from draftheads.heads import DraftHeads, HeadConfig, HydraPlusPlusOptions, OptionError, read_config
 
 
@@ -63,7 +63,7 @@ def test_hydrapp_dropout_acts_in_training_only_and_is_checked():
     import torch
 
     from draftheads.heads import HeadConfig, build_heads
-    from draftheads.heads.options import OptionError
+    from draftheads.heads.family_options import OptionError
 
     config = HeadConfig(family="hydra++", num_heads=2, num_layers=1, hidden_size=8, vocab_size=16,
                         extra={"prefix_heads": 2, "dropout": 0.5})

@@ -253,7 +253,7 @@ def test_a_model_without_a_decoder_body_is_refused():
             return torch.nn.Linear(32, VOCAB)
 
     with pytest.raises(UnsupportedBaseError, match="no decoder body.*AutoModelForCausalLM"):
-        architecture.check_base(Bare(), None, None)
+        architecture.check_forwards(Bare(), None, None)
 
 
 def test_a_gguf_of_an_architecture_transformers_cannot_read_is_one_line(tmp_path, monkeypatch):

@@ -10,7 +10,7 @@ import torch
 
 from helpers import tiny_llama
 from draftheads.decoding import DraftHeadsModel, tree_from_paths
-from draftheads.decoding.limits import decode_memory_bytes
+from draftheads.decoding.memory import decode_memory_bytes
 from draftheads.heads import HeadConfig, MedusaHeads
 
 MODEL = tiny_llama(0)  # pad 0, eos 2
@@ -87,7 +87,7 @@ def test_memory_estimate_grows_with_the_batch():
 
 
 def test_batch_larger_than_memory_is_refused_before_any_work(monkeypatch):
-    monkeypatch.setattr("draftheads.decoding.limits.available_memory_bytes", lambda device: 4 << 20)
+    monkeypatch.setattr("draftheads.decoding.memory.available_memory_bytes", lambda device: 4 << 20)
 
     def no_prefill(*_args, **_kwargs):
         raise AssertionError("work started before the memory check")

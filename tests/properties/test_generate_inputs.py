@@ -12,7 +12,9 @@ import torch
 from helpers import tiny_llama
 from draftheads.decoding import DraftHeadsModel, chain_tree, tree_from_paths
 from draftheads.decoding.drafters import StoreError
-from draftheads.decoding.limits import InputError, InputTypeError, check_count, parse_dtype, parse_tree_option
+from draftheads.core.errors import InputError, InputTypeError
+from draftheads.decoding.input_checks import check_count, parse_tree_option
+from draftheads.decoding.base.dtypes import parse_dtype
 from draftheads.heads import DraftheadsError, HeadConfig, MedusaHeads
 
 MODEL = tiny_llama(0, max_pos=64)

@@ -1,6 +1,6 @@
 """The installed package is exactly what pyproject.toml maps: ``draftheads/`` plus the folders
-``heads/``, ``decoding/`` (with ``decoding/drafters/``) and ``training/`` as ``draftheads.heads``,
-``draftheads.decoding`` and ``draftheads.training``. Nothing else in the checkout (``scripts/``,
+``core/``, ``heads/``, ``decoding/`` (with ``decoding/drafters/``) and ``training/`` as
+``draftheads.core``, ``draftheads.heads``, ``draftheads.decoding`` and ``draftheads.training``. Nothing else in the checkout (``scripts/``,
 ``tests/``, ``recipes/``, a second copy of ``draftheads/``) is importable under ``draftheads``.
 
 The suite runs against an editable install of this checkout (``scripts/test.sh``), so the
@@ -22,7 +22,7 @@ from draftheads.decoding.base.loading import from_checkout, source_root
 
 REPO = Path(__file__).resolve().parents[2]
 NOT_PACKAGES = ("draftheads.scripts", "draftheads.tests", "draftheads.recipes", "draftheads.draftheads")
-SUBPACKAGES = {"draftheads.heads": "heads", "draftheads.decoding": "decoding",
+SUBPACKAGES = {"draftheads.core": "core", "draftheads.heads": "heads", "draftheads.decoding": "decoding",
                "draftheads.decoding.drafters": "decoding/drafters", "draftheads.training": "training"}
 
 
@@ -79,10 +79,16 @@ print(json.dumps({{
 
 
 # -- imports run one way ----------------------------------------------------------------------------
-FOLDERS = {"heads": "draftheads.heads", "decoding": "draftheads.decoding", "training": "draftheads.training",
-           "draftheads": "draftheads"}
-#: the layers, ground first: a module may import its own layer and the ones before it
-LAYERS = ("draftheads.heads", "draftheads.decoding", "draftheads.training", "draftheads")
+FOLDERS = {"core": "draftheads.core", "heads": "draftheads.heads", "decoding": "draftheads.decoding",
+           "training": "draftheads.training", "draftheads": "draftheads"}
+#: the layers, ground first: a module may import its own layer and the ones before it (a module's
+#: layer is its longest prefix here: decoding/base/ is the floor the rest of decoding/ stands on)
+LAYERS = ("draftheads.core", "draftheads.heads", "draftheads.decoding.base", "draftheads.decoding",
+          "draftheads.training", "draftheads")
+#: upward imports not yet gone, each with its way out; one that is gone must leave this list too
+KNOWN_UPWARD: set[tuple[str, str]] = set()
+#: within decoding/: what the verifier and the acceptance rules read stands below the drafters that fill it
+BELOW_DRAFTERS = ("draftheads.decoding.tree", "draftheads.decoding.step_trees", "draftheads.decoding.accept")
 
 
 def module_imports() -> dict[str, set[str]]:
@@ -128,9 +134,37 @@ def test_no_import_cycle_and_nothing_imports_the_cli():
 
 
 def test_imports_run_from_the_ground_up():
-    """heads/ imports nothing of decoding/ or training/; decoding/ nothing of training/ or the roof."""
+    """core/ imports nothing of ours; heads/ nothing of decoding/ or training/; decoding/base/
+    nothing of the rest of decoding/; decoding/ nothing of training/ or the roof."""
     def layer(module: str) -> int:
-        return max(i for i, prefix in enumerate(LAYERS) if module == prefix or module.startswith(prefix + "."))
+        return max((len(prefix), i) for i, prefix in enumerate(LAYERS)
+                   if module == prefix or module.startswith(prefix + "."))[1]
 
-    upward = [(m, t) for m, targets in module_imports().items() for t in targets if layer(t) > layer(m)]
-    assert not upward, f"imports against the layering (module, what it imports): {upward}"
+    upward = {(m, t) for m, targets in module_imports().items() for t in targets if layer(t) > layer(m)}
+    assert not upward - KNOWN_UPWARD, f"imports against the layering (module, what it imports): {upward - KNOWN_UPWARD}"
+    assert not KNOWN_UPWARD - upward, f"gone: drop them from KNOWN_UPWARD: {KNOWN_UPWARD - upward}"
+    graph = module_imports()
+    assert not {(m, t) for m in BELOW_DRAFTERS for t in graph[m] if t.startswith("draftheads.decoding.drafters")}
+    assert layer("draftheads.decoding.generate") > layer("draftheads.decoding.base.cache") > layer("draftheads.heads.hydra")
+
+
+def test_scripts_do_not_import_the_cli():
+    """Scripts stand beside the CLI, not on it: what both need lives in the package root."""
+    import ast
+
+    found = [p.name for p in sorted((REPO / "scripts").glob("*.py"))
+             if any(isinstance(n, ast.ImportFrom) and (n.module or "").startswith("draftheads.cli")
+                    for n in ast.walk(ast.parse(p.read_text())))]
+    assert not found
+
+
+def test_no_two_modules_share_a_file_name():
+    """A file name says which module it is: no two modules of the package share one (``__init__``
+    and ``__main__`` aside), so ``config.py`` or ``options.py`` never needs its folder to be read."""
+    seen: dict[str, list[str]] = {}
+    for folder in FOLDERS:
+        for path in (REPO / folder).rglob("*.py"):
+            if path.name not in ("__init__.py", "__main__.py"):
+                seen.setdefault(path.name, []).append(str(path.relative_to(REPO)))
+    shared = {name: paths for name, paths in seen.items() if len(paths) > 1}
+    assert not shared, f"modules sharing a file name: {shared}"

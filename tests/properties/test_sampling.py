@@ -319,7 +319,7 @@ def test_dynamic_trees_match_exact_distribution():
     ids = torch.tensor([PROMPT] * rows)
     out = drafter.generate(ids, max_new_tokens=K + 1, do_sample=True, generator=torch.Generator().manual_seed(11),
                            eos_token_id=None, **CONFIGS["T1.0-topk4-topp0.9"])
-    assert drafter.heads_alone().offer is not None and drafter.heads_alone().hitrate.proposed.sum() > 0
+    assert drafter.drafter.offer is not None and drafter.drafter.hitrate.proposed.sum() > 0
     assert drafter.last_stats.tau > 1.0
     new = out[:, len(PROMPT): len(PROMPT) + K]
     joint = exact_joint(TABLES["T1.0-topk4-topp0.9"]).view(VOCAB, VOCAB, VOCAB)
@@ -418,7 +418,7 @@ MIXED = [TREES["d2w2"] + [(5,), (5, 0), (5, 0, 0)], TREES["d1w4"] + [(5,), (5, 0
 
 def mixed_shapes():
     """One padded StepTrees with a row per shape (its tables are indexed by each draw's shape)."""
-    from draftheads.decoding.drafters.step_trees import StepTrees
+    from draftheads.decoding.step_trees import StepTrees
 
     trees_ = [tree_from_paths(paths) for paths in MIXED]
     parents = [(t.parent[1:] - 1).tolist() for t in trees_]

@@ -15,7 +15,7 @@ import tomllib
 
 from helpers import FIXTURES, REPO
 from draftheads.prompts import DATA_DIR, PROMPT_SETS
-from draftheads.training.self_distillation import SelfDistillConfig
+from draftheads.training.data.self_distillation import SelfDistillConfig
 from draftheads.training.recipe_sections import DataSection
 
 OUTSIDE = "sha" + "red"  # spelled apart so that this file does not match its own patterns
@@ -23,7 +23,7 @@ OUTSIDE = "sha" + "red"  # spelled apart so that this file does not match its ow
 NAMES_OUTSIDE = re.compile(rf"\.\./{OUTSIDE}\b|\b{OUTSIDE}/data\b|/\s*[\"']{OUTSIDE}[\"']|/work/{OUTSIDE}")
 #: a script default (argparse default= or a module constant) that points at it
 SCRIPT_DEFAULT_OUTSIDE = re.compile(rf"(default=|^[A-Z_]+ = ).*({NAMES_OUTSIDE.pattern})", re.M)
-PACKAGE_FOLDERS = ("heads", "decoding", "training", "draftheads", "tests")
+PACKAGE_FOLDERS = ("core", "heads", "decoding", "training", "draftheads", "tests")
 LOCAL_SAMPLE = "tests/data/selfdistill_smollm2_sample.jsonl"
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from helpers import load_script, tiny_llama
-from draftheads.decoding import fingerprint
+from draftheads.decoding.base.fingerprint import fingerprint
 from draftheads.heads import HeadConfig, build_heads
 
 TREES = {"1": [[0]], "4": [[0], [1], [0, 0], [0, 0, 0]],

@@ -18,7 +18,7 @@ import torch
 
 from helpers import REPO, left_pad, subprocess_env, tiny_distill_setup, tiny_recipe
 from draftheads.decoding import DraftHeadsModel
-from draftheads.training import distill_job
+from draftheads.training.data import distill_job
 
 SCRIPT = str(REPO / "scripts" / "gpu_heads.py")
 SHARDS = 12  # 24 prompts, 2 a shard

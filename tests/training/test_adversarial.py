@@ -16,14 +16,14 @@ from helpers import REPO, final_weights, kill_then_resume, launch_two_processes,
 from draftheads.heads import HeadConfig, build_heads
 from draftheads.training.adversarial import (Adversary, Discriminator, adversarial_weight, expected_embedding,
                                              koala_label)
-from draftheads.training.data import example_features, shifted_rows
+from draftheads.training.data.records import example_features, shifted_rows
 from draftheads.training.features import Example
 from draftheads.training.losses import (IGNORE, discriminator_bce, generator_adversarial, generator_objective,
                                         head_weights, r1_penalty, teacher_logits)
 from draftheads.training.recipe import load_recipe
 from draftheads.training.recipe_sections import AdversarialSection, RecipeError
 from draftheads.training.objective import head_labels
-from draftheads.training.batches import head_logits
+from draftheads.training.head_forward import head_logits
 
 LOG2 = math.log(2.0)
 

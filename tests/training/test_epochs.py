@@ -14,7 +14,7 @@ from helpers import final_weights, run_inprocess, tiny_heads, tiny_recipe
 from draftheads.heads.checkpoint.card import card_for_checkpoint
 from draftheads.training import report as report_module
 from draftheads.training import train as train_module
-from draftheads.training.data import DataError
+from draftheads.training.data.records import DataError
 from draftheads.training.evaluation import (FIXED_TREE, eval_tree, evaluate_heads, is_better, load_eval_table,
                                             rank_scores, rank_table, tree_tau)
 from draftheads.training.features import Features

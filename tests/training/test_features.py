@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from helpers import tiny_llama
-from draftheads.decoding import fingerprint
+from draftheads.decoding.base.fingerprint import fingerprint
 from draftheads.training.features import (MAX_TARGETS, Example, Features, extract_features, load_shards,
                                           shard_path, shift_targets, shift_teacher)
 from draftheads.heads import HeadConfig, build_heads

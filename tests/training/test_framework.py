@@ -10,7 +10,7 @@ import torch
 
 from helpers import (RECIPES, REPO, final_weights, kill_then_resume, launch_two_processes, run_inprocess,
                      tiny_llama, tiny_recipe)
-from draftheads.training.data import DataError, load_examples, shifted_rows
+from draftheads.training.data.records import DataError, load_examples, shifted_rows
 from draftheads.training.losses import (IGNORE, distill_loss, head_cross_entropy, head_targets, head_weights, input_noise,
                                         label_ranks, mask_labels, teacher_kl, topk_accuracy)
 from draftheads.training.recipe import load_recipe
@@ -245,7 +245,7 @@ def test_contextual_family_trains_on_sequence_chunks_and_decodes_identically(tin
 
 
 def test_source_selection_caps_and_filters():
-    from draftheads.training.data import select_sources
+    from draftheads.training.data.records import select_sources
 
     sources = ["gsm8k-train", "t0:a", "gsm8k-train", "roleplay", "t0:b", "gsm8k-train", "code"]
     assert select_sources(sources) == list(range(7))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from helpers import final_weights, run_inprocess, tiny_recipe
-from draftheads.heads.checkpoint.io import CheckpointError
+from draftheads.core.errors import CheckpointError
 from draftheads.training.preflight import preflight
 from draftheads.training.recipe import load_recipe
 from draftheads.training.recipe_sections import RecipeError

@@ -13,7 +13,7 @@ import yaml
 
 from helpers import REPO, tiny_recipe
 from draftheads.training import train as train_module
-from draftheads.training.data import DataError
+from draftheads.training.data.records import DataError
 from draftheads.training.frozen import base_dims, gguf_dims
 from draftheads.training.recipe import load_recipe
 from draftheads.training.recipe_sections import RecipeError
@@ -129,7 +129,7 @@ def test_a_data_error_ends_the_run_in_one_line_before_the_base_loads(tiny_setup,
 def test_the_samples_a_clone_carries_pass_against_the_embedded_base(kind, sample):
     """The committed samples (the recipes' kinds of data) against SmolLM2's vocabulary, read from
     the GGUF's header."""
-    from draftheads.training.data_checks import check_data
+    from draftheads.training.data.data_checks import check_data
 
     assert base_dims("embedded") == (49152, 576)
     check_data(REPO / "tests" / "data" / sample, kind, 49152, select_by_source=True)

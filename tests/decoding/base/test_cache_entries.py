@@ -17,7 +17,7 @@ from draftheads.decoding.base import loading, packing
 from draftheads.decoding.calibration import CalibrationConfig, calibration_path, write_calibration
 from draftheads.decoding.cost import CostModel
 from draftheads.decoding.base import hardware
-from draftheads.heads.errors import DamagedFileError, MissingPathError
+from draftheads.core.errors import DamagedFileError, MissingPathError
 from draftheads.decoding.base.plan import ROW_BUCKETS, PackingPlan, packing_available
 from helpers import save_tiny_base
 

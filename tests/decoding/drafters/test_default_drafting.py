@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from draftheads.cli import drafting_line, main as cli_main
+from draftheads.cli import main as cli_main
+from draftheads.cli.generate_command import drafting_line
 from draftheads.decoding import DraftHeadsModel
 from draftheads.decoding.cost import CostModel
 from draftheads.decoding.drafters import STORE_NAME, CandidateBatch, Candidates, HeadsDrafter, HeadsWorth, LookupSources, MergedDrafter, WidthChooser
@@ -44,7 +45,7 @@ def test_from_pretrained_drafts_with_heads_and_lookups_by_default_and_follows_th
     model = DraftHeadsModel.from_pretrained(saved_tree_heads(tmp_path / "heads", base), base=base)
     assert model.sources == ("heads", "context")
     assert isinstance(model.drafter, MergedDrafter) and model.drafter.heads is model.heads
-    assert model.step_table is not None and model.drafter.width.cost is model.step_table
+    assert model.step_costs.table is not None and model.drafter.width.cost is model.step_costs.table
     assert list((tmp_path / "cache" / "calibration").glob("*.json"))  # measured once, cached
     assert model.policy.tree.num_nodes in (1, 2, 4)  # one of the stored trees (or plain), as priced here
     prompt = torch.tensor([[5, 17, 33, 8, 9, 5, 17, 33, 8]])
@@ -169,14 +170,15 @@ def test_merged_default_offers_the_heads_a_larger_tree_and_keeps_the_output(tmp_
     decoding.merged_offer_scale × the heads-alone budget (the width chooser verifies what pays of it); the
     policy keeps the heads-alone tree, sources="heads" gets no offer, a pinned tree none either,
     and the output is still the base's own (float64)."""
+    from draftheads.decoding.builder import StepCosts
     from draftheads.decoding.policy import FixedTree, tree_for_budget
 
     monkeypatch.setenv("DRAFTHEADS_CACHE", str(tmp_path / "cache"))
     base = tiny_llama(0)
     folder = saved_tree_heads(tmp_path / "heads", base)
     model = DraftHeadsModel.from_pretrained(folder, base=base, sources="heads,context", merged_offer_scale=3)
-    model.default_budget = 1  # as if this machine's calibration had chosen the 1-node tree (not timing's pick)
-    model.policy = model._default_policy = FixedTree(tree_for_budget(model.heads, 1))
+    # as if this machine's calibration had chosen the 1-node tree (not timing's pick)
+    model.step_costs = StepCosts(model.step_costs.table, default_budget=1)
     model.use_sources("heads,context")
     assert model.drafter.heads_tree.num_nodes == tree_for_budget(model.heads, 3).num_nodes == 4
     assert model.policy.tree.num_nodes in (1, 2, 4)
@@ -188,11 +190,10 @@ def test_merged_default_offers_the_heads_a_larger_tree_and_keeps_the_output(tmp_
     assert model.generate(prompt, max_new_tokens=30).tolist() == reference.tolist()
     assert filled and max(filled) == 4
     assert "heads' tree 4 nodes" in drafting_line(model)
-    model.use_sources("heads")
-    assert not hasattr(model.drafter, "heads_tree") or model.drafter.heads_tree is None
+    assert model.with_decoding(sources="heads").drafting_summary()["tree_nodes"] == model.policy.tree.num_nodes
     pinned = DraftHeadsModel.from_pretrained(folder, base=base, sources="heads,context", tree=1)
-    assert pinned.default_budget is None and pinned.drafter.heads_tree is None
-    model.policy = FixedTree(tree_for_budget(model.heads, 1))  # a policy set later (the batched bench's) is followed
-    model.use_sources("heads,context")
-    assert model.drafter.heads_tree is None
+    assert pinned.step_costs.default_budget is None and pinned.drafter.heads_tree is None
+    # a policy given (the batched bench's) is followed as it is
+    given = model.with_decoding(tree=FixedTree(tree_for_budget(model.heads, 1)), sources="heads,context")
+    assert given.drafter.heads_tree is None and model.drafter.heads_tree is not None
 

@@ -15,8 +15,8 @@ from helpers import left_pad, tiny_llama
 from draftheads.decoding import DraftHeadsModel, tree_from_paths
 from draftheads.decoding.accept import Acceptance
 from draftheads.decoding.drafters import DraftState, HeadsDrafter
-from draftheads.decoding.drafters.step_trees import StepTrees
-from draftheads.decoding.limits import InputError, InputTypeError
+from draftheads.decoding.step_trees import StepTrees
+from draftheads.core.errors import InputError, InputTypeError
 from draftheads.heads import DraftHeads, HeadConfig, HydraHeads, TreeSpec
 
 #: stored trees as a checkpoint keeps them: each budget's best shape, the larger ones the offers
@@ -105,19 +105,19 @@ def test_dynamic_trees_greedy_identity_batched(tree):
     ids, mask = left_pad([[5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15, 16]])
     reference = model.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0)
     decoder = DraftHeadsModel(model, heads, tree=tree, heads_offer_scale=4)
-    assert decoder.heads_offer() is not None
+    assert decoder.drafter.offer is not None
     ours = decoder.generate(ids, attention_mask=mask, max_new_tokens=20, pad_token_id=0)
     assert ours.tolist() == reference.tolist()
-    hitrate = decoder.heads_alone().hitrate
+    hitrate = decoder.drafter.hitrate
     assert hitrate.proposed.sum() > 0  # every dynamic step was observed
 
 
 def test_offer_is_the_stored_tree_of_scale_times_the_budget():
     model = tiny_llama(seed=1)
     heads = stored_hydra(model)
-    offer = DraftHeadsModel(model, heads, tree=2, heads_offer_scale=4).heads_offer()
+    offer = DraftHeadsModel(model, heads, tree=2, heads_offer_scale=4).drafter.offer
     assert offer(tree_from_paths(STORED["2"])).num_nodes == 9  # 2 × 4 → the 8-node tree (+ root)
-    assert DraftHeadsModel(model, heads, tree=2, heads_offer_scale=2).heads_offer()(
+    assert DraftHeadsModel(model, heads, tree=2, heads_offer_scale=2).drafter.offer(
         tree_from_paths(STORED["2"])).num_nodes == 5
     assert offer(tree_from_paths(STORED["8"])).num_nodes == 9  # nothing larger is stored: the largest
 
@@ -128,7 +128,7 @@ def test_static_by_default_when_asked_or_given_a_tree(options):
     """The default, scale 1, or a tree given as a Tree: every step verifies the policy's tree as it is."""
     model = tiny_llama(seed=1)
     decoder = DraftHeadsModel(model, stored_hydra(model), **options)
-    assert decoder.heads_offer() is None
+    assert decoder.drafter.offer is None
     seen = []
     original = StepTrees.uniform.__func__
 
@@ -139,7 +139,7 @@ def test_static_by_default_when_asked_or_given_a_tree(options):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(StepTrees, "uniform", classmethod(spy))
         decoder.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=8)
-    assert seen and decoder.heads_alone().hitrate.proposed.sum() == 0
+    assert seen and decoder.drafter.hitrate.proposed.sum() == 0
 
 
 def test_heads_without_stored_trees_stay_static():
@@ -148,7 +148,7 @@ def test_heads_without_stored_trees_stay_static():
     heads = HydraHeads(HeadConfig(family="hydra", num_heads=2, hidden_size=cfg.hidden_size,
                                   vocab_size=cfg.vocab_size)).to(model.dtype)
     heads.bind(model.lm_head.weight, model.get_input_embeddings().weight)
-    assert DraftHeadsModel(model, heads, tree=2, heads_offer_scale=4).heads_offer() is None
+    assert DraftHeadsModel(model, heads, tree=2, heads_offer_scale=4).drafter.offer is None
 
 
 @pytest.mark.parametrize("value,error,message", [(0, InputError, "heads_offer_scale must be ≥ 1"),

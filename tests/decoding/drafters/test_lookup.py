@@ -180,7 +180,7 @@ def test_store_source_proposes_continuations_and_handles_short_histories(tmp_pat
 def test_store_for_another_tokenizer_is_refused(tmp_path):
     write_store(tmp_path / "s.safetensors", salt="x")
     other = tokenizer_identity(FakeTokenizer(10))
-    with pytest.raises(StoreError, match=r"s\.safetensors was built for another tokenizer.*build_store\.py"):
+    with pytest.raises(StoreError, match=r"s\.safetensors was built for another tokenizer.*draftheads store build"):
         ModelStore.open(tmp_path / "s.safetensors", expect=other)
 
 
@@ -197,7 +197,7 @@ def test_corrupt_or_truncated_store_is_refused(tmp_path, damage):
         path.write_bytes(blob[:8] + b"\xff" * (len(blob) - 8))
     else:
         path.unlink()
-    with pytest.raises(StoreError, match=r"s\.safetensors .*(truncated|corrupt|does not exist).*build_store\.py"):
+    with pytest.raises(StoreError, match=r"s\.safetensors .*(truncated|corrupt|does not exist).*draftheads store build"):
         ModelStore.open(path)
 
 
@@ -211,7 +211,7 @@ def test_empty_store_is_refused(tmp_path):
               "bigram_next": np.full(10, -1, np.int32), "bigram_prob": np.zeros(10, np.float32)}
     save_store(tmp_path / "e.safetensors", arrays,
                StoreHeader(FORMAT_VERSION, 10, ident.vocab_sha256, 16, 4, "2026-11-24", "test", 1, 1))
-    with pytest.raises(StoreError, match=r"e\.safetensors is an empty store.*build_store\.py"):
+    with pytest.raises(StoreError, match=r"e\.safetensors is an empty store.*draftheads store build"):
         ModelStore.open(tmp_path / "e.safetensors")
 
 
@@ -325,24 +325,6 @@ def test_head_candidates_share_the_scale():
     merged = merge([heads, lookup], 3)
     assert merged.paths().keys() == {(5,), (5, 9), (5, 6)}  # 0.81 and the head's 0.3 beat its 0.2
     assert merged.source[merged.paths()[(5,)]] == source_id("context")
-
-
-def test_build_store_script_holds_out_the_last_records(tmp_path, monkeypatch, capsys):
-    import json as _json
-
-    from helpers import load_script
-
-    script = load_script("build_store")
-    monkeypatch.setattr(script, "load_tokenizer", lambda name: FakeTokenizer(10))
-    data = tmp_path / "answers.jsonl"
-    data.write_text("".join(_json.dumps({"response_ids": r}) + "\n" for r in RECORDS))
-    out = tmp_path / "store.safetensors"
-    assert script.main(["--data", str(data), "--out", str(out), "--holdout-last", "1"]) == 0
-    report = _json.loads(capsys.readouterr().out)
-    store = ModelStore.open(out, expect=tokenizer_identity(FakeTokenizer(10)))
-    assert report["records"] == store.header.records == 3 and store.header.tokens == 15
-    assert store.tokens.tolist() == [t for r in RECORDS[:3] for t in r + [-1]]  # the last record is held out
-    assert "held out: last 1" in store.header.source and report["bytes"] == out.stat().st_size
 
 
 def test_static_sources_that_never_hit_in_a_request_are_muted_for_that_row(tmp_path):

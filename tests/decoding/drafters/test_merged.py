@@ -12,9 +12,10 @@ from helpers import OracleHeads, left_pad, record_packed_steps, tiny_llama, tree
 from draftheads.decoding import DraftHeadsModel, tree_from_paths
 from draftheads.decoding.cost import LINEAR_COST, CostModel
 from draftheads.decoding.drafters import (DraftState, HeadsDrafter, MergedDrafter, WidthChooser, build_drafter, CandidateBatch, parse_sources)
+from draftheads.decoding.drafters.candidates import step_trees
 from draftheads.decoding.drafters import Candidates, ContextConfig, LookupConfig, LookupSources
-from draftheads.decoding.drafters import step_trees as step_trees_module
-from draftheads.decoding.drafters.step_trees import StepTrees
+from draftheads.decoding import step_trees as step_trees_module
+from draftheads.decoding.step_trees import StepTrees
 
 MODELS = {seed: tiny_llama(seed) for seed in range(2)}
 PAD = 0
@@ -29,10 +30,9 @@ def repetitive_prompts(draw_lists, gen: torch.Generator) -> list[list[int]]:
 
 
 def merged(model, heads, tree, lookup_nodes: int = 12, eos: int | None = None) -> DraftHeadsModel:
-    decoder = DraftHeadsModel(model, heads, tree=tree)
     lookup = LookupSources(None, LookupConfig((ContextConfig(eos_token_id=eos),)), sources=("context",))
-    decoder.drafter = MergedDrafter(heads, lookup, WidthChooser(LINEAR_COST), lookup_nodes=lookup_nodes)
-    return decoder
+    return DraftHeadsModel(model, heads, tree=tree).with_decoding(
+        drafter=MergedDrafter(heads, lookup, WidthChooser(LINEAR_COST), lookup_nodes=lookup_nodes))
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -78,9 +78,9 @@ def test_rows_really_verify_different_trees_and_lookups_get_accepted():
     propose = decoder.drafter.propose
 
     def spy(state, tree_):
-        drafts = propose(state, tree_)
-        seen.append(drafts)
-        return drafts
+        proposed = propose(state, tree_)
+        seen.append(proposed)
+        return proposed
 
     decoder.drafter.propose = spy
     ours = decoder.generate(ids, attention_mask=mask, max_new_tokens=40, pad_token_id=PAD)
@@ -96,27 +96,27 @@ def test_rows_really_verify_different_trees_and_lookups_get_accepted():
 
 @settings(max_examples=200, deadline=None)
 @given(shapes=st.lists(trees(max_depth=4, max_nodes=10), min_size=1, max_size=5))
-def test_padded_drafts_are_the_trees_they_stand_for(shapes):
+def test_padded_step_trees_are_the_trees_they_stand_for(shapes):
     """StepTrees.from_rows(per-row tries) has, row by row, the parents, depths, ancestor mask,
     root→slot paths and children of the tree built from the same paths; padding slots see
     only themselves and are nobody's child."""
     built = [tree_from_paths(p) for p in shapes]
-    drafts = StepTrees.from_rows(torch.arange(len(built)), [(t.parent[1:] - 1).tolist() for t in built],
+    padded = StepTrees.from_rows(torch.arange(len(built)), [(t.parent[1:] - 1).tolist() for t in built],
                               [list(range(100, 100 + t.num_nodes - 1)) for t in built])
-    children = drafts.children()
+    children = padded.children()
     for b, tree in enumerate(built):
         n = tree.num_nodes
-        assert drafts.parent[b, :n].tolist() == tree.parent.tolist()
-        assert drafts.depth[b, :n].tolist() == tree.depth.tolist()
-        assert torch.equal(drafts.ancestor[b, :n, :n], tree.ancestor)
-        assert bool(drafts.valid[b, :n].all()) and not bool(drafts.valid[b, n:].any())
+        assert padded.parent[b, :n].tolist() == tree.parent.tolist()
+        assert padded.depth[b, :n].tolist() == tree.depth.tolist()
+        assert torch.equal(padded.ancestor[b, :n, :n], tree.ancestor)
+        assert bool(padded.valid[b, :n].all()) and not bool(padded.valid[b, n:].any())
         for i in range(n):
             chain = tree.path_slots[i, : int(tree.depth[i]) + 1].tolist()
-            assert drafts.path_slots[b, i, : len(chain)].tolist() == chain
+            assert padded.path_slots[b, i, : len(chain)].tolist() == chain
             kids = [k for k in children[b, i].tolist() if k >= 0]
             assert kids == [k for k in range(n) if int(tree.parent[k]) == i]
-        for pad in range(n, drafts.num_nodes):
-            assert drafts.ancestor[b, pad].nonzero().flatten().tolist() == [pad]
+        for pad in range(n, padded.num_nodes):
+            assert padded.ancestor[b, pad].nonzero().flatten().tolist() == [pad]
             assert pad not in children[b].flatten().tolist()
 
 
@@ -213,10 +213,9 @@ def test_the_lookup_drafter_is_a_drafter_the_loop_runs():
     model = MODELS[0]
     ids, mask = left_pad([[5, 6, 7] * 5, [9, 10, 11, 12] * 3])
     reference = model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=PAD)
-    decoder = DraftHeadsModel(model, None)
-    decoder.drafter = LookupDrafter(sources=("context",))
+    decoder = DraftHeadsModel(model, None).with_decoding(drafter=LookupDrafter(sources=("context",)))
     assert all(callable(getattr(decoder.drafter, name)) for name in Drafter.__dict__ if name in
-               ("start", "propose", "observe"))
+               ("start", "propose", "observe", "max_nodes"))
     assert decoder.generate(ids, attention_mask=mask, max_new_tokens=16, pad_token_id=PAD).tolist() == reference.tolist()
 
 
@@ -265,7 +264,7 @@ def test_per_row_counts_never_price_worse_than_one_width_for_every_row():
     """The per-row search includes one width for every row (every node under a cap), so under the
     cost model its choice yields at least the expected tokens per ms of the width chooser's."""
     import numpy as np
-    from draftheads.decoding.drafters.step_trees import SKIP_PADDING_SLOTS
+    from draftheads.decoding.step_trees import SKIP_PADDING_SLOTS
     from draftheads.decoding.drafters.width import PADDED_SLOT_SHARE
 
     rng = np.random.default_rng(0)
@@ -295,8 +294,7 @@ def test_per_row_counts_never_price_worse_than_one_width_for_every_row():
 def test_stats_report_drafting_milliseconds_per_step():
     model = MODELS[0]
     ids, mask = left_pad([[5, 6, 7] * 5, [9, 10, 11, 12] * 3])
-    decoder = DraftHeadsModel(model, None)
-    decoder.drafter = build_drafter(("context",), None)
+    decoder = DraftHeadsModel(model, None).with_decoding(drafter=build_drafter(("context",), None))
     decoder.generate(ids, attention_mask=mask, max_new_tokens=12, pad_token_id=PAD)
     stats = decoder.last_stats
     assert stats.steps > 0 and stats.drafting_seconds > 0
@@ -307,13 +305,13 @@ def test_stats_report_drafting_milliseconds_per_step():
 @given(st.lists(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=5), min_size=0, max_size=5),
                 min_size=1, max_size=4))
 def test_drafts_from_a_candidate_batch_are_the_drafts_from_its_rows(chains_per_row):
-    """StepTrees.from_candidates (every row at once) builds the very tensors StepTrees.from_rows builds
+    """candidates.step_trees (every row at once) builds the very tensors StepTrees.from_rows builds
     from the same tries row by row: tokens, parents, depths, path slots, valid slots."""
     from draftheads.decoding.drafters import CandidateBatch, Candidates, count_trie, source_id
     tries = [count_trie(chains, source_id("context"), 2, 0.9) if chains else Candidates.empty() for chains in chains_per_row]
     roots = torch.arange(len(tries)) + 100
     batch = CandidateBatch.from_rows(tries)
-    got = StepTrees.from_candidates(roots, batch)
+    got = step_trees(roots, batch)
     want = StepTrees.from_rows(roots, [t.parent.tolist() for t in tries], [t.token.tolist() for t in tries])
     for name in ("tokens", "parent", "depth", "path_slots", "valid"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name

@@ -121,10 +121,9 @@ def test_review_rescores_each_lookup_node_by_the_heads_opinion(family, seed, cha
 
 
 def reviewed_decoder(model, heads, tree) -> DraftHeadsModel:
-    decoder = DraftHeadsModel(model, heads, tree=tree)
     lookup = LookupSources(None, LookupConfig((ContextConfig(),)), sources=("context",))
-    decoder.drafter = MergedDrafter(heads, lookup, WidthChooser(LINEAR_COST), lookup_nodes=12, review=True)
-    return decoder
+    return DraftHeadsModel(model, heads, tree=tree).with_decoding(
+        drafter=MergedDrafter(heads, lookup, WidthChooser(LINEAR_COST), lookup_nodes=12, review=True))
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -239,7 +238,7 @@ def test_batched_bench_runs_lookup_strategies_end_to_end(tmp_path, monkeypatch):
     before = (decoder.policy, decoder.drafter, decoder.sources, decoder.decoding)
     payload = run_batch_bench(decoder, prompts, [1, 2], [0, 1, 3], 12, tmp_path / "out", max_batches=2,
                               sources=("heads", "context"), review=True, log=lambda *_: None)
-    # the bench set policies, drafters and finished-row handling per strategy; all are back
+    # each strategy was a light model (with_decoding): the model's own decoding is untouched
     assert (decoder.policy, decoder.drafter, decoder.sources, decoder.decoding) == before
     assert decoder.decoding.finished_rows == "shrink"
     for bs in ("1", "2"):
@@ -260,4 +259,4 @@ def test_batched_bench_runs_lookup_strategies_end_to_end(tmp_path, monkeypatch):
                 (entry["new_tokens"] - rows) / (entry["seconds"] - entry["prefill_seconds"]), rel=0.05)
     assert (tmp_path / "out" / "throughput.png").stat().st_size > 0
     assert json.loads((tmp_path / "out" / "results.json").read_text())["results"]["2"]["batches"] == 2
-    assert decoder.drafter is None  # the bench leaves the model's own drafter in place
+    assert decoder.drafter is before[1]  # the bench leaves the model's own drafter in place

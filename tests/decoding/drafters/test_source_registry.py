@@ -16,7 +16,7 @@ from draftheads.decoding import DraftHeadsModel
 from draftheads.decoding.drafters import (CandidateBatch, Candidates, HitRate, MergedDrafter, SourceSpec, auto_sources,
                                           count_trie, default_q, lookup_names, parse_sources, register, source_id,
                                           source_names, unregister)
-from draftheads.options import sources_argument
+from draftheads.arguments import sources_argument
 from helpers import OracleHeads, left_pad, tiny_llama
 
 BUILT_IN = ("heads", "context", "store", "stats")

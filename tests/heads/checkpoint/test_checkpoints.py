@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from helpers import tiny_llama
-from draftheads.decoding import DraftHeadsModel, fingerprint, tree_from_paths
+from draftheads.decoding import DraftHeadsModel, tree_from_paths
+from draftheads.decoding.base.fingerprint import fingerprint
 from draftheads.heads import CheckpointError, HeadConfig, MedusaHeads, load_heads
 
 MODEL = tiny_llama(0, max_pos=64)

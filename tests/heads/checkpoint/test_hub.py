@@ -16,7 +16,8 @@ from huggingface_hub import constants, scan_cache_dir, try_to_load_from_cache
 from huggingface_hub.file_download import repo_folder_name
 
 from helpers import tiny_llama
-from draftheads.decoding import DraftHeadsModel, fingerprint
+from draftheads.decoding import DraftHeadsModel
+from draftheads.decoding.base.fingerprint import fingerprint
 from draftheads.heads import CheckpointError, HeadConfig, MedusaHeads, load_heads
 from draftheads.heads.checkpoint.hub import upload_checkpoint
 

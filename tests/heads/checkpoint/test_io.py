@@ -10,11 +10,12 @@ import torch
 
 from helpers import REPO, tiny_llama
 from draftheads import __version__
-from draftheads.decoding import DraftHeadsModel, fingerprint
+from draftheads.decoding import DraftHeadsModel
+from draftheads.decoding.base.fingerprint import fingerprint
 from draftheads.heads import CheckpointError, HeadConfig, HydraHeads, MedusaHeads, load_heads, read_config
-from draftheads.heads import config as head_config
-from draftheads.heads.checkpoint import atomic
-from draftheads.heads.checkpoint.atomic import current_umask
+from draftheads.heads import head_config
+from draftheads.core import atomic
+from draftheads.core.atomic import current_umask
 
 
 

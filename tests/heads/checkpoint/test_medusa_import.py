@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from helpers import left_pad, reference_heads, tiny_llama, write_medusa
-from draftheads.decoding import DraftHeadsModel, fingerprint, tree_from_paths
+from draftheads.decoding import DraftHeadsModel, tree_from_paths
+from draftheads.decoding.base.fingerprint import fingerprint
 from draftheads.heads import CheckpointError, load_heads
 from draftheads.heads.checkpoint.medusa_import import import_medusa
 

@@ -15,14 +15,14 @@ import pytest
 import yaml
 
 from helpers import tiny_llama
-from draftheads.checkpoint_cli import export_custom_generate
+from draftheads.cli.checkpoint_commands import export_custom_generate
 from draftheads.cli import main
 from draftheads.custom_generate import write_custom_generate
-from draftheads.decoding import fingerprint
-from draftheads.decoding.limits import InputError
+from draftheads.decoding.base.fingerprint import fingerprint
+from draftheads.core.errors import InputError
 from draftheads.heads import CheckpointError, HeadConfig, MedusaHeads, load_heads
-from draftheads.heads.checkpoint import atomic
-from draftheads.heads.checkpoint.atomic import FolderNotOursError
+from draftheads.core import atomic
+from draftheads.core.atomic import FolderNotOursError
 from draftheads.heads.checkpoint.vllm_export import export_heads
 
 

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import REPO, draftheads_full_logits, tiny_llama, vllm_medusa_reference
-from draftheads.decoding import fingerprint
+from draftheads.decoding.base.fingerprint import fingerprint
 from draftheads.heads import HeadConfig, HydraHeads, MedusaHeads
 from draftheads.heads.checkpoint.vllm_export import ExportError, export_heads
 

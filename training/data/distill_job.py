@@ -1,0 +1,400 @@
+"""The self-distillation job: the base answers the training prompts with draftheads' own batched
+greedy decoder, keeping the hidden states its forwards compute as the training features, in
+shards that resume after a stop (format: :mod:`.distill_shards`).
+
+    python -m draftheads.training.data.distill_job --out /data/selfdistill-smollm2      # run or resume
+    python -m draftheads.training.data.distill_job --out DIR --export recipes/data/selfdistill-smollm2
+    python -m draftheads.training.data.distill_job --from-tokens recipes/data/selfdistill-smollm2 --out DIR
+
+Prompts: every prompt file given (records with ``prompt``, or conversations whose first user
+turn is taken), a text asked twice answered once; the sources are interleaved by their relative
+position so every prefix of shards is a proportional sample (a data-scaling table takes prefixes).
+Answers already made elsewhere (``--answers``: records with ``id``, ``prompt``, ``response_ids``)
+are reused and get their features from one plain forward; ``--from-tokens`` does that for a whole
+committed set of token ids, so a clone rebuilds the features with one command.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ...decoding.base.loading import dtype_name, load_base
+from ...decoding.base.fingerprint import fingerprint
+from ...decoding.generate import DraftHeadsModel
+from ...decoding.request import eos_token_ids
+from ...core.atomic import write_text_atomic
+from ...core.errors import one_line
+from .config_cli import parse_config, run_cli
+from .records import DataError, resolve_data_path
+from .distill_capture import answer_with_states, forward_states
+from .distill_shards import Shard, ShardError, discard, load_token_ids, manifest_for, open_shard, save_token_ids
+from .distill_shards import shard_problem, write_shard
+from ..features import chat_prompt_ids, read_jsonl
+
+PLAN = "plan.json"
+INDEX = "index.json"
+
+
+@dataclass
+class DistillJobConfig:
+    """What the job answers and how; ``prompts``, ``max_new_tokens`` and ``shard_size`` fix the
+    plan (a resume with others is refused), the rest may change between resumes."""
+
+    out: str = ""
+    prompts: list[str] = field(default_factory=list)  # prompt files (records with id + prompt, or messages)
+    answers: list[str] = field(default_factory=list)  # answers made before (id + response_ids), reused as given
+    from_tokens: str = ""  # a folder of committed token ids: rebuild their features, answer nothing
+    export: str = ""  # write the finished shards' token ids here (the committed form) and stop
+    heads: str = "checkpoints/smollm2-135m-hydra"
+    base: str | None = None
+    dtype: str = "bfloat16"
+    tree: str = "adaptive"  # the batch-size-adaptive policy: the stored tree is chosen for bs 1
+    sources: str = "auto"
+    max_new_tokens: int = 384
+    shard_size: int = 64
+    batch_size: int = 32
+    forward_tokens: int = 8192  # padded tokens per plain forward (features of given answers)
+    shards: int = 0  # stop once this many shards exist (0: all)
+    start_at: int = 0  # build shards from this index first, then the earlier ones (e.g. the decoded ones before the reused)
+    seconds: int = 0  # > 0: a time budget from the start; no shard (group) is begun that would end past it
+    device: str = "cpu"
+
+
+@dataclass
+class Prompt:
+    id: str
+    source: str
+    text: str
+    answer: list[int] | None = None  # given answer ids (reused), or None: the decoder answers
+
+
+def normalized(text: str) -> str:
+    return " ".join(text.lower().split())
+
+
+def read_prompts(path: str) -> list[Prompt]:
+    """A prompt file's prompts: ``prompt`` records, conversations (``messages``: the first
+    user turn; the later turns follow answers the base did not write), or benchmark questions
+    (``turns``: MT-Bench / Spec-Bench, the first turn). The source is the record's ``source``,
+    else the file's stem (``mt_bench``, ``spec_bench_dev``)."""
+    prompts = []
+    for record in read_jsonl(resolve_data_path(path)):
+        if "prompt" in record:
+            text = record["prompt"]
+        elif isinstance(record.get("turns"), list) and record["turns"]:
+            text = record["turns"][0]
+        else:
+            text = next((m["content"] for m in record.get("messages", []) if m.get("role") == "user"), None)
+        if not isinstance(text, str) or not text.strip():
+            raise DataError(f"{path}: record {record.get('id')!r} has no 'prompt', no user turn in 'messages' and no "
+                            "'turns'.")
+        prompts.append(Prompt(str(record.get("id", record.get("question_id", len(prompts)))), str(record.get("source", Path(path).stem)), text))
+    return prompts
+
+
+def interleave(sources: list[list[Prompt]]) -> list[Prompt]:
+    """One list from several, a text asked twice kept once (its first source's), ordered by each
+    prompt's relative position in its source: every prefix holds each source in proportion."""
+    seen: set[str] = set()
+    keyed = []
+    for s, prompts in enumerate(sources):
+        fresh = [p for p in prompts if normalized(p.text) not in seen]
+        seen.update(normalized(p.text) for p in fresh)
+        keyed += [((i + 0.5) / len(fresh), s, i, p) for i, p in enumerate(fresh)]
+    return [p for *_, p in sorted(keyed, key=lambda k: k[:3])]
+
+
+def attach_answers(prompts: list[Prompt], paths: list[str]) -> int:
+    """Reuse the answers of ``paths`` for the prompts with the same id and text; returns how many."""
+    by_id = {p.id: p for p in prompts}
+    used = 0
+    for path in paths:
+        for record in read_jsonl(resolve_data_path(path)):
+            prompt = by_id.get(str(record.get("id")))
+            if prompt is not None and prompt.answer is None and record.get("prompt") == prompt.text \
+                    and record.get("response_ids"):
+                prompt.answer = [int(t) for t in record["response_ids"]]
+                used += 1
+    return used
+
+
+def digest(items) -> str:
+    return hashlib.sha256(json.dumps(items, ensure_ascii=False).encode()).hexdigest()[:16]
+
+
+def make_plan(config: DistillJobConfig) -> tuple[dict, list[Prompt]]:
+    if not config.prompts:
+        raise DataError("the job needs --prompts FILE [FILE ...] (e.g. the training prompts and conversations) and, "
+                        "to reuse answers made before, --answers FILE; recipes/data/selfdistill-smollm2/README.md "
+                        "has the command.")
+    prompts = interleave([read_prompts(p) for p in config.prompts])
+    reused = attach_answers(prompts, config.answers)
+    key = digest([[p.id, p.text] for p in prompts] + [config.max_new_tokens, config.shard_size])
+    plan = {"plan_key": key, "prompts": len(prompts), "reused_answers": reused,
+            "shards": -(-len(prompts) // config.shard_size), "shard_size": config.shard_size,
+            "max_new_tokens": config.max_new_tokens, "prompt_files": [Path(p).name for p in config.prompts],
+            "answer_files": [Path(p).name for p in config.answers]}
+    return plan, prompts
+
+
+def check_plan(out: Path, plan: dict) -> None:
+    """Write ``plan.json`` on the first run; a resume with another plan is refused (one line)."""
+    path = out / PLAN
+    if path.is_file():
+        saved = json.loads(path.read_text(encoding="utf-8"))
+        if saved.get("plan_key") != plan["plan_key"]:
+            raise DataError(f"{path} is a job with other prompts or settings (plan {saved.get('plan_key')}, this run "
+                            f"{plan['plan_key']}); use another --out, or delete {out} to start over.")
+        return
+    write_text_atomic(path, json.dumps(plan, indent=1) + "\n")
+
+
+class Job:
+    """The base, loaded once; the decoder, built on the first shard that needs answers."""
+
+    def __init__(self, config: DistillJobConfig):
+        self.config = config
+        self.base, self.tokenizer = load_base(config.base, dtype=config.dtype, device=config.device)
+        self.fingerprint = fingerprint(self.base).to_dict()
+        self.dtype = dtype_name(self.base.dtype)
+        self.decoder = None
+        pad = self.tokenizer.pad_token_id
+        self.pad = pad if pad is not None else self.tokenizer.eos_token_id
+        self.eos = set(eos_token_ids(self.base.generation_config))
+
+    def expected(self, plan_key: str, ids: list[str]) -> dict:
+        return {"plan_key": plan_key, "prompt_key": digest(ids), "base_fingerprint": self.fingerprint,
+                "dtype": self.dtype, "feature_dtype": "float16"}
+
+    def answerer(self):
+        if self.decoder is None:
+            c = self.config
+            self.decoder = DraftHeadsModel.from_pretrained(c.heads, base=self.base, tokenizer=self.tokenizer,
+                                                           tree=c.tree, sources=c.sources)
+        return self.decoder
+
+    def build(self, prompts: list[Prompt]) -> tuple[list[Shard], dict]:
+        """Answer (or take) each prompt and collect its states: one shard per ``shard_size``
+        prompts, in prompt order (several shards decode together when the batch is larger)."""
+        encoded = [chat_prompt_ids(self.tokenizer, p.text) for p in prompts]
+        answers: list[list[int] | None] = [p.answer for p in prompts]
+        states: list[torch.Tensor | None] = [None] * len(prompts)
+        todo = sorted((i for i, a in enumerate(answers) if a is None), key=lambda i: len(encoded[i]))
+        steps = accepted = 0
+        for start in range(0, len(todo), self.config.batch_size):
+            batch = todo[start: start + self.config.batch_size]
+            decoder = self.answerer()
+            for i, done in zip(batch, answer_with_states(decoder, [encoded[i] for i in batch],
+                                                         self.config.max_new_tokens, self.pad)):
+                answers[i], states[i] = done.answer, done.states
+            steps += len(decoder.last_stats.accepted)
+            accepted += sum(decoder.last_stats.accepted)
+        given = [i for i, s in enumerate(states) if s is None]
+        for i, s in zip(given, forward_states(self.base, [encoded[i] + answers[i] for i in given],
+                                              self.config.forward_tokens)):
+            states[i] = s
+        shards = []
+        size = self.config.shard_size
+        for first in range(0, len(prompts), size):
+            part = range(first, min(len(prompts), first + size))
+            hidden = [states[i].to(torch.float32).numpy() for i in part]
+            shard = Shard.from_sequences([prompts[i].id for i in part], [encoded[i] for i in part],
+                                         [answers[i] for i in part], self.eos, hidden)
+            if not np.isfinite(shard.hidden).all():
+                raise ShardError("a hidden state overflows float16; store this base's features in another dtype.")
+            shards.append(shard)
+        made = {"decoded": len(todo), "given": len(given), "tau": round((accepted + steps) / steps, 3) if steps else None}
+        return shards, made
+
+
+def out_of_time(started: float, budget: int, next_takes: float) -> bool:
+    """With a budget (``--seconds``): whether the next unit of work, expected to take as long as
+    the last one, would end past it. What is stopped before is never begun, so every shard
+    written stays whole; a resume continues from there."""
+    if budget <= 0 or time.perf_counter() - started + next_takes <= budget:
+        return False
+    print(json.dumps({"stopped": "seconds", "budget": budget, "time": time.strftime("%H:%M:%S")}), flush=True)
+    return True
+
+
+def needs_building(folder: Path, expected: dict) -> bool:
+    """A shard folder that is missing, or holds another shard than ``expected`` (truncated, another
+    base or dtype: named in one line and discarded), is built; a good one is kept, never redone."""
+    if not folder.exists():
+        return True
+    problem = shard_problem(folder, expected)
+    if problem is None:
+        return False
+    print(f"{folder}: {problem}; rebuilding it.", flush=True)
+    discard(folder)
+    return True
+
+
+def run(config: DistillJobConfig) -> int:
+    """Build every missing or bad shard, in order; ``batch_size`` larger than ``shard_size``
+    decodes that many shards' prompts together (a GPU's batch of 256: four shards at a time)."""
+    begun, last = time.perf_counter(), 0.0
+    out = Path(config.out)
+    plan, prompts = make_plan(config)
+    check_plan(out, plan)
+    job = Job(config)
+    remove_leftovers(out)
+    total = plan["shards"] if not config.shards else min(plan["shards"], config.shards)
+    todo = []
+    for index in range(total):
+        folder = out / "shards" / f"shard-{index:05d}"
+        expected = job.expected(plan["plan_key"], [p.id for p in shard_prompts(prompts, index, config)])
+        if needs_building(folder, expected):
+            todo.append((index, folder, expected))
+    todo.sort(key=lambda item: item[0] < config.start_at)  # stable: in order from start_at, then the rest
+    together = max(1, config.batch_size // config.shard_size)
+    for first in range(0, len(todo), together):
+        if out_of_time(begun, config.seconds, last):
+            break
+        group = todo[first: first + together]
+        started, cpu = time.perf_counter(), time.process_time()
+        shards, made = job.build([p for index, *_ in group for p in shard_prompts(prompts, index, config)])
+        seconds, cpu = time.perf_counter() - started, time.process_time() - cpu  # cpu: all threads' seconds
+        last = seconds
+        for (index, folder, expected), shard in zip(group, shards):
+            write_shard(folder, shard, manifest_for(shard, index, expected, {
+                "sources": sorted({p.source.split(":")[0] for p in shard_prompts(prompts, index, config)}),
+                "sequence_sources": [p.source for p in shard_prompts(prompts, index, config)],
+                "seconds": round(seconds / len(group), 1), "max_new_tokens": config.max_new_tokens, **made}))
+        answer_tokens = sum(s.answer_tokens for s in shards)
+        print(json.dumps({"shards": [g[0] for g in group], "of": plan["shards"], **made,
+                          "sequences": sum(len(s) for s in shards), "answer_tokens": answer_tokens,
+                          "tokens": sum(int(s.offsets[-1]) for s in shards), "seconds": round(seconds, 1),
+                          "cpu_seconds": round(cpu, 1), "answer_positions_per_s": round(answer_tokens / seconds, 1),
+                          "time": time.strftime("%H:%M:%S")}), flush=True)
+    return 0
+
+
+def remove_leftovers(out: Path) -> None:
+    """The staging folders a killed run left (a shard being written when the process died)."""
+    for staging in (out / "shards").glob(".shard-[0-9]*.tmp-*"):
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def shard_prompts(prompts: list[Prompt], index: int, config: DistillJobConfig) -> list[Prompt]:
+    return prompts[index * config.shard_size: (index + 1) * config.shard_size]
+
+
+def open_job(out: str | Path, fingerprint: dict, dtype: str) -> list[Shard]:
+    """What training reads: every shard of a job, checked against the job's plan and the base it
+    trains for (fingerprint, the dtype the features were computed in) and memory-mapped; a bad
+    one is one :class:`ShardError` naming it and the command that rebuilds it."""
+    out = Path(out)
+    try:
+        plan = json.loads((out / PLAN).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise ShardError(f"{out / PLAN} cannot be read ({err}); run the self-distillation job with --out {out}.") from None
+    expected = {"plan_key": plan.get("plan_key"), "base_fingerprint": fingerprint, "dtype": dtype,
+                "feature_dtype": "float16"}
+    rebuild = f"python -m draftheads.training.data.distill_job --out {out}"
+    return [open_shard(folder, expected, rebuild) for folder in sorted((out / "shards").glob("shard-[0-9]*"))]
+
+
+def finished_shards(out: Path, with_hidden: bool = False) -> list[tuple[int, Path]]:
+    """The shard folders of a job (index, folder), in order, whose manifest and arrays read whole."""
+    found = []
+    for folder in sorted((out / "shards").glob("shard-[0-9][0-9][0-9][0-9][0-9]")):
+        manifest = json.loads((folder / "manifest.json").read_text()) if (folder / "manifest.json").is_file() else {}
+        if manifest and shard_problem(folder, {}, with_hidden) is None:
+            found.append((int(manifest["shard"]), folder))
+    return found
+
+
+def export(out: Path, target: Path) -> int:
+    """The finished shards' token ids in the committed form: ``shard-NNNNN.npz`` + ``index.json``.
+
+    Shards committed in ``target`` for the same plan and absent from ``out`` are kept (read back whole
+    first): a clone that resumes without the earlier shards' features adds to them, drops none."""
+    plan = json.loads((out / PLAN).read_text(encoding="utf-8"))
+    entries = {entry["shard"]: entry for entry in committed_entries(target, plan)}
+    for number, folder in finished_shards(out):
+        manifest = json.loads((folder / "manifest.json").read_text(encoding="utf-8"))
+        shard = open_shard(folder, {}, "", with_hidden=False)
+        save_token_ids(target / f"shard-{number:05d}.npz", shard)
+        entries[number] = {k: manifest[k] for k in ("shard", "ids", "sequences", "tokens", "answer_tokens",
+                                                    "prompt_key", "dtype", "base_fingerprint")}
+    index = {"plan": plan, "shards": [entries[number] for number in sorted(entries)]}
+    write_text_atomic(target / INDEX, json.dumps(index) + "\n")
+    print(f"{len(index['shards'])} shards' token ids in {target}")
+    return 0
+
+
+def committed_entries(target: Path, plan: dict) -> list[dict]:
+    """The index entries already in ``target`` (none without an index), each shard file checked; another
+    plan's index is refused: its shards would sit beside this plan's under one index."""
+    index = read_index(target) if (target / INDEX).is_file() else {"plan": plan, "shards": []}
+    if (kept := index["plan"]["plan_key"]) != plan["plan_key"]:
+        raise ShardError(f"{target / INDEX} holds another plan's shards (plan_key {kept}); export to an empty "
+                         "folder or remove that one first.")
+    for entry in index["shards"]:
+        load_token_ids(target / f"shard-{entry['shard']:05d}.npz", entry["ids"])
+    return index["shards"]
+
+
+def read_index(folder: Path) -> dict:
+    """A committed folder's ``index.json`` ({plan, shards}); unreadable or malformed: one line naming it."""
+    path = folder / INDEX
+    try:
+        index = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(index["plan"]["plan_key"], str) or not isinstance(index["shards"], list):
+            raise ValueError("plan.plan_key or shards of the wrong type")
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ShardError(f"{path} cannot be read ({one_line(err)}); restore it from git "
+                         f"(`git checkout -- {path}`).") from None
+    return index
+
+
+def rebuild(config: DistillJobConfig) -> int:
+    """Features for committed token ids, by a plain forward: shards as the job writes them."""
+    begun, last, source, out = time.perf_counter(), 0.0, Path(config.from_tokens), Path(config.out)
+    index = read_index(source)
+    check_plan(out, index["plan"])
+    job = Job(config)
+    for entry in index["shards"]:
+        number, ids = entry["shard"], entry["ids"]
+        folder = out / "shards" / f"shard-{number:05d}"
+        expected = job.expected(index["plan"]["plan_key"], ids)
+        if not needs_building(folder, expected):
+            continue
+        if out_of_time(begun, config.seconds, last):
+            break
+        started = time.perf_counter()
+        given = load_token_ids(source / f"shard-{number:05d}.npz", ids)
+        sequences = [given.sequence(k).astype(np.int64).tolist() for k in range(len(given))]
+        given.hidden = np.concatenate([s.to(torch.float32).numpy() for s in
+                                       forward_states(job.base, sequences, config.forward_tokens)]).astype(np.float16)
+        write_shard(folder, given, manifest_for(given, number, expected, {  # seconds: what scaling tables count
+            "given": len(given), "decoded": 0, "seconds": round(time.perf_counter() - started, 1)}))
+        last = time.perf_counter() - started
+        print(f"shard {number}: {len(given)} sequences, {given.answer_tokens} answer tokens", flush=True)
+    return 0
+
+
+def parse_args(argv: list[str] | None = None) -> DistillJobConfig:
+    return parse_config(DistillJobConfig, argv, "python -m draftheads.training.data.distill_job", __doc__, required=("out",))
+
+
+def dispatch(config: DistillJobConfig) -> int:
+    if config.export:
+        return export(Path(config.out), Path(config.export))
+    return rebuild(config) if config.from_tokens else run(config)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(dispatch, parse_args(argv), (DataError, ShardError))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

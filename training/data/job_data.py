@@ -1,0 +1,219 @@
+"""The self-distillation job's shards (:mod:`.distill_job`) as training positions.
+
+The job already kept the base's final hidden state after every token (the prefill's over the
+prompt, the verification forwards' over the answer), so training reads them where they lie:
+no feature pass, and the (P, d) states stay memory-mapped (:class:`MappedRows` gathers a
+batch's rows on demand) — a run over millions of positions holds their token ids in RAM, not
+their states.
+
+Rows follow :mod:`draftheads.training.features`: row t holds h_t, the text tokens x_{t+1..t+MAX_TARGETS}
+(``targets``) and the base's own choice for each (``teacher``: on self-distilled text the text
+itself). Per-position families read the answer's rows (t = prompt length − 1 .. L − 2). A
+family whose layer reads the context (Hydra++ with ``prefix_context: sequence``) reads whole
+sequences: the prompt's rows come first with every target −1 (they feed the layer, they are
+never a label), and ``Features.sequences`` marks where each sequence's rows start and end.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .distill_shards import Shard
+from ..features import MAX_TARGETS, Features, shift_targets
+
+
+class MappedRows:
+    """(P, d) float16 rows gathered from memory-mapped shard arrays: ``rows[index]`` → tensor
+    of ``index.shape + (d,)``; row r is ``arrays[shard[r]][local[r]]``."""
+
+    def __init__(self, arrays: list[np.ndarray], shard: np.ndarray, local: np.ndarray):
+        self.arrays, self.shard, self.local = arrays, shard.astype(np.int32), local.astype(np.int64)
+        self.shape = torch.Size((len(self.local), int(arrays[0].shape[1]) if arrays else 0))
+        self.dtype = torch.float16
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, index) -> torch.Tensor:
+        if isinstance(index, slice):
+            index = torch.arange(*index.indices(len(self)))
+        index = torch.as_tensor(index, dtype=torch.long)
+        flat = index.reshape(-1).numpy()
+        shard, local = self.shard[flat], self.local[flat]
+        out = np.empty((len(flat), self.shape[1]), np.float16)
+        for s in np.unique(shard):
+            pick = shard == s
+            out[pick] = self.arrays[s][local[pick]]
+        return torch.from_numpy(out).reshape(*index.shape, self.shape[1])
+
+
+def sequence_rows(shard: Shard, k: int, with_prompt: bool) -> tuple[np.ndarray, torch.Tensor]:
+    """Sequence ``k`` of ``shard``: its rows' indices into the shard's arrays and their targets
+    (R, MAX_TARGETS), −1 where no label exists (past the end; the prompt's own rows)."""
+    first, end = int(shard.offsets[k]), int(shard.offsets[k + 1])
+    start = int(shard.answer_starts[k])
+    tokens = torch.from_numpy(shard.tokens[first:end].astype(np.int64))
+    targets = shift_targets(tokens, start)  # rows start-1 .. L-2
+    lead = start - 1 if with_prompt else 0
+    if lead:
+        targets = torch.cat([torch.full((lead, MAX_TARGETS), -1, dtype=targets.dtype), targets])
+    rows = np.arange(first + (0 if with_prompt else start - 1), end - 1)
+    return rows, targets
+
+
+def job_table(shards: list[Shard], with_prompt: bool = False, sequences: list[tuple[int, int]] | None = None
+              ) -> Features:
+    """The positions of ``shards`` (every sequence, or the (shard, k) pairs of ``sequences``)
+    as one :class:`Features` table, states mapped; ``with_prompt``: whole sequences, prompt rows
+    unlabelled, bounds in ``Features.sequences`` (S, 2)."""
+    pairs = sequences if sequences is not None else [(s, k) for s, shard in enumerate(shards) for k in range(len(shard))]
+    shard_of, local, targets, bounds, count = [], [], [], [], 0
+    for s, k in pairs:
+        if shards[s].hidden is None:
+            raise ValueError("job_table needs shards opened with their hidden states.")
+        rows, labels = sequence_rows(shards[s], k, with_prompt)
+        if len(rows) < 1:
+            continue
+        shard_of.append(np.full(len(rows), s))
+        local.append(rows)
+        targets.append(labels)
+        bounds.append((count, count + len(rows)))
+        count += len(rows)
+    if not targets:
+        raise ValueError("the job's shards hold no answer of two tokens or more to train on.")
+    hidden = MappedRows([shard.hidden for shard in shards], np.concatenate(shard_of), np.concatenate(local))
+    table = torch.cat(targets)
+    return Features(hidden, table, table, torch.tensor(bounds, dtype=torch.long) if with_prompt else None)
+
+
+def split_sequences(shards: list[Shard], held_out: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """(train, held-out) (shard, k) pairs: the last ``held_out`` sequences are held out."""
+    pairs = [(s, k) for s, shard in enumerate(shards) for k in range(len(shard))]
+    if held_out >= len(pairs):
+        raise ValueError(f"the job holds {len(pairs)} sequences, not more than data.eval_examples={held_out}; "
+                         "lower data.eval_examples or let the job answer more prompts.")
+    return pairs[: len(pairs) - held_out], pairs[len(pairs) - held_out:]
+
+
+def sequence_sources(folder: Path, count: int) -> list[str]:
+    """Each sequence's prompt source as the job's manifest records it (``sequence_sources``),
+    else the shard's one source, else ``"?"``."""
+    import json
+
+    manifest = json.loads((folder / "manifest.json").read_text(encoding="utf-8"))
+    sources = manifest.get("sequence_sources")
+    if isinstance(sources, list) and len(sources) == count:
+        return [str(s) for s in sources]
+    shard_sources = manifest.get("sources") or ["?"]
+    return [str(shard_sources[0]) if len(shard_sources) == 1 else "?"] * count
+
+
+def reads_prompt(recipe) -> bool:
+    """Whether the recipe's heads read whole sequences, prompt included (Hydra++'s
+    ``prefix_context: sequence``): their tables then carry the prompt's rows."""
+    return recipe.heads.extra.get("prefix_context") == "sequence"
+
+
+def check_job_folder(path: Path) -> None:
+    """A recipe's job folder exists and is a job's (its plan), checked before the base loads."""
+    from .records import DataError
+    from .distill_job import PLAN
+
+    if not (path / PLAN).is_file():
+        raise DataError(f"Recipe key data.path: {path} is not a self-distillation job's folder (no {PLAN}); make it "
+                        f"with python -m draftheads.training.data.distill_job --out {path} --prompts FILE [FILE ...] "
+                        "(recipes/data/selfdistill-smollm2/README.md), or use data.kind selfdistill for answer files.")
+
+
+def job_batches(recipe, paths: list[Path], fingerprint: dict, dtype: str, chunking: int | None):
+    """Training batches, held-out table and draft-vocabulary label ids from job folders: the
+    last ``data.eval_examples`` sequences are held out; whole sequences (prompt rows unlabelled) when the heads' context layer
+    reads the prompt (``heads.extra.prefix_context: sequence``). ``data.limit`` > 0 keeps a
+    seeded random N of the training sequences (``train.seed``), in job order: a job's shards are
+    not a uniform mixture (the answers it reused come first), so a smaller data set is a sample
+    of the same mixture, as a data-scaling table needs."""
+    from ..batches import FeatureBatches
+    from .distill_job import open_job
+
+    k = recipe.heads.num_heads
+    with_prompt = reads_prompt(recipe)
+    shards = [shard for path in paths for shard in open_job(path, fingerprint, dtype)]
+    train, held_out = split_sequences(shards, recipe.data.eval_examples)
+    if 0 < recipe.data.limit < len(train):
+        keep = torch.randperm(len(train), generator=torch.Generator().manual_seed(recipe.train.seed))[: recipe.data.limit]
+        train = [train[i] for i in keep.sort().values.tolist()]
+    prompts = torch.from_numpy(np.concatenate([shards[s].tokens[shards[s].offsets[q]: shards[s].offsets[q]
+                                                                 + shards[s].answer_starts[q]] for s, q in train]
+                                               ).astype(np.int64))
+    batches = FeatureBatches(job_table(shards, with_prompt, train), k, chunking, prompts)
+    labelled = int((batches.table.targets[:, 0] >= 0).sum())
+    summary = {"jobs": [str(p) for p in paths], "shards": len(shards), "sequences": len(train),
+               "held_out_sequences": len(held_out), "share": round(len(train) / sum(len(shard) for shard in shards), 6),
+               "answer_positions": labelled, "rows": len(batches.table)}
+    check_same_data(Path(recipe.run.output_dir), summary)
+    write_data_summary(Path(recipe.run.output_dir), summary)
+    return batches, job_table(shards, with_prompt, held_out), batches.table.teacher[:, 1: k + 1]
+
+
+DATA_SUMMARY = "data.json"
+
+
+def check_same_data(output_dir: Path, summary: dict) -> None:
+    """A run that has checkpoints resumes only onto the data it started on: a job folder that
+    grew (or shrank) since would change the data order under it, so it is one line, not a
+    silently different run."""
+    from .records import DataError
+
+    before = read_data_summary(output_dir)
+    if before is None or not any((output_dir / "checkpoints").glob("step-*")):
+        return  # missing or unreadable: nothing to compare with, the new summary replaces it
+    changed = [f"{k} {before.get(k)} → {summary[k]}" for k in ("shards", "sequences", "answer_positions")
+               if before.get(k) != summary[k]]
+    if changed:
+        raise DataError(f"Cannot resume {output_dir}: its data changed since the run started ({', '.join(changed)}); "
+                        "set data.limit to the sequences it started on, or use another run.output_dir "
+                        "(or run.resume=never to start over there).")
+
+
+def read_data_summary(output_dir: Path) -> dict | None:
+    """What a run wrote it trained on (:func:`write_data_summary`), or None where it wrote none or
+    the file is unreadable."""
+    import json
+
+    try:
+        summary = json.loads((output_dir / DATA_SUMMARY).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return summary if isinstance(summary, dict) else None
+
+
+def write_data_summary(output_dir: Path, summary: dict) -> None:
+    """What a run trained on (``output_dir/data.json``): the job folders, shards, sequences and
+    answer positions, and the share of the job's sequences it used (what a scaling table reads)."""
+    import json
+
+    from ...core.atomic import atomic_file
+
+    output_dir.mkdir(parents=True, exist_ok=True)
+    with atomic_file(output_dir / DATA_SUMMARY) as tmp:
+        tmp.write_text(json.dumps(summary, indent=1) + "\n")
+
+
+def job_eval_table(path: Path, fingerprint: dict, dtype: str, with_prompt: bool) -> tuple[Features, dict[str, torch.Tensor]]:
+    """An evaluation job (e.g. the base's answers to MT-Bench and Spec-Bench dev) as a table and
+    its groups, {each sequence's source: indices of its labelled rows} (scores count labelled
+    rows only, in table order: :func:`~draftheads.training.evaluation.rank_table`)."""
+    from .distill_job import open_job
+
+    shards = open_job(path, fingerprint, dtype)
+    folders = sorted((path / "shards").glob("shard-[0-9]*"))
+    sources = [src for folder, shard in zip(folders, shards) for src in sequence_sources(folder, len(shard))]
+    table = job_table(shards, with_prompt)
+    counts = [int(s.offsets[k + 1] - s.offsets[k] - s.answer_starts[k]) for s in shards for k in range(len(s))]
+    starts = np.cumsum([0] + counts)
+    groups: dict[str, list[torch.Tensor]] = {}
+    for source, start, count in zip(sources, starts, counts):
+        groups.setdefault(source, []).append(torch.arange(int(start), int(start) + count))
+    return table, {source: torch.cat(rows) for source, rows in groups.items()}
