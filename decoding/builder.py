@@ -105,14 +105,15 @@ def measure_step_costs(base, heads: DraftHeads | None, config: CalibrationConfig
 
 def build_decoding(config: DecodingConfig, base, heads: DraftHeads | None, tokenizer=None,
                    costs: StepCosts = StepCosts(), stores: Stores | None = None, auto: bool = True,
-                   drafter: Drafter | None = None) -> Decoding:
+                   drafter: Drafter | None = None, policy: TreePolicy | None = None) -> Decoding:
     """The policy and the drafter for ``config`` over ``base`` and ``heads`` (bound already).
 
     ``config.tree`` None: the stored tree ``costs`` ranks best (else the checkpoint's default for
     this dtype); ``config.sources`` "auto": with ``auto``, every source there is data for
     (:func:`~.drafters.auto_sources`), else the heads alone; ``drafter``: a drafter of the
-    caller's own (any :class:`~.drafters.Drafter`), used as given."""
-    policy = tree_policy(config, base, heads, costs)
+    caller's own (any :class:`~.drafters.Drafter`), used as given; ``policy``: the policy of a
+    build of the same ``config.tree``, kept (an adaptive policy keeps what it learned)."""
+    policy = policy if policy is not None else tree_policy(config, base, heads, costs)
     default_fixed = config.tree is None and costs.default_budget is not None
     if drafter is not None:
         check_drafter(drafter)

@@ -33,7 +33,7 @@ from .input_checks import check_generator
 from .base.dtypes import parse_dtype
 from .loop import DecodingStats, plain_generate, speculate
 from .output import loop_mode, released
-from .policy import TreePolicy
+from .policy import AdaptivePolicy, TreePolicy
 from .request import Call, Request, make_request, prepare_call
 from .step import PhaseTimer
 
@@ -170,7 +170,9 @@ class DraftHeadsModel:
         if isinstance(sources, str) and sources.strip().lower() == AUTO:
             parse_sources(sources)  # "auto" is from_pretrained's choice, refused here as before
         config = self.decoding.replace(sources=sources, lookup_store=lookup_store, review=review)
-        self._decoding = build_decoding(config, self.base, self.heads, self.tokenizer, self.step_costs, self._stores)
+        kept = self.policy if isinstance(self.policy, AdaptivePolicy) else None  # it keeps what it learned
+        self._decoding = build_decoding(config, self.base, self.heads, self.tokenizer, self.step_costs, self._stores,
+                                        policy=kept)
 
     def use_drafts(self, drafts: str | Sequence[str], lookup_store: str | Path | None = None,
                    review: bool = False) -> None:
