@@ -1,9 +1,7 @@
 """draftheads: light draft heads + lossless tree speculative decoding for HF causal LMs.
 
-The sub-packages live in the checkout's top-level folders ``core/``, ``heads/``, ``decoding/``
-and ``training/``; the install (``pip install -e .`` or a wheel) maps them to ``draftheads.core``,
-``draftheads.heads``, ``draftheads.decoding`` and ``draftheads.training``
-(``[tool.setuptools.package-dir]`` in pyproject.toml). Nothing else in the checkout is part of the package."""
+The sub-packages live in the checkout's top-level folders; why and how they install as
+``draftheads.*``: docs/architecture.md ("The floors and the import direction")."""
 from __future__ import annotations
 
 from .custom_generate import custom_generate
