@@ -99,6 +99,18 @@ def choose_destination(target: str | Path, ours: Callable[[Path], bool] = stampe
                              "left as it is: choose a new or empty folder.", target)
 
 
+def check_links(folder: str | Path, skip: tuple[str, ...] = ()) -> None:
+    """Refuse a folder to be copied that holds a symlink pointing nowhere (one line naming it):
+    links that resolve are followed (their targets copied), a dangling one would end the copy."""
+    for root, dirs, files in os.walk(folder, followlinks=True):
+        dirs[:] = [d for d in dirs if d not in skip]
+        for name in dirs + files:
+            path = Path(root) / name
+            if path.is_symlink() and not path.exists():
+                raise CheckpointError(f"{path} is a symlink to {os.readlink(path)}, which does not exist; restore "
+                                      "the file it points to or remove the link, then export again.")
+
+
 def settle_permissions(staging: Path) -> None:
     """mkdtemp makes the staging folder private; a checkpoint follows the umask like any folder
     (and the files written into it, whatever wrote them). Done before anything of the user's is

@@ -79,9 +79,10 @@ def export_custom_generate(heads, out: str, source: str | None, beside: bool = F
     folder will be pushed to, else the folder's own absolute path. Written whole, never over a
     folder of someone else's (``beside``: next to it instead; :class:`~draftheads.core.atomic.atomic_directory`)."""
     from ..custom_generate import check_source, write_custom_generate
-    from ..core.atomic import atomic_directory, check_output_dir
+    from ..core.atomic import atomic_directory, check_links, check_output_dir
 
     check_output_dir(out, heads.checkpoint_dir)
+    check_links(heads.checkpoint_dir, skip=("custom_generate",))  # before anything is written
     if source is not None:
         check_source(source)
     writer = atomic_directory(out, beside=beside)
@@ -169,11 +170,13 @@ def cmd_push(args) -> int:
     checkpoint is left as it is, and a ``custom_generate/`` already in it is replaced."""
     import tempfile
 
+    from ..core.atomic import check_links
     from ..custom_generate import FOLDER, write_custom_generate
     from ..heads.checkpoint.hub import check_checkpoint_folder, check_repo_id, upload_checkpoint
 
     source = Path(args.checkpoint)
     check_checkpoint_folder(source)  # before staging anything: the same checks the upload makes
+    check_links(source, skip=(FOLDER,))
     check_repo_id(args.repo_id)
     with tempfile.TemporaryDirectory(prefix="draftheads-push-") as tmp:
         staged = Path(tmp) / source.name

@@ -30,16 +30,16 @@ from ...decoding.base.fingerprint import fingerprint
 from ...decoding.generate import DraftHeadsModel
 from ...decoding.request import eos_token_ids
 from ...core.atomic import write_text_atomic
-from ...core.errors import one_line
+from ...core.errors import DraftheadsError
 from .config_cli import parse_config, run_cli
 from .records import DataError, resolve_data_path
 from .distill_capture import answer_with_states, forward_states
 from .distill_shards import Shard, ShardError, discard, load_token_ids, manifest_for, open_shard, save_token_ids
 from .distill_shards import shard_problem, write_shard
+from .job_checks import INDEX, PLAN, check_discardable, check_entries, check_export, check_options, check_out
+from .job_checks import check_vocabulary, read_index
 from ..features import chat_prompt_ids, read_jsonl
 
-PLAN = "plan.json"
-INDEX = "index.json"
 
 
 @dataclass
@@ -232,6 +232,7 @@ def needs_building(folder: Path, expected: dict) -> bool:
     problem = shard_problem(folder, expected)
     if problem is None:
         return False
+    check_discardable(folder, problem)
     print(f"{folder}: {problem}; rebuilding it.", flush=True)
     discard(folder)
     return True
@@ -242,6 +243,8 @@ def run(config: DistillJobConfig) -> int:
     decodes that many shards' prompts together (a GPU's batch of 256: four shards at a time)."""
     begun, last = time.perf_counter(), 0.0
     out = Path(config.out)
+    check_options(config)
+    check_out(out)
     plan, prompts = make_plan(config)
     check_plan(out, plan)
     job = Job(config)
@@ -317,6 +320,7 @@ def export(out: Path, target: Path) -> int:
 
     Shards committed in ``target`` for the same plan and absent from ``out`` are kept (read back whole
     first): a clone that resumes without the earlier shards' features adds to them, drops none."""
+    check_export(out, target)
     plan = json.loads((out / PLAN).read_text(encoding="utf-8"))
     entries = {entry["shard"]: entry for entry in committed_entries(target, plan)}
     for number, folder in finished_shards(out):
@@ -343,25 +347,17 @@ def committed_entries(target: Path, plan: dict) -> list[dict]:
     return index["shards"]
 
 
-def read_index(folder: Path) -> dict:
-    """A committed folder's ``index.json`` ({plan, shards}); unreadable or malformed: one line naming it."""
-    path = folder / INDEX
-    try:
-        index = json.loads(path.read_text(encoding="utf-8"))
-        if not isinstance(index["plan"]["plan_key"], str) or not isinstance(index["shards"], list):
-            raise ValueError("plan.plan_key or shards of the wrong type")
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise ShardError(f"{path} cannot be read ({one_line(err)}); restore it from git "
-                         f"(`git checkout -- {path}`).") from None
-    return index
-
-
 def rebuild(config: DistillJobConfig) -> int:
     """Features for committed token ids, by a plain forward: shards as the job writes them."""
     begun, last, source, out = time.perf_counter(), 0.0, Path(config.from_tokens), Path(config.out)
+    check_options(config)
+    check_out(out)
     index = read_index(source)
+    committed = {entry["shard"]: (source / f"shard-{entry['shard']:05d}.npz", load_token_ids(
+        source / f"shard-{entry['shard']:05d}.npz", entry["ids"])) for entry in check_entries(source, index)}
+    job = Job(config)  # every input checked (the ids against the base's vocabulary) before a file is written
+    check_vocabulary(committed, job.base.get_output_embeddings().weight.shape[0])
     check_plan(out, index["plan"])
-    job = Job(config)
     for entry in index["shards"]:
         number, ids = entry["shard"], entry["ids"]
         folder = out / "shards" / f"shard-{number:05d}"
@@ -371,7 +367,7 @@ def rebuild(config: DistillJobConfig) -> int:
         if out_of_time(begun, config.seconds, last):
             break
         started = time.perf_counter()
-        given = load_token_ids(source / f"shard-{number:05d}.npz", ids)
+        given = committed[number][1]
         sequences = [given.sequence(k).astype(np.int64).tolist() for k in range(len(given))]
         given.hidden = np.concatenate([s.to(torch.float32).numpy() for s in
                                        forward_states(job.base, sequences, config.forward_tokens)]).astype(np.float16)
@@ -393,7 +389,7 @@ def dispatch(config: DistillJobConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_cli(dispatch, parse_args(argv), (DataError, ShardError))
+    return run_cli(dispatch, parse_args(argv), (DraftheadsError,))
 
 
 if __name__ == "__main__":

@@ -195,13 +195,39 @@ def save_token_ids(path: Path, shard: Shard) -> None:
 
 
 def load_token_ids(path: Path, ids: list[str]) -> Shard:
-    """A committed shard's token ids (no features); a damaged file is one line naming it."""
+    """A committed shard's token ids (no features); a damaged file, or arrays that do not describe
+    ``len(ids)`` whole sequences of uint16 ids, is one line naming it."""
+    import zipfile
+    import zlib
+
     try:
         with np.load(path, allow_pickle=False) as data:
-            arrays = {name: np.asarray(data[name], ARRAYS[name]) for name in ARRAYS}
-    except (OSError, ValueError, KeyError, EOFError) as err:
+            raw = {name: np.asarray(data[name]) for name in ARRAYS}
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, zlib.error) as err:
         raise ShardError(f"{path} cannot be read ({one_line(err)}); restore it from git "
                          f"(`git checkout -- {path}`).") from None
-    if arrays["offsets"].shape != (len(ids) + 1,) or int(arrays["offsets"][-1]) != arrays["tokens"].shape[0]:
-        raise ShardError(f"{path} does not hold the {len(ids)} sequences its index lists; restore it from git.")
-    return Shard(ids=list(ids), **arrays)
+    problem = token_ids_problem(raw, len(ids))
+    if problem:
+        raise ShardError(f"{path}: {problem}; restore it from git (`git checkout -- {path}`) or export it again.")
+    return Shard(ids=list(ids), **{name: raw[name].astype(ARRAYS[name]) for name in ARRAYS})
+
+
+def token_ids_problem(raw: dict[str, np.ndarray], n: int) -> str | None:
+    """What keeps ``raw`` (tokens, offsets, answer_starts, finished as stored) from being ``n``
+    sequences in this format, or None: checked before any cast, so nothing wraps."""
+    for name, array in raw.items():
+        if array.ndim != 1 or not (np.issubdtype(array.dtype, np.integer) or array.dtype == np.bool_):
+            return f"{name} is a {array.ndim}-d {array.dtype} array, not a 1-d integer one"
+    tokens, offsets, starts = raw["tokens"], raw["offsets"].astype(np.int64), raw["answer_starts"].astype(np.int64)
+    if len(tokens) and (int(tokens.min()) < 0 or int(tokens.max()) > np.iinfo(np.uint16).max):
+        return (f"it holds token id {int(tokens.min()) if int(tokens.min()) < 0 else int(tokens.max())}, outside "
+                "0..65535 (this format holds vocabularies up to 65,536)")
+    if offsets.shape != (n + 1,) or starts.shape != (n,) or raw["finished"].shape != (n,):
+        return f"it does not hold the {n} sequences its index lists"
+    if offsets[0] != 0 or offsets[-1] != len(tokens) or (np.diff(offsets) < 0).any():
+        return f"its offsets do not rise from 0 to its {len(tokens)} tokens"
+    if (starts < 0).any() or (starts > np.diff(offsets)).any():
+        return "an answer_starts entry lies outside its sequence"
+    if not np.isin(raw["finished"], (0, 1)).all():
+        return "finished holds values other than true and false"
+    return None

@@ -288,3 +288,22 @@ def test_a_base_name_that_is_no_hub_id_stays_out_of_the_cards_front_matter(base_
     front = card.split("---\n")[1]
     assert "base_model" not in front and "mit" not in front and "malicious" not in front
     assert yaml.safe_load(front)["library_name"] == "draftheads"
+
+
+def test_export_follows_symlinks_and_refuses_a_dangling_one_by_name(tmp_path, checkpoint, capsys):
+    """A checkpoint holding a symlink: one that resolves is copied as its target's content; a
+    dangling one is one line naming it, and nothing is written (no shutil.Error traceback)."""
+    (tmp_path / "notes.md").write_text("kept")
+    os.symlink(tmp_path / "notes.md", checkpoint / "notes.md")
+    assert main(["export", "--to", "custom-generate", str(checkpoint), str(tmp_path / "good")]) == 0
+    copied = tmp_path / "good" / "notes.md"
+    assert not copied.is_symlink() and copied.read_text() == "kept"
+    capsys.readouterr()
+    os.symlink(tmp_path / "gone.bin", checkpoint / "extra.bin")
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["export", "--to", "custom-generate", str(checkpoint), str(out)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert str(checkpoint / "extra.bin") in err and "does not exist" in err
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]

@@ -282,3 +282,133 @@ def test_a_run_without_prompts_is_one_line_naming_the_option(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--prompts" in err and "README.md" in err
     assert not (tmp_path / "job").exists()
+
+
+# -- someone else's files and bad inputs: refused in one line before any work, nothing written --------------
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def refused(args, capsys, *named: str) -> str:
+    capsys.readouterr()
+    assert main(args) == 2
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if line.strip() and not line.startswith("Loading weights")]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in captured.err, captured.err
+    err = lines[0]
+    assert all(n in err for n in named), err
+    return err
+
+
+def committed_ids(setup: Path) -> Path:
+    """A one-shard job (``setup/plan``) and its committed token ids."""
+    committed = setup / "committed-for-checks"
+    if not committed.exists():
+        assert main(job_args(setup, "plan", "--shards", "1")) == 0
+        assert main(job_args(setup, "plan", "--shards", "1", "--export", str(committed))) == 0
+    return committed
+
+
+@pytest.mark.parametrize("where", ["foreign folder", "foreign shard in a job"])
+def test_a_folder_holding_someone_elses_files_keeps_every_file(setup, tmp_path, capsys, where):
+    out = tmp_path / "theirs"
+    notes = out / "shards" / "shard-00000" / "notes.txt"
+    notes.parent.mkdir(parents=True)
+    notes.write_text("my notes")
+    if where == "foreign shard in a job":  # the job's own folder, a shard folder the job did not write
+        shutil.copy(committed_ids(setup).parent / "plan" / "plan.json", out / "plan.json")
+    before = snapshot(out)
+    for args in (job_args(setup, "x")[2:], ["--from-tokens", str(committed_ids(setup)), "--base",
+                                            str(setup / "base"), "--dtype", "float64"]):
+        refused(["--out", str(out), *args], capsys, str(out), "left as it is")
+        assert snapshot(out) == before
+
+
+def test_a_bad_shard_holding_someone_elses_file_is_not_removed(setup, tmp_path, capsys):
+    out = tmp_path / "job"
+    shutil.copytree(committed_ids(setup).parent / "plan", out)
+    folder = out / "shards" / "shard-00000"
+    (folder / "hidden.npy").write_bytes((folder / "hidden.npy").read_bytes()[:100])  # bad: it would be rebuilt
+    (folder / "notes.txt").write_text("mine")
+    before = snapshot(out)
+    refused(["--out", str(out), *job_args(setup, "x", "--shards", "1")[2:]], capsys, str(folder), "notes.txt")
+    assert snapshot(out) == before
+
+
+def test_export_refuses_a_folder_without_a_job_and_a_target_of_someone_elses(setup, tmp_path, capsys):
+    empty = tmp_path / "nojob"
+    empty.mkdir()
+    refused(["--out", str(empty), "--export", str(tmp_path / "t")], capsys, "--out", str(empty), "plan.json")
+    committed_ids(setup)
+    target = tmp_path / "theirs"
+    target.mkdir()
+    (target / "shard-00000.npz").write_bytes(b"their own")
+    refused(["--out", str(setup / "plan"), "--export", str(target)], capsys, "--export", str(target))
+    assert snapshot(target) == {"shard-00000.npz": b"their own"}
+
+
+OPTIONS = {"shard size 0": (["--shard-size", "0"], "--shard-size"),
+           "batch size 0": (["--batch-size", "0"], "--batch-size"),
+           "max new tokens 0": (["--max-new-tokens", "0"], "--max-new-tokens"),
+           "forward tokens 0": (["--forward-tokens", "0"], "--forward-tokens"),
+           "dtype bogus": (["--dtype", "bogus"], "bogus"),
+           "missing base": (["--base", "/nonexistent/base"], "/nonexistent/base"),
+           "missing prompts": (["--prompts", "/nonexistent/prompts.jsonl"], "--prompts"),
+           "device bogus": (["--device", "toaster"], "--device")}
+if not torch.cuda.is_available():
+    OPTIONS["cuda without cuda"] = (["--device", "cuda"], "--device cuda")
+
+
+@pytest.mark.parametrize("case", sorted(OPTIONS))
+def test_a_bad_option_is_one_line_naming_it_before_any_work(setup, tmp_path, capsys, monkeypatch, case):
+    more, named = OPTIONS[case]
+    monkeypatch.setattr(distill_job, "Job", None)  # loading the base would be work: it must not be reached
+    out = tmp_path / "job"
+    refused(["--out", str(out), *job_args(setup, "x")[2:], *more], capsys, named)
+    assert not out.exists()
+
+
+def damaged_token_ids(committed: Path, damage: str) -> None:
+    index = json.loads((committed / "index.json").read_text())
+    path = committed / "shard-00000.npz"
+    with np.load(path) as data:
+        arrays = {k: np.asarray(data[k]) for k in data.files}
+    if damage == "truncated":
+        path.write_bytes(path.read_bytes()[:200])
+        return
+    if damage == "no ids":
+        del index["shards"][0]["ids"]
+    elif damage == "string shard":
+        index["shards"][0]["shard"] = "0"
+    elif damage == "decreasing offsets":
+        arrays["offsets"][1], arrays["offsets"][2] = arrays["offsets"][2], arrays["offsets"][1]
+    elif damage == "past the vocabulary":
+        arrays["tokens"] = arrays["tokens"].astype(np.int64)
+        arrays["tokens"][3] = 60000
+    elif damage == "negative":
+        arrays["tokens"] = arrays["tokens"].astype(np.int64)
+        arrays["tokens"][3] = -1
+    elif damage == "past uint16":
+        arrays["tokens"] = arrays["tokens"].astype(np.int64)
+        arrays["tokens"][3] = 65536 + 7  # would wrap to 7, a valid id
+    elif damage == "answer past its sequence":
+        arrays["answer_starts"][0] = int(arrays["offsets"][1] - arrays["offsets"][0]) + 1
+    (committed / "index.json").write_text(json.dumps(index))
+    np.savez_compressed(path, **arrays)
+
+
+DAMAGES = {"truncated": "shard-00000.npz", "no ids": "'ids'", "string shard": "shard '0'",
+           "decreasing offsets": "offsets", "past the vocabulary": "60000", "negative": "-1",
+           "past uint16": "65543", "answer past its sequence": "answer_starts"}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGES))
+def test_committed_token_ids_that_cannot_be_trusted_are_one_line_and_nothing_is_written(setup, tmp_path, capsys,
+                                                                                          damage):
+    committed = tmp_path / "committed"
+    shutil.copytree(committed_ids(setup), committed)
+    damaged_token_ids(committed, damage)
+    out = tmp_path / "rebuilt"
+    refused(["--from-tokens", str(committed), "--out", str(out), "--base", str(setup / "base"), "--dtype", "float64"],
+            capsys, DAMAGES[damage])
+    assert not out.exists()
