@@ -54,8 +54,6 @@ class Decoding:
     drafter: Drafter
     #: the sources the drafter merges, in registry order (("heads",) for the heads alone; () plain)
     sources: tuple[str, ...]
-    #: the tree the heads fill when lookups join (None: the policy's; see ``merged_offer_scale``)
-    heads_tree: Tree | None = None
 
     def max_nodes(self, batch_size: int, context_length: int) -> int:
         """The most slots a row's step may verify, root included: what the memory check prices.
@@ -64,11 +62,11 @@ class Decoding:
 
     def summary(self) -> dict:
         """What fills the trees, in words a report prints (:meth:`~.generate.DraftHeadsModel.drafting_summary`)."""
-        offer = self.heads_tree
+        drafter = self.drafter
+        offer = drafter.heads_tree if isinstance(drafter, MergedDrafter) else None  # the heads' larger tree
         tree = self.policy.tree.num_nodes if isinstance(self.policy, FixedTree) else "adaptive"
         out = {"sources": list(self.sources), "tree_nodes": offer.num_nodes if offer is not None else tree,
                "max_nodes_per_row": self.max_nodes(1, QUICK_CONTEXT)}
-        drafter = self.drafter
         if isinstance(drafter, MergedDrafter) and drafter.heads is not None:
             out["heads_steps"] = drafter.heads_steps
             out["skipped_heads_steps"] = drafter.skipped_heads_steps
@@ -114,10 +112,9 @@ def build_decoding(config: DecodingConfig, base, heads: DraftHeads | None, token
     caller's own (any :class:`~.drafters.Drafter`), used as given; ``policy``: the policy of a
     build of the same ``config.tree``, kept (an adaptive policy keeps what it learned)."""
     policy = policy if policy is not None else tree_policy(config, base, heads, costs)
-    default_fixed = config.tree is None and costs.default_budget is not None
     if drafter is not None:
         check_drafter(drafter)
-        return Decoding(config, policy, drafter, drafter_sources(drafter), getattr(drafter, "heads_tree", None))
+        return Decoding(config, policy, drafter, drafter_sources(drafter))
     sources = config.sources
     if sources == AUTO:
         sources = auto_sources(heads, config.lookup_store) if auto else (("heads",) if heads is not None else ())
@@ -130,13 +127,13 @@ def build_decoding(config: DecodingConfig, base, heads: DraftHeads | None, token
                                           base.get_input_embeddings().num_embeddings)
         store = opened if uses_store else None
     heads_tree = None
-    if default_fixed and heads is not None and "heads" in sources and len(sources) > 1:
+    if config.tree is None and costs.default_budget is not None and heads is not None and "heads" in sources and len(sources) > 1:
         heads_tree = tree_for_budget(heads, costs.default_budget * config.merged_offer_scale)
     eos = eos_token_ids(base.generation_config)
     built = build_drafter(sources, heads, store, step_cost(policy, costs, heads, base), eos[0] if eos else None,
                           config.review, ragged_capable(base), heads_tree=heads_tree,
                           offer=heads_offer(heads, config), per_row=config.per_row_counts)
-    return Decoding(config, policy, built, tuple(sources), heads_tree if isinstance(built, MergedDrafter) else None)
+    return Decoding(config, policy, built, tuple(sources))
 
 
 def tree_policy(config: DecodingConfig, base, heads: DraftHeads | None, costs: StepCosts) -> TreePolicy:

@@ -65,8 +65,7 @@ class DraftHeadsModel:
         self.step_costs: StepCosts = measure_step_costs(base, heads) if measure else StepCosts()
         self._auto_sources = machine_defaults
         self._stores = Stores()  # lookup_store argument → the opened store, shared by every build
-        self._decoding: Decoding = build_decoding(config, base, heads, tokenizer, self.step_costs, self._stores,
-                                                  auto=machine_defaults)
+        self._decoding: Decoding = self._build(config)
         self.last_stats = DecodingStats()
 
     # -- loading ---------------------------------------------------------------------------
@@ -143,18 +142,15 @@ class DraftHeadsModel:
                 raise InputError(f"with_decoding({name}={getattr(config, name)}): the base was prepared with "
                                  f"{name}={getattr(self.decoding, name)}; build another model "
                                  f"(DraftHeadsModel.from_pretrained(..., {name}=...)) to change it.")
-        built = build_decoding(config, self.base, self.heads, self.tokenizer, self.step_costs, self._stores,
-                               auto=self._auto_sources, drafter=drafter)
         twin = copy.copy(self)
-        twin._decoding, twin.last_stats = built, DecodingStats()
+        twin._decoding, twin.last_stats = self._build(config, drafter=drafter), DecodingStats()
         return twin
 
     def calibrate_defaults(self, config: CalibrationConfig | None = None) -> None:
         """Price this machine's step again (:func:`~.builder.measure_step_costs`) and rebuild how
         this model decodes on it (the default tree for ``tree=None``, the merged drafter's width model)."""
         self.step_costs = measure_step_costs(self.base, self.heads, config)
-        self._decoding = build_decoding(self.decoding, self.base, self.heads, self.tokenizer, self.step_costs,
-                                        self._stores, auto=self._auto_sources)
+        self._decoding = self._build(self.decoding)
 
     def use_sources(self, sources: str | Sequence[str], lookup_store: str | Path | None = None,
                     review: bool = False) -> None:
@@ -171,8 +167,13 @@ class DraftHeadsModel:
             parse_sources(sources)  # "auto" is from_pretrained's choice, refused here as before
         config = self.decoding.replace(sources=sources, lookup_store=lookup_store, review=review)
         kept = self.policy if isinstance(self.policy, AdaptivePolicy) else None  # it keeps what it learned
-        self._decoding = build_decoding(config, self.base, self.heads, self.tokenizer, self.step_costs, self._stores,
-                                        policy=kept)
+        self._decoding = self._build(config, policy=kept)
+
+    def _build(self, config: DecodingConfig, drafter: Drafter | None = None,
+               policy: TreePolicy | None = None) -> Decoding:
+        """How this model decodes under ``config``: the one builder over its base, heads, stores and step costs."""
+        return build_decoding(config, self.base, self.heads, self.tokenizer, self.step_costs, self._stores,
+                              auto=self._auto_sources, drafter=drafter, policy=policy)
 
     def use_drafts(self, drafts: str | Sequence[str], lookup_store: str | Path | None = None,
                    review: bool = False) -> None:
