@@ -5,7 +5,7 @@ from its keyword arguments; ``from_pretrained(path, decoding=DecodingConfig(tree
 (keyword arguments given beside it win, as in transformers' ``generation_config``). The model
 keeps it as ``model.decoding``. What is read when:
 
-- ``tree``, ``calibration``, ``packed_attention``, ``packed_linears``: when the model is built;
+- ``tree``, ``calibration``, ``packed_attention``, ``packed_linears``, ``direct_body``: when the model is built;
 - ``sources``, ``lookup_store``, ``review``, ``merged_offer_scale``, ``heads_offer_scale``,
   ``per_row_counts``: when the drafting is built (:func:`~.builder.build_decoding`);
 - ``finished_rows``, ``delegate_plain``: at every ``generate`` call.
@@ -83,6 +83,8 @@ class DecodingConfig:
     packed_attention: bool = True
     #: oneDNN-packed weights for the decoder's own forwards (heads/linear.py)
     packed_linears: bool = True
+    #: tree steps of a Llama-form base run directly over its modules (decoding/base/direct.py)
+    direct_body: bool = True
     #: what a row that finished while others decode does: one of :data:`FINISHED_ROWS`
     finished_rows: str = "shrink"
     #: when the policy says at the start that speculation does not pay for this batch (see
@@ -114,7 +116,7 @@ class DecodingConfig:
         if self.calibration is not None and not isinstance(self.calibration, CalibrationConfig):
             raise InputTypeError(f"calibration={self.calibration!r}: pass a draftheads.decoding.calibration."
                                  "CalibrationConfig (the grid tree='adaptive' measures) or None (the default grid).")
-        for name in ("packed_attention", "packed_linears", "delegate_plain", "per_row_counts"):
+        for name in ("packed_attention", "packed_linears", "direct_body", "delegate_plain", "per_row_counts"):
             if not isinstance(getattr(self, name), bool):
                 raise InputTypeError(f"{name}={getattr(self, name)!r}: expected True or False.")
         if self.finished_rows not in FINISHED_ROWS:

@@ -55,7 +55,7 @@ class DraftHeadsModel:
             options["tree"] = tree
         config = decoding_config(decoding, **options)
         self.base = base
-        prepare_base(base, config.packed_attention, config.packed_linears)
+        prepare_base(base, config.packed_attention, config.packed_linears, config.direct_body)
         self.tokenizer = tokenizer
         self.heads = heads
         if heads is not None:
@@ -80,7 +80,7 @@ class DraftHeadsModel:
 
         ``decoding``: a :class:`~.config.DecodingConfig`; ``kwargs`` that name its fields are
         applied over it (``tree``, ``sources``, ``lookup_store``, ``review``, ``calibration``,
-        ``packed_attention``, ``packed_linears``, ``finished_rows``, ``delegate_plain``,
+        ``packed_attention``, ``packed_linears``, ``direct_body``, ``finished_rows``, ``delegate_plain``,
         ``merged_offer_scale``, ``heads_offer_scale``, ``per_row_counts``; see :mod:`.config`), the
         others go to the Hub (``revision``, ``cache_dir``, ``token``, ``local_files_only``;
         ``HF_HUB_OFFLINE=1`` reads the cache only). ``sources="auto"`` (default): the heads and
@@ -92,7 +92,7 @@ class DraftHeadsModel:
             check_base_path(base_name_or_path)
             parse_dtype(dtype)
             base, tokenizer = load_base(base_name_or_path, dtype=dtype)
-        prepare_base(base, config.packed_attention, config.packed_linears)  # refused before the heads load
+        prepare_base(base, config.packed_attention, config.packed_linears, config.direct_body)  # refused before the heads load
         heads = None
         if heads_path is not None:
             heads = load_heads(heads_path, expected_fingerprint=fingerprint(base).with_sketch(base),
@@ -134,10 +134,10 @@ class DraftHeadsModel:
         """A light model over the same base, heads, stores and step costs that decodes with
         ``decoding`` (default: this model's) and the keyword ``options`` applied over it; this
         model is unchanged. ``drafter``: a drafter of your own (any :class:`~.drafters.Drafter`).
-        The base's preparation is this model's: ``packed_attention`` / ``packed_linears`` that
-        differ from it are refused (build another model with :meth:`from_pretrained`)."""
+        The base's preparation is this model's: ``packed_attention`` / ``packed_linears`` /
+        ``direct_body`` that differ from it are refused (build another model with :meth:`from_pretrained`)."""
         config = decoding_config(decoding if decoding is not None else self.decoding, **options)
-        for name in ("packed_attention", "packed_linears"):
+        for name in ("packed_attention", "packed_linears", "direct_body"):
             if getattr(config, name) != getattr(self.decoding, name):
                 raise InputError(f"with_decoding({name}={getattr(config, name)}): the base was prepared with "
                                  f"{name}={getattr(self.decoding, name)}; build another model "

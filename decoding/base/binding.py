@@ -11,13 +11,13 @@ import threading
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
 
 from ...core.content import FingerprintMemo
-from .packed import PackedWeight, packed_matmul
+from .packed import PackedWeight, packed_matmul, resolved_matmul
 from .plan import PACKED_DTYPES, packing_available, packs
 from .rows import subset_product
 from .siblings import SiblingProduct, sibling_groups
@@ -95,6 +95,8 @@ class Binding:
         self._layout: tuple = ()
         self._users = 0
         self._worn: list[nn.Linear] = []
+        #: bumped when a layer or a copy changes (what resolved products, :mod:`.direct`, compare)
+        self.generation = 0
 
     def rescan(self, root: nn.Module) -> bool:
         """Follow ``root``'s layers as they are now (outside :meth:`enter` only): layers kept keep
@@ -112,6 +114,7 @@ class Binding:
                 self.linears[id(m)] = BoundLinear(m, kept.copies if kept is not None else PackedWeight())
         self._layout = layout
         self.products = []
+        self.generation += 1
         if self.fused:
             self.fuse(root)
         return True
@@ -126,6 +129,7 @@ class Binding:
                 for index, member in enumerate(members):
                     self.linears[id(member)].siblings = (product, index)
                 self.products.append(product)
+            self.generation += 1
         return self.products
 
     def drop_stale(self, memo: FingerprintMemo | None = None) -> int:
@@ -133,7 +137,9 @@ class Binding:
         (and sibling products) had one."""
         memo = {} if memo is None else memo
         dropped = sum(bound.copies.drop_stale(bound.module.weight, memo) for bound in self.linears.values())
-        return dropped + sum(product.copies.drop_stale(product.shape, memo) for product in self.products)
+        dropped += sum(product.copies.drop_stale(product.shape, memo) for product in self.products)
+        self.generation += bool(dropped)
+        return dropped
 
     def enter(self) -> None:
         with _WEAR_LOCK:
@@ -236,6 +242,30 @@ def packed_forward(*roots: nn.Module | None) -> Iterator[None]:
 
 def packing_active() -> bool:
     return _ACTIVE.get()
+
+
+def resolved_linears(members: tuple[nn.Linear, ...], rows: int) -> Callable[[torch.Tensor], tuple[torch.Tensor, ...]]:
+    """What :class:`PackedLinear` does when ``members`` (sibling layers, or one layer) are called
+    one after another on one input of ``rows`` rows, resolved once into a function of x (rows,
+    in) contiguous → each member's output: their one stacked product split, where the plan takes
+    it, else each layer's own path (packed copy, few-row kernel or ``F.linear``). Call inside the
+    decoder's forwards (:func:`packed_forward`); the result stands while the plan and the copies
+    do (the direct body, :mod:`.direct`, remakes it when either changes)."""
+    bound = [_LIVE.get(id(m)) if _ACTIVE.get() else None for m in members]
+    siblings = bound[0].siblings if bound[0] is not None else None
+    if (siblings is not None and len(members) > 1 and siblings[0].members == tuple(members)
+            and siblings[0].pays(rows)):
+        product = siblings[0]
+        stacked = resolved_matmul(product.shape, product.copies, rows, product.bias())
+        return lambda x: stacked(x).split(product.widths, dim=-1)
+    alone = [_resolved_one(m, b, rows) for m, b in zip(members, bound)]
+    return lambda x: tuple(f(x) for f in alone)
+
+
+def _resolved_one(module: nn.Linear, bound: BoundLinear | None, rows: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    if bound is not None and packs(module.weight, rows):
+        return resolved_matmul(module.weight, bound.copies, rows, module.bias)
+    return lambda x: nn.functional.linear(x, module.weight, module.bias)  # the layer's weight when called
 
 
 def fuse_siblings(module: nn.Module) -> list[SiblingProduct]:

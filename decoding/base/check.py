@@ -8,6 +8,7 @@ import torch
 from .architecture import architecture_name, attention_layout, check_forwards, check_structure
 from .architecture import checked, logit_settings
 from .attention import uses_packed_sdpa
+from .direct import direct_body_report
 from .cache import KVState
 from .forward import lm_logits, prefill, ragged_capable, verify
 from .packing import packed_lm_head
@@ -61,6 +62,7 @@ def base_report(model) -> dict[str, str]:
         "ragged steps verified packed": "on" if ragged_capable(model) else "off (needs the packed attention above)",
         "packed LM head": "off (the LM head has a bias: transformers' own Linear)" if getattr(head, "bias", None)
         is not None else ("on" if packed_lm_head(model) is not None else "available where the dtype packs (at binding)"),
+        "direct forward of tree steps": direct_body_report(model),
         "check against the model's own forward": "passed" if checked(model) else "not run",
     }
 

@@ -111,3 +111,67 @@ void draftheads_fewrow_bf16(const uint16_t *x, const uint16_t *blocked, uint16_t
                       t * BF16_BLOCKS, nb);
     }
 }
+
+/* ---- The elementwise steps of a Llama-form layer (fused.py says why and how they are checked) ----
+ * Each computes what transformers' modules compute, operation by operation, in the same dtype
+ * steps: bf16 values widened to float32, every intermediate torch rounds to bf16 rounded here to
+ * bf16 (to nearest even, as c10 rounds), no fused multiply-add (-ffp-contract=off). Only RMSNorm's
+ * sum of squares may land one rounding away (torch sums in another order). Rows are shared among
+ * the OpenMP threads (torch's count) once there are enough of them to pay for waking the others. */
+#include <math.h>
+
+#define PARALLEL_ELEMENTS 32768
+
+static inline float bf2f(uint16_t v) { uint32_t u = (uint32_t)v << 16; float f; memcpy(&f, &u, 4); return f; }
+static inline uint16_t f2bf(float f) {
+    uint32_t u;
+    if (f != f) return 0x7FC0;
+    memcpy(&u, &f, 4);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+#define F32_LOAD(p, i) ((p)[i])
+#define F32_ROUND(x) (x)
+#define BF16_LOAD(p, i) bf2f((p)[i])
+#define BF16_ROUND(x) bf2f(f2bf(x))
+#define BF16_STORE(x) f2bf(x)
+#define F32_STORE(x) (x)
+
+/* hidden (rows, d) += delta (when given), then out = weight · norm(hidden) as LlamaRMSNorm:
+ * h·(1/√(mean(h²) + eps)) in float32, rounded to the dtype, times the weight in the dtype. */
+#define ADD_RMS_NORM(NAME, T, LOAD, ROUND, STORE)                                                      \
+void NAME(T *hidden, const T *delta, const T *weight, T *out, long rows, long d, float eps) {          \
+    _Pragma("omp parallel for schedule(static) if (rows * d >= PARALLEL_ELEMENTS)")                    \
+    for (long r = 0; r < rows; r++) {                                                                  \
+        T *h = hidden + r * d;                                                                         \
+        if (delta) for (long i = 0; i < d; i++) h[i] = STORE(LOAD(h, i) + LOAD(delta + r * d, i));     \
+        float sum = 0.0f;                                                                              \
+        for (long i = 0; i < d; i++) { float v = LOAD(h, i); sum += v * v; }                           \
+        float scale = 1.0f / sqrtf(sum / (float)d + eps);                                              \
+        for (long i = 0; i < d; i++) out[r * d + i] = STORE(LOAD(weight, i) * ROUND(LOAD(h, i) * scale)); \
+    }                                                                                                  \
+}
+ADD_RMS_NORM(draftheads_add_rms_norm, float, F32_LOAD, F32_ROUND, F32_STORE)
+ADD_RMS_NORM(draftheads_add_rms_norm_bf16, uint16_t, BF16_LOAD, BF16_ROUND, BF16_STORE)
+
+/* In place on x (rows, heads·dim) with rows `stride` apart: each head rotated as
+ * q·cos + rotate_half(q)·sin, rotate_half(q) = (−q[half:], q[:half]); cos/sin (cos_rows, dim),
+ * row r reading cos row r % cos_rows. */
+#define ROPE(NAME, T, LOAD, ROUND, STORE)                                                              \
+void NAME(T *x, long rows, long stride, long heads, long dim, const T *cos, const T *sin, long cos_rows) { \
+    long half = dim / 2;                                                                               \
+    _Pragma("omp parallel for schedule(static) if (rows * heads * dim >= PARALLEL_ELEMENTS)")          \
+    for (long r = 0; r < rows; r++) {                                                                  \
+        float tmp[1024];                                                                               \
+        const T *c = cos + (r % cos_rows) * dim, *s = sin + (r % cos_rows) * dim;                      \
+        for (long h = 0; h < heads; h++) {                                                             \
+            T *v = x + r * stride + h * dim;                                                           \
+            for (long i = 0; i < dim; i++) tmp[i] = LOAD(v, i);                                        \
+            for (long i = 0; i < dim; i++) {                                                           \
+                float rotated = i < half ? -tmp[i + half] : tmp[i - half];                             \
+                v[i] = STORE(ROUND(tmp[i] * LOAD(c, i)) + ROUND(rotated * LOAD(s, i)));                \
+            }                                                                                          \
+        }                                                                                              \
+    }                                                                                                  \
+}
+ROPE(draftheads_rope, float, F32_LOAD, F32_ROUND, F32_STORE)
+ROPE(draftheads_rope_bf16, uint16_t, BF16_LOAD, BF16_ROUND, BF16_STORE)

@@ -38,6 +38,7 @@ import shutil
 import subprocess
 import warnings
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -46,7 +47,9 @@ from ...core.errors import DraftheadsError
 from .hardware import bf16_native, is_x86
 
 SOURCE = Path(__file__).with_name("fewrow.c")
-FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+#: after the source: the libraries it calls into (sqrtf)
+LIBRARIES = ("-lm",)
 BLOCK = 16  # output features per block (two AVX registers)
 
 _state: dict[str, object] = {"lib": None, "status": "not loaded (the decoder loads it with the base)",
@@ -120,7 +123,8 @@ def _library_path(folder: Path, compiler: list[str]) -> Path:
         version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         version = ""
-    key = SOURCE.read_bytes() + shlex.join(compiler).encode() + version.encode() + " ".join(FLAGS).encode()
+    key = (SOURCE.read_bytes() + shlex.join(compiler).encode() + version.encode()
+           + " ".join(FLAGS + LIBRARIES).encode())
     return folder / f"fewrow-{hashlib.sha256(key).hexdigest()[:16]}.so"
 
 
@@ -138,7 +142,7 @@ def _compile(compiler: list[str], target: Path) -> None:
     command = shlex.join(compiler)
     with atomic_file(target) as tmp:
         try:
-            result = subprocess.run([*compiler, *FLAGS, str(SOURCE), "-o", str(tmp)], capture_output=True, text=True,
+            result = subprocess.run([*compiler, *FLAGS, str(SOURCE), "-o", str(tmp), *LIBRARIES], capture_output=True, text=True,
                                     timeout=120)
         except OSError as err:
             raise CompilerError(f"the C compiler `{command}` could not be run ({err.strerror or err}): set CC to an "
@@ -160,6 +164,11 @@ def _bind(path: Path):
     lib.draftheads_block16_bf16.restype = None
     lib.draftheads_fewrow_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [ctypes.c_int]
     lib.draftheads_fewrow_bf16.restype = None
+    for suffix in ("", "_bf16"):
+        for name, args in (("add_rms_norm", [ctypes.c_void_p] * 4 + [ctypes.c_long] * 2 + [ctypes.c_float]),
+                           ("rope", [ctypes.c_void_p] + [ctypes.c_long] * 4 + [ctypes.c_void_p] * 2 + [ctypes.c_long])):
+            function = getattr(lib, f"draftheads_{name}{suffix}")
+            function.argtypes, function.restype = args, None
     return lib
 
 
@@ -253,6 +262,27 @@ def block_weight(weight: torch.Tensor) -> torch.Tensor:
     """weight (out, in) float32, or bfloat16 with ``in`` even → the kernel's blocked copy (flat,
     the weight's dtype); needs :func:`load_kernel` (and bfloat16 in :func:`kernel_dtypes`)."""
     return _blocked(kernel(), weight)
+
+
+def fewrow_product(blocked: torch.Tensor, out_features: int,
+                   bias: torch.Tensor | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """:func:`fewrow_linear` resolved once (the library function and the copy bound): x (rows,
+    in) contiguous → (rows, out_features). For the decoder's direct body (:mod:`.direct`), which
+    calls the same product every step."""
+    lib = kernel()
+    run = lib.draftheads_fewrow_bf16 if blocked.dtype == torch.bfloat16 else lib.draftheads_fewrow
+    dtype, pointer = blocked.dtype, blocked.data_ptr()
+
+    def product(x: torch.Tensor) -> torch.Tensor:
+        rows, inp = x.shape
+        y = torch.empty(rows, out_features, dtype=dtype)
+        threads = torch.get_num_threads() if rows * inp * out_features >= PARALLEL_WORK else 1
+        run(x.data_ptr(), pointer, y.data_ptr(), rows, inp, out_features, threads)
+        if bias is not None:
+            y += bias
+        return y
+    product.keeps = blocked  # the copy lives as long as the product
+    return product
 
 
 def fewrow_linear(x: torch.Tensor, blocked: torch.Tensor, out_features: int,

@@ -16,6 +16,7 @@ from .fingerprint import lm_head_weight
 from .architecture import additive_mask, apply_logit_transforms, attention_layout, decoder_body, layer_masks
 from .attention import PACK_FLAG, RaggedRows, ragged_rows, uses_packed_sdpa
 from .cache import reserved_cache, reserved_layer_class
+from .direct import direct_body, direct_forward
 from .mask_memo import mask_memos
 from .packed import packed_matmul
 from .packing import forward_context, packed_lm_head
@@ -85,7 +86,8 @@ def verify(model, tokens: torch.Tensor, position_ids: torch.Tensor, mask: torch.
     ``valid`` (B, N): which slots are real, when rows carry different node counts. Where the
     base can (:func:`verifies_ragged`), the forward then runs only the real slots, packed into
     one sequence (:class:`~.attention.RaggedRows`): a step costs what its real slots cost, not
-    the widest row's times B. The padding slots' states come out zero (nobody reads them)."""
+    the widest row's times B. The padding slots' states come out zero (nobody reads them).
+    A Llama-form base runs the step directly over its modules (:mod:`.direct`)."""
     mask = model_masks(model, mask, position_ids)  # windows, before positions are packed
     rows = None
     if valid is not None and not bool(valid.all()) and verifies_ragged(model, cache):
@@ -93,9 +95,13 @@ def verify(model, tokens: torch.Tensor, position_ids: torch.Tensor, mask: torch.
         tokens = tokens.reshape(-1).index_select(0, rows.index)[None]
         position_ids = position_ids.expand(valid.shape).reshape(-1).index_select(0, rows.index)[None]
     with forward_context(model), ragged_rows(rows), mask_memos():
-        out = decoder_body(model)(input_ids=tokens, attention_mask=mask, position_ids=position_ids,
-                               use_cache=True, **cache_kwargs(model, cache), **_pack_kwargs(model))
-    states = out.last_hidden_state
+        direct = direct_body(model)
+        if direct is not None:
+            states = direct_forward(direct, tokens, mask, position_ids, cache)
+        else:
+            states = decoder_body(model)(input_ids=tokens, attention_mask=mask, position_ids=position_ids,
+                                         use_cache=True, **cache_kwargs(model, cache),
+                                         **_pack_kwargs(model)).last_hidden_state
     return states if rows is None else rows.scatter(states[0])
 
 

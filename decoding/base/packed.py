@@ -4,10 +4,12 @@ blocked copy (:mod:`.fewrow`), each made on first use and checked against the we
 product through them (:func:`packed_matmul`) that the plan picks (:mod:`.plan`)."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from ...core.content import FingerprintMemo, fingerprint_of
-from .fewrow import block_weight, fewrow_linear
+from .fewrow import block_weight, fewrow_linear, fewrow_product
 from .plan import PLAN, fewrow_applies, packs
 
 
@@ -84,6 +86,17 @@ def packed_matmul(x: torch.Tensor, weight: torch.Tensor, cache: PackedWeight,
     if PLAN.path(weight, x.numel() // x.shape[-1]) == "fewrow" and fewrow_applies(weight):
         return fewrow_linear(x, cache.blocked(weight), weight.shape[0], bias)
     return torch.ops.mkldnn._linear_pointwise(x, cache.get(weight), bias, "none", [], "")
+
+
+def resolved_matmul(weight: torch.Tensor, cache: PackedWeight, rows: int,
+                    bias: torch.Tensor | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """:func:`packed_matmul` for ``rows`` rows resolved once: the path the plan picks and its copy,
+    bound into a function of x (rows, in) contiguous (the decoder's direct body, :mod:`.direct`,
+    keeps it while the plan and the copies stand)."""
+    if PLAN.path(weight, rows) == "fewrow" and fewrow_applies(weight):
+        return fewrow_product(cache.blocked(weight), weight.shape[0], bias)
+    packed = cache.get(weight)
+    return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 class PackedReadout(PackedWeight):

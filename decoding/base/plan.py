@@ -232,6 +232,8 @@ class PackingPlan:
     timings: dict[ShapeKey, dict[str, list[float]]] = field(default_factory=dict)
     _verdicts: dict[ShapeKey, tuple[str, ...]] = field(default_factory=dict, repr=False)
     _fusions: dict[tuple[ShapeKey, int], bool] = field(default_factory=dict, repr=False)
+    #: bumped whenever a verdict may change (what resolved products, :mod:`.direct`, compare)
+    generation: int = 0
 
     def path(self, weight: torch.Tensor, rows: int) -> str:
         """The path a product of ``rows`` rows with ``weight`` takes (one of :data:`PATHS`)."""
@@ -283,12 +285,14 @@ class PackingPlan:
         self.timings[key] = entry
         self._verdicts.pop(key, None)
         self._fusions.clear()
+        self.generation += 1
 
     def replace(self, timings: dict[ShapeKey, dict[str, list[float]]]) -> None:
         """Decide from ``timings`` alone from now on (every verdict made again)."""
         self.timings = dict(timings)
         self._verdicts.clear()
         self._fusions.clear()
+        self.generation += 1
 
 
 #: the process's plan (the decoder fills it at load, from its per-machine cache or by measuring)

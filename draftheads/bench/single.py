@@ -44,14 +44,16 @@ HF_ENTRY, PROMPT_LOOKUP_ENTRY = "hf", "prompt_lookup"
 
 def bench_prompt(model, ids: torch.Tensor, max_new_tokens: int, control: bool = True,
                  configs: dict[str, object] | None = None, repeats: int = 1,
-                 shift: int = 0) -> tuple[dict, torch.Tensor]:
+                 shift: int = 0, peers: dict | None = None) -> tuple[dict, torch.Tensor]:
     """One prompt, interleaved: HF plain, draftheads under each drafting configuration (default:
     the model itself; each configuration a light model over its base and heads) and (``control``) HF prompt lookup, the one-argument peer — each
     ``repeats`` times, in an order rotated by ``shift`` (the prompt's index: no entry always
     runs right after another, so a slow spell of a shared machine does not keep hitting the
     same one), keeping each entry's fastest run (greedy output does not depend on timing:
     repeating only filters slow spells). Returns the row and HF's plain output (the
-    reference). The last configuration is the row's headline ``draftheads`` entry."""
+    reference). The last configuration is the row's headline ``draftheads`` entry. ``peers``:
+    the CPU engines' runs (:mod:`.peers`), interleaved with the others; each peer's tokens are
+    compared with HF's greedy ones token for token (another engine rounds its own way)."""
     drafters = configs or {"draftheads": model}
     runs: dict[str, Callable[[], tuple]] = {HF_ENTRY: lambda: timed(lambda: hf_greedy(model.base, ids, max_new_tokens))}
     for name, variant in drafters.items():
@@ -59,6 +61,8 @@ def bench_prompt(model, ids: torch.Tensor, max_new_tokens: int, control: bool = 
     if control:
         runs[PROMPT_LOOKUP_ENTRY] = lambda: timed(lambda: hf_greedy(
             model.base, ids, max_new_tokens, prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS))
+    for name, peer in (peers or {}).items():
+        runs[f"peer:{name}"] = lambda peer=peer: peer(ids, max_new_tokens)
     best: dict[str, tuple] = {}
     for rep in range(repeats):
         for name in rotated(list(runs), shift * repeats + rep):
@@ -77,7 +81,21 @@ def bench_prompt(model, ids: torch.Tensor, max_new_tokens: int, control: bool = 
         timing = run_timing(lookup.shape[1] - ids.shape[1], seconds)
         row["prompt_lookup"] = {**timing, "speedup": round(timing["tokens_per_second"] / hf["tokens_per_second"], 4),
                                 "mismatch": divergence(model.base, plain, lookup, ids.shape[1])}
+    if peers:
+        row["peers"] = {name: peer_timing(best[f"peer:{name}"], ids, plain, hf) for name in peers}
     return row, plain
+
+
+def peer_timing(run: tuple, ids: torch.Tensor, plain: torch.Tensor, hf: dict) -> dict:
+    """A peer's tokens/s, speedup over HF and whether its new tokens are HF's greedy ones (the
+    first differing position where not)."""
+    out, seconds = run
+    timing = run_timing(out.shape[1] - ids.shape[1], seconds)
+    ours, theirs = out[0, ids.shape[1]:].tolist(), plain[0, ids.shape[1]:].tolist()
+    first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b),
+                 None if len(ours) == len(theirs) else min(len(ours), len(theirs)))
+    return {**timing, "speedup": round(timing["tokens_per_second"] / hf["tokens_per_second"], 4),
+            "same_as_hf": first is None, "first_difference": first}
 
 
 def second_turns(model, prompts: list[dict], max_new_tokens: int) -> list[dict]:
@@ -110,6 +128,12 @@ def warm_up(model, configs: dict[str, object] | None, control: bool) -> None:
         hf_greedy(model.base, warm, 8, prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS)
 
 
+def chat_ids(model) -> torch.Tensor:
+    from ..prompts import chat_input
+
+    return chat_input(model.tokenizer, "Hello!")
+
+
 def prompt_ids(tokenizer, item: dict) -> torch.Tensor:
     """A bench item's input ids: its conversation (a second turn) or its one prompt, chat-formatted."""
     from ..prompts import chat_input, conversation_input
@@ -128,13 +152,13 @@ def log_row(log, row: dict, index: int, total: int, control: bool) -> None:
 
 
 def bench_pair(model, pair: list[dict], max_new_tokens: int, control: bool, configs, pad: int, log, first: int,
-               total: int, repeats: int = 1) -> list[dict]:
+               total: int, repeats: int = 1, peers: dict | None = None) -> list[dict]:
     """Each prompt of ``pair`` alone (:func:`bench_prompt`), then (``control``, two prompts) the
     pair once more as one padded batch of 2 through HF plain."""
     rows, encoded, references = [], [], []
     for offset, item in enumerate(pair):
         ids = prompt_ids(model.tokenizer, item)
-        result, plain = bench_prompt(model, ids, max_new_tokens, control, configs, repeats, first + offset)
+        result, plain = bench_prompt(model, ids, max_new_tokens, control, configs, repeats, first + offset, peers)
         row = {"id": item["id"], "category": item["category"], **result}
         rows.append(row)
         encoded.append(ids)
@@ -151,25 +175,28 @@ def bench_pair(model, pair: list[dict], max_new_tokens: int, control: bool, conf
 def run_bench(model, prompts: list[dict], max_new_tokens: int, out_dir: Path, meta: dict | None = None,
               control: bool = True, log=print, sources: tuple[str, ...] | None = None,
               turn2: bool = False, review: bool = False, parts: bool = False, repeats: int = 1,
-              twin: bool = False) -> dict:
+              twin: bool = False, peers: dict | None = None) -> dict:
     """Prompts in pairs: each prompt alone through HF plain, draftheads (under each ``sources``
     configuration, see :func:`~.runs.draft_configs`) and HF prompt lookup, then (``control``) the
     pair once more as one padded batch of 2 through HF plain. ``turn2``: MT-Bench second turns
     too. ``parts``: the model's own drafting beside its parts, the heads alone and the lookups
     alone (:func:`~.runs.part_configs`; ``twin``: and a second default drafter, the A/A control).
     ``repeats``: each prompt's entries run that many times,
-    the fastest counted (:func:`bench_prompt`). The model is not changed (each configuration is a light model)."""
+    the fastest counted (:func:`bench_prompt`). ``peers``: the CPU engines' runs (:mod:`.peers`),
+    columns beside HF and draftheads. The model is not changed (each configuration is a light model)."""
     base = model.base
     out_dir.mkdir(parents=True, exist_ok=True)
     configs = draft_configs(model, sources, review) if sources else (part_configs(model, twin) if parts else None)
     warm_up(model, configs, control)
+    for peer in (peers or {}).values():
+        peer(chat_ids(model), 8)
     if turn2:
         prompts = prompts + second_turns(model, prompts, max_new_tokens)
     pad = base.generation_config.pad_token_id if base.generation_config.pad_token_id is not None else eos_ids(base)[0]
     rows: list[dict] = []
     for start in range(0, len(prompts), 2):
         rows += bench_pair(model, prompts[start: start + 2], max_new_tokens, control, configs, pad, log, start,
-                           len(prompts), repeats)
+                           len(prompts), repeats, peers)
     tree_nodes = model.policy.choose(1, 0).num_nodes
     overall = summarize(rows)
     by_category = {c: summarize([r for r in rows if group(r) == c]) for c in dict.fromkeys(group(r) for r in rows)}

@@ -91,6 +91,8 @@ def summarize(rows: list[dict]) -> dict:
             "draftheads_vs_prompt_lookup": round(our_tps / (lookup_tokens / lookup_seconds), 4),
             "mismatching_prompts": len(control), "divergence_gaps_ulps": [m["gap_ulps"] for m in control],
             "divergences_outside_band": sum(not m["within_band"] for m in control)}
+    if rows and all("peers" in r for r in rows):
+        summary["peers"] = {name: peer_summary(rows, name, hf_tps, our_tps) for name in rows[0]["peers"]}
     if rows and all(SOURCES in r for r in rows):
         summary[SOURCES] = {name: source_summary(rows, name, hf_tps, summary.get("prompt_lookup"))
                             for name in rows[0][SOURCES]}
@@ -101,6 +103,17 @@ def summarize(rows: list[dict]) -> dict:
         if DEFAULT_CONFIG in speeds and TWIN_CONFIG in speeds:  # the A/A control: 1 but for noise
             summary["twin_vs_default"] = round(speeds[TWIN_CONFIG] / speeds[DEFAULT_CONFIG], 4)
     return summary
+
+
+def peer_summary(rows: list[dict], name: str, hf_tps: float, our_tps: float) -> dict:
+    """A CPU engine's totals over ``rows``: tokens/s, its speedup over HF, draftheads over it, and
+    how many prompts it answered with HF's greedy tokens."""
+    tokens = sum(r["peers"][name]["new_tokens"] for r in rows)
+    seconds = sum(r["peers"][name]["seconds"] for r in rows)
+    tps = tokens / seconds
+    return {"tokens_per_second": round(tps, 3), "speedup": round(tps / hf_tps, 4),
+            "draftheads_vs_peer": round(our_tps / tps, 4),
+            "same_as_hf_prompts": sum(r["peers"][name]["same_as_hf"] for r in rows)}
 
 
 def source_summary(rows: list[dict], name: str, hf_tps: float, lookup: dict | None) -> dict:

@@ -33,7 +33,15 @@ def cmd_bench(args) -> int:
         raise InputError("--twin is the control of --parts: add --parts.")
     if args.parts and (args.sources or args.batch_sizes):
         raise InputError("--parts compares the default with its parts in the bs-1 bench: drop --sources/--batch-sizes.")
+    if args.peers and args.batch_sizes:
+        raise InputError("--peers compares engines in the bs-1 bench: drop --batch-sizes.")
     model = load_model(args)
+    peers = None
+    if args.peers:
+        from ..bench.peers import load_peers
+        from ..bench.runs import eos_ids
+
+        peers = load_peers(args.peers, model.base, eos_ids(model.base))
     if args.batch_sizes:
         if min(args.batch_sizes) < 1:
             raise InputError("--batch-sizes must be positive.")
@@ -61,7 +69,7 @@ def cmd_bench(args) -> int:
     prompts = read_prompts(args.prompts, args.limit)
     results = run_bench(model, prompts, args.max_new_tokens, Path(args.out), meta=vars(args),
                         control=not args.no_control, sources=args.sources, turn2=args.turn2,
-                        review=args.review, parts=args.parts, repeats=args.repeats, twin=args.twin)
+                        review=args.review, parts=args.parts, repeats=args.repeats, twin=args.twin, peers=peers)
     print(bench_table(results))
     return 0
 
@@ -103,12 +111,31 @@ def bench_table(results: dict) -> str:
             versus = f" {s['default_vs_best_part']:.2f}× |" if "default_vs_best_part" in s else ""
             versus += f" {s['twin_vs_default']:.2f}× |" if twin else ""
             lines.append(f"| {name} | " + " | ".join(cells) + f" | {times(lookup)} |" + versus)
+    peers = results["overall"].get("peers") or {}
+    if peers:
+        lines += ["", "CPU engines on the same token ids (plain greedy), same run, interleaved",
+                  "| engine | tok/s | vs HF generate | draftheads over it | prompts with HF's greedy tokens |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {name} | {p['tokens_per_second']:.1f} | {p['speedup']:.2f}x | {p['draftheads_vs_peer']:.2f}x | "
+                  f"{p['same_as_hf_prompts']}/{results['overall']['prompts']} |" for name, p in peers.items()]
     return "\n".join(lines)
 
 
 def times(speedup: float | None) -> str:
     """A speedup cell: "1.23x", or "-" for a run that did not happen (``--no-control``)."""
     return "-" if speedup is None else f"{speedup:.2f}x"
+
+
+def peer_list(value: str) -> tuple[str, ...]:
+    """``--peers``: checked against the known engines (:data:`~draftheads.bench.peers.PEERS`)."""
+    import argparse
+
+    from ..bench.peers import parse_peers
+
+    try:
+        return parse_peers(value)
+    except InputError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def add_command(sub, common) -> None:
@@ -131,6 +158,9 @@ def add_command(sub, common) -> None:
                        help="run each prompt (or batch, batched bench) this many times per configuration, in "
                             "rotating order, and count the fastest (greedy output is identical each time; filters "
                             "a shared machine's slow spells)")
+    bench.add_argument("--peers", type=peer_list, default=None,
+                       help="CPU engines as columns of the bs-1 bench, e.g. llama.cpp (pip install -e \".[peers]\"); "
+                            "a peer not installed is one line saying how to install it")
     bench.add_argument("--no-mask-compare", action="store_true",
                        help="skip the 'adaptive:mask' strategy (finished rows masked instead of dropped)")
     bench.add_argument("--recalibrate", action="store_true",

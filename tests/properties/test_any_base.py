@@ -296,7 +296,12 @@ def test_the_report_names_windows_transforms_and_the_fast_paths_each_base_runs()
     assert report["logits after the LM head"] == "final_logit_softcapping=30"
     assert report["grouped-query packed attention"] == "off (the base attends with eager, not sdpa)"
     assert report["ragged steps verified packed"].startswith("off")
+    assert report["direct forward of tree steps"] == "off (its body (Gemma2Model) is not one the direct forward knows " \
+                                                     "(LlamaModel))"
     assert report["check against the model's own forward"] == "passed"
+    llama = fresh_base("llama")
+    DraftHeadsModel(llama, None)
+    assert base_report(llama)["direct forward of tree steps"].startswith("on, elementwise steps ")
     gpt_j = fresh_base("gpt-j")  # its LM head has a bias
     assert base_report(gpt_j)["packed LM head"].startswith("off (the LM head has a bias")
     assert base_report(gpt_j)["check against the model's own forward"] == "not run"

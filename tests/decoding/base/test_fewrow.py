@@ -215,7 +215,9 @@ def test_a_failing_compiler_is_named_with_its_first_line_and_the_kernel_falls_ba
     assert fewrow.kernel_status() == f"off: the C compiler `{command}` failed (exit 1): {first}"
     assert "permission" not in fewrow.kernel_status() and fewrow.kernel() is None
     args = json.loads((compiler.parent / (compiler.name + ".args")).read_text())
-    assert args[:-1] == ["-O2", "-march=x", *fewrow.FLAGS, str(fewrow.SOURCE), "-o"]  # one program, CC's flags first
+    n = len(fewrow.LIBRARIES)  # one program, CC's flags first, the libraries last
+    assert args[:-1 - n] == ["-O2", "-march=x", *fewrow.FLAGS, str(fewrow.SOURCE), "-o"]
+    assert args[-n:] == list(fewrow.LIBRARIES)
     assert not list(cache.iterdir())  # the temporary library is gone
 
 

@@ -1,0 +1,202 @@
+"""The verification forward run directly over a Llama-form body's own modules: the same
+operations in the same order as transformers' ``LlamaModel.forward``, without the call machinery
+around them.
+
+Why: at the few rows of a tree step a forward is ~13 ms of weight streaming and, on the eager
+path, as much again of per-call overhead — module calls, keyword plumbing, deprecation wrappers,
+the packed products' per-call path lookups (evidence: results/profile/step_breakdown). Here each
+layer's products are resolved once per row count (:func:`~.binding.resolved_linears`: the plan's
+path and copy for q/k/v stacked, o, gate/up stacked, down) and kept while the plan and the copies
+stand; the elementwise steps (RMSNorm, rotary embedding, SiLU gate) go through the fused kernels
+of :mod:`.fused` where they are loaded and agreed with torch, else through the modules' own code.
+
+It runs only where it computes what the base's own forward computes: a body whose every module
+is one it knows (:data:`LAYERS`, checked by type), none carrying a forward hook (checked at every
+forward: a hook registered at any time sends the forward back to transformers' path), not
+training, attention through draftheads' grouped-query SDPA (:mod:`.attention`). Every other base,
+or a base prepared with ``direct_body=False``, runs transformers' forward as before. The probe of
+:func:`~.architecture.check_forwards` runs through it like every verification.
+"""
+from __future__ import annotations
+
+import sys
+import weakref
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .architecture import decoder_body
+from .attention import PACK_FLAG, packed_gqa_sdpa, uses_packed_sdpa
+from .binding import PackedLinear, binding, resolved_linears
+from .fused import FusedOps, KernelOps, fused_ops
+from .plan import PLAN
+
+#: the module types of a body the direct forward computes exactly as transformers does, by the
+#: body's class name: (decoder layer, attention, MLP, norm)
+LAYERS = {"LlamaModel": ("LlamaDecoderLayer", "LlamaAttention", "LlamaMLP", "LlamaRMSNorm")}
+
+
+@dataclass
+class LayerPlan:
+    """One decoder layer's modules and its products resolved for a row count (each product a
+    function of x (rows, in))."""
+
+    attn: nn.Module
+    mlp: nn.Module
+    post_norm: nn.Module
+    head_dim: int
+    layer_idx: int
+    qkv: Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
+    o: Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
+    gate_up: Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
+    down: Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
+
+
+class DirectBody:
+    """What the direct forward keeps for one base: its layers as they were when it was made (a
+    module replaced anywhere in the body since is seen by :meth:`intact`), the hook tables it
+    checks at each forward, the rotary function of its modeling module, the fused ops, and the
+    layer plans per row count with the stamp (the plan's and the binding's generations) they
+    were made under."""
+
+    def __init__(self, model, ops: FusedOps):
+        body = decoder_body(model)
+        self.body = body
+        self.layers = list(body.layers[: model.config.num_hidden_layers])
+        #: the norm each layer's output meets next: the following layer's input norm, the final norm last
+        self.next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [body.norm]
+        modules = list(body.modules())
+        self._children = [(m._modules, tuple(m._modules.values())) for m in modules if m._modules]
+        self._hooks = [table for m in modules for table in (m._forward_hooks, m._forward_pre_hooks)]
+        self.rotary = sys.modules[type(self.layers[0].self_attn).__module__].apply_rotary_pos_emb
+        self.ops = ops
+        self.plans: dict[int, list[LayerPlan]] = {}
+        self.stamp: tuple = ()
+
+    def plan(self, rows: int) -> list[LayerPlan]:
+        found = binding(self.body)
+        stamp = (PLAN.generation, found.generation if found is not None else -1)
+        if stamp != self.stamp:
+            self.plans, self.stamp = {}, stamp
+        plans = self.plans.get(rows)
+        if plans is None:
+            plans = self.plans[rows] = [_layer_plan(layer, rows) for layer in self.layers]
+        return plans
+
+    def intact(self) -> bool:
+        """Whether every module of the body is still the one it was made with."""
+        return all(tuple(children.values()) == kept for children, kept in self._children)
+
+    def hooked(self) -> bool:
+        """Whether any module of the body, or the process, carries a forward hook now."""
+        from torch.nn.modules import module as torch_module
+
+        return bool(torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks or any(self._hooks))
+
+
+def _layer_plan(layer: nn.Module, rows: int) -> LayerPlan:
+    attn, mlp = layer.self_attn, layer.mlp
+    return LayerPlan(attn, mlp, layer.post_attention_layernorm, attn.head_dim, attn.layer_idx,
+                     resolved_linears((attn.q_proj, attn.k_proj, attn.v_proj), rows),
+                     resolved_linears((attn.o_proj,), rows), resolved_linears((mlp.gate_proj, mlp.up_proj), rows),
+                     resolved_linears((mlp.down_proj,), rows))
+
+
+_BODIES: "weakref.WeakKeyDictionary[nn.Module, DirectBody]" = weakref.WeakKeyDictionary()
+
+
+def direct_body_reason(model) -> str | None:
+    """Why the direct forward cannot run ``model`` (None: it can)."""
+    body = decoder_body(model)
+    kinds = LAYERS.get(type(body).__name__)
+    if kinds is None:
+        return f"its body ({type(body).__name__}) is not one the direct forward knows ({', '.join(LAYERS)})"
+    if not uses_packed_sdpa(model):
+        return "it does not attend through draftheads' grouped-query SDPA"
+    if not getattr(model.config, "is_causal", True) or getattr(model, "use_kernels", False):
+        return "it is not causal, or runs hub kernels"
+    layer_kind, attention_kind, mlp_kind, norm_kind = kinds
+    dtype = next(body.parameters()).dtype
+    for layer in body.layers[: model.config.num_hidden_layers]:
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if (type(layer).__name__ != layer_kind or type(attn).__name__ != attention_kind
+                or type(mlp).__name__ != mlp_kind
+                or any(type(n).__name__ != norm_kind for n in (layer.input_layernorm, layer.post_attention_layernorm))):
+            return f"a layer is not the {layer_kind} it knows"
+        linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        if any(type(m) not in (nn.Linear, PackedLinear) or m.weight.dtype != dtype for m in linears):
+            return "a projection is not a plain nn.Linear of the body's dtype (an adapter or quantized layer)"
+    if type(body.norm).__name__ != norm_kind:
+        return "its final norm is not the one it knows"
+    return None
+
+
+def use_direct_body(model, ops: FusedOps | None = None) -> bool:
+    """Let :func:`~.forward.verify` run ``model``'s tree steps through the direct forward where
+    :func:`direct_body_reason` finds nothing against it; returns whether it will. ``ops``: the
+    elementwise steps (default :func:`~.fused.fused_ops`: the kernels where they agree here)."""
+    if model in _BODIES and ops is None:
+        return True
+    if direct_body_reason(model) is not None:
+        return False
+    _BODIES[model] = DirectBody(model, ops if ops is not None else fused_ops())
+    return True
+
+
+def direct_body_report(model) -> str:
+    """``draftheads env --base``: whether tree steps run directly, with which elementwise steps, or why not."""
+    found = _BODIES.get(model)
+    if found is not None:
+        return "on, elementwise steps " + ("fused (compiled kernels)" if isinstance(found.ops, KernelOps)
+                                           else "through the modules' own code")
+    reason = direct_body_reason(model)
+    return f"off ({reason})" if reason else "off (direct_body=False)"
+
+
+def release_direct_body(model) -> None:
+    _BODIES.pop(model, None)
+
+
+def direct_body(model) -> DirectBody | None:
+    """The direct forward's state for ``model`` when it may run now (prepared, no hook, not
+    training, every module one it knows: a module replaced since — an adapter injected, a layer
+    swapped — is checked again, and the forward made anew or left to transformers), else None."""
+    found = _BODIES.get(model)
+    if found is None or found.body.training or found.hooked():
+        return None
+    if not found.intact():
+        if direct_body_reason(model) is not None:
+            return None
+        found = _BODIES[model] = DirectBody(model, found.ops)
+    return found
+
+
+def direct_forward(state: DirectBody, input_ids: torch.Tensor, mask, position_ids: torch.Tensor,
+                   cache) -> torch.Tensor:
+    """input_ids (B, N) → the body's last hidden states (B, N, d), as ``LlamaModel.forward``
+    computes them with ``mask`` (4D, as given) and ``cache``; inside the decoder's forward context
+    (packed linears and attention, ragged rows where the step is packed)."""
+    body, ops = state.body, state.ops
+    hidden = body.embed_tokens(input_ids)  # (B, N, d)
+    batch, length, width = hidden.shape
+    rows = batch * length
+    cos, sin = body.rotary_emb(hidden, position_ids)  # (B or 1, N, head_dim)
+    hidden = hidden.reshape(rows, width)
+    attention_kwargs = {"position_ids": position_ids, "use_cache": True, PACK_FLAG: True}
+    normed = ops.rms_norm(hidden, state.layers[0].input_layernorm)
+    for plan, following in zip(state.plan(rows), state.next_norms):
+        attn = plan.attn
+        q, k, v = plan.qkv(normed)  # (rows, H·D), (rows, H_kv·D) ×2
+        q, k = ops.rotary(state.rotary, q, k, cos, sin, (batch, length, plan.head_dim))  # (B, H, N, D), (B, H_kv, N, D)
+        v = v.reshape(batch, length, -1, plan.head_dim).transpose(1, 2)
+        k, v = cache.update(k, v, plan.layer_idx)
+        out, _ = packed_gqa_sdpa(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling, **attention_kwargs)
+        (out,) = plan.o(out.reshape(rows, -1).contiguous())
+        hidden, normed = ops.add_rms_norm(hidden, out, plan.post_norm)
+        gate, up = plan.gate_up(normed)
+        (out,) = plan.down(ops.gated(plan.mlp, gate, up))
+        hidden, normed = ops.add_rms_norm(hidden, out, following)
+    return normed.reshape(batch, length, width)
+

@@ -1,0 +1,163 @@
+"""The elementwise steps of a Llama-form layer as the direct forward (:mod:`.direct`) runs them:
+the residual add with the RMSNorm after it, the rotary embedding, the SiLU gate.
+
+Why fused: on the eager path RMSNorm is 8 tensor operations and the rotary embedding 10, and at a
+tree step's 5–20 rows an operation costs its call, not its arithmetic (RMSNorm ~80 µs of a 2-core
+step, 61 of them a forward; evidence: results/profile/step_breakdown). :class:`KernelOps` runs each
+as one call of the compiled library (``fewrow.c``; its rows shared among torch's threads when there
+are many), computing what transformers' modules compute step by step in the same dtype (every
+intermediate torch rounds to bf16 rounded alike). Only RMSNorm's sum of squares may land one
+rounding away (another summation order) — the few-row kernel's products already differ that much
+from ``F.linear``, which the guarantee allows (bfloat16: a first divergence within the dtype's
+rounding; float32: identical or a first divergence at a near-tie). The SiLU gate stays torch's two
+operations: a scalar ``exp`` loses to torch's vectorized one at every row count. Each kernel is
+checked against the modules' own code on random rows before first use (:func:`kernel_ops`): the
+rotary embedding and the residual add bit for bit, the norm within one rounding of the dtype; one
+that disagrees, a missing library or another dtype leaves :class:`FusedOps` — the modules' own
+code, bit-identical to the base's forward — in its place.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .fewrow import kernel
+
+#: the dtypes the kernels compute
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+#: the longest head the rotary kernel takes (its scratch row)
+MAX_HEAD_DIM = 1024
+
+
+class FusedOps:
+    """Each step through the base's own modules and functions (bit-identical to its forward)."""
+
+    def rms_norm(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        """x (rows, d) → norm(x)."""
+        return norm.forward(x)
+
+    def add_rms_norm(self, hidden: torch.Tensor, delta: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual add then the next norm: (hidden + delta, norm(hidden + delta)); ``hidden``
+        may be updated in place (the direct forward's own tensor)."""
+        hidden = hidden + delta
+        return hidden, norm.forward(hidden)
+
+    def rotary(self, rotary: Callable, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               shape: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """q (rows, H·D), k (rows, H_kv·D), the positions' cos/sin (B or 1, N, D), shape (B, N, D)
+        → q (B, H, N, D), k (B, H_kv, N, D) rotated as the modeling module's ``rotary``."""
+        return rotary(_heads(q, shape), _heads(k, shape), cos, sin)
+
+    def gated(self, mlp: nn.Module, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """act(gate) · up, the gated MLP's input to its down projection."""
+        return mlp.act_fn(gate) * up
+
+
+def _heads(x: torch.Tensor, shape: tuple[int, int, int]) -> torch.Tensor:
+    """(rows, H·D) → (B, H, N, D), the view transformers' attention takes."""
+    batch, length, dim = shape
+    return x.reshape(batch, length, -1, dim).transpose(1, 2)
+
+
+class KernelOps(FusedOps):
+    """The steps through the compiled library's kernels (checked by :func:`kernel_ops`), for
+    tensors of :data:`KERNEL_DTYPES`; anything else goes to :class:`FusedOps`."""
+
+    def __init__(self, lib):
+        self.lib = lib
+
+    def _call(self, name: str, dtype: torch.dtype):
+        return getattr(self.lib, f"draftheads_{name}{'_bf16' if dtype == torch.bfloat16 else ''}")
+
+    def rms_norm(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        if not _fits(x, norm.weight):
+            return super().rms_norm(x, norm)
+        out = torch.empty_like(x)
+        self._call("add_rms_norm", x.dtype)(x.data_ptr(), None, norm.weight.data_ptr(), out.data_ptr(), x.shape[0],
+                                            x.shape[1], norm.variance_epsilon)
+        return out
+
+    def add_rms_norm(self, hidden: torch.Tensor, delta: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        if not (_fits(hidden, norm.weight) and delta.dtype == hidden.dtype and delta.is_contiguous()
+                and delta.shape == hidden.shape):
+            return super().add_rms_norm(hidden, delta, norm)
+        out = torch.empty_like(hidden)
+        self._call("add_rms_norm", hidden.dtype)(hidden.data_ptr(), delta.data_ptr(), norm.weight.data_ptr(),
+                                                 out.data_ptr(), hidden.shape[0], hidden.shape[1],
+                                                 norm.variance_epsilon)
+        return hidden, out
+
+    def rotary(self, rotary: Callable, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               shape: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        batch, length, dim = shape
+        if not (q.dtype in KERNEL_DTYPES and cos.dtype == sin.dtype == k.dtype == q.dtype and dim <= MAX_HEAD_DIM
+                and cos.is_contiguous() and sin.is_contiguous() and cos.shape[-1] == dim
+                and cos.shape[0] in (1, batch) and cos.shape[1] == length and sin.shape == cos.shape
+                and all(t.stride(-1) == 1 for t in (q, k))):
+            return super().rotary(rotary, q, k, cos, sin, shape)
+        call = self._call("rope", q.dtype)
+        for x in (q, k):
+            call(x.data_ptr(), x.shape[0], x.stride(0), x.shape[1] // dim, dim, cos.data_ptr(), sin.data_ptr(),
+                 cos.shape[0] * cos.shape[1])
+        return _heads(q, shape), _heads(k, shape)
+
+
+def _fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (x.dtype in KERNEL_DTYPES and weight.dtype == x.dtype and x.dim() == 2 and x.is_contiguous()
+            and weight.is_contiguous() and weight.shape == x.shape[1:])
+
+
+def fused_ops() -> FusedOps:
+    """The kernels where the library is loaded and each agrees with the modules' own code here
+    (:func:`kernel_ops`), else the modules' own code."""
+    return kernel_ops() or FusedOps()
+
+
+@functools.lru_cache(maxsize=None)
+def _agreeing_kernels(lib) -> bool:
+    return all(_agrees(KernelOps(lib), dtype) for dtype in KERNEL_DTYPES)
+
+
+def kernel_ops() -> KernelOps | None:
+    """:class:`KernelOps` over the loaded library when its kernels agree with the modules' own
+    code on random rows in every dtype (None: not loaded, or one disagreed)."""
+    lib = kernel()
+    if lib is None or not _agreeing_kernels(lib):
+        return None
+    return KernelOps(lib)
+
+
+def _agrees(ops: KernelOps, dtype: torch.dtype) -> bool:
+    """Each kernel against :class:`FusedOps` on a small random Llama-form layer's shapes."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+    generator = torch.Generator().manual_seed(0)
+    reference = FusedOps()
+    rows, width, dim, heads, kv_heads = 7, 64, 16, 4, 2
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=generator).to(dtype)
+
+    norm = LlamaRMSNorm(width, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(rand(width))
+    hidden, delta = rand(rows, width), rand(rows, width)
+    ours_h, ours = ops.add_rms_norm(hidden.clone(), delta, norm)
+    theirs_h, theirs = reference.add_rms_norm(hidden.clone(), delta, norm)
+    one_rounding = {"rtol": 2.0 ** -7 if dtype == torch.bfloat16 else 1e-5, "atol": 1e-5}
+    if not (torch.equal(ours_h, theirs_h) and torch.allclose(ours.float(), theirs.float(), **one_rounding)):
+        return False
+    if not torch.allclose(ops.rms_norm(hidden, norm).float(), reference.rms_norm(hidden, norm).float(), **one_rounding):
+        return False
+    qkv = rand(rows, (heads + 2 * kv_heads) * dim)
+    cos, sin = rand(1, rows, dim), rand(1, rows, dim)
+    shape = (1, rows, dim)
+    theirs = reference.rotary(apply_rotary_pos_emb, qkv[:, :heads * dim].clone(),
+                              qkv[:, heads * dim:(heads + kv_heads) * dim].clone(), cos, sin, shape)
+    stacked = qkv.clone()
+    ours = ops.rotary(apply_rotary_pos_emb, *stacked.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)[:2],
+                      cos, sin, shape)
+    return all(torch.equal(a, b) for a, b in zip(ours, theirs))

@@ -1,0 +1,89 @@
+"""The CPU engines a user would run instead of draftheads, as columns of the bs-1 bench
+(``draftheads bench --peers llama.cpp``): each decodes the bench's own token ids greedily, timed
+like transformers' ``generate`` (prefill included), its tokens compared with transformers' greedy
+ones. A peer that is not installed is one line saying how to install it, never a failure.
+
+- ``llama.cpp`` (``llama-cpp-python``, ``pip install -e ".[peers]"``): the GGUF the base was
+  loaded from (the embedded SmolLM2 file, or the ``.gguf`` given as ``--base``), as that file
+  stores it (the embedded one is Q4_1; draftheads decodes its dequantized weights), plain
+  greedy decoding on the torch thread count.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..core.errors import InputError
+
+#: peer name → (module it needs, how to install it)
+PEERS = {"llama.cpp": ("llama_cpp", 'pip install -e ".[peers]"  (llama-cpp-python)')}
+#: a peer's run: prompt ids (1, L) and new tokens at most → (prompt + new tokens (1, L + n), seconds)
+PeerRun = Callable[[torch.Tensor, int], tuple[torch.Tensor, float]]
+
+
+def parse_peers(value: str) -> tuple[str, ...]:
+    """``--peers``: a comma-separated list of :data:`PEERS`; an unknown name is one line listing them."""
+    names = tuple(dict.fromkeys(n.strip() for n in value.split(",") if n.strip()))
+    unknown = [n for n in names if n not in PEERS]
+    if unknown or not names:
+        raise InputError(f"unknown peer(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(PEERS)}.")
+    return names
+
+
+def load_peers(names: tuple[str, ...], base, eos: list[int], log=print) -> dict[str, PeerRun]:
+    """The installed peers among ``names``, ready to run on ``base``'s source file; each missing
+    one logged as one line naming the install command."""
+    runs = {}
+    for name in names:
+        module, install = PEERS[name]
+        if importlib.util.find_spec(module) is None:
+            log(f"peer {name}: not installed; to compare with it: {install}")
+            continue
+        runs[name] = LOADERS[name](base, eos)
+    return runs
+
+
+def source_gguf(base) -> Path:
+    """The GGUF file ``base`` was converted from (the embedded SmolLM2 one, or the ``.gguf`` given
+    as ``--base``), read from the conversion's ``draftheads_source.json``."""
+    folder = Path(getattr(base, "name_or_path", "") or "")
+    record = folder / "draftheads_source.json"
+    try:
+        gguf = Path(json.loads(record.read_text(encoding="utf-8"))["gguf"])
+    except (OSError, ValueError, KeyError, TypeError):
+        raise InputError(f"--peers llama.cpp: the base ({folder or 'in memory'}) was not loaded from a GGUF file; "
+                         "pass --base a .gguf (or leave --base out for the embedded SmolLM2).") from None
+    if not gguf.is_file():
+        raise InputError(f"--peers llama.cpp: the base's GGUF {gguf} is gone; reinstall its package or pass --base "
+                         "the .gguf again.")
+    return gguf
+
+
+def llama_cpp_run(base, eos: list[int]) -> PeerRun:
+    """llama.cpp's plain greedy decoding of the base's GGUF, on torch's thread count."""
+    from llama_cpp import Llama
+
+    threads = torch.get_num_threads()
+    llm = Llama(model_path=str(source_gguf(base)), n_ctx=4096, n_threads=threads, n_threads_batch=threads,
+                verbose=False)
+    stops = set(eos)
+
+    def run(ids: torch.Tensor, max_new_tokens: int) -> tuple[torch.Tensor, float]:
+        new: list[int] = []
+        start = time.perf_counter()
+        for token in llm.generate(ids[0].tolist(), top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0,
+                                  reset=True):
+            new.append(int(token))
+            if token in stops or len(new) >= max_new_tokens:
+                break
+        seconds = time.perf_counter() - start
+        return torch.cat([ids, torch.tensor([new], dtype=ids.dtype)], dim=1), seconds
+    return run
+
+
+LOADERS = {"llama.cpp": llama_cpp_run}

@@ -1,0 +1,89 @@
+"""``draftheads bench --peers`` (draftheads/bench/peers.py): CPU engines as columns of the bs-1
+bench — each peer's tokens/s beside HF's and draftheads', its tokens compared with HF's greedy
+ones; a peer not installed is one line naming the install command; bad input is one line."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from draftheads.bench import peers
+from draftheads.core.errors import InputError
+
+
+def test_a_peer_that_is_not_installed_is_one_line_saying_how_to_install_it(monkeypatch):
+    monkeypatch.setattr(peers.importlib.util, "find_spec", lambda name: None)
+    lines: list[str] = []
+    assert peers.load_peers(("llama.cpp",), None, [2], log=lines.append) == {}
+    assert lines == ['peer llama.cpp: not installed; to compare with it: pip install -e ".[peers]"  (llama-cpp-python)']
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--peers", "vllm"], "argument --peers: unknown peer(s) vllm; choose from llama.cpp."),
+    (["--peers", ","], "argument --peers: unknown peer(s) (none given); choose from llama.cpp."),
+    (["--peers", "llama.cpp", "--batch-sizes", "1,2"], "--peers compares engines in the bs-1 bench: drop --batch-sizes."),
+])
+def test_bad_peer_options_are_one_line(capsys, argv, message):
+    from draftheads.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--prompts", "mt-bench@1", *argv])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
+
+
+def test_a_base_not_loaded_from_a_gguf_names_what_to_pass(tmp_path):
+    base = type("Base", (), {"name_or_path": str(tmp_path)})()
+    with pytest.raises(InputError, match=r"was not loaded from a GGUF file; pass --base a \.gguf"):
+        peers.source_gguf(base)
+    (tmp_path / "draftheads_source.json").write_text(json.dumps({"gguf": str(tmp_path / "gone.gguf")}))
+    with pytest.raises(InputError, match=r"gone\.gguf is gone"):
+        peers.source_gguf(base)
+
+
+def test_peers_are_columns_of_the_bench_with_tokens_compared_to_hf(tmp_path, monkeypatch, capsys):
+    """Two stand-in engines through the real bench on a tiny base in float64: one decodes as HF's
+    greedy generate does (same tokens on every prompt), one changes its third token; each gets
+    tokens/s, its speedup over HF and draftheads' over it, and the prompts where it matched HF."""
+    from draftheads.bench.runs import hf_greedy
+    from draftheads.cli import main
+    from draftheads.decoding.base.fingerprint import fingerprint
+    from draftheads.heads import HeadConfig, MedusaHeads
+    from helpers import save_tiny_base
+
+    def engine(change: bool):
+        def load(base, eos):
+            def run(ids, max_new_tokens):
+                out = hf_greedy(base, ids, max_new_tokens)
+                if change:
+                    out = out.clone()
+                    out[0, ids.shape[1] + 2] = (out[0, ids.shape[1] + 2] + 1) % 90 + 3
+                return out, 0.01
+            return run
+        return load
+
+    for name, change in (("same", False), ("other", True)):
+        monkeypatch.setitem(peers.PEERS, name, ("json", "pip install nothing"))
+        monkeypatch.setitem(peers.LOADERS, name, engine(change))
+    monkeypatch.setenv("DRAFTHEADS_CACHE", str(tmp_path / "cache"))
+    base = save_tiny_base(tmp_path / "base")
+    heads = MedusaHeads(HeadConfig(num_heads=2, hidden_size=32, vocab_size=96, trees={"3": [[0], [1], [0, 0]]},
+                                   expected_tau={"3": 1.7}, base_fingerprint=fingerprint(base).to_dict()))
+    heads.double().save_pretrained(tmp_path / "heads", dtype=None)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p, "category": "a"}) + "\n" for p in ("w5 w6 w7", "w9 w8 w9")))
+    out = tmp_path / "bench"
+    assert main(["bench", "--prompts", str(prompts), "--base", str(tmp_path / "base"), "--heads", str(tmp_path / "heads"),
+                 "--dtype", "float64", "--tree", "3", "--max-new-tokens", "10", "--no-control", "--peers", "same,other",
+                 "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    for row in results["per_prompt"]:
+        assert row["peers"]["same"]["same_as_hf"] and row["peers"]["same"]["first_difference"] is None
+        assert not row["peers"]["other"]["same_as_hf"] and row["peers"]["other"]["first_difference"] == 2
+    overall = results["overall"]["peers"]
+    assert overall["same"]["same_as_hf_prompts"] == 2 and overall["other"]["same_as_hf_prompts"] == 0
+    ours = results["overall"]["draftheads_tokens_per_second"]
+    assert overall["same"]["draftheads_vs_peer"] == pytest.approx(ours / overall["same"]["tokens_per_second"], rel=1e-3)
+    table = capsys.readouterr().out
+    assert "| same |" in table and "| 2/2 |" in table and "| other |" in table and "| 0/2 |" in table

@@ -1,0 +1,228 @@
+"""The direct verification forward (decoding/base/direct.py, fused.py): the hidden states and
+cache entries of transformers' forward — bit for bit through the modules' own elementwise code,
+within one rounding through the fused kernels — for single rows, batches and ragged steps; and
+transformers' forward wherever it could differ (hooks, other layers, other attention)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from helpers import tiny_llama
+from draftheads.decoding.base.attention import use_packed_sdpa
+from draftheads.decoding.base.direct import direct_body, direct_body_reason, release_direct_body, use_direct_body
+from draftheads.decoding.base import fewrow
+from draftheads.decoding.base.forward import verify
+from draftheads.decoding.base.fused import FusedOps, KernelOps, kernel_ops
+from draftheads.decoding.base.packing import refresh_packing, use_packed_linears
+from draftheads.decoding.base.cache import tree_attention_mask
+from draftheads.decoding.calibration import _synthetic_cache
+
+
+def _case(model, seed: int, bs: int, width: int, kv_len: int = 9, ragged: bool = False):
+    """Tokens, positions, mask, valid slots (None: all) and a cache factory of one random tree step."""
+    gen = torch.Generator().manual_seed(seed)
+    sizes = torch.randint(1, width + 1, (bs,), generator=gen) if ragged else torch.full((bs,), width)
+    sizes[0] = width
+    valid = torch.arange(width)[None] < sizes[:, None]
+    ancestor = torch.eye(width, dtype=torch.bool).repeat(bs, 1, 1)
+    for b in range(bs):
+        for i in range(1, int(sizes[b])):
+            ancestor[b, i] |= ancestor[b, int(torch.randint(0, i, (1,), generator=gen))]
+    kv_valid = torch.rand(bs, kv_len, generator=gen) > 0.3
+    kv_valid[:, -1] = True
+    mask = tree_attention_mask(kv_valid, ancestor)
+    positions = kv_valid.sum(1, keepdim=True) + ancestor.sum(-1) - 1
+    tokens = torch.randint(3, model.config.vocab_size, (bs, width), generator=gen)
+
+    def cache():
+        filled = _synthetic_cache(model, bs, kv_len)
+        values = torch.Generator().manual_seed(1000 + seed)
+        for layer in filled.layers:
+            layer.keys.copy_(torch.randn(layer.keys.shape, generator=values).to(layer.keys.dtype))
+            layer.values.copy_(torch.randn(layer.values.shape, generator=values).to(layer.values.dtype))
+        return filled
+
+    return tokens, positions, mask, valid if ragged and not bool(valid.all()) else None, cache
+
+
+def _pair(dtype: torch.dtype, ops: FusedOps | None, packed: bool = False, seed: int = 0):
+    """(transformers' forward, the direct one) over the same random base."""
+    reference = tiny_llama(seed, dtype=dtype)
+    use_packed_sdpa(reference)
+    direct = copy.deepcopy(reference)
+    use_packed_sdpa(direct)
+    if packed:
+        use_packed_linears(reference)
+        use_packed_linears(direct)
+    assert use_direct_body(direct, ops) and direct_body(direct) is not None and direct_body(reference) is None
+    return reference, direct
+
+
+def _compare(reference, direct, cases, exact: bool, tolerance: dict | None = None):
+    for tokens, positions, mask, valid, cache in cases:
+        theirs_cache, ours_cache = cache(), cache()
+        theirs = verify(reference, tokens, positions, mask, theirs_cache, valid)
+        ours = verify(direct, tokens, positions, mask, ours_cache, valid)
+        pairs = [(ours, theirs)] + [(a.keys, b.keys) for a, b in zip(ours_cache.layers, theirs_cache.layers)] \
+            + [(a.values, b.values) for a, b in zip(ours_cache.layers, theirs_cache.layers)]
+        for a, b in pairs:
+            if exact:
+                assert torch.equal(a, b)
+            else:
+                torch.testing.assert_close(a.float(), b.float(), **tolerance)
+
+
+def _cases(model):
+    return [_case(model, seed, bs, width, ragged=ragged)
+            for seed, (bs, width, ragged) in enumerate([(1, 1, False), (1, 5, False), (1, 17, False), (3, 4, False),
+                                                         (4, 6, True), (5, 3, True)])]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_the_direct_forward_through_the_modules_code_is_transformers_bit_for_bit(dtype):
+    """Single rows, plain steps, trees, batches and ragged (packed) steps: the same hidden states
+    and cache entries as the body's own forward, in every dtype, with the products packed or not."""
+    for packed in (False, True):
+        reference, direct = _pair(dtype, FusedOps(), packed)
+        _compare(reference, direct, _cases(reference), exact=True)
+
+
+@pytest.fixture(scope="module")
+def ops(tmp_path_factory) -> KernelOps:
+    """The fused kernels, compiled here (they must agree with torch wherever the library loads)."""
+    if not fewrow.load_kernel(tmp_path_factory.mktemp("kernels")):
+        pytest.skip(f"the few-row kernel is off here ({fewrow.kernel_status()})")
+    found = kernel_ops()
+    assert isinstance(found, KernelOps), "the library loaded but a fused kernel disagreed with torch"
+    return found
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_kernels_stay_within_one_rounding_of_transformers(ops, dtype):
+    reference, direct = _pair(dtype, ops, packed=True)
+    tolerance = {"rtol": 2 ** -6, "atol": 2 ** -6} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-5}
+    _compare(reference, direct, _cases(reference), exact=False, tolerance=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_rotary_kernel_and_the_residual_add_are_exact_on_stacked_views(ops, dtype):
+    """On a stacked q/k/v product's views (rows apart by the stacked width) and a batch whose
+    positions differ per row: the rotary kernel equals transformers' rotation bit for bit; the
+    residual add too, and the norm lands within one rounding."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+    reference = FusedOps()
+    gen = torch.Generator().manual_seed(3)
+    batch, length, dim, heads, kv_heads = 3, 5, 64, 9, 3
+    qkv = torch.randn(batch * length, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
+    for cos_batch in (1, batch):
+        cos = torch.randn(cos_batch, length, dim, generator=gen).to(dtype)
+        sin = torch.randn(cos_batch, length, dim, generator=gen).to(dtype)
+        q, k = qkv[:, :heads * dim].clone(), qkv[:, heads * dim:(heads + kv_heads) * dim].clone()
+        theirs = reference.rotary(apply_rotary_pos_emb, q, k, cos, sin, (batch, length, dim))
+        stacked = qkv.clone()
+        views = stacked.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+        ours = ops.rotary(apply_rotary_pos_emb, views[0], views[1], cos, sin, (batch, length, dim))
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+    norm = LlamaRMSNorm(576, eps=1e-5).to(dtype)
+    nn.init.normal_(norm.weight, generator=gen)
+    hidden, delta = (torch.randn(batch * length, 576, generator=gen).to(dtype) for _ in range(2))
+    ours_h, ours = ops.add_rms_norm(hidden.clone(), delta, norm)
+    theirs_h, theirs = reference.add_rms_norm(hidden.clone(), delta, norm)
+    assert torch.equal(ours_h, theirs_h)
+    rounding = 2 ** -7 if dtype == torch.bfloat16 else 1e-6
+    torch.testing.assert_close(ours.float(), theirs.float(), rtol=rounding, atol=rounding)
+
+
+def test_a_hook_registered_after_preparation_is_honoured():
+    """A forward hook on any module of the body (steering, activation patching) sends the step
+    to transformers' forward, which runs it; removed, the direct forward runs again."""
+    reference, direct = _pair(torch.float64, None)
+    tokens, positions, mask, valid, cache = _case(reference, 0, 1, 4)
+    steer = lambda module, args, output: output + 0.5  # noqa: E731
+    handles = [m.mlp.register_forward_hook(steer) for m in (reference.model.layers[0], direct.model.layers[0])]
+    assert direct_body(direct) is None
+    hooked = verify(direct, tokens, positions, mask, cache())
+    assert torch.equal(hooked, verify(reference, tokens, positions, mask, cache()))
+    for handle in handles:
+        handle.remove()
+    assert direct_body(direct) is not None
+    plain = verify(direct, tokens, positions, mask, cache())
+    assert torch.equal(plain, verify(reference, tokens, positions, mask, cache())) and not torch.equal(plain, hooked)
+    pre = torch.nn.modules.module.register_module_forward_pre_hook(lambda module, args: None)
+    try:
+        assert direct_body(direct) is None  # a global hook too
+    finally:
+        pre.remove()
+
+
+def test_bases_the_direct_forward_does_not_know_run_transformers_forward():
+    class Adapter(nn.Linear):  # what peft or a quantizer puts in a projection's place
+        pass
+
+    model = tiny_llama(0)
+    assert "grouped-query SDPA" in direct_body_reason(model) and not use_direct_body(model)
+    use_packed_sdpa(model)
+    assert direct_body_reason(model) is None
+    layer = model.model.layers[1].self_attn
+    adapter = Adapter(layer.q_proj.in_features, layer.q_proj.out_features, bias=False, dtype=torch.float64)
+    adapter.weight = layer.q_proj.weight
+    layer.q_proj = adapter
+    assert "not a plain nn.Linear" in direct_body_reason(model) and not use_direct_body(model)
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50)).eval()
+    assert "GPT2Model" in direct_body_reason(gpt2)
+    trained = tiny_llama(0)
+    use_packed_sdpa(trained)
+    use_direct_body(trained)
+    trained.train()
+    assert direct_body(trained) is None
+    release_direct_body(trained)
+    assert direct_body(trained.eval()) is None
+
+
+def test_weights_changed_between_calls_are_followed():
+    """A weight written in place between decoding calls (an optimizer step, a LoRA merge through
+    ``.data``): after the refresh each call makes, the direct forward multiplies by the new weight
+    (its resolved products are remade), as transformers' forward does."""
+    reference, direct = _pair(torch.float32, FusedOps(), packed=True)
+    tokens, positions, mask, valid, cache = _case(reference, 1, 1, 5)
+    _compare(reference, direct, [(tokens, positions, mask, None, cache)], exact=True)
+    for model in (reference, direct):
+        with torch.no_grad():
+            model.model.layers[0].mlp.down_proj.weight.data.mul_(-2.0)
+        refresh_packing(model)
+    _compare(reference, direct, [(tokens, positions, mask, None, cache)], exact=True)
+
+
+def test_a_module_replaced_after_preparation_is_followed_or_left_to_transformers():
+    """An adapter injected into a projection after the base was prepared (peft's LoRA layers
+    replace modules) sends the step to transformers' forward, which runs the adapter; a plain
+    layer swapped in is picked up by a direct forward made anew."""
+    class Lora(nn.Linear):  # a projection plus its own low-rank update
+        def forward(self, x):
+            return super().forward(x) + 0.25 * x[..., : self.out_features]
+
+    reference, direct = _pair(torch.float64, None)
+    case = [_case(reference, 2, 2, 4)]
+    _compare(reference, direct, case, exact=True)
+    for model in (reference, direct):
+        mlp = model.model.layers[0].mlp
+        lora = Lora(mlp.down_proj.in_features, mlp.down_proj.out_features, bias=False, dtype=torch.float64)
+        lora.weight = mlp.down_proj.weight
+        mlp.down_proj = lora
+    assert direct_body(direct) is None
+    _compare(reference, direct, case, exact=True)
+    for model in (reference, direct):
+        attn = model.model.layers[1].self_attn
+        swapped = nn.Linear(attn.o_proj.in_features, attn.o_proj.out_features, bias=False, dtype=torch.float64)
+        nn.init.normal_(swapped.weight, generator=torch.Generator().manual_seed(5))
+        attn.o_proj = swapped
+        model.model.layers[0].mlp.down_proj = nn.Linear(64, 32, bias=False, dtype=torch.float64)
+        nn.init.normal_(model.model.layers[0].mlp.down_proj.weight, generator=torch.Generator().manual_seed(6))
+    assert direct_body(direct) is not None
+    _compare(reference, direct, case, exact=True)
