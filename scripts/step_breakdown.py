@@ -222,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     meta = ab_meta("step_breakdown.py", argv, model, args, list(DEV_PROMPTS))
     meta["tree_nodes"] = model.drafting_summary()["tree_nodes"]
     result = {"meta": meta, "floor": floor, "batch_sizes": results}
-    write(args.out, f"{meta['dtype']}", result)
+    meta["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+    write(args.out, f"{meta['cpu_capability'].lower()}_{meta['dtype']}", result)
     return 0
 
 

@@ -226,3 +226,28 @@ def test_a_module_replaced_after_preparation_is_followed_or_left_to_transformers
         nn.init.normal_(model.model.layers[0].mlp.down_proj.weight, generator=torch.Generator().manual_seed(6))
     assert direct_body(direct) is not None
     _compare(reference, direct, case, exact=True)
+
+
+def test_a_whole_decoding_call_is_the_same_with_the_direct_forward_or_without():
+    """Greedy decoding end to end (Hydra heads and the context lookup, bs 1 and a left-padded
+    batch of 3) gives the same tokens with ``direct_body`` on or off, in float64; the switch is
+    checked like every option and belongs to the base's preparation."""
+    from helpers import left_pad, random_heads
+    from draftheads import DecodingConfig
+    from draftheads.core.errors import InputError, InputTypeError
+    from draftheads.decoding.generate import DraftHeadsModel
+
+    outputs = {}
+    for flag in (True, False):
+        base = tiny_llama(3)
+        model = DraftHeadsModel(base, random_heads("hydra", base), tree=4, sources="heads,context", direct_body=flag)
+        assert (direct_body(base) is not None) == flag
+        single = model.generate(torch.tensor([[5, 6, 7, 5, 6, 7, 8]]), max_new_tokens=24)
+        ids, mask = left_pad([[5, 6, 7, 5, 6], [9, 8, 9, 8, 9, 8, 9], [11, 12]])
+        batch = model.generate(ids, attention_mask=mask, max_new_tokens=20)
+        outputs[flag] = (single, batch)
+        with pytest.raises(InputError, match=f"direct_body={not flag}\\): the base was prepared with direct_body={flag}"):
+            model.with_decoding(direct_body=not flag)
+    assert all(torch.equal(a, b) for a, b in zip(outputs[True], outputs[False]))
+    with pytest.raises(InputTypeError, match=r"direct_body='yes': expected True or False\."):
+        DecodingConfig(direct_body="yes")
