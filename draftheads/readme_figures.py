@@ -56,12 +56,18 @@ class Reader:
         """The value at ``source.at`` + ``keys`` in the source's file; a missing key: FiguresError."""
         data = self.file(source.path)
         path = [k for k in source.at.split(".") if k] + keys
-        for depth, key in enumerate(path):
+        depth = 0
+        while depth < len(path):
+            key = path[depth]
+            while isinstance(data, dict) and key not in data and depth + 1 < len(path):
+                depth += 1  # a key holding a dot (a peer named "llama.cpp")
+                key = f"{key}.{path[depth]}"
             if not isinstance(data, dict) or key not in data:
                 raise FiguresError(
                     f"results/{source.path} has no key {'.'.join(path[:depth + 1])} (the README's {what}): rerun "
                     f"the figure's command to rewrite the file, or point the figure elsewhere in {SPEC}.")
             data = data[key]
+            depth += 1
         return data
 
 

@@ -142,8 +142,8 @@ def _compile(compiler: list[str], target: Path) -> None:
     command = shlex.join(compiler)
     with atomic_file(target) as tmp:
         try:
-            result = subprocess.run([*compiler, *FLAGS, str(SOURCE), "-o", str(tmp), *LIBRARIES], capture_output=True, text=True,
-                                    timeout=120)
+            result = subprocess.run([*compiler, *FLAGS, str(SOURCE), "-o", str(tmp), *LIBRARIES], capture_output=True,
+                                    text=True, timeout=120)
         except OSError as err:
             raise CompilerError(f"the C compiler `{command}` could not be run ({err.strerror or err}): set CC to an "
                                 "installed compiler, or unset it") from None
