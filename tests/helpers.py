@@ -84,6 +84,48 @@ def tiny_llama(seed: int = 0, vocab: int = 96, dtype=torch.float64, max_pos: int
     return model
 
 
+def ragged_step(model, seed: int, bs: int = 4, width: int = 6, kv_len: int = 10, skewed: bool = False,
+                ragged: bool = True):
+    """One random tree step over a random cache with holes: tokens, positions, the 4D mask, the real
+    slots (B, N) and a factory of the filled cache. Per row a random tree of its own size (a prefix
+    of ``width`` slots; row 0 the widest; ``skewed``: the others of one or two; not ``ragged``: every
+    row ``width``): what a per-row step verifies."""
+    from draftheads.decoding.base.cache import tree_attention_mask
+    from draftheads.decoding.calibration import _synthetic_cache
+
+    gen = torch.Generator().manual_seed(seed)
+    sizes = torch.randint(1, 3 if skewed else width + 1, (bs,), generator=gen) if ragged else torch.full((bs,), width)
+    sizes[0] = width
+    valid = torch.arange(width)[None] < sizes[:, None]
+    ancestor = torch.eye(width, dtype=torch.bool).repeat(bs, 1, 1)
+    for b in range(bs):
+        for i in range(1, int(sizes[b])):
+            ancestor[b, i] |= ancestor[b, int(torch.randint(0, i, (1,), generator=gen))]
+    kv_valid = torch.rand(bs, kv_len, generator=gen) > 0.3
+    kv_valid[:, -1] = True
+    mask = tree_attention_mask(kv_valid, ancestor)
+    positions = kv_valid.sum(1, keepdim=True) + ancestor.sum(-1) - 1
+    tokens = torch.randint(3, model.config.vocab_size, (bs, width), generator=gen)
+
+    def cache():
+        filled = _synthetic_cache(model, bs, kv_len)
+        values = torch.Generator().manual_seed(1000 + seed)
+        for layer in filled.layers:
+            layer.keys.copy_(torch.randn(layer.keys.shape, generator=values).to(layer.keys.dtype))
+            layer.values.copy_(torch.randn(layer.values.shape, generator=values).to(layer.values.dtype))
+        return filled
+
+    return tokens, positions, mask, valid, cache
+
+
+def save_tiny_heads(folder: Path, base) -> MedusaHeads:
+    """Two float64 Medusa heads with a stored 3-node tree for ``base`` (:func:`save_tiny_base`), saved."""
+    heads = MedusaHeads(HeadConfig(num_heads=2, hidden_size=32, vocab_size=96, trees={"3": [[0], [1], [0, 0]]},
+                                   expected_tau={"3": 1.7}, base_fingerprint=fingerprint(base).to_dict()))
+    heads.double().save_pretrained(folder, dtype=None)
+    return heads
+
+
 def save_tiny_base(folder: Path, seed: int = 0) -> LlamaForCausalLM:
     """:func:`tiny_llama` saved as a model folder with a word-level tokenizer ("w0".."w95", a
     chat template), so the CLI's ``generate`` runs on it end to end; returns the model."""

@@ -72,15 +72,11 @@ def test_parts_bench_times_the_default_beside_its_parts(tmp_path, monkeypatch):
     import json
 
     from draftheads.cli import main
-    from draftheads.decoding.base.fingerprint import fingerprint
-    from draftheads.heads import HeadConfig, MedusaHeads
-    from helpers import save_tiny_base
+    from helpers import save_tiny_base, save_tiny_heads
 
     monkeypatch.setenv("DRAFTHEADS_CACHE", str(tmp_path / "cache"))
     base = save_tiny_base(tmp_path / "base")
-    heads = MedusaHeads(HeadConfig(num_heads=2, hidden_size=32, vocab_size=96, trees={"3": [[0], [1], [0, 0]]},
-                                   expected_tau={"3": 1.7}, base_fingerprint=fingerprint(base).to_dict()))
-    heads.double().save_pretrained(tmp_path / "heads", dtype=None)
+    save_tiny_heads(tmp_path / "heads", base)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p, "category": c}) + "\n"
                                for p, c in (("w5 w6 w7 w5 w6", "a"), ("w9 w8 w9 w8", "b"), ("w11 w12", "a"))))

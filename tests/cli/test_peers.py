@@ -48,9 +48,7 @@ def test_peers_are_columns_of_the_bench_with_tokens_compared_to_hf(tmp_path, mon
     tokens/s, its speedup over HF and draftheads' over it, and the prompts where it matched HF."""
     from draftheads.bench.runs import hf_greedy
     from draftheads.cli import main
-    from draftheads.decoding.base.fingerprint import fingerprint
-    from draftheads.heads import HeadConfig, MedusaHeads
-    from helpers import save_tiny_base
+    from helpers import save_tiny_base, save_tiny_heads
 
     def engine(change: bool):
         def load(base, eos):
@@ -68,9 +66,7 @@ def test_peers_are_columns_of_the_bench_with_tokens_compared_to_hf(tmp_path, mon
         monkeypatch.setitem(peers.LOADERS, name, engine(change))
     monkeypatch.setenv("DRAFTHEADS_CACHE", str(tmp_path / "cache"))
     base = save_tiny_base(tmp_path / "base")
-    heads = MedusaHeads(HeadConfig(num_heads=2, hidden_size=32, vocab_size=96, trees={"3": [[0], [1], [0, 0]]},
-                                   expected_tau={"3": 1.7}, base_fingerprint=fingerprint(base).to_dict()))
-    heads.double().save_pretrained(tmp_path / "heads", dtype=None)
+    save_tiny_heads(tmp_path / "heads", base)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p, "category": "a"}) + "\n" for p in ("w5 w6 w7", "w9 w8 w9")))
     out = tmp_path / "bench"

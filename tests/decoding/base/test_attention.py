@@ -7,7 +7,7 @@ import copy
 
 import torch
 
-from helpers import left_pad, record_packed_steps, tiny_llama
+from helpers import left_pad, ragged_step, record_packed_steps, tiny_llama
 from draftheads.decoding.base.attention import use_packed_sdpa, uses_packed_sdpa
 from draftheads.decoding.base.forward import prefill, verify
 from draftheads.decoding.base.cache import tree_attention_mask
@@ -110,34 +110,6 @@ def test_the_mask_is_repeated_once_per_forward_and_redone_when_it_changes():
     assert repeated_mask(other, 2) is not repeated_mask(mask, 2)
 
 
-def _ragged_case(model, seed: int, bs: int = 4, width: int = 6, kv_len: int = 10, skewed: bool = False):
-    """A random cache with holes and, per row, a random tree of its own size (a prefix of ``width``
-    slots; row 0 the widest; ``skewed``: the others of one or two): what a per-row step verifies."""
-    gen = torch.Generator().manual_seed(seed)
-    sizes = torch.randint(1, 3 if skewed else width + 1, (bs,), generator=gen)
-    sizes[0] = width
-    valid = torch.arange(width)[None] < sizes[:, None]
-    ancestor = torch.eye(width, dtype=torch.bool).repeat(bs, 1, 1)
-    for b in range(bs):
-        for i in range(1, int(sizes[b])):
-            ancestor[b, i] |= ancestor[b, int(torch.randint(0, i, (1,), generator=gen))]
-    kv_valid = torch.rand(bs, kv_len, generator=gen) > 0.3
-    kv_valid[:, -1] = True
-    mask = tree_attention_mask(kv_valid, ancestor)
-    positions = kv_valid.sum(1, keepdim=True) + ancestor.sum(-1) - 1
-    tokens = torch.randint(3, model.config.vocab_size, (bs, width), generator=gen)
-
-    def cache():
-        filled = _synthetic_cache(model, bs, kv_len)
-        values = torch.Generator().manual_seed(1000 + seed)
-        for layer in filled.layers:
-            layer.keys.copy_(torch.randn(layer.keys.shape, generator=values, dtype=layer.keys.dtype))
-            layer.values.copy_(torch.randn(layer.values.shape, generator=values, dtype=layer.values.dtype))
-        return filled
-
-    return tokens, positions, mask, valid, cache
-
-
 def test_ragged_rows_verified_packed_equal_the_padded_block(monkeypatch):
     """Rows of different node counts verified packed (the real slots as one sequence, attention
     unpacked per row, in one call or split in two) give the padded block's hidden states and
@@ -146,7 +118,7 @@ def test_ragged_rows_verified_packed_equal_the_padded_block(monkeypatch):
     use_packed_sdpa(model)
     packed_runs, splits = record_packed_steps(monkeypatch), []
     for seed in range(30):
-        tokens, positions, mask, valid, cache = _ragged_case(model, seed, bs=2 + seed % 5, width=2 + seed % 7,
+        tokens, positions, mask, valid, cache = ragged_step(model, seed, bs=2 + seed % 5, width=2 + seed % 7,
                                                              skewed=seed % 2 == 1)
         padded_cache, packed_cache = cache(), cache()
         padded = verify(model, tokens, positions, mask, padded_cache)
@@ -172,7 +144,7 @@ def test_ragged_rows_on_a_base_without_the_packed_attention_verify_the_padded_bl
     model = tiny_llama(0)
     model.set_attn_implementation("eager")
     assert not ragged_capable(model)
-    tokens, positions, mask, valid, cache = _ragged_case(model, 3)
+    tokens, positions, mask, valid, cache = ragged_step(model, 3)
     plain = verify(model, tokens, positions, mask, cache())
     given_valid = verify(model, tokens, positions, mask, cache(), valid)
     assert torch.equal(plain, given_valid)

@@ -10,41 +10,18 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import tiny_llama
+from helpers import ragged_step, tiny_llama
 from draftheads.decoding.base.attention import use_packed_sdpa
 from draftheads.decoding.base.direct import direct_body, direct_body_reason, release_direct_body, use_direct_body
 from draftheads.decoding.base import fewrow
 from draftheads.decoding.base.forward import verify
 from draftheads.decoding.base.fused import FusedOps, KernelOps, kernel_ops
 from draftheads.decoding.base.packing import refresh_packing, use_packed_linears
-from draftheads.decoding.base.cache import tree_attention_mask
-from draftheads.decoding.calibration import _synthetic_cache
 
 
-def _case(model, seed: int, bs: int, width: int, kv_len: int = 9, ragged: bool = False):
-    """Tokens, positions, mask, valid slots (None: all) and a cache factory of one random tree step."""
-    gen = torch.Generator().manual_seed(seed)
-    sizes = torch.randint(1, width + 1, (bs,), generator=gen) if ragged else torch.full((bs,), width)
-    sizes[0] = width
-    valid = torch.arange(width)[None] < sizes[:, None]
-    ancestor = torch.eye(width, dtype=torch.bool).repeat(bs, 1, 1)
-    for b in range(bs):
-        for i in range(1, int(sizes[b])):
-            ancestor[b, i] |= ancestor[b, int(torch.randint(0, i, (1,), generator=gen))]
-    kv_valid = torch.rand(bs, kv_len, generator=gen) > 0.3
-    kv_valid[:, -1] = True
-    mask = tree_attention_mask(kv_valid, ancestor)
-    positions = kv_valid.sum(1, keepdim=True) + ancestor.sum(-1) - 1
-    tokens = torch.randint(3, model.config.vocab_size, (bs, width), generator=gen)
-
-    def cache():
-        filled = _synthetic_cache(model, bs, kv_len)
-        values = torch.Generator().manual_seed(1000 + seed)
-        for layer in filled.layers:
-            layer.keys.copy_(torch.randn(layer.keys.shape, generator=values).to(layer.keys.dtype))
-            layer.values.copy_(torch.randn(layer.values.shape, generator=values).to(layer.values.dtype))
-        return filled
-
+def _case(model, seed: int, bs: int, width: int, ragged: bool = False):
+    """A random tree step (:func:`helpers.ragged_step`); valid None where every row is full."""
+    tokens, positions, mask, valid, cache = ragged_step(model, seed, bs, width, kv_len=9, ragged=ragged)
     return tokens, positions, mask, valid if ragged and not bool(valid.all()) else None, cache
 
 
