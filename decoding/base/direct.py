@@ -7,8 +7,9 @@ path, as much again of per-call overhead — module calls, keyword plumbing, dep
 the packed products' per-call path lookups (evidence: results/profile/step_breakdown). Here each
 layer's products are resolved once per row count (:func:`~.binding.resolved_linears`: the plan's
 path and copy for q/k/v stacked, o, gate/up stacked, down) and kept while the plan and the copies
-stand; the elementwise steps (RMSNorm, rotary embedding, SiLU gate) go through the fused kernels
-of :mod:`.fused` where they are loaded and agreed with torch, else through the modules' own code.
+stand; RMSNorm (with the residual add before it) and the rotary embedding go through the fused
+kernels of :mod:`.fused` where they are loaded and agreed with torch, else through the modules'
+own code, as the SiLU gate always does.
 
 It runs only where it computes what the base's own forward computes: a body whose every module
 is one it knows (:data:`LAYERS`, checked by type), none carrying a forward hook (checked at every
@@ -164,7 +165,7 @@ def direct_body(model) -> DirectBody | None:
     training, every module one it knows: a module replaced since — an adapter injected, a layer
     swapped — is checked again, and the forward made anew or left to transformers), else None."""
     found = _BODIES.get(model)
-    if found is None or found.body.training or found.hooked():
+    if found is None or found.body.training or found.hooked() or not uses_packed_sdpa(model):
         return None
     if not found.intact():
         if direct_body_reason(model) is not None:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from helpers import ragged_step, tiny_llama
-from draftheads.decoding.base.attention import use_packed_sdpa
+from draftheads.decoding.base.attention import release_packed_sdpa, use_packed_sdpa
 from draftheads.decoding.base.direct import direct_body, direct_body_reason, release_direct_body, use_direct_body
 from draftheads.decoding.base import fewrow
 from draftheads.decoding.base.forward import verify
@@ -158,8 +158,12 @@ def test_bases_the_direct_forward_does_not_know_run_transformers_forward():
     use_direct_body(trained)
     trained.train()
     assert direct_body(trained) is None
+    assert direct_body(trained.eval()) is not None
+    release_packed_sdpa(trained)  # its steps attend as the model does again: transformers' forward
+    assert direct_body(trained) is None
+    use_packed_sdpa(trained)
     release_direct_body(trained)
-    assert direct_body(trained.eval()) is None
+    assert direct_body(trained) is None
 
 
 def test_weights_changed_between_calls_are_followed():
