@@ -22,6 +22,7 @@ from .accept import greedy_tokens
 from .base.forward import lm_logits, verify
 from .base.loading import cache_root
 from .base.attention import PACKED_SDPA, uses_packed_sdpa
+from .base.direct import uses_direct_body
 from .base.cache import tree_attention_mask
 from .base.fingerprint import fingerprint
 from .output import in_loop_mode
@@ -75,14 +76,16 @@ TIMING = "interleaved rounds"
 def calibration_key(model, heads=None) -> dict:
     """What the measured costs depend on: the base (fingerprint + the sizes that set its cost),
     the device, the dtype, torch, the thread count, the few-row kernel (its source and the dtypes
-    it runs here: a step through it costs less), how it is timed and the heads (their drafting cost)."""
+    it runs here: a step through it costs less), whether tree steps run the direct forward
+    (:mod:`~.base.direct`: a step costs less), how it is timed and the heads (their drafting cost)."""
     param = next(model.parameters())
     cfg = model.config
     key = {"base": fingerprint(model).to_dict(), "layers": int(cfg.num_hidden_layers),
            "intermediate_size": int(getattr(cfg, "intermediate_size", 0)),
            "device": device_name(param.device), "dtype": str(param.dtype), "torch": torch.__version__,
            "attention": PACKED_SDPA if uses_packed_sdpa(model) else str(getattr(cfg, "_attn_implementation", None)),
-           "kernel": kernel_identity(), "timing": TIMING}
+           "kernel": kernel_identity(), "forward": "direct" if uses_direct_body(model) else "transformers",
+           "timing": TIMING}
     if heads is not None:
         hc = heads.config
         key["heads"] = {"family": hc.family, "num_heads": hc.num_heads, "num_layers": hc.num_layers,

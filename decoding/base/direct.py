@@ -156,6 +156,11 @@ def direct_body_report(model) -> str:
     return f"off ({reason})" if reason else "off (direct_body=False)"
 
 
+def uses_direct_body(model) -> bool:
+    """Whether ``model`` was prepared for the direct forward (what a step's measured cost depends on)."""
+    return model in _BODIES
+
+
 def release_direct_body(model) -> None:
     _BODIES.pop(model, None)
 

@@ -216,6 +216,7 @@ def test_a_whole_decoding_call_is_the_same_with_the_direct_forward_or_without():
     from helpers import left_pad, random_heads
     from draftheads import DecodingConfig
     from draftheads.core.errors import InputError, InputTypeError
+    from draftheads.decoding.calibration import calibration_key
     from draftheads.decoding.generate import DraftHeadsModel
 
     outputs = {}
@@ -223,6 +224,8 @@ def test_a_whole_decoding_call_is_the_same_with_the_direct_forward_or_without():
         base = tiny_llama(3)
         model = DraftHeadsModel(base, random_heads("hydra", base), tree=4, sources="heads,context", direct_body=flag)
         assert (direct_body(base) is not None) == flag
+        # a step's measured cost is cached per forward: a calibration timed on the other is measured again
+        assert calibration_key(base)["forward"] == ("direct" if flag else "transformers")
         single = model.generate(torch.tensor([[5, 6, 7, 5, 6, 7, 8]]), max_new_tokens=24)
         ids, mask = left_pad([[5, 6, 7, 5, 6], [9, 8, 9, 8, 9, 8, 9], [11, 12]])
         batch = model.generate(ids, attention_mask=mask, max_new_tokens=20)
