@@ -250,12 +250,22 @@ PARALLEL_WORK = 1 << 17
 
 
 def _run(lib, x: torch.Tensor, blocked: torch.Tensor, out_features: int) -> torch.Tensor:
-    rows, inp = x.shape
-    y = torch.empty(rows, out_features, dtype=x.dtype)
-    threads = torch.get_num_threads() if rows * inp * out_features >= PARALLEL_WORK else 1
-    run = lib.draftheads_fewrow_bf16 if x.dtype == torch.bfloat16 else lib.draftheads_fewrow
-    run(x.data_ptr(), blocked.data_ptr(), y.data_ptr(), rows, inp, out_features, threads)
-    return y
+    return _product(lib, blocked, out_features)(x)
+
+
+def _product(lib, blocked: torch.Tensor, out_features: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The kernel bound to a blocked copy: x (rows, in) contiguous → y (rows, out_features)."""
+    run = lib.draftheads_fewrow_bf16 if blocked.dtype == torch.bfloat16 else lib.draftheads_fewrow
+    dtype, pointer = blocked.dtype, blocked.data_ptr()
+
+    def product(x: torch.Tensor) -> torch.Tensor:
+        rows, inp = x.shape
+        y = torch.empty(rows, out_features, dtype=dtype)
+        threads = torch.get_num_threads() if rows * inp * out_features >= PARALLEL_WORK else 1
+        run(x.data_ptr(), pointer, y.data_ptr(), rows, inp, out_features, threads)
+        return y
+    product.keeps = blocked  # the copy lives as long as the product
+    return product
 
 
 def block_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -266,30 +276,22 @@ def block_weight(weight: torch.Tensor) -> torch.Tensor:
 
 def fewrow_product(blocked: torch.Tensor, out_features: int,
                    bias: torch.Tensor | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
-    """:func:`fewrow_linear` resolved once (the library function and the copy bound): x (rows,
-    in) contiguous → (rows, out_features). For the decoder's direct body (:mod:`.direct`), which
-    calls the same product every step."""
-    lib = kernel()
-    run = lib.draftheads_fewrow_bf16 if blocked.dtype == torch.bfloat16 else lib.draftheads_fewrow
-    dtype, pointer = blocked.dtype, blocked.data_ptr()
+    """x (rows, in) contiguous · Wᵀ (+ bias) through W's blocked copy, the library function and the
+    copy bound once (what :func:`fewrow_linear` does per call; the packed path's resolved product,
+    :func:`~.packed.resolved_matmul`)."""
+    product = _product(kernel(), blocked, out_features)
+    if bias is None:
+        return product
 
-    def product(x: torch.Tensor) -> torch.Tensor:
-        rows, inp = x.shape
-        y = torch.empty(rows, out_features, dtype=dtype)
-        threads = torch.get_num_threads() if rows * inp * out_features >= PARALLEL_WORK else 1
-        run(x.data_ptr(), pointer, y.data_ptr(), rows, inp, out_features, threads)
-        if bias is not None:
-            y += bias
+    def biased(x: torch.Tensor) -> torch.Tensor:
+        y = product(x)
+        y += bias
         return y
-    product.keeps = blocked  # the copy lives as long as the product
-    return product
+    return biased
 
 
 def fewrow_linear(x: torch.Tensor, blocked: torch.Tensor, out_features: int,
                   bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (..., in) · Wᵀ through W's blocked copy (both in W's dtype) → (..., out_features)."""
-    flat = x.reshape(-1, x.shape[-1]).contiguous()
-    y = _run(kernel(), flat, blocked, out_features)
-    if bias is not None:
-        y += bias
+    y = fewrow_product(blocked, out_features, bias)(x.reshape(-1, x.shape[-1]).contiguous())
     return y.reshape(*x.shape[:-1], out_features)

@@ -9,7 +9,7 @@ from typing import Callable
 import torch
 
 from ...core.content import FingerprintMemo, fingerprint_of
-from .fewrow import block_weight, fewrow_linear, fewrow_product
+from .fewrow import block_weight, fewrow_product
 from .plan import PLAN, fewrow_applies, packs
 
 
@@ -83,9 +83,9 @@ def packed_matmul(x: torch.Tensor, weight: torch.Tensor, cache: PackedWeight,
     """x (..., in) · weightᵀ (weight (out, in)) through the copy in ``cache`` that the plan picks
     for this row count (packed, or the few-row kernel); callers check :func:`packs` and that
     ``x`` has the weight's dtype."""
-    if PLAN.path(weight, x.numel() // x.shape[-1]) == "fewrow" and fewrow_applies(weight):
-        return fewrow_linear(x, cache.blocked(weight), weight.shape[0], bias)
-    return torch.ops.mkldnn._linear_pointwise(x, cache.get(weight), bias, "none", [], "")
+    flat = x.reshape(-1, x.shape[-1]).contiguous()
+    y = resolved_matmul(weight, cache, flat.shape[0], bias)(flat)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
 def resolved_matmul(weight: torch.Tensor, cache: PackedWeight, rows: int,

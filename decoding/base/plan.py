@@ -33,7 +33,7 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-from .fewrow import block_weight, fewrow_linear, kernel, kernel_dtypes
+from .fewrow import block_weight, fewrow_product, kernel, kernel_dtypes
 from .hardware import bf16_native
 
 
@@ -140,8 +140,7 @@ def measure_shape(dtype: torch.dtype, out_features: int, in_features: int, reps:
              "packed_ms": _rotating([functools.partial(_packed, packed=p) for p in packed])}
     if fewrow_applies(weight):
         blocked = [block_weight(w) for w in weights]
-        paths["fewrow_ms"] = _rotating([functools.partial(fewrow_linear, blocked=b, out_features=out_features)
-                                        for b in blocked])
+        paths["fewrow_ms"] = _rotating([fewrow_product(b, out_features) for b in blocked])
     timings: dict[str, list[float]] = {name: [] for name in paths}
     with torch.no_grad():
         for rows in ROW_BUCKETS:

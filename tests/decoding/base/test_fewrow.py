@@ -173,10 +173,12 @@ def test_float32_decoding_through_the_kernel_follows_the_base(kernel_dir, monkey
     for module in PLAN_READERS:
         monkeypatch.setattr(module, "PLAN", plan)
     calls = []
-    real = fewrow.fewrow_linear
-    counted = lambda *a, **k: calls.append(a[0].shape) or real(*a, **k)
-    for module in (packed, plan_module):  # the products and the measurement
-        monkeypatch.setattr(module, "fewrow_linear", counted)
+    real = fewrow._product
+
+    def counted(lib, blocked, out_features):  # every product through the kernel, bound or per call
+        product = real(lib, blocked, out_features)
+        return lambda x: calls.append(x.shape) or product(x)
+    monkeypatch.setattr(fewrow, "_product", counted)
     for paths in ([(0,)], [(0,), (1,), (0, 0)], [(0,), (0, 0), (0, 0, 0), (1,), (2,), (1, 0), (0, 1)]):
         heads = OracleHeads([reference[0, 5:].tolist()], vocab=96, error=0.3, seed=4)
         ours = DraftHeadsModel(model, heads, tree=tree_from_paths(paths)).generate(prompt, max_new_tokens=40)
