@@ -30,12 +30,10 @@ from draftheads.bench.ab import ab_meta
 from draftheads.decoding import DraftHeadsModel
 from draftheads.decoding.base import fewrow
 from draftheads.decoding.base.architecture import decoder_body
-from draftheads.decoding.base.binding import resolved_linears
-from draftheads.decoding.base.direct import release_direct_body, use_direct_body
+from draftheads.decoding.base.direct import direct_body, release_direct_body, use_direct_body
 from draftheads.decoding.base.fingerprint import lm_head_weight
-from draftheads.decoding.base.packing import forward_context, packed_lm_head
-from draftheads.decoding.base.packed import resolved_matmul
-from draftheads.decoding.base.plan import packs
+from draftheads.decoding.base.forward import lm_logits
+from draftheads.decoding.base.packing import forward_context
 from draftheads.decoding.request import left_pad
 from draftheads.decoding.step import PhaseTimer
 from draftheads.prompts import BATCH_PROMPTS, DEV_PROMPTS, chat_input, read_prompts
@@ -103,21 +101,19 @@ def floor_ms(model, reps: int = 7) -> dict:
     body = decoder_body(model.base)
     weights = [lm_head_weight(model.base)] + [p for layer in body.layers for p in layer.parameters() if p.dim() == 2]
     best_stream = min(_seconds(lambda: [w.sum() for w in weights]) for _ in range(reps))
+    state = direct_body(model.base)
+    if state is None:
+        raise SystemExit("step_breakdown: the floor is measured through the direct forward, which this base does "
+                         "not run (see `draftheads env --base`).")
     with forward_context(model.base):
-        products = [resolved_linears((layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj), 1)
-                    for layer in body.layers] + [resolved_linears((layer.self_attn.o_proj,), 1) for layer in body.layers]
-        products += [resolved_linears((layer.mlp.gate_proj, layer.mlp.up_proj), 1) for layer in body.layers]
-        products += [resolved_linears((layer.mlp.down_proj,), 1) for layer in body.layers]
-        head = lm_head_weight(model.base)
-        lm = (resolved_matmul(head, packed_lm_head(model.base), 1) if packed_lm_head(model.base) is not None
-              and packs(head, 1) else (lambda x: torch.nn.functional.linear(x, head)))
-        x = torch.randn(1, body.config.hidden_size).to(head.dtype)
-        wide = {p: torch.randn(1, body.config.intermediate_size).to(head.dtype) for p in products[-len(body.layers):]}
+        plans = state.plan(1)  # the products a one-row step takes, as the decoder resolved them
+        x = torch.randn(1, body.config.hidden_size).to(model.base.dtype)
+        wide = torch.randn(1, body.config.intermediate_size).to(model.base.dtype)
 
         def token():
-            for p in products:
-                p(wide.get(p, x))
-            lm(x)
+            for plan in plans:
+                plan.qkv(x), plan.o(x), plan.gate_up(x), plan.down(wide)
+            lm_logits(model.base, x[None])
         best_rows = min(_seconds(token) for _ in range(reps))
     megabytes = sum(w.numel() * w.element_size() for w in weights) / 1e6
     return {"weights_mb": round(megabytes, 1), "stream_ms": round(best_stream * 1e3, 3),

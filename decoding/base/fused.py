@@ -75,20 +75,21 @@ class KernelOps(FusedOps):
     def rms_norm(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
         if not _fits(x, norm.weight):
             return super().rms_norm(x, norm)
-        out = torch.empty_like(x)
-        self._call("add_rms_norm", x.dtype)(x.data_ptr(), None, norm.weight.data_ptr(), out.data_ptr(), x.shape[0],
-                                            x.shape[1], norm.variance_epsilon)
-        return out
+        return self._norm(x, None, norm)
 
     def add_rms_norm(self, hidden: torch.Tensor, delta: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         if not (_fits(hidden, norm.weight) and delta.dtype == hidden.dtype and delta.is_contiguous()
                 and delta.shape == hidden.shape):
             return super().add_rms_norm(hidden, delta, norm)
+        return hidden, self._norm(hidden, delta, norm)
+
+    def _norm(self, hidden: torch.Tensor, delta: torch.Tensor | None, norm: nn.Module) -> torch.Tensor:
+        """The kernel: ``hidden`` += ``delta`` in place (when given), the norm of it returned."""
         out = torch.empty_like(hidden)
-        self._call("add_rms_norm", hidden.dtype)(hidden.data_ptr(), delta.data_ptr(), norm.weight.data_ptr(),
-                                                 out.data_ptr(), hidden.shape[0], hidden.shape[1],
-                                                 norm.variance_epsilon)
-        return hidden, out
+        self._call("add_rms_norm", hidden.dtype)(hidden.data_ptr(), None if delta is None else delta.data_ptr(),
+                                                 norm.weight.data_ptr(), out.data_ptr(), hidden.shape[0],
+                                                 hidden.shape[1], norm.variance_epsilon)
+        return out
 
     def rotary(self, rotary: Callable, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                shape: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:

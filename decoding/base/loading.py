@@ -175,6 +175,19 @@ def _convert_gguf(gguf: Path, target: Path) -> Path:
         return scratch
 
 
+#: what a converted base folder records of the GGUF it came from
+SOURCE_RECORD = "draftheads_source.json"
+
+
+def converted_from(folder: str | Path) -> Path | None:
+    """The GGUF file a base folder was converted from (its :data:`SOURCE_RECORD`), or None: not a
+    conversion, or a record that does not read."""
+    try:
+        return Path(json.loads((Path(folder) / SOURCE_RECORD).read_text(encoding="utf-8"))["gguf"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def _write_converted(model, tokenizer, gguf: Path, target: Path) -> None:
     """Write to a temp dir then rename, so an interrupted conversion never leaves a
     half-written cache entry behind; an unwritable destination is one error naming it."""
@@ -186,7 +199,7 @@ def _write_converted(model, tokenizer, gguf: Path, target: Path) -> None:
     try:
         _save_plain(model, tmp)
         tokenizer.save_pretrained(tmp)
-        (tmp / "draftheads_source.json").write_text(json.dumps({"gguf": str(gguf)}))
+        (tmp / SOURCE_RECORD).write_text(json.dumps({"gguf": str(gguf)}))
         os.replace(tmp, target)
     except OSError as err:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -11,7 +11,6 @@ ones. A peer that is not installed is one line saying how to install it, never a
 from __future__ import annotations
 
 import importlib.util
-import json
 import time
 from pathlib import Path
 from typing import Callable
@@ -19,6 +18,7 @@ from typing import Callable
 import torch
 
 from ..core.errors import InputError
+from ..decoding.base.loading import converted_from
 
 #: peer name → (module it needs, how to install it)
 PEERS = {"llama.cpp": ("llama_cpp", 'pip install -e ".[peers]"  (llama-cpp-python)')}
@@ -50,14 +50,12 @@ def load_peers(names: tuple[str, ...], base, eos: list[int], log=print) -> dict[
 
 def source_gguf(base) -> Path:
     """The GGUF file ``base`` was converted from (the embedded SmolLM2 one, or the ``.gguf`` given
-    as ``--base``), read from the conversion's ``draftheads_source.json``."""
-    folder = Path(getattr(base, "name_or_path", "") or "")
-    record = folder / "draftheads_source.json"
-    try:
-        gguf = Path(json.loads(record.read_text(encoding="utf-8"))["gguf"])
-    except (OSError, ValueError, KeyError, TypeError):
+    as ``--base``), as its conversion recorded it (:func:`~draftheads.decoding.base.loading.converted_from`)."""
+    folder = getattr(base, "name_or_path", "") or ""
+    gguf = converted_from(folder) if folder else None
+    if gguf is None:
         raise InputError(f"--peers llama.cpp: the base ({folder or 'in memory'}) was not loaded from a GGUF file; "
-                         "pass --base a .gguf (or leave --base out for the embedded SmolLM2).") from None
+                         "pass --base a .gguf (or leave --base out for the embedded SmolLM2).")
     if not gguf.is_file():
         raise InputError(f"--peers llama.cpp: the base's GGUF {gguf} is gone; reinstall its package or pass --base "
                          "the .gguf again.")
