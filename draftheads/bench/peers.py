@@ -4,13 +4,15 @@ like transformers' ``generate`` (prefill included), its tokens compared with tra
 ones. A peer that is not installed is one line saying how to install it, never a failure.
 
 - ``llama.cpp`` (``llama-cpp-python``, ``pip install -e ".[peers]"``): the GGUF the base was
-  loaded from (the embedded SmolLM2 file, or the ``.gguf`` given as ``--base``), as that file
-  stores it (the embedded one is Q4_1; draftheads decodes its dequantized weights), plain
-  greedy decoding on the torch thread count.
+  loaded from (the embedded SmolLM2 file, or the ``.gguf`` given as ``--base``) with its tensors
+  in the bench's dtype — the very weights draftheads decodes (:mod:`.peer_gguf`) — plain greedy
+  decoding on the torch thread count. Besides the whole call, the time to its first token is
+  kept: the rest over the other tokens is llama.cpp's decoding time a token, apart from prefill.
 """
 from __future__ import annotations
 
 import importlib.util
+import os
 import time
 from pathlib import Path
 from typing import Callable
@@ -19,11 +21,13 @@ import torch
 
 from ..core.errors import InputError
 from ..decoding.base.loading import converted_from
+from .peer_gguf import typed_gguf
 
 #: peer name → (module it needs, how to install it)
 PEERS = {"llama.cpp": ("llama_cpp", 'pip install -e ".[peers]"  (llama-cpp-python)')}
-#: a peer's run: prompt ids (1, L) and new tokens at most → (prompt + new tokens (1, L + n), seconds)
-PeerRun = Callable[[torch.Tensor, int], tuple[torch.Tensor, float]]
+#: a peer's run: prompt ids (1, L) and new tokens at most → (prompt + new tokens (1, L + n), seconds,
+#: seconds to the first new token)
+PeerRun = Callable[[torch.Tensor, int], tuple[torch.Tensor, float, float]]
 
 
 def parse_peers(value: str) -> tuple[str, ...]:
@@ -63,25 +67,38 @@ def source_gguf(base) -> Path:
 
 
 def llama_cpp_run(base, eos: list[int]) -> PeerRun:
-    """llama.cpp's plain greedy decoding of the base's GGUF, on torch's thread count."""
+    """llama.cpp's plain greedy decoding of the base's GGUF in the base's dtype, on torch's thread count."""
     from llama_cpp import Llama
 
+    import llama_cpp
+
     threads = torch.get_num_threads()
-    llm = Llama(model_path=str(source_gguf(base)), n_ctx=4096, n_threads=threads, n_threads_batch=threads,
-                verbose=False)
+    gguf = typed_gguf(source_gguf(base), base.dtype)
+    llm = Llama(model_path=str(gguf), n_ctx=4096, n_threads=threads, n_threads_batch=threads, verbose=False)
     stops = set(eos)
 
-    def run(ids: torch.Tensor, max_new_tokens: int) -> tuple[torch.Tensor, float]:
+    def run(ids: torch.Tensor, max_new_tokens: int) -> tuple[torch.Tensor, float, float]:
         new: list[int] = []
         start = time.perf_counter()
+        first = 0.0
         for token in llm.generate(ids[0].tolist(), top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0,
                                   reset=True):
+            if not new:
+                first = time.perf_counter() - start
             new.append(int(token))
             if token in stops or len(new) >= max_new_tokens:
                 break
         seconds = time.perf_counter() - start
-        return torch.cat([ids, torch.tensor([new], dtype=ids.dtype)], dim=1), seconds
+        return torch.cat([ids, torch.tensor([new], dtype=ids.dtype)], dim=1), seconds, first
+    run.build = {"version": llama_cpp.__version__, "gguf": gguf.name, "threads": threads,
+                 "library": os.environ.get("LLAMA_CPP_LIB_PATH", "the package's own"),
+                 "system_info": llama_cpp.llama_print_system_info().decode(errors="replace").strip()}
     return run
+
+
+def peer_builds(runs: dict[str, PeerRun]) -> dict[str, dict]:
+    """What each loaded peer is (version, file, library, the CPU features it was built for), for the bench's meta."""
+    return {name: getattr(run, "build", {}) for name, run in runs.items()}
 
 
 LOADERS = {"llama.cpp": llama_cpp_run}

@@ -87,15 +87,15 @@ def bench_prompt(model, ids: torch.Tensor, max_new_tokens: int, control: bool = 
 
 
 def peer_timing(run: tuple, ids: torch.Tensor, plain: torch.Tensor, hf: dict) -> dict:
-    """A peer's tokens/s, speedup over HF and whether its new tokens are HF's greedy ones (the
-    first differing position where not)."""
-    out, seconds = run
+    """A peer's tokens/s, speedup over HF, its seconds to the first token and whether its new
+    tokens are HF's greedy ones (the first differing position where not)."""
+    out, seconds, first = run
     timing = run_timing(out.shape[1] - ids.shape[1], seconds)
     ours, theirs = out[0, ids.shape[1]:].tolist(), plain[0, ids.shape[1]:].tolist()
-    first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b),
-                 None if len(ours) == len(theirs) else min(len(ours), len(theirs)))
+    differs = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b),
+                   None if len(ours) == len(theirs) else min(len(ours), len(theirs)))
     return {**timing, "speedup": round(timing["tokens_per_second"] / hf["tokens_per_second"], 4),
-            "same_as_hf": first is None, "first_difference": first}
+            "first_token_seconds": round(first, 4), "same_as_hf": differs is None, "first_difference": differs}
 
 
 def second_turns(model, prompts: list[dict], max_new_tokens: int) -> list[dict]:

@@ -36,12 +36,13 @@ def cmd_bench(args) -> int:
     if args.peers and args.batch_sizes:
         raise InputError("--peers compares engines in the bs-1 bench: drop --batch-sizes.")
     model = load_model(args)
-    peers = None
+    peers, meta = None, vars(args)
     if args.peers:
-        from ..bench.peers import load_peers
+        from ..bench.peers import load_peers, peer_builds
         from ..bench.runs import eos_ids
 
         peers = load_peers(args.peers, model.base, eos_ids(model.base))
+        meta = {**meta, "peer_builds": peer_builds(peers)}
     if args.batch_sizes:
         if min(args.batch_sizes) < 1:
             raise InputError("--batch-sizes must be positive.")
@@ -67,7 +68,7 @@ def cmd_bench(args) -> int:
         print(json.dumps(summary, indent=1))
         return 0
     prompts = read_prompts(args.prompts, args.limit)
-    results = run_bench(model, prompts, args.max_new_tokens, Path(args.out), meta=vars(args),
+    results = run_bench(model, prompts, args.max_new_tokens, Path(args.out), meta=meta,
                         control=not args.no_control, sources=args.sources, turn2=args.turn2,
                         review=args.review, parts=args.parts, repeats=args.repeats, twin=args.twin, peers=peers)
     print(bench_table(results))
