@@ -294,10 +294,13 @@ def launch_two_processes(cwd: Path, recipe: Path, run_dir: Path, port: int) -> d
 
 # -- vLLM's Medusa draft model, from its documented shapes -------------------------------------------
 def vllm_medusa_reference(folder, hidden: torch.Tensor) -> torch.Tensor:
-    """hidden (B, d) → (B, K, V) as vLLM's Medusa computes it from the folder's files."""
+    """hidden (B, d) → (B, K, V) as vLLM 0.32's Medusa computes it from the folder's files, after the
+    checks its loader makes: every LM head has ``vocab_size`` rows and nothing is left unloaded (it
+    never marks a ``token_map`` loaded, so a folder holding one is refused)."""
     config = json.loads((folder / "config.json").read_text())
     weights = load_file(str(folder / "model.safetensors"))
     assert config["model_type"] == "medusa" and config["architectures"] == ["MedusaModel"]
+    assert "token_map" not in weights and config["truncated_vocab_size"] == config["vocab_size"]
     out = []
     for i in range(config["num_heads"]):
         x = hidden
@@ -305,12 +308,8 @@ def vllm_medusa_reference(folder, hidden: torch.Tensor) -> torch.Tensor:
             bias = weights[f"blocks.{i}.layers.{j}.bias"] if config.get("medusa_fc_bias", False) else None
             x = x + torch.nn.functional.silu(torch.nn.functional.linear(x, weights[f"blocks.{i}.layers.{j}.weight"], bias))
         lm_head = weights["lm_heads.0.weight"] if config.get("original_lm_head") else weights[f"lm_heads.{i}.weight"]
-        logits = x @ lm_head.t()
-        if config["truncated_vocab_size"] < config["vocab_size"]:
-            full = torch.full((*logits.shape[:-1], config["vocab_size"]), -torch.inf, dtype=logits.dtype)
-            full[..., weights["token_map"]] = logits
-            logits = full
-        out.append(logits)
+        assert lm_head.shape[0] == config["vocab_size"]
+        out.append(x @ lm_head.t())
     return torch.stack(out, dim=1)
 
 @torch.no_grad()

@@ -203,7 +203,8 @@ def add_commands(sub) -> None:
     export.add_argument("--base", default=None, help="the base the heads were made for (default: embedded SmolLM2); "
                                                       "its LM head is written into the export")
     export.add_argument("--share-lm-head", action="store_true",
-                        help="write the LM head once with vLLM's original_lm_head option instead of once per head")
+                        help="vllm-medusa: one LM head for every head (vLLM's original_lm_head) — what heads reading "
+                             "out through the base's LM head always get; refused for heads owning their projections")
     export.add_argument("--dtype", choices=WRITE_DTYPES, default="bfloat16")
     export.add_argument("--beside", action="store_true",
                         help="if OUT exists and holds files draftheads did not write, write OUT-draftheads next to it "

@@ -1,18 +1,20 @@
 """Export head checkpoints to the formats vLLM's speculators load.
 
 ``vllm-medusa`` — vLLM's ``Medusa`` draft model (``vllm/model_executor/models/medusa.py``,
-config ``vllm/transformers_utils/configs/medusa.py``):
+config ``vllm/transformers_utils/configs/medusa.py``), as vLLM 0.32's own loader takes it:
 
 * ``config.json``: ``model_type: medusa``, ``architectures: [MedusaModel]``, ``hidden_size``,
   ``vocab_size``, ``num_heads``, ``num_hidden_layers``, ``medusa_fc_bias`` (our ResBlocks have a
-  bias; vLLM's default is none), ``truncated_vocab_size`` and ``original_lm_head``.
-* ``model.safetensors``: ``blocks.{i}.layers.{j}.weight`` (d, d) / ``.bias`` (d,), and
-  ``lm_heads.{i}.weight`` (V', d) per head — or, with ``original_lm_head: true`` (one LM head
-  shared by every head, vLLM's option for heads that read out through the base's), only
-  ``lm_heads.0.weight``, which vLLM loads as its single ``lm_head``. vLLM reads the draft's LM
-  head from the draft checkpoint either way, so the base's rows are written once into it.
-* A draft vocabulary (``draft_vocab_size`` > 0) becomes vLLM's ``token_map`` (V',) int64 plus
-  ``truncated_vocab_size`` = V': logits over V' rows scattered into the full vocabulary, −inf elsewhere.
+  bias; vLLM's default is none), ``truncated_vocab_size`` = ``vocab_size`` and ``original_lm_head``.
+* ``model.safetensors``: ``blocks.{i}.layers.{j}.weight`` (d, d) / ``.bias`` (d,), and the readout
+  over the **whole vocabulary**: heads that read out through the base's LM head get it once as
+  ``lm_heads.0.weight`` (V, d) with ``original_lm_head: true`` (vLLM reads the draft's LM head
+  from the draft checkpoint); heads owning full-vocabulary projections get ``lm_heads.{i}.weight``.
+* No draft vocabulary: vLLM 0.32's loader asserts every LM head has ``vocab_size`` rows and never
+  marks a ``token_map`` loaded (its strict check then refuses the folder), so heads that read out
+  through the base's LM head over a draft vocabulary are exported reading all V rows (on the draft
+  vocabulary the logits are draftheads' own; a token outside it may now be drafted), and heads
+  owning draft-vocabulary projections are refused by name.
 
 ``vllm-mlp-speculator`` — refused for every draftheads family, with the reason
 (:data:`MLP_SPECULATOR_REASON`): no family here computes what an MLPSpeculator stage computes.
@@ -47,7 +49,7 @@ class ExportError(CheckpointError):
     """The target format cannot represent these heads."""
 
 
-def medusa_tensors(heads: DraftHeads, lm_head_weight: torch.Tensor | None, share_lm_head: bool,
+def medusa_tensors(heads: DraftHeads, lm_head_weight: torch.Tensor | None,
                    dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
     """vLLM Medusa weight names → tensors (each its own storage, as safetensors requires).
     ``lm_head_weight`` (V, d): the base's LM head, needed unless the heads own their projections."""
@@ -68,21 +70,16 @@ def medusa_tensors(heads: DraftHeads, lm_head_weight: torch.Tensor | None, share
         if lm_head_weight is None:
             raise ExportError("These heads read out through the base's LM head, which vLLM needs inside the draft "
                               "checkpoint: pass the base (lm_head_weight=base.get_output_embeddings().weight).")
-        rows = lm_head_weight.detach().cpu()
-        rows = rows[heads.vocab_ids.cpu()] if cfg.draft_vocab_size else rows
-        count = 1 if share_lm_head else cfg.num_heads
-        tensors.update({f"lm_heads.{i}.weight": out(rows) for i in range(count)})
-    if cfg.draft_vocab_size:
-        tensors["token_map"] = heads.vocab_ids.detach().cpu().long().clone()
+        tensors["lm_heads.0.weight"] = out(lm_head_weight)  # (V, d): every row, vLLM's original_lm_head
     return tensors
 
 
-def medusa_config(heads: DraftHeads, share_lm_head: bool) -> dict:
+def medusa_config(heads: DraftHeads) -> dict:
     cfg = heads.config
     return {"model_type": "medusa", "architectures": ["MedusaModel"], "hidden_size": cfg.hidden_size,
             "vocab_size": cfg.vocab_size, "num_heads": cfg.num_heads, "num_hidden_layers": cfg.num_layers,
-            "medusa_fc_bias": True, "truncated_vocab_size": cfg.draft_vocab_size or cfg.vocab_size,
-            "original_lm_head": share_lm_head, "logit_scale": 1.0,
+            "medusa_fc_bias": True, "truncated_vocab_size": cfg.vocab_size,
+            "original_lm_head": not cfg.owns_lm_head, "logit_scale": 1.0,
             "draftheads": {"version": DRAFTHEADS_VERSION, "base_name": cfg.base_name,
                            "base_fingerprint": cfg.base_fingerprint}}
 
@@ -102,6 +99,10 @@ def check_exportable(heads: DraftHeads, to: str, share_lm_head: bool = False) ->
     if heads.config.owns_lm_head and share_lm_head:
         raise ExportError("These heads each own their vocabulary projection: they cannot share one LM head "
                           "(drop --share-lm-head).")
+    if heads.config.owns_lm_head and heads.config.draft_vocab_size:
+        raise ExportError(f"These heads each own a projection over a {heads.config.draft_vocab_size}-token draft "
+                          "vocabulary, which vLLM's Medusa loader cannot take (it asserts full-vocabulary LM heads "
+                          "and refuses a token_map): train them with draft_vocab_size 0 or without owns_lm_head.")
 
 
 def export_vllm_medusa(heads: DraftHeads, out: str | Path, lm_head_weight: torch.Tensor | None = None,
@@ -113,11 +114,11 @@ def export_vllm_medusa(heads: DraftHeads, out: str | Path, lm_head_weight: torch
 
     check_exportable(heads, "vllm-medusa", share_lm_head)
     check_output_dir(out, heads.checkpoint_dir)  # never over the checkpoint it reads
-    tensors = medusa_tensors(heads, lm_head_weight, share_lm_head, dtype)
+    tensors = medusa_tensors(heads, lm_head_weight, dtype)
     writer = atomic_directory(out, beside=beside)
     with writer as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(medusa_config(heads, share_lm_head), indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(medusa_config(heads), indent=2) + "\n")
     return writer.target if beside else Path(out)
 
 
