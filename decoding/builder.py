@@ -132,7 +132,8 @@ def build_decoding(config: DecodingConfig, base, heads: DraftHeads | None, token
     eos = eos_token_ids(base.generation_config)
     built = build_drafter(sources, heads, store, step_cost(policy, costs, heads, base), eos[0] if eos else None,
                           config.review, ragged_capable(base), heads_tree=heads_tree,
-                          offer=heads_offer(heads, config), per_row=config.per_row_counts)
+                          offer=heads_offer(heads, config), per_row=config.per_row_counts,
+                          vocab=base.get_input_embeddings().num_embeddings)
     return Decoding(config, policy, built, tuple(sources))
 
 

@@ -116,6 +116,8 @@ class DecodingConfig:
         if self.calibration is not None and not isinstance(self.calibration, CalibrationConfig):
             raise InputTypeError(f"calibration={self.calibration!r}: pass a draftheads.decoding.calibration."
                                  "CalibrationConfig (the grid tree='adaptive' measures) or None (the default grid).")
+        if self.calibration is not None:
+            set_(self, "calibration", checked_calibration(self.calibration))
         for name in ("packed_attention", "packed_linears", "direct_body", "delegate_plain", "per_row_counts"):
             if not isinstance(getattr(self, name), bool):
                 raise InputTypeError(f"{name}={getattr(self, name)!r}: expected True or False.")
@@ -149,7 +151,8 @@ class DecodingConfig:
 
     @classmethod
     def from_dict(cls, data: dict) -> "DecodingConfig":
-        """The config :meth:`to_dict` wrote (missing fields take their defaults)."""
+        """The config :meth:`to_dict` wrote (missing fields take their defaults). Every field is
+        checked here, the nested tree and calibration grid included: a bad one is one line naming it."""
         if not isinstance(data, dict):
             raise InputTypeError(f"a decoding config is a dict of options, got {type(data).__name__}.")
         fields = dict(data)
@@ -160,12 +163,11 @@ class DecodingConfig:
             raise InputError(f"unknown decoding option(s) {', '.join(unknown)} in the saved config; the options "
                              f"are {', '.join(field_names())}.")
         if isinstance(fields.get("tree"), dict):
-            fields["tree"] = tree_from_paths([tuple(p) for p in fields["tree"]["paths"]])
+            fields["tree"] = _tree_from_json(fields["tree"])
         if isinstance(fields.get("sources"), list):
             fields["sources"] = tuple(fields["sources"])
-        if isinstance(fields.get("calibration"), dict):
-            fields["calibration"] = CalibrationConfig(**{k: tuple(v) if isinstance(v, list) else v
-                                                         for k, v in fields["calibration"].items()})
+        if fields.get("calibration") is not None:
+            fields["calibration"] = _calibration_from_json(fields["calibration"])
         return cls(**fields)
 
 
@@ -208,6 +210,57 @@ def _tree_to_json(tree: TreeOption):
         return {"paths": [list(p) for p in tree.paths]}
     raise InputError(f"decoding.tree is a {type(tree).__name__} object, which a saved config cannot hold; save "
                      "tree='adaptive', a node budget or a Tree instead.")
+
+
+def _tree_from_json(data: dict) -> Tree:
+    """A saved tree: ``{"paths": [[0], [1], [0, 0]]}``, its rank paths (what :meth:`DecodingConfig.to_dict` writes)."""
+    if set(data) != {"paths"} or not isinstance(data["paths"], list) or \
+            any(not isinstance(p, list) for p in data["paths"]):
+        raise InputError(f"tree={data!r} in the saved config: a saved tree is {{'paths': [[0], [1], [0, 0]]}} (a list "
+                         "of rank paths, each a list of ranks); fix it or save tree= as a node budget.")
+    try:
+        return tree_from_paths([tuple(p) for p in data["paths"]])
+    except ValueError as err:
+        raise InputError(f"tree.paths in the saved config: {err} Fix the paths or save tree= as a node budget.") \
+            from None
+
+
+def _calibration_from_json(data: Any) -> CalibrationConfig:
+    """A saved ``calibration``: an object of :class:`~.calibration.CalibrationConfig`'s fields
+    (missing ones take their defaults; lists read as tuples; the values are checked by
+    :func:`checked_calibration`)."""
+    names = [f.name for f in dataclasses.fields(CalibrationConfig)]
+    if not isinstance(data, dict):
+        raise InputTypeError(f"calibration={data!r} in the saved config: expected an object of calibration options "
+                             f"({', '.join(names)}) or null (the default grid).")
+    unknown = sorted(set(data) - set(names))
+    if unknown:
+        raise InputError(f"unknown calibration option(s) {', '.join(map(str, unknown))} in the saved config; the "
+                         f"options are {', '.join(names)}.")
+    return CalibrationConfig(**data)
+
+
+#: the calibration grid's fields that list sizes (each a whole number ≥ 1), and whether the list may be empty
+CALIBRATION_LISTS = {"batch_sizes": False, "nodes": False, "contexts": False, "extra_nodes": True}
+
+
+def checked_calibration(calibration: CalibrationConfig) -> CalibrationConfig:
+    """``calibration`` with every field checked (a grid that cannot be measured is refused here,
+    naming the field, not when ``tree="adaptive"`` first measures it); lists become tuples."""
+    lists = {}
+    for name, may_be_empty in CALIBRATION_LISTS.items():
+        value = getattr(calibration, name)
+        sizes = list(value) if isinstance(value, (list, tuple)) else None
+        if sizes is None or (not sizes and not may_be_empty) or \
+                any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in sizes):
+            raise InputError(f"calibration.{name}={value!r}: expected a {'' if may_be_empty else 'non-empty '}list of "
+                             "whole numbers ≥ 1, such as [1, 2, 4].")
+        lists[name] = tuple(sizes)
+    check_count("calibration.max_tokens", calibration.max_tokens, 1)
+    check_count("calibration.reps", calibration.reps, 1)
+    if not isinstance(calibration.tree_nodes, bool):
+        raise InputTypeError(f"calibration.tree_nodes={calibration.tree_nodes!r}: expected True or False.")
+    return dataclasses.replace(calibration, **lists)
 
 
 def decoding_config(decoding: DecodingConfig | None = None, **options) -> DecodingConfig:

@@ -152,6 +152,10 @@ def answer(model, prompt: str, max_new_tokens: int):
     line, verdict) as both stream."""
     from .prompts import chat_input
 
+    if prompt is not None and not isinstance(prompt, str):  # the page sends text; a caller may not
+        yield "", "", "", "", (f"error: the prompt must be text (a str), got {type(prompt).__name__} {prompt!r:.60}; "
+                               "type it into the Prompt box.")
+        return
     try:
         ids = chat_input(model.tokenizer, prompt or "")
     except DraftheadsError as err:

@@ -5,13 +5,14 @@ and the checkpoint format (:mod:`.checkpoint`), importing none of them (the fami
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from torch import nn
 
-from ..core.errors import CheckpointError
+from ..core.errors import CheckpointError, InputError, InputTypeError
 from .family_options import FamilyOptions, KoalaOptions
 
 
@@ -99,6 +100,7 @@ class HeadConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"HeadConfig.{name} must be a positive integer, got {value!r}.")
+        check_expected_tau(self.expected_tau)
         if self.expected_tau_on not in EXPECTED_TAU_SCALE:
             raise ValueError(f"HeadConfig.expected_tau_on must be one of {sorted(EXPECTED_TAU_SCALE)}, "
                              f"got {self.expected_tau_on!r}.")
@@ -152,13 +154,46 @@ class HeadConfig:
         return cls(**{k: v for k, v in data.items() if k in known})
 
 
+def check_expected_tau(expected_tau: Any) -> None:
+    """``expected_tau``: {node budget: τ}, each budget a whole number ≥ 1 (a JSON key: its digits)
+    and each τ a number ≥ 1 (tokens per verification step, the base's own included)."""
+    if not isinstance(expected_tau, dict):
+        raise CheckpointError(f"HeadConfig.expected_tau must be an object {{node budget: expected τ}} such as "
+                              f"{{\"3\": 1.7}}, got {type(expected_tau).__name__} {expected_tau!r}; fix config.json "
+                              "or re-download the checkpoint.")
+    for budget, tau in expected_tau.items():
+        whole = str(budget).isdigit() and int(budget) >= 1 and not isinstance(budget, bool)
+        number = isinstance(tau, (int, float)) and not isinstance(tau, bool) and math.isfinite(tau) and tau >= 1
+        if not (whole and number):
+            raise CheckpointError(f"HeadConfig.expected_tau[{budget!r}] = {tau!r}: each entry must map a node "
+                                  "budget (a whole number ≥ 1) to a number ≥ 1 (expected tokens per step); fix "
+                                  "config.json or re-download the checkpoint.")
+
+
 #: family name → head class (filled by :func:`register` as the family modules import)
 REGISTRY: dict[str, type] = {}
 
 
 def register(cls: type) -> type:
-    """Class decorator: make a family loadable by name from ``config.json``."""
-    REGISTRY[cls.family] = cls
+    """Class decorator: make a family loadable by name from ``config.json``. A family is an
+    ``nn.Module`` class (a :class:`~.protocol.DraftHeads`) with its own ``family`` name and a
+    :class:`~.family_options.FamilyOptions` class; each refusal is one line naming the class."""
+    if not isinstance(cls, type) or not issubclass(cls, nn.Module):
+        raise InputTypeError(f"register() takes a head family class (a subclass of draftheads.heads.DraftHeads), "
+                             f"got {type(cls).__name__} {cls!r}: decorate the class itself with @register.")
+    family = getattr(cls, "family", None)
+    if not isinstance(family, str) or not family or family != family.strip().lower():
+        raise InputError(f"Head family class {cls.__name__} has family={family!r}: set family to its name in "
+                         "config.json, a lowercase word such as 'medusa'.")
+    options = getattr(cls, "options_class", FamilyOptions)
+    if not isinstance(options, type) or not issubclass(options, FamilyOptions):
+        raise InputError(f"Head family {family!r}: options_class={options!r} is not a FamilyOptions subclass; "
+                         "declare the family's options as a frozen dataclass subclassing FamilyOptions.")
+    known = REGISTRY.get(family)
+    if known is not None and (known.__module__, known.__qualname__) != (cls.__module__, cls.__qualname__):
+        raise InputError(f"Head family {family!r} is registered already (by {known.__qualname__}); give "
+                         f"{cls.__name__} another family name.")
+    REGISTRY[family] = cls
     return cls
 
 

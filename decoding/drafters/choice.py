@@ -55,13 +55,14 @@ def check_review(review: bool, sources: Sequence[str]) -> None:
 def build_drafter(sources: Sequence[str], heads: DraftHeads | None, store=None, cost: CostModel | None = None,
                   eos_token_id: int | None = None, review: bool = False, packed_ragged: bool = False,
                   heads_tree: Tree | None = None, offer: Callable[[Tree], Tree] | None = None,
-                  per_row: bool = False) -> Drafter:
+                  per_row: bool = False, vocab: int | None = None) -> Drafter:
     """The drafter for ``sources`` (:func:`parse_sources`): the heads alone → :class:`HeadsDrafter`
     (filling ``offer``'s larger tree where given); any lookup → :class:`MergedDrafter` (with the
     heads when "heads" is among them, filling ``heads_tree`` where given; ``per_row``: each row
     its own node count). ``packed_ragged``: the base verifies ragged rows packed
     (:func:`~..base.verifies_ragged`), so the width chooser prices a ragged step's padding at
-    :data:`~.width.PACKED_PADDING_SHARE`."""
+    :data:`~.width.PACKED_PADDING_SHARE`. ``vocab``: the base's embedding rows, the bound every
+    lookup source's proposed ids are checked against (:func:`~.lookup.check_proposals`)."""
     if heads is None and needing("heads", sources):
         raise InputError(f"sources include {', '.join(repr(n) for n in needing('heads', sources))} but no head "
                          f"checkpoint was loaded: pass heads_path, or draft with lookups only "
@@ -71,7 +72,8 @@ def build_drafter(sources: Sequence[str], heads: DraftHeads | None, store=None, 
     if not lookups:
         return HeadsDrafter(heads, offer)
     config = LookupConfig(tuple(spec_of(name).config(eos_token_id=eos_token_id) for name in lookup_names()))
-    return MergedDrafter(heads if HEADS.name in sources else None, LookupSources(store, config, sources=lookups),
+    lookup = LookupSources(store, config, sources=lookups, vocab=vocab)
+    return MergedDrafter(heads if HEADS.name in sources else None, lookup,
                          WidthChooser(cost if cost is not None else LINEAR_COST, per_row=per_row,
                                       padding_share=PACKED_PADDING_SHARE if packed_ragged else PADDED_SLOT_SHARE),
                          review=review, heads_tree=heads_tree)
@@ -82,6 +84,9 @@ def check_store_argument(lookup_store) -> None:
     if lookup_store is not None and not isinstance(lookup_store, (str, Path)):
         raise InputTypeError(f"lookup_store must be a path to a lookup store file (str or Path) or None (the one "
                              f"shipped beside the heads), got {type(lookup_store).__name__} {lookup_store!r}.")
+    if lookup_store is not None and not str(lookup_store).strip():
+        raise InputError("lookup_store='' is empty: pass the lookup store file's path, or None (the one shipped "
+                         "beside the heads).")
 
 
 def open_store(path: str | Path | None, heads: DraftHeads | None, tokenizer, vocab: int | None = None):

@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ...core.errors import InputError
 from .candidates import CandidateBatch, Candidates
 from .hitrate import HitRate
 from .registry import available, lookup_names, needing, spec_of
@@ -43,6 +44,24 @@ class LookupConfig:
         return kind()
 
 
+def check_proposals(name: str, batch: Any, rows: int, vocab: int | None) -> None:
+    """A source's proposals before they enter a tree: a :class:`CandidateBatch` of ``rows`` rows
+    whose ids lie in [0, ``vocab``) — a bad one is one line naming the source, not a crash inside
+    the verify forward. One min and one max over the step's ids (a few µs a step)."""
+    if not isinstance(batch, CandidateBatch) or batch.rows != rows:
+        got = f"of {batch.rows} row(s) " if isinstance(batch, CandidateBatch) else ""
+        raise InputError(f"draft source {name!r}: propose_rows returned {type(batch).__name__} {got}for {rows} "
+                         "row(s); it must return a CandidateBatch with one row per source it was given "
+                         "(CandidateBatch.from_rows).")
+    if vocab is None or not len(batch):
+        return
+    low, high = int(batch.token.min()), int(batch.token.max())
+    if low < 0 or high >= vocab:
+        bad = low if low < 0 else high
+        raise InputError(f"draft source {name!r} proposed token id {bad}, outside the base's vocabulary [0, {vocab}): "
+                         "fix its propose_rows to draft ids of the base's tokenizer (or unregister it).")
+
+
 @dataclass
 class SourceRecord:
     """One source's record in one row's request: steps it proposed on, and steps its own trie
@@ -57,7 +76,7 @@ class LookupSources:
     context, plus the store and its bigram statistics when a store is given)."""
 
     def __init__(self, store: ModelStore | None = None, config: LookupConfig = LookupConfig(),
-                 hitrate: HitRate | None = None, sources: Sequence[str] | None = None):
+                 hitrate: HitRate | None = None, sources: Sequence[str] | None = None, vocab: int | None = None):
         loaded = {"store": store}
         if sources is None:
             sources = available([k for k, v in loaded.items() if v is not None], lookups_only=True)
@@ -71,6 +90,7 @@ class LookupSources:
                              "`draftheads store build --data <the base's answers.jsonl> --out <heads dir>/"
                              f"lookup_store.safetensors`, or draft with {rest} only.")
         self.store, self.config, self.sources = store, config, tuple(sources)
+        self.vocab = vocab  # the base's embedding rows: every proposed id is checked below it (None: unchecked)
         self.specs = [spec_of(name) for name in self.sources]
         self.shared = [spec.shared(loaded) for spec in self.specs]  # what every row of a source reads
         self.hitrate = hitrate if hitrate is not None else HitRate()
@@ -105,9 +125,11 @@ class LookupSources:
         rescored on the P(accepted) scale; a muted source proposes nothing for that row (and
         costs nothing)."""
         muted = {row: self.muted(row) for row in rows}
-        batches = self.hitrate.rescore_all([
-            spec.propose_rows([None if spec.name in muted[row] else self.rows[row][k] for row in rows], budget)
-            for k, spec in enumerate(self.specs)])
+        proposed = [spec.propose_rows([None if spec.name in muted[row] else self.rows[row][k] for row in rows], budget)
+                    for k, spec in enumerate(self.specs)]
+        for spec, batch in zip(self.specs, proposed):
+            check_proposals(spec.name, batch, len(rows), self.vocab)
+        batches = self.hitrate.rescore_all(proposed)
         self._last = (list(rows), batches)
         return batches
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, is_dataclass
 from typing import Any, Callable, Mapping, Sequence
 
+from ...core.errors import InputError, InputTypeError
+
 #: what a source may need loaded (``SourceSpec.needs``)
 LOADABLE = {"heads": "a head checkpoint", "store": "a model store"}
 #: words ``sources=`` gives a meaning of its own, so no source may take them as its name
@@ -66,26 +68,52 @@ _BY_ID: list[SourceSpec] = []  # id → spec
 
 
 def register(spec: SourceSpec) -> SourceSpec:
-    """Add a source (it takes the next id); checks what the rest of drafting relies on."""
+    """Add a source (it takes the next id); checks what the rest of drafting relies on, each
+    refusal one line naming the source (:func:`check_spec`)."""
+    check_spec(spec)
     name = spec.name
     if REGISTRY.get(name) is spec:
         return spec
     if name in REGISTRY:
-        raise ValueError(f"A draft source named {name!r} is registered already; pick another name.")
-    if not name or name != name.strip().lower() or "," in name or name in RESERVED:
-        raise ValueError(f"Draft source name {name!r}: use a lowercase word without commas, not one of {RESERVED}.")
-    unknown = [n for n in spec.needs if n not in LOADABLE]
-    if unknown:
-        raise ValueError(f"Draft source {name!r} needs {unknown}; a source can need {sorted(LOADABLE)}.")
-    if spec.lookup and (spec.propose_rows is None or not is_dataclass(spec.config)
-                        or "eos_token_id" not in {f.name for f in fields(spec.config)}):
-        raise ValueError(f"Lookup source {name!r} needs propose_rows and a config dataclass with an "
-                         "eos_token_id field.")
+        raise InputError(f"A draft source named {name!r} is registered already; pick another name.")
+    if not spec.lookup and any(not other.lookup for other in REGISTRY.values()):
+        raise InputError(f"Draft source {name!r} has no start(): only the heads draft without one; a new source drafts "
+                         "from each row's text, so give it start, propose_rows and a config dataclass.")
     if len(REGISTRY) >= MOST_SOURCES:
-        raise ValueError(f"At most {MOST_SOURCES} draft sources can be registered (a node's source is an int8).")
+        raise InputError(f"At most {MOST_SOURCES} draft sources can be registered (a node's source is an int8).")
     REGISTRY[name] = spec
     _renumber()
     return spec
+
+
+def check_spec(spec: Any) -> None:
+    """What :func:`register` needs of a spec before anything reads it: a :class:`SourceSpec`
+    whose name is a lowercase word, whose callables are callable and whose needs are loadable."""
+    if not isinstance(spec, SourceSpec):
+        raise InputTypeError(f"register() takes a SourceSpec, got {type(spec).__name__} {spec!r}: build one "
+                             "with draftheads.decoding.drafters.SourceSpec(name, prior, config, start=..., "
+                             "propose_rows=...).")
+    name = spec.name
+    if not isinstance(name, str):
+        raise InputTypeError(f"Draft source name {name!r} ({type(name).__name__}): a source's name is a str, a "
+                             "lowercase word such as 'repeat'.")
+    if not name or name != name.strip().lower() or "," in name or name in RESERVED:
+        raise InputError(f"Draft source name {name!r}: use a lowercase word without commas, not one of {RESERVED}.")
+    for field_name in ("prior", "start", "propose_rows", "shared"):
+        value = getattr(spec, field_name)
+        if not callable(value) and (value is not None or field_name in ("prior", "shared")):
+            raise InputTypeError(f"Draft source {name!r}: {field_name}={value!r} is not callable; pass a function "
+                                 "(see SourceSpec's docstring for its arguments).")
+    if not isinstance(spec.static, bool):
+        raise InputTypeError(f"Draft source {name!r}: static={spec.static!r}: expected True or False.")
+    needs = spec.needs
+    if not isinstance(needs, tuple) or any(not isinstance(n, str) or n not in LOADABLE for n in needs):
+        raise InputError(f"Draft source {name!r} needs {needs!r}; a source needs a tuple of {sorted(LOADABLE)} "
+                         "(or () for nothing).")
+    if spec.lookup and (spec.propose_rows is None or not isinstance(spec.config, type) or not is_dataclass(spec.config)
+                        or "eos_token_id" not in {f.name for f in fields(spec.config)}):
+        raise InputError(f"Lookup source {name!r} needs propose_rows and a config dataclass with an "
+                         "eos_token_id field.")
 
 
 def unregister(name: str) -> None:

@@ -3,14 +3,46 @@ and ``draftheads figures`` (the README's figures, written or checked from the re
 :mod:`draftheads.readme_figures`)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 from ..decoding.base.dtypes import DTYPE_CHOICES
-from ..core.errors import InputError
+from ..core.errors import InputError, one_line
+from ..heads.head_config import read_json_object
 
 
 def cmd_env(args) -> int:
     from ..environment import main as env_main
 
+    if args.base is not None:
+        check_env_base(args.base)
     return env_main(as_json=args.json, base=args.base, dtype=args.dtype)
+
+
+def check_env_base(base: str) -> None:
+    """``env --base``, before anything loads: a local model folder (a GGUF's converted one
+    included) must be a base the decoder can verify a tree on — not a heads folder, not a model
+    whose layers are not attention (Mamba, ...). Each is one line naming the folder and the fix."""
+    from ..decoding.base.architecture import UnsupportedBaseError, attention_layout
+    from ..decoding.base.loading import check_base_path, resolve_base
+
+    check_base_path(base)
+    folder = Path(resolve_base(base)[0]).expanduser()
+    if not (folder / "config.json").is_file():
+        return  # a Hub id: load_base names what is wrong with it
+    config = read_json_object(folder / "config.json", "a model's config", "save the model again.")
+    if "family" in config and "model_type" not in config:
+        raise InputError(f"--base {base} is a draft heads folder (its config.json names head family "
+                         f"{config['family']!r}), not a base model: pass the base the heads were trained on, or "
+                         f"use --heads {base} with draftheads generate/bench.")
+    from transformers import AutoConfig
+
+    try:
+        attention_layout(AutoConfig.from_pretrained(folder))
+    except UnsupportedBaseError as err:
+        raise InputError(f"--base {base}: {err}") from None
+    except (OSError, ValueError) as err:  # not a transformers model folder at all
+        raise InputError(f"--base {base} is not a model transformers can read ({one_line(err)}): pass a causal "
+                         "LM's folder, a .gguf file or a Hub id.") from None
 
 
 def figures_argv(readme: str, results: str, check: bool) -> list[str]:

@@ -50,6 +50,15 @@ def test_an_empty_prompt_is_one_line_on_the_page(tiny):
     assert update[-1].startswith("error: the prompt is empty")
 
 
+@pytest.mark.parametrize("prompt,shown", [(5, "int 5"), (["hi"], "list ['hi']"), ({"text": "hi"}, "dict {'text': 'hi'}")])
+def test_a_prompt_that_is_not_text_is_one_line_on_the_page(tiny, prompt, shown):
+    """A caller of the page's event (or a multimodal box) may send a non-str: one line, no traceback."""
+    model = DraftHeadsModel.from_pretrained(tiny / "heads", base_name_or_path=str(tiny / "base"), dtype="float64")
+    [update] = list(answer(model, prompt, 8))
+    assert update == ("", "", "", "", f"error: the prompt must be text (a str), got {shown}; type it into the "
+                                      "Prompt box.")
+
+
 def test_spans_merge_and_escape():
     class Words:
         def decode(self, tokens, skip_special_tokens=True):

@@ -211,6 +211,26 @@ def test_export_errors_are_one_line(files, capsys, argv, message):
     assert (root / "heads" / "config.json").read_text() == before and not (root / "heads" / "vllm").exists()
 
 
+def test_env_base_errors_are_one_line(files, capsys, monkeypatch):
+    """``env --base`` on a heads folder or a base whose layers are not attention: one line,
+    before the report prints anything (it used to end in transformers' traceback)."""
+    import transformers
+
+    root = files["root"]
+    mamba = root / "mamba"
+    if not mamba.exists():
+        transformers.MambaForCausalLM(transformers.MambaConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2,
+                                                               state_size=4)).save_pretrained(mamba)
+    monkeypatch.setenv("DRAFTHEADS_CACHE", str(root / "cache"))
+    line = run_cli(["env", "--base", str(root / "heads")], capsys)
+    assert line == (f"error: --base {root / 'heads'} is a draft heads folder (its config.json names head family "
+                    f"'medusa'), not a base model: pass the base the heads were trained on, or use --heads "
+                    f"{root / 'heads'} with draftheads generate/bench.")
+    line = run_cli(["env", "--base", str(mamba)], capsys)
+    assert line == (f"error: --base {mamba}: mamba: layers of type linear_attention cannot verify a token tree (only "
+                    "full and sliding-window attention can); use the model's own generate().")
+
+
 IMPORT = [
     (["ROOT/medusa", "ROOT/medusa"], "the output folder ROOT/medusa is the source ROOT/medusa"),
     (["ROOT/medusa", "ROOT/medusa/ours"], "is inside the source"),

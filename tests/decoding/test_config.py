@@ -133,3 +133,46 @@ def test_to_dict_and_from_dict_are_a_symmetric_pair():
         assert DecodingConfig.from_dict(json.loads(json.dumps(plain.to_dict()))) == plain
     with pytest.raises(InputError, match="decoding.tree is a FixedTree object"):
         DecodingConfig(tree=FixedTree(tree_from_paths([(0,)]))).to_dict()
+
+
+@pytest.mark.parametrize("saved,error,line", [
+    ({"calibration": {"reps": 0}}, InputError, "calibration.reps must be ≥ 1, got 0."),
+    ({"calibration": {"contexts": [-5]}}, InputError,
+     "calibration.contexts=[-5]: expected a non-empty list of whole numbers ≥ 1, such as [1, 2, 4]."),
+    ({"calibration": {"batch_sizes": "1,2"}}, InputError,
+     "calibration.batch_sizes='1,2': expected a non-empty list of whole numbers ≥ 1, such as [1, 2, 4]."),
+    ({"calibration": {"nodes": []}}, InputError,
+     "calibration.nodes=[]: expected a non-empty list of whole numbers ≥ 1, such as [1, 2, 4]."),
+    ({"calibration": {"extra_nodes": [0]}}, InputError,
+     "calibration.extra_nodes=[0]: expected a list of whole numbers ≥ 1, such as [1, 2, 4]."),
+    ({"calibration": {"max_tokens": 1.5}}, InputTypeError,
+     "calibration.max_tokens must be an integer ≥ 1, got 1.5 (float)."),
+    ({"calibration": {"tree_nodes": "yes"}}, InputTypeError, "calibration.tree_nodes='yes': expected True or False."),
+    ({"calibration": {"speed": 1}}, InputError, "unknown calibration option(s) speed in the saved config; the options "
+     "are batch_sizes, nodes, contexts, max_tokens, reps, tree_nodes, extra_nodes."),
+    ({"calibration": [1, 2]}, InputTypeError, "calibration=[1, 2] in the saved config: expected an object of "
+     "calibration options (batch_sizes, nodes, contexts, max_tokens, reps, tree_nodes, extra_nodes) or null"),
+    ({"tree": {}}, InputError, "tree={} in the saved config: a saved tree is {'paths': [[0], [1], [0, 0]]} (a list of "
+     "rank paths, each a list of ranks); fix it or save tree= as a node budget."),
+    ({"tree": {"paths": "0,1"}}, InputError, "tree={'paths': '0,1'} in the saved config: a saved tree is"),
+    ({"tree": {"paths": [[0, 0]]}}, InputError, "tree.paths in the saved config: Tree path [0, 0] has no parent [0]: "
+     "a tree must be prefix-closed. Fix the paths or save tree= as a node budget."),
+    ({"lookup_store": ""}, InputError, "lookup_store='' is empty: pass the lookup store file's path, or None"),
+])
+def test_a_saved_config_is_checked_field_by_field_where_it_is_read(saved, error, line):
+    """Every field of a saved config, nested ones included, is refused in one line naming it —
+    not accepted to fail when ``tree="adaptive"`` first measures, nor a KeyError/TypeError."""
+    with pytest.raises(error) as raised:
+        DecodingConfig.from_dict(saved)
+    assert line in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_a_calibration_grid_is_checked_however_it_is_given():
+    with pytest.raises(InputError, match=r"^calibration\.reps must be ≥ 1, got 0\.$"):
+        DecodingConfig(calibration=CalibrationConfig(reps=0))
+    with pytest.raises(InputError, match=r"^calibration\.contexts=\(128, -5\): expected a non-empty list"):
+        DecodingConfig(tree="adaptive").replace(calibration=CalibrationConfig(contexts=(128, -5)))
+    # lists read as the tuples the grid holds: the same grid is the same config (and cache key)
+    as_lists = DecodingConfig(calibration=CalibrationConfig(batch_sizes=[1, 2], contexts=[64]))
+    assert as_lists == DecodingConfig(calibration=CalibrationConfig(batch_sizes=(1, 2), contexts=(64,)))
+    assert DecodingConfig.from_dict(json.loads(json.dumps(as_lists.to_dict()))) == as_lists

@@ -17,6 +17,7 @@ from draftheads.decoding.drafters import (CandidateBatch, Candidates, HitRate, M
                                           count_trie, default_q, lookup_names, parse_sources, register, source_id,
                                           source_names, unregister)
 from draftheads.arguments import sources_argument
+from draftheads.core.errors import DraftheadsError, InputError
 from helpers import OracleHeads, left_pad, tiny_llama
 
 BUILT_IN = ("heads", "context", "store", "stats")
@@ -110,3 +111,71 @@ def test_a_registered_source_drafts_through_generate_identically_to_greedy(repea
     assert merged.drafter.heads is merged.heads and merged.drafter.lookup.sources == ("repeat",)
     assert merged.generate(ids, attention_mask=mask, max_new_tokens=24, pad_token_id=0).tolist() == \
         batch_reference.tolist()
+
+
+def repeat_start(prompt, config, shared):
+    return RepeatSource(prompt, config)
+
+
+@pytest.mark.parametrize("spec,error,line", [
+    ("heads", TypeError, "register() takes a SourceSpec, got str 'heads': build one with "
+     "draftheads.decoding.drafters.SourceSpec(name, prior, config, start=..., propose_rows=...)."),
+    (SourceSpec(3, repeat_prior, RepeatConfig, repeat_start, RepeatSource.propose_rows), TypeError,
+     "Draft source name 3 (int): a source's name is a str, a lowercase word such as 'repeat'."),
+    (SourceSpec("echo", 0.5, RepeatConfig, repeat_start, RepeatSource.propose_rows), TypeError,
+     "Draft source 'echo': prior=0.5 is not callable; pass a function (see SourceSpec's docstring for its arguments)."),
+    (SourceSpec("echo", repeat_prior, RepeatConfig, repeat_start, RepeatSource.propose_rows, needs="store"),
+     ValueError, "Draft source 'echo' needs 'store'; a source needs a tuple of ['heads', 'store'] (or () for nothing)."),
+    (SourceSpec("echo", repeat_prior, RepeatConfig, repeat_start, RepeatSource.propose_rows, static=1), TypeError,
+     "Draft source 'echo': static=1: expected True or False."),
+    (SourceSpec("echo", repeat_prior), ValueError, "Draft source 'echo' has no start(): only the heads draft without "
+     "one; a new source drafts from each row's text, so give it start, propose_rows and a config dataclass."),
+])
+def test_a_bad_registration_is_one_line_naming_the_source(spec, error, line):
+    with pytest.raises(error) as raised:
+        register(spec)
+    assert str(raised.value) == line and isinstance(raised.value, DraftheadsError)
+    assert source_names() == BUILT_IN  # nothing registered
+
+
+def wild_rows(token: int):
+    """A propose_rows whose every row proposes ``token`` (a source with a bug in its ids)."""
+    def propose_rows(sources, budget):
+        return CandidateBatch.from_rows([Candidates.empty() if s is None else
+                                         count_trie([[token]], source_id("wild"), 1, 0.5) for s in sources])
+    return propose_rows
+
+
+@pytest.mark.parametrize("token", [96, 10**6, -1])
+def test_a_source_proposing_ids_outside_the_vocabulary_is_one_line_naming_it(token):
+    """The tiny base has 96 embedding rows: a proposed id 96 used to end in the verify forward's
+    IndexError; it is refused where the proposals enter the tree, and the model decodes after."""
+    register(SourceSpec("wild", repeat_prior, RepeatConfig, start=repeat_start, propose_rows=wild_rows(token)))
+    try:
+        base = tiny_llama(3)
+        prompt = torch.tensor([[7, 21, 40, 9, 12, 55, 3, 8]])
+        model = DraftHeadsModel(base, None)
+        model.use_sources("wild")
+        with pytest.raises(InputError) as raised:
+            model.generate(prompt, max_new_tokens=8)
+        assert str(raised.value) == (f"draft source 'wild' proposed token id {token}, outside the base's vocabulary "
+                                     "[0, 96): fix its propose_rows to draft ids of the base's tokenizer (or "
+                                     "unregister it).")
+        model.use_sources("context")
+        reference = base.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, do_sample=False)
+        assert model.generate(prompt, max_new_tokens=8).tolist() == reference.tolist()
+    finally:
+        unregister("wild")
+
+
+def test_a_source_returning_no_candidate_batch_is_one_line():
+    register(SourceSpec("wild", repeat_prior, RepeatConfig, start=repeat_start,
+                        propose_rows=lambda sources, budget: [None for _ in sources]))
+    try:
+        model = DraftHeadsModel(tiny_llama(3), None)
+        model.use_sources("wild")
+        with pytest.raises(InputError, match=r"^draft source 'wild': propose_rows returned list for 1 row\(s\); it must "
+                                             r"return a CandidateBatch with one row per source"):
+            model.generate(torch.tensor([[7, 21, 40, 9]]), max_new_tokens=4)
+    finally:
+        unregister("wild")
