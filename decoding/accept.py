@@ -4,55 +4,40 @@ Greedy: a child is accepted when its token equals the base's argmax at its paren
 parent was accepted; each row keeps its deepest accepted node. The token after it (the
 *bonus*) is the base's argmax there, so every emitted token is the base's own greedy choice.
 
-Sampling (``do_sample=True``): :func:`lossless_accept` walks the tree with recursive rejection
-sampling against the base's processed distribution (lossless; the proof is below);
-:func:`typical_accept` is Medusa-2's lossy threshold rule. :class:`Acceptor` is what the
-loop calls: the rule for the call's mode (greedy, lossless, typical), with its state explicit
-(the rows' tokens so far in, accepted path, bonus and scores out).
+Sampling (``do_sample=True``): :func:`lossless_accept` walks the tree drawing each position's
+token from the base's processed distribution with that position's own uniform and following the
+drafted child that equals it (lossless; the proof is below); :func:`typical_accept` is Medusa-2's
+lossy threshold rule. :class:`Acceptor` is what the loop calls: the rule for the call's mode
+(greedy, lossless, typical), with its state explicit (the rows' tokens so far in, accepted path,
+bonus and scores out).
 
 The drafting scheme and its lossless rule
 -----------------------------------------
 The heads do not *sample* drafts: a node's children are the heads' top-k candidates (Medusa:
 per depth, Cartesian; Hydra: per path). Given the context, the children x_1..x_m of a node are
-fixed tokens, chosen independently of the acceptance randomness. So the draft "distribution"
-of child i is a point mass q_i = δ(x_i), and the multi-draft residual rule of SpecInfer
-(accept x_i with probability min(1, r(x_i)/q_i(x_i)); on rejection r ← norm(max(r − q_i, 0)))
-becomes:
+fixed tokens, chosen independently of the acceptance randomness (point masses q_i = δ(x_i)).
+The rule couples the drafts with the base's own draw:
 
-    r ← p at the node
-    for each child x_i in order:  accept x_i with probability r(x_i) / Σr;
-                                  on rejection set r(x_i) = 0 (the renormalization is implicit)
-    if a child is accepted:       emit it, move to that child (r ← p at its slot) and repeat
-    if all are rejected (or the node is a leaf):  emit a sample of r — the bonus token — and stop
+    at a node u whose next token is row r's t-th new token:
+        s ← the inverse-CDF sample of p_u with U[r, t]       (:func:`sample_from`)
+        if a child of u carries s:  emit s, move to that child (t ← t + 1) and repeat
+        else (no such child, or u is a leaf):  emit s — the bonus token — and stop
 
-Lossless: the token emitted at a node is distributed as p. Let S_i = 1 − Σ_{j<i} p(x_j)
-(the children x_j distinct). By induction, trial i is reached with probability S_i, and there
-r(x) / Σr = p(x) / S_i for every x not yet tried. Hence P(emit x_i) = S_i · p(x_i)/S_i = p(x_i),
-and if all m trials fail (probability S_{m+1}) the residual sample gives any other x with
-probability S_{m+1} · p(x)/S_{m+1} = p(x). A duplicated child has r(x) = 0 at its second trial
-and is never accepted, which is again the residual rule, so distinctness is not even needed; a
-child outside p's support (cut by top-k/top-p) is never accepted. Fresh uniforms per trial make
-the trials independent of everything before. So at every node the next token is a draw from
-p(· | so far); after an accepted child the walk continues with p at that child's slot, which the
-tree-masked verification computed with exactly that context; after the bonus the next step
-starts from it. By the chain rule the emitted sequence has the base's sampling distribution,
-and EOS / max_new_tokens / stopping criteria cut it exactly where the base would stop, since
-they depend on the prefix only. (The same argument covers any draft tokens, sampled or not, as
-long as they are independent of the acceptance uniforms: condition on them.) The price of
-point masses: a node accepts with probability Σ_i p(x_i), the mass its children cover.
+Lossless: the token emitted at position t is s, an inverse-CDF draw of p(· | the row's tokens
+so far) with U[r, t]; U[r, t] decides position t and nothing else, and the drafts and the prefix
+depend only on earlier positions' uniforms, so conditioned on everything before it, U[r, t] is
+still uniform and the token is distributed exactly as p. By the chain rule the emitted sequence
+has the base's sampling distribution, and EOS / max_new_tokens / stopping criteria cut it exactly
+where the base would stop, since they depend on the prefix only. A child outside p's support
+(cut by top-k/top-p) is never drawn, so never accepted; a duplicated child changes nothing. The
+node accepts with probability Σ_i p(x_i), the mass its children cover: the most any rule over
+point-mass drafts accepts (SpecInfer's residual rule reaches the same).
 
-Trees that mix head drafts and lookup drafts (:class:`~.drafters.MergedDrafter`). A lookup
-node (a context match, a store continuation, a bigram chain) is a token fixed by the row's
-history, as a head's top-k candidate is; after the merge a node's children are distinct
-tokens, whichever source proposed each, in an order fixed before the walk. Their union is
-again a list of point masses x_1..x_m at the node, so the rule above is unchanged and the
-proof holds word for word: S_i and the residual do not care who proposed x_i. What the proof
-needs is only that the drafts (tokens, shapes, order) are independent of *this step's*
-uniforms given the history. Merged drafts depend on the history and on earlier steps'
-acceptance (the hit-rate calibration learns from it), i.e. on earlier uniforms — but the
-uniforms are fresh each step, so conditioning on everything before the step (the chain-rule
-argument already does) leaves this step's walk exact. Rows with different trees are walked
-with their own children tables; padding slots are nobody's child and are never tried.
+Trees that mix head drafts and lookup drafts (:class:`~.drafters.MergedDrafter`), or rows with
+different trees, change nothing: the rule never asks who proposed a child. The drafts (and the
+policy, the hit-rate calibration, the widths) may depend on earlier steps' and earlier calls'
+outcomes; they decide only how many tokens a step emits, never which: the tokens are a function
+of the uniforms and the base's distributions alone.
 
 Typical acceptance (``acceptance="typical"``) is Medusa-2's threshold rule and is **not
 lossless**: see :func:`draftheads.decoding.accept.typical_accept`.
@@ -61,9 +46,10 @@ Randomness
 ----------
 One ``torch.Generator`` per ``generate`` call: the caller's, or one seeded from the global torch
 RNG (so ``transformers.set_seed`` / ``torch.manual_seed`` make runs reproducible and
-consecutive calls differ). Every step draws a fixed-shape block of uniforms (rows × levels ×
-children, plus one per row for the bonus) before the walk, so each row of a batch has its own
-draws and the stream never depends on acceptance outcomes.
+consecutive calls differ). Row r's t-th new token is decided by one uniform U[r, t]
+(:class:`PositionUniforms`), drawn from it in blocks of positions for every row, in order: the
+same seed and call give the same tokens, whatever the trees, the live rows, timing or the state
+earlier calls left in the policy and the drafters.
 """
 from __future__ import annotations
 
@@ -135,62 +121,43 @@ def sample_from(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
 
 
 def lossless_accept(tokens: torch.Tensor, probs: torch.Tensor, parent: torch.Tensor, depth: torch.Tensor,
-                    path_slots: torch.Tensor, uniforms: torch.Tensor, bonus_uniform: torch.Tensor,
+                    path_slots: torch.Tensor, uniforms: torch.Tensor,
                     children: torch.Tensor | None = None) -> Acceptance:
-    """Recursive rejection sampling over a tree of deterministic (point-mass) drafts.
+    """The lossless walk over a tree of deterministic (point-mass) drafts (the rule and its
+    proof: this module's docstring).
 
     tokens (B, N) tree tokens (column 0 = the root, already emitted); probs (B, N, V) the
     base's *processed* next-token distribution at every slot; parent, depth (N,) or (B, N);
-    path_slots (N, D+1) or (B, N, D+1); children (B, N, W) each slot's children (default: from
-    ``parent`` by :func:`~.step_trees.children_table`; padding slots are nobody's child); uniforms (B, D, W) in [0, 1), one per (level, child
-    trial), drawn before the walk so the random stream does not depend on the outcome;
-    bonus_uniform (B,).
+    path_slots (N, D+1) or (B, N, D+1); uniforms (B, D+1) in [0, 1): ``uniforms[b, d]`` decides
+    row b's token after a node at depth d (:class:`PositionUniforms`); children (B, N, W) each
+    slot's children (default: from ``parent`` by :func:`~.step_trees.children_table`; padding
+    slots are nobody's child).
 
-    Per row, from the root: walk the current node's children in order and accept child x
-    with probability r(x) / Σr, r the current residual (initially p at the node); on
-    rejection set r(x) = 0. The first accepted child becomes the current node (r ← p at that
-    child's slot); if every child is rejected, or the node is a leaf, the bonus token is
-    sampled from r and the walk stops. Every row is walked at once (vectorized over B).
-    """
+    Per row, from the root: draw the node's token from p at its slot with its depth's uniform;
+    where a child carries it, that child becomes the node, else the drawn token is the bonus and
+    the walk stops. Every row is walked at once (vectorized over B)."""
     batch, nodes = tokens.shape
     device = tokens.device
     if children is None:
         children = children_table(parent.to(device)).expand(batch, nodes, -1)
     parent, depth, path_slots = _per_row(batch, nodes, parent.to(device), depth.to(device), path_slots.to(device))
+    uniforms = uniforms.to(device)
     rows = torch.arange(batch, device=device)
-    levels = path_slots.shape[-1] - 1
     node = torch.zeros(batch, dtype=torch.long, device=device)
-    residual = probs[:, 0].clone()
-    mass = residual.sum(-1)
-    final = residual
+    bonus = torch.zeros(batch, dtype=torch.long, device=device)
     walking = torch.ones(batch, dtype=torch.bool, device=device)
-    tiny = torch.finfo(residual.dtype).tiny
-    for level in range(levels):
+    for level in range(path_slots.shape[-1]):
+        drawn = sample_from(probs[rows, node], uniforms[:, level])  # (B,)
         kids = children[rows, node]  # (B, W)
-        taken = torch.full((batch,), -1, dtype=torch.long, device=device)
-        for j in range(kids.shape[1]):
-            kid = kids[:, j]
-            trying = walking & (taken < 0) & (kid >= 0)
-            if not bool(trying.any()):
-                break
-            x = tokens.gather(1, kid.clamp(min=0)[:, None])  # (B, 1)
-            px = residual.gather(1, x).squeeze(1)
-            ok = trying & (uniforms[:, level, j].to(device) < px / mass.clamp_min(tiny))
-            taken = torch.where(ok, kid, taken)
-            miss = trying & ~ok
-            residual = residual.scatter(1, x, torch.where(miss, 0.0, px)[:, None].to(residual.dtype))
-            mass = torch.where(miss, mass - px, mass)
-        stop = walking & (taken < 0)
-        final = torch.where(stop[:, None], residual, final)
+        carries = (tokens.gather(1, kids.clamp(min=0)) == drawn[:, None]) & (kids >= 0)  # (B, W)
+        stop = walking & ~carries.any(1)
+        bonus = torch.where(stop, drawn, bonus)
         walking = walking & ~stop
         if not bool(walking.any()):
             break
+        taken = kids.gather(1, carries.long().argmax(1, keepdim=True)).squeeze(1)  # the first child carrying it
         node = torch.where(walking, taken, node)
-        at_node = probs.gather(1, node[:, None, None].expand(-1, 1, probs.shape[-1])).squeeze(1)
-        residual = torch.where(walking[:, None], at_node, residual)
-        mass = torch.where(walking, at_node.sum(-1), mass)
-    final = torch.where(walking[:, None], residual, final)  # reached the deepest level: full p at the leaf
-    return Acceptance(node, depth[rows, node], path_slots[rows, node], sample_from(final, bonus_uniform))
+    return Acceptance(node, depth[rows, node], path_slots[rows, node], bonus)
 
 
 def typical_accept(tokens: torch.Tensor, probs: torch.Tensor, parent: torch.Tensor, depth: torch.Tensor,
@@ -262,6 +229,32 @@ def default_generator(device: torch.device | str = "cpu") -> torch.Generator:
     return torch.Generator(device=device).manual_seed(seed)
 
 
+#: positions drawn at once for every row of a call (:class:`PositionUniforms`)
+UNIFORM_BLOCK = 64
+
+
+class PositionUniforms:
+    """U[r, t] in [0, 1): the uniform that decides row r's t-th new token. Drawn from the call's
+    generator in blocks of :data:`UNIFORM_BLOCK` positions for all ``batch`` rows, block after
+    block, whenever a position is first asked for: U depends on the seed, the row and the
+    position alone — never on which trees a step verified, which rows are still live, timing, or
+    what earlier calls left in the policy and the drafters."""
+
+    def __init__(self, generator: torch.Generator, batch: int):
+        self.generator, self.batch = generator, batch
+        self.table = torch.empty(batch, 0, dtype=torch.float64, device=generator.device)  # (B, drawn positions)
+
+    def at(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """rows (R,), positions (R, L) → U (R, L), on the generator's device."""
+        needed = int(positions.max()) + 1 if positions.numel() else 0
+        while self.table.shape[1] < needed:
+            block = torch.rand(self.batch, UNIFORM_BLOCK, generator=self.generator, dtype=torch.float64,
+                               device=self.generator.device)
+            self.table = torch.cat([self.table, block], dim=1)
+        device = self.table.device
+        return self.table[rows.to(device)[:, None], positions.to(device)]
+
+
 class Acceptor:
     """What ``generate`` asks at each step: the first token after the prompt, then which tree
     path each row keeps plus its bonus token. Holds the call's logits processors (applied at
@@ -278,6 +271,7 @@ class Acceptor:
         self.generator = None
         if mode != "greedy":
             self.generator = generator if generator is not None else default_generator()
+            self.uniforms = PositionUniforms(self.generator, sequences.batch)
         # transformers returns processed scores as ``scores`` and raw ones as ``logits``
         self.report_processed = bool(config.output_scores) and len(self.processors) > 0
         if self.report_processed and config.output_logits and config.return_dict_in_generate:
@@ -307,9 +301,10 @@ class Acceptor:
         scores when asked for ``scores`` under processors (as transformers), else the logits."""
         return self.last_scores.view(logits.shape).to(logits.dtype) if self.report_processed else logits
 
-    def _uniform(self, *shape: int) -> torch.Tensor:
-        return torch.rand(*shape, generator=self.generator, dtype=torch.float64,
-                          device=self.generator.device)
+    def _uniforms(self, rows: torch.Tensor, levels: int) -> torch.Tensor:
+        """rows (R,) → (R, levels): each row's uniforms for its next ``levels`` new tokens."""
+        emitted = torch.tensor([self.sequences.count(r) for r in rows.tolist()], dtype=torch.long)
+        return self.uniforms.at(rows.cpu(), emitted[:, None] + torch.arange(levels))
 
     def first(self, logits: torch.Tensor) -> torch.Tensor:
         """logits (B, V) after the prompt → the first generated token per row."""
@@ -319,7 +314,7 @@ class Acceptor:
         scores = self._scores(logits[:, None], rows)[:, 0]
         if self.mode == "greedy":
             return greedy_tokens(scores)
-        return sample_from(scores.softmax(-1), self._uniform(logits.shape[0])).to(logits.device)
+        return sample_from(scores.softmax(-1), self._uniforms(rows, 1)[:, 0]).to(logits.device)
 
     def accept(self, trees: StepTrees, logits: torch.Tensor, rows: torch.Tensor) -> Acceptance:
         """The verified trees (one per row), logits (B, N, V) at their slots; rows (B,)
@@ -331,10 +326,8 @@ class Acceptor:
         if self.mode == "greedy":  # greedy with processors: argmax of the processed scores
             return greedy_accept(tokens, parent, depth, path_slots, greedy_tokens(scores), valid)
         probs = scores.softmax(-1)
-        batch = tokens.shape[0]
-        if isinstance(self.mode, Typical):
-            return typical_accept(tokens, probs, parent, depth, path_slots, self._uniform(batch),
+        uniforms = self._uniforms(rows, path_slots.shape[-1])  # (B, D+1)
+        if isinstance(self.mode, Typical):  # its bonus drawn with the step's first position's uniform (no other reads it)
+            return typical_accept(tokens, probs, parent, depth, path_slots, uniforms[:, 0],
                                   self.mode.epsilon, self.mode.delta, valid)
-        children = trees.children()
-        uniforms = self._uniform(batch, trees.max_depth, children.shape[-1])
-        return lossless_accept(tokens, probs, parent, depth, path_slots, uniforms, self._uniform(batch), children)
+        return lossless_accept(tokens, probs, parent, depth, path_slots, uniforms, trees.children())

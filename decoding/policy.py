@@ -162,15 +162,18 @@ class AdaptivePolicy:
     def scale(self) -> float:
         return (self._accepted + self.prior_weight * self.prior_scale) / (self._expected + self.prior_weight)
 
-    def tau(self, candidate: Candidate) -> float:
-        return 1.0 + self.scale * (candidate.tau - 1.0)
+    def tau(self, candidate: Candidate, learned: bool = True) -> float:
+        """The expected tokens per step of ``candidate``: scaled by what was learned, or (not
+        ``learned``) by the prior scale alone."""
+        return 1.0 + (self.scale if learned else self.prior_scale) * (candidate.tau - 1.0)
 
-    def rank(self, batch_size: int, context_length: int) -> list[Choice]:
-        """Every candidate's predicted step time and goodput, best first (ties: smaller tree)."""
+    def rank(self, batch_size: int, context_length: int, learned: bool = True) -> list[Choice]:
+        """Every candidate's predicted step time and goodput, best first (ties: smaller tree);
+        ``learned=False``: on the prior τ, whatever earlier steps accepted."""
         choices = []
         for c in self.candidates:
             ms = self.cost.step_ms(batch_size, c.tree.num_nodes, context_length, c.budget)
-            tau = self.tau(c)
+            tau = self.tau(c, learned)
             choices.append(Choice(c.budget, c.tree.num_nodes, tau, ms, batch_size * tau * 1000.0 / ms))
         return sorted(choices, key=lambda ch: (-ch.tokens_per_second, ch.nodes))
 
@@ -178,8 +181,10 @@ class AdaptivePolicy:
         """Whether plain decoding has the best expected goodput for this batch. With the
         decoder's ``decoding.delegate_plain`` on, the whole call then goes to the base's own ``generate``
         (as vLLM's ``speculative_disable_by_batch_size`` does); off (the default), the loop runs
-        plain steps itself, drops finished rows, and may return to trees as the batch shrinks."""
-        return self.rank(batch_size, context_length)[0].budget == 0
+        plain steps itself, drops finished rows, and may return to trees as the batch shrinks.
+        Decided on the prior τ, never on what earlier calls accepted: the same call takes the same
+        path every time (a seeded sampling call gives the same tokens)."""
+        return self.rank(batch_size, context_length, learned=False)[0].budget == 0
 
     def max_nodes(self, batch_size: int, context_length: int) -> int:
         """The largest tree this policy may choose (what the memory check prices)."""

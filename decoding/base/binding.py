@@ -15,6 +15,7 @@ from typing import Callable, Iterator
 
 import torch
 from torch import nn
+from torch.nn.modules import module as torch_module
 
 from ...core.content import FingerprintMemo
 from .packed import PackedWeight, packed_matmul, resolved_matmul
@@ -52,7 +53,7 @@ class PackedLinear(nn.Linear):
         return subset_product(x, self.in_features, self._product)
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
-        bound = _LIVE.get(id(self)) if _ACTIVE.get() else None
+        bound = _LIVE.get(id(self)) if _ACTIVE.get() and stands_in(self) else None
         if bound is not None and x.dtype == self.weight.dtype:
             rows = x.numel() // self.in_features
             if bound.siblings is not None and bound.siblings[0].pays(rows):
@@ -60,6 +61,21 @@ class PackedLinear(nn.Linear):
             if packs(self.weight, rows):
                 return packed_matmul(x, self.weight, bound.copies, self.bias)
         return nn.functional.linear(x, self.weight, self.bias)
+
+
+def global_hooks() -> bool:
+    """Whether a forward hook or pre-hook is registered for every module of the process."""
+    return bool(torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks)
+
+
+def stands_in(module: nn.Module) -> bool:
+    """Whether a draftheads product may be computed in place of calling ``module``: a plain
+    ``nn.Linear`` (the class it is or wears, not a subclass: a parametrized layer is one) whose
+    weight is its own parameter (not weight norm's recomputed attribute), carrying no forward hook
+    or pre-hook, with none registered for every module. Otherwise the module is called as the
+    model calls it. Read at each product: a few attribute reads."""
+    return (type(module) in (nn.Linear, PackedLinear) and "weight" in module._parameters
+            and not module._forward_hooks and not module._forward_pre_hooks and not global_hooks())
 
 
 def _wear(module: nn.Module, cls: type) -> None:

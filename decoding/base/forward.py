@@ -12,9 +12,10 @@ import inspect
 
 import torch
 
-from .fingerprint import lm_head_weight
+from ...core.errors import InputError
 from .architecture import additive_mask, apply_logit_transforms, attention_layout, decoder_body, layer_masks
 from .attention import PACK_FLAG, RaggedRows, ragged_rows, uses_packed_sdpa
+from .binding import stands_in
 from .cache import reserved_cache, reserved_layer_class
 from .direct import direct_body, direct_forward
 from .mask_memo import mask_memos
@@ -28,9 +29,21 @@ from .rows import subset_product
 def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, all_states: bool = False):
     """Run the prompt; returns (cache, last hidden state per row (B, d)), or with ``all_states``
     every prompt position's (B, T, d) (for heads whose layer reads the prompt). Positions follow
-    transformers' ``generate`` (cumulative sum of the mask), so left padding matches it."""
+    transformers' ``generate`` (cumulative sum of the mask), so left padding matches it. A hook on
+    the model itself is refused first (:func:`refuse_model_hooks`)."""
+    refuse_model_hooks(model)
     cache, hidden = forward_all(model, input_ids, attention_mask)
     return cache, hidden if all_states else hidden[:, -1]
+
+
+def refuse_model_hooks(model) -> None:
+    """The decoder runs the model's body and LM head, never the causal LM's own forward: a forward
+    hook or pre-hook on the model itself would not run, so it is refused by name before any work
+    (hooks on its modules run where those modules run)."""
+    if model._forward_hooks or model._forward_pre_hooks:
+        raise InputError(f"{type(model).__name__} carries a forward hook or pre-hook on the model itself, which "
+                         "draftheads' decoding never calls (it runs the model's body and LM head); register the hook "
+                         "on the module it means (e.g. model.lm_head or a layer) or remove it.")
 
 
 @torch.no_grad()
@@ -152,12 +165,15 @@ def lm_logits(model, states: torch.Tensor) -> torch.Tensor:
 
 
 def _lm_head(model, states: torch.Tensor) -> torch.Tensor:
+    """The LM head's product through its packed copy where that computes what calling the head
+    computes (:func:`~.binding.stands_in`: no hook, parametrization, weight norm or adapter on it,
+    checked at each call), else the head module called as the model calls it."""
     packed = packed_lm_head(model)
-    weight = lm_head_weight(model)
-    if (packed is not None and states.dtype == weight.dtype and packs(weight, states.numel() // states.shape[-1])
-            and getattr(model.get_output_embeddings(), "bias", None) is None):
-        return packed_matmul(states, weight, packed)
-    return model.get_output_embeddings()(states)
+    head = model.get_output_embeddings()
+    if (packed is not None and stands_in(head) and head.bias is None and states.dtype == head.weight.dtype
+            and packs(head.weight, states.numel() // states.shape[-1])):
+        return packed_matmul(states, head.weight, packed)
+    return head(states)
 
 
 def _pack_kwargs(model) -> dict:

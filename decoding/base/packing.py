@@ -73,7 +73,11 @@ def refresh_packing(model, memo: FingerprintMemo | None = None) -> None:
     if packed is None:
         return
     memo = {} if memo is None else memo
-    packed.drop_stale(lm_head_weight(model), memo)
+    weight = getattr(model.get_output_embeddings(), "weight", None)  # an adapter swapped in may have none
+    if isinstance(weight, torch.Tensor):
+        packed.drop_stale(weight, memo)
+    else:
+        packed.clear()
     if refresh_linears(decoder_body(model), memo):
         _plan_base(model)
 

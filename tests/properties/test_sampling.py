@@ -16,7 +16,7 @@ from transformers import GenerationConfig, set_seed
 
 from helpers import OracleHeads, left_pad, tiny_llama
 from draftheads.decoding import DraftHeadsModel, tree_from_paths
-from draftheads.decoding.accept import lossless_accept, sample_from, typical_accept, children_table
+from draftheads.decoding.accept import lossless_accept, sample_from, typical_accept
 from draftheads.decoding.processors import NodeProcessors
 from draftheads.heads import HeadConfig, HydraHeads, MedusaHeads
 
@@ -171,19 +171,18 @@ def decode_exact(table: torch.Tensor, paths, kind: str, rule, draws: int = DRAWS
 
 
 def uniforms(tree, batch: int, gen: torch.Generator):
-    width = children_table(tree.parent).shape[1]
-    return (torch.rand(batch, tree.path_slots.shape[1] - 1, width, generator=gen, dtype=torch.float64),
-            torch.rand(batch, generator=gen, dtype=torch.float64))
+    """(B, D+1): one uniform per position a step may emit."""
+    return torch.rand(batch, tree.path_slots.shape[1], generator=gen, dtype=torch.float64)
 
 
 def lossless(tokens, probs, tree, gen):
-    return lossless_accept(tokens, probs, tree.parent, tree.depth, tree.path_slots, *uniforms(tree, tokens.shape[0], gen))
+    return lossless_accept(tokens, probs, tree.parent, tree.depth, tree.path_slots, uniforms(tree, tokens.shape[0], gen))
 
 
 def broken_accept_always(tokens, probs, tree, gen):
-    """Accept every child that has any probability (uniforms forced to 0)."""
-    u, bonus = uniforms(tree, tokens.shape[0], gen)
-    return lossless_accept(tokens, probs, tree.parent, tree.depth, tree.path_slots, torch.zeros_like(u), bonus)
+    """Every draw with the uniform 0 (the first token of any probability: no randomness left)."""
+    u = uniforms(tree, tokens.shape[0], gen)
+    return lossless_accept(tokens, probs, tree.parent, tree.depth, tree.path_slots, torch.zeros_like(u))
 
 
 def broken_bonus_from_full_p(tokens, probs, tree, gen):
@@ -465,15 +464,13 @@ def decode_exact_mixed(table: torch.Tensor, rule, draws: int = DRAWS, seed: int 
 
 
 def lossless_rows(tokens, probs, parent, depth, path_slots, children, gen, width):
-    u = torch.rand(tokens.shape[0], path_slots.shape[-1] - 1, width, generator=gen, dtype=torch.float64)
-    bonus = torch.rand(tokens.shape[0], generator=gen, dtype=torch.float64)
-    return lossless_accept(tokens, probs, parent, depth, path_slots, u, bonus, children)
+    u = torch.rand(tokens.shape[0], path_slots.shape[-1], generator=gen, dtype=torch.float64)
+    return lossless_accept(tokens, probs, parent, depth, path_slots, u, children)
 
 
 def broken_rows_accept_always(tokens, probs, parent, depth, path_slots, children, gen, width):
-    u = torch.zeros(tokens.shape[0], path_slots.shape[-1] - 1, width, dtype=torch.float64)
-    bonus = torch.rand(tokens.shape[0], generator=gen, dtype=torch.float64)
-    return lossless_accept(tokens, probs, parent, depth, path_slots, u, bonus, children)
+    u = torch.zeros(tokens.shape[0], path_slots.shape[-1], dtype=torch.float64)
+    return lossless_accept(tokens, probs, parent, depth, path_slots, u, children)
 
 
 @pytest.mark.parametrize("config_name", ["T1.0", "T0.5-topk5-topp0.8", "T1.0-penalty1.5"])

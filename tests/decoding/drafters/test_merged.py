@@ -157,9 +157,9 @@ def test_per_row_sampling_packed_draws_what_the_padded_block_draws(monkeypatch):
         decoder = merged(model, OracleHeads(free[:, ids.shape[1]:].tolist(), vocab=96, error=0.3, seed=1),
                          tree_from_paths([(0,), (1,), (0, 0)]))
         decoder.drafter.width.per_row = True
-        # top_k=0: transformers' default top-k of 50 off, the draws on which some steps are ragged
+        # top_k=0: transformers' default top-k of 50 off; seed 10: draws on which a step is ragged
         return decoder.generate(ids, attention_mask=mask, max_new_tokens=30, pad_token_id=PAD, do_sample=True,
-                                temperature=0.8, top_k=0, generator=torch.Generator().manual_seed(7)).tolist()
+                                temperature=0.8, top_k=0, generator=torch.Generator().manual_seed(10)).tolist()
 
     padded = sample(False)
     assert not packed
