@@ -4,7 +4,7 @@ The set is read from the installed transformers — every attribute of ``Generat
 every argument of ``GenerationMixin.generate`` (:func:`transformers_options`) — and every name is
 classified here once. What changes the tokens runs through the loop as transformers applies it:
 the logits processors transformers builds (:mod:`.processors` applies them at every tree node),
-its stopping criteria (:class:`~.output.Emitter`), the length, EOS and padding rules the loop
+its stopping criteria (:class:`~.output.StopReplay`), the length, EOS and padding rules the loop
 keeps itself. What the loop cannot reproduce is refused before any work, naming the option
 (:func:`refuse_options`). An option a later transformers adds is not in any table: set to
 anything but its default, it is refused as unknown (never dropped), and the enumeration test
@@ -32,7 +32,8 @@ PROCESSORS = frozenset({"temperature", "top_k", "top_p", "min_p", "top_h", "typi
                         "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty",
                         "suppress_tokens", "begin_suppress_tokens", "renormalize_logits", "watermarking_config",
                         "logits_processor", "prefix_allowed_tokens_fn"})
-#: options transformers turns into stopping criteria (``_get_stopping_criteria``), checked after every emitted token
+#: options transformers turns into stopping criteria (``_get_stopping_criteria``), called as its loop calls them
+#: (:class:`~.output.StopReplay`)
 CRITERIA = frozenset({"stopping_criteria", "max_time", "stop_strings"})
 #: what is returned, not which tokens
 OUTPUT = frozenset({"output_scores", "output_logits", "return_dict_in_generate", "use_cache"})

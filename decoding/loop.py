@@ -14,7 +14,6 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from transformers import StoppingCriteriaList
 
 from .accept import Acceptor
 from .base.forward import lm_logits, prefill
@@ -22,8 +21,8 @@ from .base.cache import KVState
 from .base.key_blocks import grouped_order
 from .drafters import Drafter, DraftState
 from .head_state import HeadState
-from .output import Emitter, generated_counts
-from .request import Request
+from .output import Emitter, StopReplay, generated_counts
+from .request import Request, score_readers
 from .sequences import Sequences
 from .step import PhaseTimer, decode_step
 
@@ -143,8 +142,7 @@ def speculate(base, heads, policy, drafter: Drafter, request: Request, started: 
     """Prefill, the loop, the output: ``(what generate returns, DecodingStats)``. ``shrink``:
     finished rows leave the batch (else their trees are verified and ignored)."""
     sequences = Sequences(request.input_ids, request.attention_mask)  # the one owner of the tokens
-    criteria = StoppingCriteriaList(request.criteria) if request.criteria else None
-    out = Emitter(sequences, request.limits, request.eos, criteria, streamer, request.want_scores)
+    out = Emitter(sequences, request.limits, request.eos, stop_replay(request), streamer, request.want_scores)
     # every prompt position's state (B, T, d), computed by the forward anyway: heads that read the
     # prompt and a listener (training's capture) take them; the rest only the last one's
     cache, states = prefill(base, request.input_ids, request.attention_mask, all_states=True)
@@ -158,8 +156,10 @@ def speculate(base, heads, policy, drafter: Drafter, request: Request, started: 
     out.emit_first(roots, acceptor.reported(logits) if request.want_scores else None)
     prefilled = time.perf_counter()
     drafter.start(sequences.prompts())
+    acceptor.processors.tolerant = bool(acceptor.processors.cut)  # drafted prefixes may fail (NodeProcessors)
     stats = decode(base, policy, sequences, out, acceptor, drafter, kv, heads_state, roots, timer,
                    shrink)
+    acceptor.processors.tolerant = False  # a finished row's scores (dict_output) raise as transformers would
     stats.prefill_seconds, stats.first_tokens = prefilled - started, request.batch
     stats.new_tokens, stats.seconds = sequences.new_tokens, time.perf_counter() - started
     assembled = out.finish(request.pad)
@@ -167,6 +167,17 @@ def speculate(base, heads, policy, drafter: Drafter, request: Request, started: 
         return assembled, stats
     return out.dict_output(base, assembled, request.attention_mask, request.config, kv, acceptor,
                            logits.shape[-1]), stats
+
+
+def stop_replay(request: Request) -> StopReplay | None:
+    """The call's stopping criteria besides length and EOS, called as transformers calls them
+    (None: there are none, nothing to call). transformers pads rows that finished when any of
+    its criteria has an ``eos_token_id`` (``has_eos_stopping_criteria``)."""
+    if not request.criteria:
+        return None
+    pads = bool(request.eos) or any(hasattr(c, "eos_token_id") for c in request.criteria)
+    return StopReplay(request.criteria, request.input_ids, request.pad, pads,
+                      bool(score_readers(request.criteria, request.config)))
 
 
 def decode(base, policy, sequences: Sequences, out: Emitter, acceptor: Acceptor, drafter: Drafter, kv: KVState, heads_state: HeadState,
@@ -194,22 +205,27 @@ def decode(base, policy, sequences: Sequences, out: Emitter, acceptor: Acceptor,
         policy.observe(step.trees.chosen, result.accepted[active])
         stats.record(step.trees.num_nodes, result.accepted[active], live.numel())
         stats.drafting_seconds += step.drafting_seconds
+        failed = acceptor.processors.take_failed(step.tokens.shape[1]) if acceptor.processors.tolerant else None
         out.emit_step(live, step.tokens, result.path, result.accepted, result.bonus,
-                      acceptor.reported(step.logits) if out.want_scores else None)
+                      acceptor.reported(step.logits) if out.want_scores else None, failed)
         roots = result.bonus
     return stats
 
 
 def plain_generate(base, request: Request, started: float, streamer=None):
     """The base's own ``generate`` with the same (already checked) arguments — the caller's own
-    processors and criteria included (``request.plain``) — its output is the reference itself,
-    so greedy identity and sampling's distribution hold trivially.
+    processors and criteria included (``request.plain``), or, for what transformers handed a
+    ``custom_generate``, its own decoding loop over them (``request.own_loop``) — its output is
+    the reference itself, so greedy identity and sampling's distribution hold trivially.
     ``(what generate returns, DecodingStats)``."""
     clock = FirstTokenClock()
-    own = dict(request.plain)
-    own["logits_processor"] = [*own["logits_processor"], clock]
-    output = base.generate(request.input_ids, attention_mask=request.attention_mask, generation_config=request.config,
-                           streamer=streamer, **own)
+    if request.plain is None:
+        output = request.own_loop([clock])
+    else:
+        own = dict(request.plain)
+        own["logits_processor"] = [*own["logits_processor"], clock]
+        output = base.generate(request.input_ids, attention_mask=request.attention_mask,
+                               generation_config=request.config, streamer=streamer, **own)
     sequences = output if isinstance(output, torch.Tensor) else output.sequences
     counts = generated_counts(sequences, request.prompt_len, set(request.eos))
     steps = max(counts, default=0)

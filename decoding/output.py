@@ -45,19 +45,23 @@ class Emitter:
 
     ``sequences`` the call's prompts and generated tokens (this emitter appends to them);
     ``limits`` each row's ``max_new_tokens`` after the context cut; ``eos`` the EOS ids;
-    ``want_scores``: keep one score row per token."""
+    ``criteria`` the call's other stopping criteria, called as transformers calls them
+    (:class:`StopReplay`); ``want_scores``: keep one score row per token."""
 
-    def __init__(self, sequences: Sequences, limits: list[int], eos: list[int], stopping_criteria=None,
+    def __init__(self, sequences: Sequences, limits: list[int], eos: list[int], criteria: "StopReplay | None" = None,
                  streamer=None, want_scores: bool = False):
         batch = sequences.batch
         self.seqs = sequences
         self.limits = limits
         self.eos = set(eos)
-        self.stopping_criteria = stopping_criteria
+        self.criteria = criteria
         self.streamer = streamer
         self.want_scores = want_scores
         self.scores: list[list[torch.Tensor]] = [[] for _ in range(batch)]
         self.done = torch.zeros(batch, dtype=torch.bool)
+        #: row → the error transformers raises at that row's next step (its processors failed on its
+        #: tokens so far): the row decodes no further, and the error is raised unless the row stops first
+        self.blocked: dict[int, BaseException] = {}
         if streamer is not None:
             streamer.put(sequences.input_ids.cpu())
 
@@ -74,29 +78,39 @@ class Emitter:
         """Tokens each of ``rows`` may still emit (0 for a finished row)."""
         return [0 if bool(self.done[b]) else self.limits[b] - self.seqs.count(b) for b in rows.tolist()]
 
-    def emit(self, row: int, new: list[int], new_scores=None, drafted: int = 0) -> None:
+    def emit(self, row: int, new: list[int], new_scores=None, drafted: int = 0,
+             error: BaseException | None = None) -> None:
         """Append tokens one by one, stopping exactly where transformers would: after an EOS,
-        at the row's limit, or when a user stopping criterion fires. The first ``drafted`` of
-        ``new`` are accepted drafts: a streamer with ``put_step`` is told so (colouring)."""
+        at the row's limit, or when the call's stopping criteria stop it (:class:`StopReplay`,
+        which may cut tokens appended before). The first ``drafted`` of ``new`` are accepted
+        drafts: a streamer with ``put_step`` is told so (colouring). ``error``: what computing
+        the token after ``new`` raised (:class:`~.processors.NodeProcessors`), raised where
+        transformers would raise it — unless the row stops first."""
         if bool(self.done[row]):
             return
-        emitted = []
+        before = self.seqs.count(row)
         for i, token in enumerate(new):
             self.seqs.append(row, token)
-            emitted.append(token)
             if new_scores is not None:
                 self.scores[row].append(new_scores[i])
-            if self._stops(row, token, new_scores[i] if new_scores is not None else None):
+            if token in self.eos or self.seqs.count(row) >= self.limits[row]:
                 self.done[row] = True
                 break
-        self._stream(emitted, drafted)
+        if error is not None and not bool(self.done[row]):
+            self.blocked[row], self.done[row] = error, True
+        if self.criteria is not None:
+            self.criteria.advance(self)
+        elif self.blocked:
+            raise next(iter(self.blocked.values()))
+        if self.streamer is not None:
+            self._stream(self.seqs.generated[row][before:], drafted)
 
-    def _stops(self, row: int, token: int, score: torch.Tensor | None) -> bool:
-        if token in self.eos or self.seqs.count(row) >= self.limits[row]:
-            return True
-        if self.stopping_criteria is None:
-            return False
-        return bool(self.stopping_criteria(self.seqs.so_far(row), score[None] if score is not None else None).any())
+    def cut(self, row: int, length: int) -> None:
+        """Row ``row`` ends after its first ``length`` tokens (a stopping criterion fired there)."""
+        self.seqs.truncate(row, length)
+        del self.scores[row][length:]
+        self.done[row] = True
+        self.blocked.pop(row, None)
 
     def _stream(self, emitted: list[int], drafted: int) -> None:
         if self.streamer is None or not emitted:
@@ -114,14 +128,22 @@ class Emitter:
             self.emit(b, [int(roots[b])], [reported[b]] if reported is not None else None)
 
     def emit_step(self, rows: torch.Tensor, tokens: torch.Tensor, path: torch.Tensor, accepted: torch.Tensor,
-                  bonus: torch.Tensor, reported: torch.Tensor | None) -> None:
+                  bonus: torch.Tensor, reported: torch.Tensor | None,
+                  failed: dict[tuple[int, int], BaseException] | None = None) -> None:
         """One verification step: rows (R,) original indices; tokens (R, N) the tree; path (R, D+1)
-        accepted slots root first; accepted (R,) drafts kept; bonus (R,); reported (R, N, V) or None."""
+        accepted slots root first; accepted (R,) drafts kept; bonus (R,); reported (R, N, V) or None;
+        ``failed``: {(i, slot): error} the slots whose processors raised — the token after such a
+        slot is unknown, so a row's output stops at the first of them on its path, with that error."""
         for i, b in enumerate(rows.tolist()):
             a = int(accepted[i])
-            new = tokens[i, path[i, 1: a + 1]].tolist() + [int(bonus[i])]
-            scores = [reported[i, s] for s in path[i, : a + 1].tolist()] if reported is not None else None
-            self.emit(b, new, scores, drafted=a)
+            slots = path[i, : a + 1].tolist()
+            cut = next((j for j, slot in enumerate(slots) if (i, slot) in failed), None) if failed else None
+            if cut is None:
+                new, error = tokens[i, path[i, 1: a + 1]].tolist() + [int(bonus[i])], None
+            else:
+                new, error = tokens[i, path[i, 1: cut + 1]].tolist(), failed[(i, slots[cut])]
+            scores = [reported[i, s] for s in slots[: len(new)]] if reported is not None else None
+            self.emit(b, new, scores, drafted=a if cut is None else cut, error=error)
 
     # -- after decoding --------------------------------------------------------------------------
     def finish(self, pad: int) -> torch.Tensor:
@@ -153,6 +175,69 @@ class Emitter:
         return GenerateDecoderOnlyOutput(sequences=sequences, scores=score_tuple if config.output_scores else None,
                                          logits=score_tuple if config.output_logits else None,
                                          past_key_values=cache_out)
+
+
+class StopReplay:
+    """The call's stopping criteria besides length and EOS, called exactly as transformers' loop
+    calls them: once per step for the whole batch, with ``input_ids`` (B, L + t) — every row's
+    prompt and first t tokens, a row that finished already continued with the pad token when an
+    EOS criterion is in force (else with its own tokens, which it keeps) — and ``scores`` the
+    tuple of the t processed (B, V) float32 scores (``return_dict_in_generate`` and
+    ``output_scores``; else None). Rows of a tree loop advance unevenly, so step t is called once
+    every row has its t-th token; a row a criterion stops at step t is cut to t tokens. The calls,
+    their order and their arguments are transformers' own, so criteria with state see what they
+    would see there (the wall clock aside)."""
+
+    def __init__(self, criteria: list, input_ids: torch.Tensor, pad: int, pads_finished: bool, pass_scores: bool):
+        from transformers import StoppingCriteriaList
+
+        self.criteria = StoppingCriteriaList(criteria)
+        self.ids = input_ids  # (B, L + t): what the criteria were last handed
+        self.prompt_len = int(input_ids.shape[1])
+        self.finished = torch.zeros(input_ids.shape[0], dtype=torch.bool)
+        self.pad, self.pads_finished, self.pass_scores = pad, pads_finished, pass_scores
+        self.scores: tuple[torch.Tensor, ...] = ()
+
+    @property
+    def steps(self) -> int:
+        return int(self.ids.shape[1]) - self.prompt_len
+
+    def _ready(self, out: Emitter, t: int) -> bool:
+        """Whether every row's t-th input is known; raises a row's pending error where
+        transformers' step t would (its processors run on that row before the criteria)."""
+        for row in range(self.finished.shape[0]):
+            if (bool(self.finished[row]) and self.pads_finished) or out.seqs.count(row) >= t:
+                continue
+            if row in out.blocked:
+                raise out.blocked[row]
+            if not bool(out.done[row]):
+                return False  # still decoding: its t-th token is to come
+        return True
+
+    def advance(self, out: Emitter) -> None:
+        """Call every step whose inputs are known, in order; stop and cut rows as transformers does."""
+        while not bool(self.finished.all()) and self._ready(out, self.steps + 1):
+            t = self.steps + 1
+            column = [self.pad if (bool(self.finished[row]) and self.pads_finished) or out.seqs.count(row) < t
+                      else out.seqs.generated[row][t - 1] for row in range(self.finished.shape[0])]
+            self.ids = torch.cat([self.ids, self.ids.new_tensor(column)[:, None]], dim=1)
+            if self.pass_scores:  # one row (batches with such criteria decode token by token: request.token_by_token)
+                self.scores += (torch.stack([out.scores[row][t - 1].float() for row in range(len(column))]),)
+            stops = self.criteria(self.ids, self.scores if self.pass_scores else None).to("cpu")
+            ends = torch.tensor([column[row] in out.eos or t >= out.limits[row] for row in range(len(column))])
+            newly = ~self.finished & (stops | ends)
+            self.finished |= newly
+            self._end(out, newly, t)
+
+    def _end(self, out: Emitter, newly: torch.Tensor, t: int) -> None:
+        """Rows that finished at step t: each cut there (pads follow); without an EOS criterion a
+        finished row decodes on (transformers keeps its tokens) until every row has finished."""
+        if self.pads_finished:
+            for row in newly.nonzero().flatten().tolist():
+                out.cut(row, min(t, out.seqs.count(row)))
+        elif bool(self.finished.all()):
+            for row in range(self.finished.shape[0]):
+                out.cut(row, min(t, out.seqs.count(row)))
 
 
 def generated_counts(sequences: torch.Tensor, width: int, eos: set[int]) -> list[int]:

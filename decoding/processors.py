@@ -20,7 +20,9 @@ prompt, a ``prefix_allowed_tokens_fn``'s batch index) are re-indexed to the rows
 (:func:`for_rows`). Anything else — state kept across calls (SynthID watermarking, classifier-free
 guidance) or a class draftheads does not know — is refused by name before any work
 (:func:`check_processors`); a caller's own processor that is a function of the tokens so far
-and the scores can say so by being wrapped in :class:`PrefixOnly`. Acceptance (:mod:`.accept`)
+and the scores can say so by being wrapped in :class:`PrefixOnly`. A caller's function that raises
+or allows nothing on a drafted prefix fails only that node (:class:`NodeProcessors`): its error is
+raised where transformers would reach that prefix. Acceptance (:mod:`.accept`)
 compares drafts with the processed distribution; nothing here knows about caches or drafters.
 """
 from __future__ import annotations
@@ -126,6 +128,18 @@ def for_rows(processor, rows: torch.Tensor):
     return processor
 
 
+def by_length(ids: torch.Tensor, lengths: torch.Tensor | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """ids (M, W) → [(entries (k,), their ids (k, length))], one group per prefix length (one
+    group of all W columns without ``lengths``)."""
+    if lengths is None:
+        return [(torch.arange(ids.shape[0], device=ids.device), ids)]
+    groups = []
+    for length in torch.unique(lengths).tolist():
+        pick = (lengths == length).nonzero().squeeze(1)
+        groups.append((pick, ids[pick, :length]))
+    return groups
+
+
 def _apply(processors, ids: torch.Tensor, scores: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     for processor in processors:
         scores = for_rows(processor, rows)(ids, scores)
@@ -133,7 +147,14 @@ def _apply(processors, ids: torch.Tensor, scores: torch.Tensor, rows: torch.Tens
 
 
 class NodeProcessors:
-    """One call's processors, applied at tree nodes (see the module docstring)."""
+    """One call's processors, applied at tree nodes (see the module docstring).
+
+    A processor that reads the prefix is asked about drafted prefixes transformers may never
+    reach, where a caller's function (a ``prefix_allowed_tokens_fn`` off its grammar, a
+    :class:`PrefixOnly`) may raise or allow nothing. While :attr:`tolerant` (the loop's tree
+    steps), such an entry is recorded in :attr:`failed` (entry → error) and its scores left
+    unprocessed by that processor: the loop emits no token chosen from them and raises the error
+    only where transformers would (:meth:`~.output.Emitter.emit`). Otherwise errors propagate."""
 
     def __init__(self, processors=()):
         self.processors = list(processors)
@@ -143,6 +164,8 @@ class NodeProcessors:
         self.cut = max((i + 1 for i, kind in enumerate(found) if kind == PREFIX), default=0)
         #: whether any processor reads the ids at all (else they are not built)
         self.reads_ids = any(kind != SCORES for kind in found)
+        self.tolerant = False
+        self.failed: dict[int, BaseException] = {}
 
     def __len__(self) -> int:
         return len(self.processors)
@@ -156,16 +179,34 @@ class NodeProcessors:
             return scores
         rows = torch.arange(scores.shape[0]) if rows is None else rows.cpu()
         if self.cut:
-            exact = self.processors[: self.cut]
-            if lengths is None:
-                scores = _apply(exact, ids, scores, rows)
-            else:
-                out = scores.clone()
-                for length in torch.unique(lengths).tolist():
-                    pick = (lengths == length).nonzero().squeeze(1)
-                    out[pick] = _apply(exact, ids[pick, :length], scores[pick], rows[pick.cpu()])
-                scores = out
+            self.failed = {}
+            out = scores.clone()
+            for pick, group_ids in by_length(ids, lengths):
+                out[pick] = self._exact(group_ids, scores, pick, rows)
+            scores = out
         return _apply(self.processors[self.cut:], ids, scores, rows)
+
+    def _exact(self, ids: torch.Tensor, scores: torch.Tensor, pick: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The prefix-reading processors over the entries ``pick`` of ``scores`` (ids: theirs);
+        when tolerant and they raise, entry by entry, the failing ones recorded and left as given."""
+        exact, picked_rows = self.processors[: self.cut], rows[pick.cpu()]
+        try:
+            return _apply(exact, ids, scores[pick], picked_rows)
+        except Exception:
+            if not self.tolerant:
+                raise
+        out = scores[pick]
+        for i, entry in enumerate(pick.tolist()):
+            try:
+                out[i: i + 1] = _apply(exact, ids[i: i + 1], scores[entry: entry + 1], picked_rows[i: i + 1])
+            except Exception as err:  # noqa: BLE001 (the caller's function: any error is its answer)
+                self.failed[entry] = err
+        return out
+
+    def take_failed(self, nodes: int) -> dict[tuple[int, int], BaseException]:
+        """The last call's failed entries as {(row, slot): error} for trees of ``nodes`` slots."""
+        failed, self.failed = self.failed, {}
+        return {(entry // nodes, entry % nodes): err for entry, err in failed.items()}
 
 
 def node_prefixes(history: torch.Tensor, ends: torch.Tensor, tokens: torch.Tensor, path_slots: torch.Tensor,

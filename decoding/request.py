@@ -8,7 +8,7 @@ acceptance rule, EOS and pad ids, the checked input tensors and each row's token
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -26,7 +26,9 @@ class Call:
     the merged config, the checked prompt, the logits processors and stopping criteria built from
     both (the caller's own merged in, in transformers' order). ``plain``: the caller's own
     arguments, for running the base's own ``generate`` instead (None where the lists came
-    prepared and cannot be handed back without doubling transformers' defaults)."""
+    prepared and cannot be handed back without doubling transformers' defaults); ``own_loop``:
+    there, transformers' own decoding loop over what it handed over (``own_loop(extra
+    processors)`` → its output), for a call the tree loop cannot decode as transformers would."""
 
     config: Any  # the prepared transformers GenerationConfig
     input_ids: torch.Tensor  # (B, L)
@@ -34,6 +36,7 @@ class Call:
     processors: list
     criteria: list
     plain: dict | None
+    own_loop: Callable[[list], Any] | None = None
 
 
 @dataclass
@@ -49,8 +52,9 @@ class Request:
     limits: list[int]  # each row's max new tokens after the context cut
     want_scores: bool
     processors: NodeProcessors  # applied at every tree node
-    criteria: list  # stopping criteria besides length and EOS, checked after every emitted token
+    criteria: list  # stopping criteria besides length and EOS, called as transformers calls them (.output.StopReplay)
     plain: dict | None  # see :class:`Call`
+    own_loop: Callable[[list], Any] | None  # see :class:`Call`
 
     @property
     def batch(self) -> int:
@@ -153,14 +157,14 @@ def prepare_call(base, input_ids, attention_mask, generation_config, kwargs: dic
 
 
 def prepared_call(base, input_ids, attention_mask, config, logits_processor, stopping_criteria,
-                  arguments: dict | None = None) -> Call:
+                  arguments: dict | None = None, own_loop: Callable[[list], Any] | None = None) -> Call:
     """What transformers' ``generate`` hands a ``custom_generate`` callable — its prepared
     config, processors and criteria; ``arguments``: those of its ``generate`` call it does not
-    hand over — checked like :func:`prepare_call`'s."""
+    hand over — checked like :func:`prepare_call`'s; ``own_loop``: see :class:`Call`."""
     refuse_options(config, arguments)
     input_ids, attention_mask = checked_prompt(base, config, input_ids, attention_mask)
     return Call(config, input_ids, attention_mask, as_list(logits_processor, "logits_processor"),
-                as_list(stopping_criteria, "stopping_criteria"), None)
+                as_list(stopping_criteria, "stopping_criteria"), None, own_loop)
 
 
 def stop_rules(criteria: list) -> tuple[int | None, list[int], list]:
@@ -173,6 +177,30 @@ def stop_rules(criteria: list) -> tuple[int | None, list[int], list]:
     eos = [int(e) for c in criteria if type(c) is EosTokenCriteria for e in torch.as_tensor(c.eos_token_id).flatten()]
     rest = [c for c in criteria if type(c) not in (MaxLengthCriteria, EosTokenCriteria)]
     return (min(lengths) if lengths else None), sorted(set(eos)), rest
+
+
+def score_readers(criteria: list, config) -> list:
+    """The stopping criteria transformers hands ``scores`` (``return_dict_in_generate`` and
+    ``output_scores``) that may read them: all but its own classes that never do (exact classes)."""
+    from transformers.generation import stopping_criteria as sc
+
+    if not (config.return_dict_in_generate and config.output_scores):
+        return []
+    scoreless = (sc.MaxLengthCriteria, sc.EosTokenCriteria, sc.MaxTimeCriteria, sc.StopStringCriteria)
+    return [c for c in criteria if type(c) not in scoreless]
+
+
+def token_by_token(request: Request) -> str | None:
+    """Why the tree loop cannot give transformers' answer for this call, so that it decodes token
+    by token with the model's own loop (None: it can). A stopping criterion handed ``scores`` in
+    a batch reads every row's scores at every step, rows that finished included, which draft
+    trees do not compute at that step."""
+    reading = score_readers(request.criteria, request.config) if request.batch > 1 else []
+    if not reading:
+        return None
+    return (f"generate(): stopping criterion {type(reading[0]).__name__} is handed every row's scores at every step "
+            "(output_scores=True in a batch), which draft trees do not hold for rows that finished; this call decodes "
+            "token by token with the model's own loop (batch size 1, or output_scores=False, keeps the trees).")
 
 
 def make_request(base, max_nodes, call: Call, streamer, acceptance) -> Request:
@@ -197,7 +225,7 @@ def make_request(base, max_nodes, call: Call, streamer, acceptance) -> Request:
     pad = pad_token_id(config)
     # no pad and no EOS: no row ends early, the pad value never shows
     return Request(config, mode, eos, 0 if pad is None else pad, input_ids, attention_mask, limits, want_scores,
-                   processors, criteria, call.plain)
+                   processors, criteria, call.plain, call.own_loop)
 
 
 def left_pad(rows: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

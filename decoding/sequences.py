@@ -3,7 +3,7 @@
 Each row is its prompt (left-padded ``input_ids`` with the attention mask) followed by the
 tokens emitted after it. The loop creates the :class:`Sequences` and hands it to the emitter
 (the only writer: :meth:`Sequences.append`, one token at a time, where transformers would
-emit it), to acceptance (the logits processors' tokens so far, :meth:`Sequences.history`), to the
+emit it, and :meth:`Sequences.truncate` where a stopping criterion ends a row behind its tokens), to acceptance (the logits processors' tokens so far, :meth:`Sequences.history`), to the
 drafters (each row's tokens so far) and to the output (:meth:`Sequences.assembled`).
 """
 from __future__ import annotations
@@ -31,6 +31,10 @@ class Sequences:
     def append(self, row: int, token: int) -> None:
         self.generated[row].append(token)
 
+    def truncate(self, row: int, length: int) -> None:
+        """Row ``row`` keeps its first ``length`` generated tokens."""
+        del self.generated[row][length:]
+
     def count(self, row: int) -> int:
         """Tokens row ``row`` has emitted."""
         return len(self.generated[row])
@@ -44,7 +48,7 @@ class Sequences:
         return [ids[mask].tolist() for ids, mask in zip(self.input_ids.cpu(), self.attention_mask.cpu().bool())]
 
     def so_far(self, row: int) -> torch.Tensor:
-        """(1, L + n) row ``row`` as transformers' stopping criteria see it: padded prompt + tokens."""
+        """(1, L + n) row ``row``'s padded prompt then its tokens."""
         tail = torch.tensor(self.generated[row], dtype=self.input_ids.dtype, device=self.input_ids.device)
         return torch.cat([self.input_ids[row], tail])[None]
 

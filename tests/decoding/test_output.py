@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from draftheads.decoding.output import Emitter, generated_counts
+from draftheads.decoding.output import Emitter, StopReplay, generated_counts
 from draftheads.decoding.sequences import Sequences
 
 EOS = 2
@@ -26,18 +26,22 @@ def test_a_step_emits_the_accepted_path_then_the_bonus_and_stops_at_eos():
     assert out.rooms(torch.tensor([0, 1])) == [1, 0]
 
 
-def test_a_row_stops_at_its_limit_and_on_a_stopping_criterion():
+def test_a_row_stops_at_its_limit_and_on_a_stopping_criterion_called_as_transformers_calls_it():
     calls = []
 
     def stop_on_13(ids, scores):
         calls.append(ids.tolist())
-        return torch.tensor([ids[0, -1].item() == 13])
+        return ids[:, -1] == 13
 
-    out, seqs = emitter(limits=(2, 9), stopping_criteria=stop_on_13)
+    seqs = Sequences(torch.tensor([[0, 7], [8, 9]]), torch.tensor([[0, 1], [1, 1]]))
+    out = Emitter(seqs, [2, 9], [EOS], StopReplay([stop_on_13], seqs.input_ids, pad=0, pads_finished=True,
+                                                  pass_scores=False))
     out.emit(0, [12, 13, 14])
+    assert calls == []  # step 1 is called once every row has its first token
     out.emit(1, [12, 13, 14])
-    assert seqs.generated == [[12, 13], [12, 13]]
-    assert calls[0] == [[0, 7, 12]]  # the criterion sees the padded prompt and the tokens so far
+    assert seqs.generated == [[12, 13], [12, 13]]  # row 0 at its limit, row 1 cut where the criterion stopped it
+    # the whole batch once per step: padded prompts and every row's tokens so far
+    assert calls == [[[0, 7, 12], [8, 9, 12]], [[0, 7, 12, 13], [8, 9, 12, 13]]]
     assert not out.running(torch.tensor([0, 1])).any()
 
 
