@@ -55,18 +55,20 @@ def timed_hf(base, ids: torch.Tensor, max_new_tokens: int, **kwargs) -> tuple[to
     return plain, run_timing(plain.shape[1] - ids.shape[1], seconds)
 
 
-def draftheads_run(model, ids: torch.Tensor, max_new_tokens: int) -> tuple[torch.Tensor, float, tuple[float, int]]:
-    """draftheads' answer to one prompt: (its output, wall seconds, (τ, verify steps) of that very run)."""
+def draftheads_run(model, ids: torch.Tensor, max_new_tokens: int) -> tuple[torch.Tensor, float, tuple[float, int, float]]:
+    """draftheads' answer to one prompt: (its output, wall seconds, (τ, verify steps, seconds to
+    the first token) of that very run)."""
     ours, seconds = timed(lambda: model.generate(ids, max_new_tokens=max_new_tokens))
-    return ours, seconds, (model.last_stats.tau, model.last_stats.steps)
+    stats = model.last_stats
+    return ours, seconds, (stats.tau, stats.steps, stats.prefill_seconds)
 
 
 def draftheads_timing(base, run: tuple, ids: torch.Tensor, plain: torch.Tensor, hf: dict) -> dict:
     """A :func:`draftheads_run` against HF's answer (``plain``, timed in ``hf``): its timing, τ,
     verify steps, speedup over HF and the first divergence from HF's tokens (None when identical)."""
-    ours, seconds, (tau, steps) = run
+    ours, seconds, (tau, steps, prefill) = run
     new = ours.shape[1] - ids.shape[1]
-    return {**run_timing(new, seconds), "tau": round(tau, 4), "verify_steps": steps,
+    return {**run_timing(new, seconds), "tau": round(tau, 4), "verify_steps": steps, "prefill_seconds": round(prefill, 4),
             "speedup": round((new / seconds) / (hf["new_tokens"] / hf["seconds"]), 4),
             "mismatch": divergence(base, plain, ours, ids.shape[1])}
 

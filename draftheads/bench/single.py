@@ -72,7 +72,8 @@ def bench_prompt(model, ids: torch.Tensor, max_new_tokens: int, control: bool = 
     timings = {name: draftheads_timing(model.base, best[name], ids, plain, hf) for name in drafters}
     ours = timings[list(timings)[-1]]
     row = {"prompt_tokens": ids.shape[1], "hf": hf,
-           "draftheads": {k: ours[k] for k in ("new_tokens", "seconds", "tokens_per_second", "tau", "verify_steps")},
+           "draftheads": {k: ours[k] for k in ("new_tokens", "seconds", "tokens_per_second", "tau", "verify_steps",
+                                               "prefill_seconds")},
            "speedup": ours["speedup"], "mismatch": ours["mismatch"]}
     if configs:
         row[SOURCES] = timings

@@ -108,14 +108,15 @@ def summarize(rows: list[dict]) -> dict:
 def peer_summary(rows: list[dict], name: str, hf_tps: float, our_tps: float) -> dict:
     """A CPU engine's totals over ``rows``: tokens/s, its speedup over HF, draftheads over it, its
     decoding ms a token apart from prefill (the tokens after the first over their time) beside
-    draftheads' ms a verification step (prefill included), and how many prompts it answered with
-    HF's greedy tokens."""
+    draftheads' ms a verification step apart from prefill (the steps over the time after the first
+    token), and how many prompts it answered with HF's greedy tokens."""
     runs = [r["peers"][name] for r in rows]
     tokens, seconds = sum(r["new_tokens"] for r in runs), sum(r["seconds"] for r in runs)
     tps = tokens / seconds
     later = sum(r["new_tokens"] - 1 for r in runs)
     decode_ms = 1e3 * sum(r["seconds"] - r["first_token_seconds"] for r in runs) / max(1, later)
-    step_ms = 1e3 * sum(r["draftheads"]["seconds"] for r in rows) / max(1, sum(r["draftheads"]["verify_steps"] for r in rows))
+    ours = [r["draftheads"] for r in rows]
+    step_ms = 1e3 * sum(r["seconds"] - r["prefill_seconds"] for r in ours) / max(1, sum(r["verify_steps"] for r in ours))
     return {"tokens_per_second": round(tps, 3), "speedup": round(tps / hf_tps, 4),
             "draftheads_vs_peer": round(our_tps / tps, 4), "decode_ms_per_token": round(decode_ms, 3),
             "draftheads_ms_per_verify_step": round(step_ms, 3), "step_vs_peer_token": round(step_ms / decode_ms, 4),

@@ -36,7 +36,7 @@ def test_a_prompts_entries_rotate_and_each_keeps_its_fastest_run(monkeypatch):
         calls.append("prompt_lookup" if kwargs else "hf")
         return answer
 
-    runs = {"a": iter([(2.0, (1.5, 2)), (1.0, (3.0, 1))]), "b": iter([(0.5, (1.5, 2)), (0.75, (3.0, 1))])}
+    runs = {"a": iter([(2.0, (1.5, 2, 0.1)), (1.0, (3.0, 1, 0.1))]), "b": iter([(0.5, (1.5, 2, 0.1)), (0.75, (3.0, 1, 0.1))])}
 
     def fake_drafted(variant, ids, max_new_tokens):  # a configuration's light model: here its name
         calls.append(variant)

@@ -83,6 +83,10 @@ def test_peers_are_columns_of_the_bench_with_tokens_compared_to_hf(tmp_path, mon
     assert overall["same"]["draftheads_vs_peer"] == pytest.approx(ours / overall["same"]["tokens_per_second"], abs=1e-4)
     later = sum(r["peers"]["same"]["new_tokens"] - 1 for r in results["per_prompt"])
     assert overall["same"]["decode_ms_per_token"] == pytest.approx(2 * 8.0 / later, rel=1e-3)
+    ours = [r["draftheads"] for r in results["per_prompt"]]
+    decode_ms = 1e3 * sum(r["seconds"] - r["prefill_seconds"] for r in ours) / sum(r["verify_steps"] for r in ours)
+    assert 0 < ours[0]["prefill_seconds"] < ours[0]["seconds"]
+    assert overall["same"]["draftheads_ms_per_verify_step"] == pytest.approx(decode_ms, rel=1e-2)
     table = capsys.readouterr().out
     assert "| same |" in table and "| 2/2 |" in table and "| other |" in table and "| 0/2 |" in table
 
