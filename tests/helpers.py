@@ -451,3 +451,15 @@ def check_trie(trie: Candidates) -> None:
         p = trie.parent[i]
         assert p < i and trie.depth[i] == (1 if p < 0 else trie.depth[p] + 1)
         assert p < 0 or trie.score[i] <= trie.score[p] + 1e-12
+
+
+def varied_llama():
+    """:func:`tiny_llama` with weights of std 0.2: its greedy answers vary and repeat (at the
+    default initialisation it repeats the prompt's last token, where most options change nothing)."""
+    model = tiny_llama(0)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" not in name:
+                param.copy_(torch.randn(param.shape, generator=generator, dtype=param.dtype) * 0.2)
+    return model

@@ -25,24 +25,12 @@ from draftheads import custom_generate
 from draftheads.core.errors import InputError
 from draftheads.decoding import DraftHeadsModel, tree_from_paths
 from draftheads.decoding.processors import PrefixOnly
-from helpers import Collect, OracleHeads, left_pad, saved_tree_heads, tiny_llama
+from helpers import Collect, OracleHeads, left_pad, saved_tree_heads, varied_llama
 
 NEW = 8
 PROMPTS = [[5, 17, 33, 8, 9, 5, 17], [40, 41, 42], [60, 61, 62, 63, 64]]
 TREE = [(0,), (1,), (0, 0), (0, 1), (0, 0, 0), (0, 0, 0, 0)]
 VOCAB, EOS, PAD = 96, 2, 0
-
-
-def varied_llama():
-    """:func:`tiny_llama` with weights of std 0.2: answers that vary (at the default
-    initialisation it repeats the prompt's last token)."""
-    model = tiny_llama(0)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" not in name:
-                param.copy_(torch.randn(param.shape, generator=generator, dtype=param.dtype) * 0.2)
-    return model
 
 
 @dataclass

@@ -27,7 +27,7 @@ from draftheads.decoding import DraftHeadsModel, tree_from_paths
 from draftheads.core.errors import InputError
 from draftheads.decoding.generation_options import CLASSIFIED, transformers_options
 from draftheads.decoding.processors import NodeProcessors, PrefixOnly, node_prefixes
-from helpers import Collect, OracleHeads, left_pad, saved_tree_heads, tiny_llama
+from helpers import Collect, OracleHeads, left_pad, saved_tree_heads, tiny_llama, varied_llama
 
 NEW = 10
 PROMPTS = [[5, 17, 33, 8, 9, 5, 17], [40, 41, 42]]
@@ -56,18 +56,6 @@ def word_tokenizer():
     words = Tokenizer(models.WordLevel(vocab={**{f"w{i}": i for i in range(96)}, "abcdef": 96}, unk_token="w0"))
     words.pre_tokenizer = pre_tokenizers.Whitespace()
     return PreTrainedTokenizerFast(tokenizer_object=words, unk_token="w0", pad_token="w0", eos_token="w2")
-
-
-def varied_llama():
-    """:func:`tiny_llama` with weights of std 0.2: its greedy answers vary and repeat (at the
-    default initialisation it repeats the prompt's last token, where most options change nothing)."""
-    model = tiny_llama(0)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" not in name:
-                param.copy_(torch.randn(param.shape, generator=generator, dtype=param.dtype) * 0.2)
-    return model
 
 
 @pytest.fixture(scope="module")
