@@ -30,7 +30,7 @@ from torch import nn
 
 from .architecture import decoder_body
 from .attention import PACK_FLAG, packed_gqa_sdpa, uses_packed_sdpa
-from .binding import PackedLinear, binding, resolved_linears
+from .binding import PackedLinear, binding, global_hooks, resolved_linears
 from .fused import FusedOps, KernelOps, fused_ops
 from .plan import PLAN
 
@@ -92,9 +92,7 @@ class DirectBody:
 
     def hooked(self) -> bool:
         """Whether any module of the body, or the process, carries a forward hook now."""
-        from torch.nn.modules import module as torch_module
-
-        return bool(torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks or any(self._hooks))
+        return global_hooks() or any(self._hooks)
 
 
 def _layer_plan(layer: nn.Module, rows: int) -> LayerPlan:
