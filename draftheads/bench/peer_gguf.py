@@ -26,7 +26,7 @@ GGUF_TYPES = {torch.float32: ("F32", 0), torch.float16: ("F16", 1), torch.bfloat
 
 
 def typed_gguf(source: Path, dtype: torch.dtype, log=print) -> Path:
-    """``source`` with every tensor of two or more dimensions stored as ``dtype`` (cached)."""
+    """``source`` with every matrix (:func:`_matrix`) stored as ``dtype`` (cached)."""
     if dtype not in GGUF_TYPES:
         raise InputError(f"--peers llama.cpp: no GGUF tensor type for {dtype}; bench in float32, bfloat16 or float16.")
     kind = GGUF_TYPES[dtype][0]
@@ -38,7 +38,7 @@ def typed_gguf(source: Path, dtype: torch.dtype, log=print) -> Path:
         log(f"peer file {target} is unusable ({problem}); writing it again.")
     log(f"writing {source.name}'s tensors as {kind} for llama.cpp: {target}")
     with atomic_file(target) as tmp:
-        write_typed(source, tmp, kind)
+        write_typed(source, tmp, *GGUF_TYPES[dtype])
     problem = _problem(target, kind)
     if problem is not None:
         raise InputError(f"--peers llama.cpp: the {kind} copy of {source.name} does not read back ({problem}); "
@@ -46,8 +46,9 @@ def typed_gguf(source: Path, dtype: torch.dtype, log=print) -> Path:
     return target
 
 
-def write_typed(source: Path, out: Path, kind: str) -> None:
-    """Copy ``source``'s metadata and tensors to ``out``, tensors of 2+ dimensions as ``kind``."""
+def write_typed(source: Path, out: Path, kind: str, file_type: int) -> None:
+    """Copy ``source``'s metadata and tensors to ``out``: matrices as ``kind``, the file type
+    ``file_type``."""
     import gguf
     import numpy as np
 
@@ -59,29 +60,26 @@ def write_typed(source: Path, out: Path, kind: str) -> None:
             continue  # the writer's own
         value = field.contents()
         if field.name == gguf.Keys.General.FILE_TYPE:
-            value = GGUF_TYPES_BY_KIND[kind]
+            value = file_type
         kind_of_value = field.types[0]
         sub_type = field.types[-1] if kind_of_value == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(field.name, value, kind_of_value, sub_type=sub_type)
     target = gguf.GGMLQuantizationType[kind]
     for tensor in reader.tensors:
-        if len(tensor.shape) < 2 or sum(int(d) > 1 for d in tensor.shape) < 2:
+        if not _matrix(tensor):
             writer.add_tensor(tensor.name, np.array(tensor.data), raw_dtype=tensor.tensor_type)
             continue
         values = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)  # (rows, cols)
-        if kind == "F32":
-            writer.add_tensor(tensor.name, values)
-        elif kind == "F16":
-            writer.add_tensor(tensor.name, values.astype(np.float16))
-        else:
-            writer.add_tensor(tensor.name, gguf.quants.quantize(values, target), raw_dtype=target)
+        writer.add_tensor(tensor.name, gguf.quants.quantize(values, target), raw_dtype=target)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
 
 
-GGUF_TYPES_BY_KIND = {kind: file_type for kind, file_type in GGUF_TYPES.values()}
+def _matrix(tensor) -> bool:
+    """Whether a GGUF tensor is one the copy re-types: two or more dimensions above 1."""
+    return sum(int(d) > 1 for d in tensor.shape) >= 2
 
 
 def _problem(path: Path, kind: str) -> str | None:
@@ -90,8 +88,7 @@ def _problem(path: Path, kind: str) -> str | None:
 
     try:
         reader = gguf.GGUFReader(path)
-        other = [t.name for t in reader.tensors
-                 if sum(int(d) > 1 for d in t.shape) >= 2 and t.tensor_type.name != kind]
+        other = [t.name for t in reader.tensors if _matrix(t) and t.tensor_type.name != kind]
     except Exception as err:  # any parse failure: the file is written again
         return f"{type(err).__name__}: {err}"
     if not reader.tensors:
