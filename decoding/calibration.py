@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from ..core.errors import UnwritablePathError
+from ..core.errors import InputError, InputTypeError, UnwritablePathError
+from .input_checks import check_count
 from .base.fewrow import kernel_identity
 from .base.hardware import cpu_model, isa_limits
 from ..core.atomic import write_text_atomic
@@ -28,6 +29,10 @@ from .base.fingerprint import fingerprint
 from .output import in_loop_mode
 from .cost import CostModel, CostSurfaceError, LatencyTable, Row, load_cost_surface
 from .tree import Tree, chain_tree, tree_from_paths
+
+
+#: the calibration grid's fields that list sizes (each a whole number ≥ 1), and whether the list may be empty
+CALIBRATION_LISTS = {"batch_sizes": False, "nodes": False, "contexts": False, "extra_nodes": True}
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,22 @@ class CalibrationConfig:
     tree_nodes: bool = True
     #: node counts measured besides the stored trees' (the merged drafter's wider trees)
     extra_nodes: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        """Every field checked as the grid is made (a grid that cannot be measured is refused here,
+        naming the field, not when ``tree="adaptive"`` first measures it); lists become tuples."""
+        for name, may_be_empty in CALIBRATION_LISTS.items():
+            value = getattr(self, name)
+            sizes = list(value) if isinstance(value, (list, tuple)) else None
+            if sizes is None or (not sizes and not may_be_empty) or \
+                    any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in sizes):
+                raise InputError(f"calibration.{name}={value!r}: expected a {'' if may_be_empty else 'non-empty '}list "
+                                 "of whole numbers ≥ 1, such as [1, 2, 4].")
+            object.__setattr__(self, name, tuple(sizes))
+        check_count("calibration.max_tokens", self.max_tokens, 1)
+        check_count("calibration.reps", self.reps, 1)
+        if not isinstance(self.tree_nodes, bool):
+            raise InputTypeError(f"calibration.tree_nodes={self.tree_nodes!r}: expected True or False.")
 
     def grid_nodes(self, heads=None) -> list[int]:
         """The query-token counts to measure for these heads."""

@@ -116,8 +116,6 @@ class DecodingConfig:
         if self.calibration is not None and not isinstance(self.calibration, CalibrationConfig):
             raise InputTypeError(f"calibration={self.calibration!r}: pass a draftheads.decoding.calibration."
                                  "CalibrationConfig (the grid tree='adaptive' measures) or None (the default grid).")
-        if self.calibration is not None:
-            set_(self, "calibration", checked_calibration(self.calibration))
         for name in ("packed_attention", "packed_linears", "direct_body", "delegate_plain", "per_row_counts"):
             if not isinstance(getattr(self, name), bool):
                 raise InputTypeError(f"{name}={getattr(self, name)!r}: expected True or False.")
@@ -227,8 +225,7 @@ def _tree_from_json(data: dict) -> Tree:
 
 def _calibration_from_json(data: Any) -> CalibrationConfig:
     """A saved ``calibration``: an object of :class:`~.calibration.CalibrationConfig`'s fields
-    (missing ones take their defaults; lists read as tuples; the values are checked by
-    :func:`checked_calibration`)."""
+    (missing ones take their defaults; the grid checks its own values)."""
     names = [f.name for f in dataclasses.fields(CalibrationConfig)]
     if not isinstance(data, dict):
         raise InputTypeError(f"calibration={data!r} in the saved config: expected an object of calibration options "
@@ -238,29 +235,6 @@ def _calibration_from_json(data: Any) -> CalibrationConfig:
         raise InputError(f"unknown calibration option(s) {', '.join(map(str, unknown))} in the saved config; the "
                          f"options are {', '.join(names)}.")
     return CalibrationConfig(**data)
-
-
-#: the calibration grid's fields that list sizes (each a whole number ≥ 1), and whether the list may be empty
-CALIBRATION_LISTS = {"batch_sizes": False, "nodes": False, "contexts": False, "extra_nodes": True}
-
-
-def checked_calibration(calibration: CalibrationConfig) -> CalibrationConfig:
-    """``calibration`` with every field checked (a grid that cannot be measured is refused here,
-    naming the field, not when ``tree="adaptive"`` first measures it); lists become tuples."""
-    lists = {}
-    for name, may_be_empty in CALIBRATION_LISTS.items():
-        value = getattr(calibration, name)
-        sizes = list(value) if isinstance(value, (list, tuple)) else None
-        if sizes is None or (not sizes and not may_be_empty) or \
-                any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in sizes):
-            raise InputError(f"calibration.{name}={value!r}: expected a {'' if may_be_empty else 'non-empty '}list of "
-                             "whole numbers ≥ 1, such as [1, 2, 4].")
-        lists[name] = tuple(sizes)
-    check_count("calibration.max_tokens", calibration.max_tokens, 1)
-    check_count("calibration.reps", calibration.reps, 1)
-    if not isinstance(calibration.tree_nodes, bool):
-        raise InputTypeError(f"calibration.tree_nodes={calibration.tree_nodes!r}: expected True or False.")
-    return dataclasses.replace(calibration, **lists)
 
 
 def decoding_config(decoding: DecodingConfig | None = None, **options) -> DecodingConfig:

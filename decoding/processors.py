@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import copy
 import functools
+from contextlib import contextmanager
+from typing import Iterator
 
 import torch
 
@@ -169,6 +171,17 @@ class NodeProcessors:
 
     def __len__(self) -> int:
         return len(self.processors)
+
+    @contextmanager
+    def tolerating(self) -> Iterator[None]:
+        """The loop's tree steps: prefix-reading processors (:attr:`cut`) may fail on drafted
+        prefixes inside the block; after it, whatever ended it, errors propagate again (a finished
+        row's scores raise as transformers would)."""
+        self.tolerant = bool(self.cut)
+        try:
+            yield
+        finally:
+            self.tolerant = False
 
     def __call__(self, ids: torch.Tensor, scores: torch.Tensor, lengths: torch.Tensor | None = None,
                  rows: torch.Tensor | None = None) -> torch.Tensor:
