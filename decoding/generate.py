@@ -16,6 +16,7 @@ from typing import Sequence
 import torch
 
 from ..heads import DraftHeads, load_heads
+from ..heads.fusion import feature_layer_problem
 from .accept import Typical
 from .base.binding import wearing
 from .base.hardware import bf16_native
@@ -27,7 +28,7 @@ from .builder import Decoding, StepCosts, Stores, build_decoding, measure_step_c
 from .config import AUTO, DecodingConfig, TreeOption, decoding_config, split_options
 from .drafters import Drafter, parse_sources
 from .base.fingerprint import fingerprint
-from ..core.errors import InputError
+from ..core.errors import CheckpointError, InputError
 from .base.loading import check_base_path
 from .input_checks import check_generator
 from .base.dtypes import parse_dtype
@@ -295,7 +296,11 @@ class DraftHeadsModel:
 def attach_heads(heads: DraftHeads, base, packed_linears: bool = True) -> None:
     """Bind heads to the base's frozen LM head and embeddings, in its dtype, drafting as the
     loop will (idempotent): done before anything drafts with them — the loop, and the
-    calibration of ``tree="adaptive"``, which measures ``heads.propose``."""
+    calibration of ``tree="adaptive"``, which measures ``heads.propose``. Heads that read base
+    layers it does not have are refused by name."""
+    problem = feature_layer_problem(heads.feature_layers, getattr(base.config.get_text_config(), "num_hidden_layers", None))
+    if problem is not None:
+        raise CheckpointError(f"These heads cannot read this base: {problem}; load heads trained on this base.")
     heads.bind(base.get_output_embeddings().weight, base.get_input_embeddings().weight)
     heads.to(base.dtype)
     heads.draft_dtype = drafting_dtype(base)

@@ -50,32 +50,43 @@ def listening(listener: StateListener) -> Iterator[None]:
         _LISTENER.reset(token)
 
 
+def taps_of(heads: DraftHeads | None) -> tuple[int, ...]:
+    """The base layers a step's forward keeps for ``heads`` beside the final state (:mod:`draftheads.heads.fusion`)."""
+    return heads.feature_layers if heads is not None else ()
+
+
 class HeadState:
     """Per-row head input (``hidden``, (B, d)) maintained across verification steps.
 
-    ``last_hidden`` (B, d): the base's state at each row's last prompt token. Heads whose layer
+    ``last_hidden`` (B, F): the base's features at each row's last prompt token — its final state
+    (F = d), or for heads that read more layers the features of
+    :func:`~draftheads.decoding.base.forward.with_taps` for :attr:`taps` (F = d · (1 + n)), which the
+    heads fuse (:meth:`~draftheads.heads.DraftHeads.read`) into ``hidden``. Heads whose layer
     reads the prompt (:attr:`~draftheads.heads.DraftHeads.context_from_prompt`) also take
-    ``prompt_states`` (B, T, d), every prompt position's state, and the prompt's
-    ``attention_mask`` (B, T) (left padding 0); they are read once here (and told to a listener,
-    :func:`listening`) and not kept."""
+    ``prompt_states`` (B, T, F), every prompt position's, and the prompt's ``attention_mask``
+    (B, T) (left padding 0); they are read once here (and told to a listener, :func:`listening`,
+    final states only) and not kept."""
 
     def __init__(self, heads: DraftHeads | None, last_hidden: torch.Tensor, prompt_states: torch.Tensor | None = None,
                  attention_mask: torch.Tensor | None = None):
         self.heads = heads
+        self.taps = taps_of(heads)
+        #: the base's width: the final state's share of the features
+        self.width = last_hidden.shape[-1] // (1 + len(self.taps))
         self.kv: KVState | None = None
-        self.hidden = last_hidden
+        self.hidden = heads.read(last_hidden) if heads is not None else last_hidden
         self.listener = _LISTENER.get()
         # the caller's row of each live row, kept only for a listener (the loop has its own ``live``)
         self.rows = torch.arange(last_hidden.shape[0]) if self.listener is not None else None
         if self.listener is not None and prompt_states is not None:
-            self.listener.prefilled(prompt_states)
+            self.listener.prefilled(prompt_states[..., : self.width])
         if heads is None or not heads.contextual:
             return
         if heads.context_from_prompt:
             if prompt_states is None or attention_mask is None:
                 raise ValueError(f"{type(heads).__name__} read the whole prompt: pass HeadState the prefill's "
                                  "prompt_states (B, T, d) and attention_mask (prefill(..., all_states=True)).")
-            self.kv, self.hidden = over_prompt(heads, prompt_states, attention_mask)
+            self.kv, self.hidden = over_prompt(heads, heads.read(prompt_states), attention_mask)
             return
         from transformers import DynamicCache
 
@@ -83,21 +94,23 @@ class HeadState:
         # The layer's context starts at the last prompt token (position 0), as in training.
         first = torch.ones(batch, 1, dtype=torch.bool, device=device)
         cache = DynamicCache()
-        out = heads.contextualize(last_hidden[:, None], torch.zeros(batch, 1, dtype=torch.long, device=device),
+        out = heads.contextualize(self.hidden[:, None], torch.zeros(batch, 1, dtype=torch.long, device=device),
                                   first[:, None, None, :], cache)
         self.kv = KVState.after_prefill(cache, first)
         self.hidden = out[:, 0]
 
     def step(self, states: torch.Tensor, trees: StepTrees, result: Acceptance) -> None:
-        """After a verification: ``states`` (B, N, d) of every tree slot; keep the accepted ones."""
+        """After a verification: ``states`` (B, N, F) of every tree slot (features, as
+        ``last_hidden``); keep the accepted ones."""
         if self.listener is not None:
-            self.listener.verified(self.rows, states, result)
+            self.listener.verified(self.rows, states[..., : self.width], result)
         rows = torch.arange(states.shape[0], device=states.device)
         if self.kv is None:
-            self.hidden = states[rows, result.best]
+            chosen = states[rows, result.best]
+            self.hidden = self.heads.read(chosen) if self.heads is not None else chosen
             return
         mask, positions, past = self.kv.tree_inputs(trees.ancestor, trees.depth)
-        out = self.heads.contextualize(states, positions, mask, self.kv.cache)
+        out = self.heads.contextualize(self.heads.read(states), positions, mask, self.kv.cache)
         self.kv.commit(result.path + past, result.accepted + 1)
         self.hidden = out[rows, result.best]
 

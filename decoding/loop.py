@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 import torch
 
 from .accept import Acceptor
-from .base.forward import lm_logits, prefill
+from .base.forward import final_states, lm_logits, prefill
 from .base.cache import KVState
 from .base.key_blocks import grouped_order
 from .drafters import Drafter, DraftState
-from .head_state import HeadState
+from .head_state import HeadState, taps_of
 from .output import Emitter, StopReplay, generated_counts
 from .request import Request, score_readers
 from .sequences import Sequences
@@ -145,9 +145,10 @@ def speculate(base, heads, policy, drafter: Drafter, request: Request, started: 
     out = Emitter(sequences, request.limits, request.eos, stop_replay(request), streamer, request.want_scores)
     # every prompt position's state (B, T, d), computed by the forward anyway: heads that read the
     # prompt and a listener (training's capture) take them; the rest only the last one's
-    cache, states = prefill(base, request.input_ids, request.attention_mask, all_states=True)
-    hidden = states[:, -1].clone()  # (B, d)
-    heads_state = HeadState(heads, hidden, states, request.attention_mask)
+    # (with the layers multi-layer heads read beside the final state: features, :func:`with_taps`)
+    cache, states = prefill(base, request.input_ids, request.attention_mask, all_states=True, taps=taps_of(heads))
+    heads_state = HeadState(heads, states[:, -1].clone(), states, request.attention_mask)
+    hidden = final_states(states[:, -1], heads_state.width)  # (B, d)
     del states  # not kept past the prefill
     kv = KVState.after_prefill(cache, request.attention_mask)
     logits = lm_logits(base, hidden)  # (B, V)
@@ -156,10 +157,8 @@ def speculate(base, heads, policy, drafter: Drafter, request: Request, started: 
     out.emit_first(roots, acceptor.reported(logits) if request.want_scores else None)
     prefilled = time.perf_counter()
     drafter.start(sequences.prompts())
-    acceptor.processors.tolerant = bool(acceptor.processors.cut)  # drafted prefixes may fail (NodeProcessors)
-    stats = decode(base, policy, sequences, out, acceptor, drafter, kv, heads_state, roots, timer,
-                   shrink)
-    acceptor.processors.tolerant = False  # a finished row's scores (dict_output) raise as transformers would
+    with acceptor.processors.tolerating():  # drafted prefixes may fail (NodeProcessors)
+        stats = decode(base, policy, sequences, out, acceptor, drafter, kv, heads_state, roots, timer, shrink)
     stats.prefill_seconds, stats.first_tokens = prefilled - started, request.batch
     stats.new_tokens, stats.seconds = sequences.new_tokens, time.perf_counter() - started
     assembled = out.finish(request.pad)

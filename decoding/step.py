@@ -20,7 +20,7 @@ import torch
 from .base.binding import packed_forward
 from .base.rows import computed_rows
 from .accept import Acceptance
-from .base.forward import lm_logits, verify
+from .base.forward import final_states, lm_logits, verify
 from .base.cache import KVState
 from .drafters import Drafter, StepTrees, DraftState
 from .head_state import HeadState
@@ -95,15 +95,16 @@ def decode_step(base, drafter: Drafter, acceptor, kv: KVState, heads_state: Head
     ragged = trees.valid if trees.skips_padding() else None  # padding slots are not computed
     with computed_rows(ragged):
         with phase("forward", device):
-            states = verify(base, trees.tokens, positions, mask, kv.cache, ragged)  # (B, N, d)
+            # (B, N, d), or with the layers multi-layer heads read: (B, N, d · (1 + n)), final state first
+            features = verify(base, trees.tokens, positions, mask, kv.cache, ragged, heads_state.taps)
         with phase("lm_head", device):
-            logits = lm_logits(base, states)  # (B, N, V)
+            logits = lm_logits(base, final_states(features, heads_state.width))  # (B, N, V)
     with phase("accept", device):
         result = acceptor.accept(trees, logits, torch.tensor(state.rows))
     with phase("commit", device):
         kv.commit(result.path + past, result.accepted + 1)
     with phase("context", device):
-        heads_state.step(states, trees, result)
+        heads_state.step(features, trees, result)
         drafter.observe(trees, result, state.rows)
     if timer is not None:
         timer.steps += 1

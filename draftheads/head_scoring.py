@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+from typing import Sequence
 from pathlib import Path
 
 import torch
@@ -53,15 +54,16 @@ def base_answers(base, tokenizer, prompts: list[dict], max_new_tokens: int, cach
     return records
 
 
-def answer_features(base, tokenizer, records: list[dict]) -> Features:
+def answer_features(base, tokenizer, records: list[dict], layers: Sequence[int] = ()) -> Features:
     """Hidden states + the base's own next tokens over prompt + answer, extracted once for
-    every checkpoint (in a temporary directory: they are cheap next to decoding)."""
+    every checkpoint (in a temporary directory: they are cheap next to decoding), with the states
+    of ``layers`` (those multi-layer heads read beside the final state)."""
     fp = fingerprint(base).to_dict()
     examples = selfdistill_examples(records, tokenizer)
     if not examples:
         raise ValueError("No answer is long enough to score heads on (each needs ≥ 2 generated tokens).")
     with tempfile.TemporaryDirectory() as tmp:
-        return load_shards(extract_features(base, examples, tmp, fp), fp)
+        return load_shards(extract_features(base, examples, tmp, fp, layers=tuple(layers)), fp, tuple(layers))
 
 
 def score_heads(heads: DraftHeads, base, features: Features) -> dict:

@@ -23,14 +23,20 @@ from .training.features import chat_prompt_ids
 
 #: the data shipped with the package (evaluation prompts, GPU cost surfaces; README and licences there)
 DATA_DIR = Path(__file__).resolve().parent / "data"
-#: built-in prompt sets: name → file in DATA_DIR
-PROMPT_SETS = {"mt-bench": "mt_bench.jsonl", "spec-bench": "spec_bench_dev.jsonl"}
+#: built-in prompt sets: name → file in DATA_DIR (``clean-eval``: :data:`CLEAN_EVAL_PROMPTS`)
+PROMPT_SETS = {"mt-bench": "mt_bench.jsonl", "spec-bench": "spec_bench_dev.jsonl", "clean-eval": "clean_eval.jsonl"}
 #: the dev prompts the heads are scored on (the README's bench rows, the data-scaling table):
 #: MT-Bench's first of each category and 8 of each other Spec-Bench dev task
 DEV_PROMPTS = ("mt-bench@1", "spec-bench@8:translation,summarization,qa,math_reasoning,rag")
 #: the batched bench's prompts (the README's batch rows, the batch-path scripts): two of each
 #: MT-Bench category and four of each other Spec-Bench dev task, dealt round-robin into batches
 BATCH_PROMPTS = ("mt-bench@2", "spec-bench@4:translation,summarization,qa,math_reasoning,rag")
+#: the clean evaluation set the heads' trees and best epoch are chosen on (a recipe's data.eval_path
+#: job answers it): every record of the built-in spec-bench file whose prompt is in neither
+#: DEV_PROMPTS nor BATCH_PROMPTS, so no figure the benches report is measured on a prompt the heads
+#: were selected on; 8 of each MT-Bench category and 32 of each other Spec-Bench dev task, 224 in
+#: all. Written to its file by :func:`clean_eval_text` (the distill job reads files by path)
+CLEAN_EVAL_PROMPTS = "clean-eval"
 
 #: MT-Bench's eight categories (Spec-Bench counts them as one task, "mt_bench")
 MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
@@ -213,3 +219,15 @@ def read_prompts(paths: str | Sequence[str], limit: int | None = None) -> list[d
     if not prompts:
         raise PromptFileError(f"No prompts in {', '.join(map(str, [paths] if isinstance(paths, str) else paths))}.")
     return prompts[:limit] if limit else prompts
+
+
+def clean_eval_text() -> str:
+    """The clean evaluation set's file (:data:`CLEAN_EVAL_PROMPTS`): the records of the built-in
+    spec-bench file whose prompt no bench decodes, in file order, each unchanged but for an added
+    ``source``, its Spec-Bench task (:func:`group_of`), which an evaluation job groups its scores by."""
+    # each set read on its own, as the benches read it (read together, a later @N skips the earlier ones' prompts)
+    decoded = {r["prompt"] for spec in (DEV_PROMPTS, BATCH_PROMPTS) for r in read_prompts(spec)}
+    lines = [line for line in prompt_file("spec-bench").read_text(encoding="utf-8").split("\n") if line.strip()]
+    kept = [json.dumps({**json.loads(line), "source": group_of(record["category"])}, ensure_ascii=False)
+            for line, record in zip(lines, read_prompt_file("spec-bench")) if record["prompt"] not in decoded]
+    return "".join(line + "\n" for line in kept)

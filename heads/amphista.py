@@ -178,7 +178,7 @@ class AmphistaHeads(DraftHeads):
             got = None if tokens is None else tuple(tokens.shape)
             raise ValueError(f"Amphista heads need the root token x_(t+1): tokens of shape "
                              f"{tuple(hidden.shape[:-1]) + (1,)} or wider (..., ≥1), got {got}.")
-        return self.readout(self.head_states(self.slots(hidden, tokens[..., 0])))
+        return self.readout(self.head_states(self.slots(self.read(hidden), tokens[..., 0])))
 
     @torch.no_grad()
     def topk(self, hidden: torch.Tensor, roots: torch.Tensor, k: int) -> torch.Tensor:

@@ -14,15 +14,16 @@ from torch import nn
 
 from ..core.errors import CheckpointError, InputError, InputTypeError
 from .family_options import FamilyOptions, KoalaOptions
+from .fusion import feature_layer_problem
 
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 CARD_NAME = "README.md"
 #: 1: the first layout (no version recorded); 2: adds ``draftheads_version``, ``base_revision``
-#: and ``owns_lm_head``; 4: adds ``expected_tau_on``. A reader loads every format up to its own and
-#: names both versions otherwise.
-FORMAT_VERSION = 4
+#: and ``owns_lm_head``; 4: adds ``expected_tau_on``; 5: adds ``feature_layers``. A reader loads every
+#: format up to its own and names both versions otherwise.
+FORMAT_VERSION = 5
 #: keys formats 1-2 kept in ``extra`` that format 3 made typed fields (moved on load)
 PROMOTED_FROM_EXTRA = ("default_budget", "expected_tau", "default_budget_by_dtype")
 #: the drafted part of a checkpoint's expected τ that decoding counts on, by what it was measured on:
@@ -86,6 +87,9 @@ class HeadConfig:
     options: FamilyOptions = field(default_factory=FamilyOptions)
     #: KOALA's settings when the heads were trained with it (``extra.koala`` on disk)
     koala: KoalaOptions | None = None
+    #: base layers the heads read beside its final state (``output_hidden_states`` numbering, see
+    #: :mod:`.fusion`); [] (every checkpoint before format 5): the final state only
+    feature_layers: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         defaults = {f.name: (f.default_factory() if callable(f.default_factory) else f.default) for f in fields(self)}
@@ -104,6 +108,10 @@ class HeadConfig:
         if self.expected_tau_on not in EXPECTED_TAU_SCALE:
             raise ValueError(f"HeadConfig.expected_tau_on must be one of {sorted(EXPECTED_TAU_SCALE)}, "
                              f"got {self.expected_tau_on!r}.")
+        problem = feature_layer_problem(self.feature_layers)
+        if problem is not None:
+            raise ValueError(f"HeadConfig: {problem}.")
+        self.feature_layers = list(self.feature_layers)
         if not isinstance(self.draft_vocab_size, int) or not 0 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"HeadConfig.draft_vocab_size must be in [0, vocab_size={self.vocab_size}] "
                              f"(0 = full vocabulary), got {self.draft_vocab_size!r}.")

@@ -125,6 +125,7 @@ class HydraHeads(DraftHeads):
         if tokens is None or tokens.shape[-1] < self.num_heads:
             raise ValueError(f"Hydra heads need the path tokens x_(t+1)..x_(t+{self.num_heads}) "
                              f"(tokens of shape (..., ≥{self.num_heads})).")
+        hidden = self.read(hidden)
         embedded = self.embed(tokens[..., : self.num_heads], hidden.dtype)
         states = [head(hidden, embedded[..., : k + 1, :]) for k, head in enumerate(self.heads)]
         return self.readout(torch.stack(states, dim=-2))
@@ -257,4 +258,4 @@ class HydraPlusPlusHeads(HydraHeads):
         mask = (causal[None] & valid[:, None, :])[:, None]
         mask = mask | torch.eye(length, dtype=torch.bool, device=hidden.device)  # padded rows stay finite
         positions = torch.arange(length, device=hidden.device).expand(batch, length)
-        return super().forward(self.dropout(self.contextualize(hidden, positions, mask)), tokens=tokens)
+        return super().forward(self.dropout(self.contextualize(self.read(hidden), positions, mask)), tokens=tokens)

@@ -64,7 +64,7 @@ class MedusaHeads(DraftHeads):
         return torch.stack([head(hidden) for head in self.heads], dim=-2)
 
     def forward(self, hidden: torch.Tensor, **_: object) -> torch.Tensor:
-        states = self.head_states(hidden)
+        states = self.head_states(self.read(hidden))
         return self.owned_readout(states) if self.config.owns_lm_head else self.readout(states)
 
     def owned_readout(self, states: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,7 @@ from .head_config import HeadConfig
 from ..core.content import FingerprintMemo, fingerprint_of
 from ..core.kept import keeping
 from .family_options import FamilyOptions
+from .fusion import FeatureFusion, feature_width
 
 
 class FastReadout(Protocol):
@@ -99,6 +100,8 @@ class DraftHeads(nn.Module):
             raise CheckpointError(f"The {self.family!r} family reads out through the base's shared LM head only; "
                                   "owns_lm_head=True is supported by the 'medusa' family.")
         self.config = config
+        #: the learned fusion of the base layers the heads read (:mod:`.fusion`); None: the final state only
+        self.fusion = FeatureFusion(config.hidden_size, len(config.feature_layers)) if config.feature_layers else None
         self.register_buffer("vocab_ids", torch.arange(config.draft_vocab_size or config.vocab_size), persistent=True)
         self._shared: SharedBase | None = None
         self._draft_weights: dict[torch.dtype, torch.Tensor] = {}  # draft rows per dtype (see draft_weight)
@@ -221,13 +224,34 @@ class DraftHeads(nn.Module):
         return self.config.num_heads
 
     @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The base layers the heads read beside its final state (:mod:`.fusion`); () for the final state only."""
+        return tuple(self.config.feature_layers)
+
+    def read(self, features: torch.Tensor) -> torch.Tensor:
+        """The heads' input → the state they draft from, (..., d): features (..., d · (1 + n)) — the
+        base's final state then each of :attr:`feature_layers`' — through the learned fusion; a state of
+        the base's width is read as it is (the final state, for heads that read only it; the fused
+        state, for the family methods a decoder hands it to). Any other width is refused by name."""
+        width = features.shape[-1]
+        if width == self.config.hidden_size:
+            return features
+        if self.fusion is None or width != feature_width(self.config.hidden_size, self.config.feature_layers):
+            raise ValueError(f"{type(self).__name__} read the base's final state"
+                             + (f" and its layers {list(self.feature_layers)}" if self.feature_layers else "")
+                             + f": (..., {feature_width(self.config.hidden_size, self.config.feature_layers)}) "
+                             f"features, got width {width}; capture the layers the checkpoint's config.json names.")
+        return self.fusion(features)
+
+    @property
     def max_rank(self) -> int:
         """Largest top-k a node can ask for (exclusive)."""
         return self.config.draft_vocab_size or self.config.vocab_size
 
     # -- family API ----------------------------------------------------------------------------
     def forward(self, hidden: torch.Tensor, **kwargs) -> torch.Tensor:  # pragma: no cover - abstract
-        """hidden (..., d) → draft logits (..., K, V_draft); head k predicts token t+k+2."""
+        """hidden (..., d) → draft logits (..., K, V_draft); head k predicts token t+k+2. A family
+        reads ``hidden`` through :meth:`read` first (features of several layers are fused there)."""
         raise NotImplementedError
 
     @torch.no_grad()

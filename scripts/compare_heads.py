@@ -123,11 +123,15 @@ def accuracy_section(base, tokenizer, candidates: list[Candidate], prompts: list
                      cache: Path | None, log: Log) -> dict:
     """Every checkpoint scored on the same extracted positions (heads in float32)."""
     log(f"accuracy: base answers to {len(prompts)} held-out prompts ({max_new_tokens} tokens, cache {cache})")
-    features = answer_features(base, tokenizer, base_answers(base, tokenizer, prompts, max_new_tokens, cache))
+    answers = base_answers(base, tokenizer, prompts, max_new_tokens, cache)
+    tables = {}  # the answers' features per set of base layers the heads read, extracted once each
     fp = fingerprint(base).to_dict()
     out = {}
     for c in candidates:
-        scored = score_heads(load_heads(c.path, expected_fingerprint=fp), base, features)
+        heads = load_heads(c.path, expected_fingerprint=fp)
+        if heads.feature_layers not in tables:
+            tables[heads.feature_layers] = answer_features(base, tokenizer, answers, heads.feature_layers)
+        scored = score_heads(heads, base, tables[heads.feature_layers])
         scored["tree_tau_used"] = scored["tree_tau"].get(str(c.budget))
         out[c.name] = scored
         log(f"  {c.name}: top-1 {scored['accuracy']['top1']}  top-5 {scored['accuracy']['top5']}  "

@@ -122,30 +122,34 @@ def job_wall_times(jobs: list[Path], share: float) -> dict:
     return {"generation_seconds": round(generation * share, 1), "features_seconds": round(features * share, 1)}
 
 
-def eval_table(eval_job: Path, base, with_prompt: bool):
+def eval_table(eval_job: Path, base, with_prompt: bool, layers: tuple[int, ...] = ()):
     """The evaluation job (MT-Bench and Spec-Bench dev) as one table and its rows per prompt
-    source, as a run's per-epoch evaluation reads it."""
+    source, as a run's per-epoch evaluation reads it (with the states of the base ``layers``
+    multi-layer heads read)."""
     from draftheads.decoding.base.loading import dtype_name
     from draftheads.decoding.base.fingerprint import fingerprint
     from draftheads.training.data.job_data import job_eval_table
 
-    return job_eval_table(eval_job, fingerprint(base).to_dict(), dtype_name(base.dtype), with_prompt)
+    return job_eval_table(eval_job, fingerprint(base).to_dict(), dtype_name(base.dtype), with_prompt, layers)
 
 
-def table_for(report: dict, tables: dict, base, eval_job: str) -> tuple:
-    """The evaluation table laid out as this run's heads read it (with the prompt's rows or not)."""
+def table_for(report: dict, tables: dict, base, eval_job: str, heads_dir: Path) -> tuple:
+    """The evaluation table laid out as this run's heads read it (with the prompt's rows or not,
+    with the base layers its checkpoint names)."""
+    from draftheads.heads import read_config
     from draftheads.training.data.job_data import reads_prompt
     from draftheads.training.recipe import Recipe, build
 
-    with_prompt = reads_prompt(build(Recipe, report["recipe"]))
-    if with_prompt not in tables:
-        tables[with_prompt] = eval_table(Path(eval_job), base, with_prompt)
-    return tables[with_prompt]
+    key = (reads_prompt(build(Recipe, report["recipe"])), tuple(read_config(heads_dir).feature_layers))
+    if key not in tables:
+        tables[key] = eval_table(Path(eval_job), base, *key)
+    return tables[key]
 
 
 def teacher_forced(heads_dir: Path, base, table_groups: tuple) -> dict:
-    """Per-head top-1/top-5 and the τ of the heads' 8-node tree, teacher-forced, on the whole
-    evaluation table (``dev``) and its MT-Bench rows: the per-epoch evaluation's scoring."""
+    """Per-head top-1/top-5 and the τ of the heads' 8-node tree and of the fixed 16-node one,
+    teacher-forced, on the whole evaluation table (``dev``) and its MT-Bench rows (the evaluation
+    job's ``mt_bench`` source): the per-epoch evaluation's scoring."""
     from draftheads.heads import load_heads
     from draftheads.training.evaluation import evaluate_heads
 
@@ -156,7 +160,7 @@ def teacher_forced(heads_dir: Path, base, table_groups: tuple) -> dict:
 
     def shaped(part: dict) -> dict:
         return {"positions": part["positions"], "accuracy": {"top1": part["top1"], "top5": part["top5"]},
-                "tree_tau_8": part["tau"]}
+                "tree_tau_8": part["tau"], "tree_tau_fixed16": part["tau_fixed16"]}
 
     return {"dev": shaped(scores), "mt_bench": shaped(scores["groups"]["mt_bench"])}
 
@@ -295,7 +299,8 @@ def main(argv: list[str] | None = None) -> int:
                "data": [j.name for j in jobs], "sequences": data["sequences"], "positions": data["answer_positions"],
                "epochs": report["recipe"]["train"]["epochs"], **job_wall_times(jobs, data["share"]),
                "training_seconds": report["train_wall_seconds"],
-               "teacher_forced": teacher_forced(run_dir / "final", base, table_for(report, tables, base, args.eval_job)),
+               "teacher_forced": teacher_forced(run_dir / "final", base,
+                                                table_for(report, tables, base, args.eval_job, run_dir / "final")),
                "decoded": decoded_tau(run_dir / "final", base, tokenizer, prompts, args.max_new_tokens)}
         print(json.dumps(row), file=sys.stderr, flush=True)
         rows.append(row)

@@ -39,12 +39,15 @@ def main(argv: list[str] | None = None) -> int:
     fp = fingerprint(base).to_dict()
     prompts = read_prompts(args.prompts, args.limit)
     cache = answers_cache_path(args.prompts, args.limit, args.max_new_tokens, args.dtype)
-    features = answer_features(base, tokenizer, base_answers(base, tokenizer, prompts, args.max_new_tokens, cache))
-    results = {"prompts": args.prompts, "limit": args.limit, "positions": len(features), "dtype": args.dtype,
+    answers = base_answers(base, tokenizer, prompts, args.max_new_tokens, cache)
+    tables = {(): answer_features(base, tokenizer, answers)}  # per set of base layers the heads read
+    results = {"prompts": args.prompts, "limit": args.limit, "positions": len(tables[()]), "dtype": args.dtype,
                "checkpoints": {}}
     for path in args.checkpoints:
         heads = load_heads(path, expected_fingerprint=fp, dtype=torch.float32)
-        scored = score_heads(heads, base, features)
+        if heads.feature_layers not in tables:
+            tables[heads.feature_layers] = answer_features(base, tokenizer, answers, heads.feature_layers)
+        scored = score_heads(heads, base, tables[heads.feature_layers])
         results["checkpoints"][path] = {"family": heads.family, "accuracy": scored["accuracy"],
                                         "tree_tau": scored["tree_tau"]}
         print(f"{path}: {heads.family} top1 {scored['accuracy']['top1']} τ by budget {scored['tree_tau']}",

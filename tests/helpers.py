@@ -149,8 +149,10 @@ class OracleHeads(DraftHeads):
 
     family = "oracle-test"
 
-    def __init__(self, continuations: list[list[int]], vocab: int, num_heads: int = 6, error: float = 0.2, seed: int = 0):
-        super().__init__(HeadConfig(family="medusa", num_heads=num_heads, hidden_size=32, vocab_size=vocab))
+    def __init__(self, continuations: list[list[int]], vocab: int, num_heads: int = 6, error: float = 0.2, seed: int = 0,
+                 feature_layers: tuple[int, ...] = ()):
+        super().__init__(HeadConfig(family="medusa", num_heads=num_heads, hidden_size=32, vocab_size=vocab,
+                                    feature_layers=list(feature_layers)))
         self.continuations = continuations
         self.vocab = vocab
         self.error = error
@@ -395,13 +397,14 @@ def tiny_distill_setup(root: Path, prompts: int, seed: int):
 
 # -- heads and a calibration grid several test modules use ------------------------------------------
 def random_heads(family: str, model, seed: int = 0, draft_vocab: int = 0, num_layers: int = 1,
-                 extra: dict | None = None):
+                 extra: dict | None = None, feature_layers: tuple[int, ...] = ()):
     """Heads with random (non-zero) weights so drafts are diverse and mostly wrong (``extra``: the
-    family's options)."""
+    family's options; ``feature_layers``: the base layers they read beside its final state)."""
     cfg = model.config
     heads = build_heads(HeadConfig(family=family, num_heads=3, num_layers=num_layers, hidden_size=cfg.hidden_size,
                                    vocab_size=cfg.vocab_size, draft_vocab_size=draft_vocab,
-                                   base_fingerprint=fingerprint(model).to_dict(), extra=dict(extra or {})))
+                                   base_fingerprint=fingerprint(model).to_dict(), extra=dict(extra or {}),
+                                   feature_layers=list(feature_layers)))
     torch.manual_seed(seed)
     for p in heads.parameters():
         torch.nn.init.normal_(p, std=0.3)

@@ -20,14 +20,16 @@ def split_examples(examples: list[Example], eval_examples: int) -> tuple[list[Ex
     return examples[: len(examples) - eval_examples], examples[len(examples) - eval_examples:]
 
 
-def cached_features(base, examples: list[Example], directory: Path, fp: dict, accelerator) -> Features:
+def cached_features(base, examples: list[Example], directory: Path, fp: dict, accelerator,
+                    layers: list[int] | tuple[int, ...] = ()) -> Features:
     """Extract (or resume extracting) feature shards on the main process, then every process
-    loads them; shards from another base are refused by :func:`load_shards`."""
+    loads them; shards from another base are refused by :func:`load_shards`. ``layers``: the
+    base layers the heads read beside the final state (shards without them are rebuilt)."""
     with accelerator.main_process_first():
-        paths = extract_features(base, examples, directory, fp) if accelerator.is_main_process else None
+        paths = extract_features(base, examples, directory, fp, layers=layers) if accelerator.is_main_process else None
     if paths is None:
-        paths = extract_features(base, examples, directory, fp)  # all shards exist now: only lists them
-    return load_shards(paths, fp)
+        paths = extract_features(base, examples, directory, fp, layers=layers)  # all shards exist now: only lists them
+    return load_shards(paths, fp, layers)
 
 
 class FeatureBatches:
@@ -80,16 +82,19 @@ def chunk_rows(chunks: list[tuple[int, int]]) -> torch.Tensor:
 
 class OnTheFlyBatches:
     """Training items = examples; each batch runs the frozen base over its sequences (for
-    contextual families the batch's rows come as sequence chunks, as in :class:`FeatureBatches`)."""
+    contextual families the batch's rows come as sequence chunks, as in :class:`FeatureBatches`),
+    keeping the states of ``layers`` too."""
 
-    def __init__(self, base, examples: list[Example], num_heads: int, chunk_length: int | None = None):
+    def __init__(self, base, examples: list[Example], num_heads: int, chunk_length: int | None = None,
+                 layers: list[int] | tuple[int, ...] = ()):
         self.base, self.examples, self.num_heads, self.chunk_length = base, examples, num_heads, chunk_length
+        self.layers = list(layers)
 
     def __len__(self) -> int:
         return len(self.examples)
 
     def batch(self, items: torch.Tensor) -> tuple[Features, torch.Tensor, torch.Tensor]:
-        table = example_features(self.base, [self.examples[i] for i in items.tolist()])
+        table = example_features(self.base, [self.examples[i] for i in items.tolist()], self.layers)
         shifted = shifted_rows(table.targets, self.num_heads)
         if self.chunk_length is None:
             return table, torch.arange(len(table)), shifted

@@ -26,6 +26,11 @@ EVAL_BUDGET = 8  # node budget of the tree epochs and checkpoints are compared o
 #: scored on the same tree; the shape the shipped 8-node trees share
 #: (evidence: checkpoints/smollm2-135m-hydra/config.json, trees["8"])
 FIXED_TREE = [[0], [0, 0], [1], [0, 0, 0], [2], [0, 1], [1, 0], [0, 0, 0, 0]]
+#: the 16-node, depth-4 tree every evaluation also reports τ at (``tau_fixed16``), whatever trees the
+#: heads store, so runs and checkpoints compare on a larger budget too: FIXED_TREE and the 8 nodes the
+#: shipped 16-node trees most often add to it (checkpoints/smollm2-135m-*/config.json, trees["16"]:
+#: [3], [4], [0, 2] in all six, [5], [0, 0, 1] in five, [0, 3] in four, then of three ties the deeper two)
+FIXED_TREE_16 = FIXED_TREE + [[3], [0, 2], [4], [0, 0, 1], [5], [0, 3], [2, 0], [0, 1, 0]]
 HELD_OUT, DEV = "held_out", "dev"  # the evaluation tables: the data's held-out split, data.eval_path
 
 
@@ -88,20 +93,21 @@ def eval_tree(trees: dict[str, list[list[int]]], budget: int = EVAL_BUDGET) -> t
 
 
 def rank_scores(ranks: torch.Tensor, paths: list[list[int]]) -> dict:
-    """Per-head top-1/top-5 and τ of the tree ``paths`` on a rank matrix (P, K)."""
+    """Per-head top-1/top-5, τ of the tree ``paths`` and τ of :data:`FIXED_TREE_16` on a rank matrix (P, K)."""
     if not len(ranks):
-        return {"positions": 0, "top1": None, "top5": None, "tau": None}
-    return {"positions": int(ranks.shape[0]), **topk_accuracy(ranks), "tau": tree_tau(ranks, paths)}
+        return {"positions": 0, "top1": None, "top5": None, "tau": None, "tau_fixed16": None}
+    return {"positions": int(ranks.shape[0]), **topk_accuracy(ranks), "tau": tree_tau(ranks, paths),
+            "tau_fixed16": tree_tau(ranks, FIXED_TREE_16)}
 
 
 @torch.no_grad()
 def evaluate_heads(heads: DraftHeads, table: Features, groups: dict[str, torch.Tensor] | None = None,
                    budget: int = EVAL_BUDGET, labels_from: str = "teacher", dtype: torch.dtype = torch.float32,
                    device="cpu", max_positions: int = 0, chunk_length: int = 256, autocast=nullcontext) -> dict:
-    """Per-head top-1/top-5 and τ at the heads' ``budget``-node tree (:func:`eval_tree`: which
-    one is recorded as ``tree``) on the table, overall and per group ({name: row indices}; rows
-    past ``max_positions`` are not scored). ``tau_search`` is the τ of the best tree searched on
-    these same ranks (an upper bound the fixed tree is read against)."""
+    """Per-head top-1/top-5, τ at the heads' ``budget``-node tree (:func:`eval_tree`: which one is
+    recorded as ``tree``) and ``tau_fixed16`` (τ at :data:`FIXED_TREE_16`) on the table, overall and
+    per group ({name: row indices}; rows past ``max_positions`` are not scored). ``tau_search`` is
+    the τ of the best tree searched on these same ranks (an upper bound the fixed tree is read against)."""
     was_training = heads.training
     heads.eval()
     with autocast():
@@ -136,11 +142,14 @@ def load_eval_table(recipe: Recipe, accelerator, fp: dict, base,
     path = recipe.data.eval_path
     if not path:
         return None
+    from .frozen import feature_layers_for  # the base layers the heads read beside the final state
+
     if Path(path).is_dir():  # a self-distillation job's folder: its states are read where they lie
         from ..decoding.base.loading import dtype_name
         from .data.job_data import job_eval_table, reads_prompt
 
-        return job_eval_table(Path(path), fp, dtype_name(base.dtype), reads_prompt(recipe))
+        return job_eval_table(Path(path), fp, dtype_name(base.dtype), reads_prompt(recipe),
+                              feature_layers_for(recipe, base))
     if not Path(path).is_file():
         raise DataError(f"Recipe key data.eval_path: {path} does not exist; point it at a JSONL of the base's "
                         "answers (prompt, response_ids, group) or remove it.")
@@ -155,10 +164,11 @@ def load_eval_table(recipe: Recipe, accelerator, fp: dict, base,
     ordered = [e for g in examples for e in examples[g]]
     if not ordered:
         raise DataError(f"Recipe key data.eval_path: {path} holds no answer of ≥ 2 tokens to score heads on.")
+    layers = feature_layers_for(recipe, base)
     if recipe.data.features_dir:
-        table = cached_features(base, ordered, Path(recipe.data.features_dir) / DEV, fp, accelerator)
+        table = cached_features(base, ordered, Path(recipe.data.features_dir) / DEV, fp, accelerator, layers)
     else:
-        table = example_features(base, ordered)
+        table = example_features(base, ordered, layers)
     return table, group_rows(examples) if set(examples) != {""} else {}
 
 

@@ -1,6 +1,13 @@
 """Hidden-state feature cache: run the frozen base once over the training text and keep its
 last hidden states (fp16 shards), so head training never re-runs the base.
 
+Heads that read more of the base (``HeadConfig.feature_layers``, :mod:`draftheads.heads.fusion`)
+get the residual stream after the named layers from the same forward (``output_hidden_states``):
+a shard keeps them beside the final state, as ``layers`` (P, n · d) fp16, and records which
+(``"layers": [3, 15]`` in its metadata). A shard that lacks a layer a run reads is rebuilt; one
+that holds more serves the layers asked (:func:`layer_columns`); shards without ``layers`` (every
+shard before them) serve heads that read the final state only.
+
 Each shard is written to a temporary name and renamed when complete, so a killed run resumes
 at the first missing shard and a partial shard is never mistaken for a complete one.
 """
@@ -90,10 +97,30 @@ def _ahead(values: torch.Tensor, first: int, stop: int, first_offset: int) -> to
     return padded[index.clamp(max=padded.shape[0] - 1)]
 
 
+@dataclass
+class Captured:
+    """One example's positions response_start-1 .. L-2 from one base forward: ``hidden`` the final
+    (normed) state (R, d) fp16, ``layers`` the named layers' states side by side (R, n · d) fp16 or
+    None, and ``predicted`` the base's argmax at positions response_start-1 .. L-1 (R + 1,)."""
+
+    hidden: torch.Tensor
+    predicted: torch.Tensor
+    layers: torch.Tensor | None = None
+
+
+def selected_states(out, layers: list[int] | tuple[int, ...]) -> torch.Tensor | None:
+    """The named layers' states of a forward run with ``output_hidden_states=True``, side by side
+    (..., n · d) in the order named (index i of ``out.hidden_states``: the residual stream after i
+    decoder layers, 0 the embeddings); None when none are named."""
+    if not layers:
+        return None
+    return torch.cat([out.hidden_states[layer] for layer in layers], dim=-1)
+
+
 @torch.no_grad()
-def hidden_states(model, batch: list[Example]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per example: last-layer hidden states (after the final norm) at positions
-    response_start-1 .. L-2, and the base's argmax at positions response_start-1 .. L-1."""
+def captured_states(model, batch: list[Example], layers: list[int] | tuple[int, ...] = ()) -> list[Captured]:
+    """Per example what :class:`Captured` holds, from one forward of the base's body over the
+    batch (right-padded); the named ``layers`` come from the same forward."""
     longest = max(len(e.input_ids) for e in batch)
     ids = torch.full((len(batch), longest), 0, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -101,14 +128,23 @@ def hidden_states(model, batch: list[Example]) -> list[tuple[torch.Tensor, torch
         ids[row, : len(example.input_ids)] = torch.tensor(example.input_ids)
         mask[row, : len(example.input_ids)] = 1
     device = next(model.parameters()).device
-    out = decoder_body(model)(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
-    states = out.last_hidden_state
+    out = decoder_body(model)(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False,
+                              **({"output_hidden_states": True} if layers else {}))
+    states, named = out.last_hidden_state, selected_states(out, layers)
     result = []
     for row, e in enumerate(batch):
         span = states[row, e.response_start - 1: len(e.input_ids)]
         predicted = model.get_output_embeddings()(span).argmax(-1).cpu()
-        result.append((span[:-1].to("cpu", torch.float16), predicted))
+        extra = None if named is None else named[row, e.response_start - 1: len(e.input_ids) - 1]
+        result.append(Captured(span[:-1].to("cpu", torch.float16), predicted,
+                               None if extra is None else extra.to("cpu", torch.float16)))
     return result
+
+
+def hidden_states(model, batch: list[Example]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per example: last-layer hidden states (after the final norm) at positions
+    response_start-1 .. L-2, and the base's argmax at positions response_start-1 .. L-1."""
+    return [(c.hidden, c.predicted) for c in captured_states(model, batch)]
 
 
 def batches_by_tokens(examples: list[Example], max_tokens: int) -> Iterator[list[Example]]:
@@ -130,37 +166,56 @@ def shard_path(directory: Path, index: int) -> Path:
 
 
 def write_shard(path: Path, hidden: torch.Tensor, targets: torch.Tensor, teacher: torch.Tensor,
-                metadata: dict) -> None:
+                metadata: dict, layers: torch.Tensor | None = None) -> None:
     from safetensors.torch import save_file
 
     tensors = {"hidden": hidden.contiguous(), "targets": targets.to(torch.int32).contiguous(),
                "teacher": teacher.to(torch.int32).contiguous()}
+    if layers is not None:  # the named layers' states (metadata "layers" says which)
+        tensors["layers"] = layers.contiguous()
     with atomic_file(path) as tmp:
         save_file(tensors, str(tmp), metadata={k: json.dumps(v) for k, v in metadata.items()})
 
 
 def extract_features(model, examples: list[Example], directory: str | Path, fingerprint: dict,
-                     shard_examples: int = SHARD_EXAMPLES, max_batch_tokens: int = 4096) -> list[Path]:
-    """Write (or resume writing) feature shards for ``examples``; returns all shard paths."""
+                     shard_examples: int = SHARD_EXAMPLES, max_batch_tokens: int = 4096,
+                     layers: list[int] | tuple[int, ...] = ()) -> list[Path]:
+    """Write (or resume writing) feature shards for ``examples``, with the states of the base's
+    ``layers`` beside the final one; returns all shard paths. A shard that lacks one of ``layers``
+    is rebuilt (with exactly ``layers``), like any shard that does not fit."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    layers = list(layers)
     num_shards = (len(examples) + shard_examples - 1) // shard_examples
     paths = [shard_path(directory, i) for i in range(num_shards)]
     chunks = [examples[i * shard_examples: (i + 1) * shard_examples] for i in range(num_shards)]
     digests = [examples_digest(chunk) for chunk in chunks]
-    todo = [i for i, p in enumerate(paths) if _shard_problem(p, fingerprint, digests[i]) is not None]
+    todo = [i for i, p in enumerate(paths) if _shard_problem(p, fingerprint, digests[i], layers) is not None]
     for index in tqdm(todo, desc="feature shards", unit="shard"):
         chunk = chunks[index]
-        hidden, targets, teacher = [], [], []
+        hidden, named, targets, teacher = [], [], [], []
         for batch in batches_by_tokens(chunk, max_batch_tokens):
-            for example, (states, predicted) in zip(batch, hidden_states(model, batch)):
-                hidden.append(states)
+            for example, captured in zip(batch, captured_states(model, batch, layers)):
+                hidden.append(captured.hidden)
+                named.append(captured.layers)
                 targets.append(shift_targets(torch.tensor(example.input_ids), example.response_start))
-                teacher.append(shift_teacher(predicted))
-        write_shard(paths[index], torch.cat(hidden), torch.cat(targets), torch.cat(teacher),
-                    {"fingerprint": fingerprint, "examples": len(chunk), "format": FEATURE_FORMAT,
-                     "digest": digests[index]})
+                teacher.append(shift_teacher(captured.predicted))
+        metadata = {"fingerprint": fingerprint, "examples": len(chunk), "format": FEATURE_FORMAT,
+                    "digest": digests[index], **({"layers": layers} if layers else {})}
+        stored = check_fp16(torch.cat(named), layers, paths[index]) if layers else None
+        write_shard(paths[index], torch.cat(hidden), torch.cat(targets), torch.cat(teacher), metadata, stored)
     return paths
+
+
+def check_fp16(states: torch.Tensor, layers, where) -> torch.Tensor:
+    """The named layers' states as stored (float16): a residual stream past float16's range would
+    be stored as infinities, so it is one line naming the layers and ``where`` instead."""
+    from .data.records import DataError
+
+    if not bool(torch.isfinite(states).all()):
+        raise DataError(f"{where}: a state of base layers {list(layers)} overflows float16 (this base's residual "
+                        "stream is too large there); read other layers (heads.feature_layers).")
+    return states
 
 
 def examples_digest(examples: list[Example]) -> str:
@@ -172,10 +227,32 @@ def examples_digest(examples: list[Example]) -> str:
     return digest.hexdigest()[:32]
 
 
-def _shard_problem(path: Path, fingerprint: dict, digest: str) -> str | None:
+def layer_columns(recorded: list[int], layers: list[int] | tuple[int, ...], hidden_size: int) -> list[int] | None:
+    """Column indices of ``layers``' states in a ``layers`` array that holds ``recorded``'s side
+    by side (each ``hidden_size`` wide), in the order of ``layers``; None when one is missing."""
+    if not set(layers) <= set(recorded):
+        return None
+    return [recorded.index(layer) * hidden_size + c for layer in layers for c in range(hidden_size)]
+
+
+def layers_text(layers) -> str:
+    """How a message names the layers a shard or run holds or reads."""
+    return f"base layers {list(layers)}" if layers else "no base layer (the final state only)"
+
+
+def layers_problem(recorded, asked) -> str | None:
+    """Why a shard holding the states of base layers ``recorded`` cannot serve heads reading
+    ``asked`` beside the final state (it must hold each; more is fine), or None."""
+    if set(asked) <= set(recorded or []):
+        return None
+    return f"it holds {layers_text(recorded or [])}, this run reads {layers_text(asked)}"
+
+
+def _shard_problem(path: Path, fingerprint: dict, digest: str, layers: list[int] | tuple[int, ...] = ()) -> str | None:
     """Why ``path`` is not a finished shard for the same base (and dtype: the fingerprint hashes
-    the LM head as loaded), format and examples, or None. A shard that exists but does not fit
-    is named in one line and rebuilt, never read; an unreadable one is rebuilt too."""
+    the LM head as loaded), format, examples and ``layers`` (it holds each), or None. A shard
+    that exists but does not fit is named in one line and rebuilt, never read; an unreadable
+    one is rebuilt too."""
     from safetensors import safe_open
 
     if not path.is_file():
@@ -189,6 +266,8 @@ def _shard_problem(path: Path, fingerprint: dict, digest: str) -> str | None:
             problem = "an older format"
         if problem is None and json.loads(meta.get("digest", "null")) != digest:
             problem = "made from other examples"
+        if problem is None:
+            problem = layers_problem(json.loads(meta.get("layers", "[]")), layers)
     except Exception as err:  # noqa: BLE001 - a damaged file of any kind is rebuilt, never trusted
         problem = f"unreadable ({type(err).__name__})"
     if problem is not None:
@@ -198,29 +277,42 @@ def _shard_problem(path: Path, fingerprint: dict, digest: str) -> str | None:
 
 @dataclass
 class Features:
-    """Cached training positions: hidden (P, d) fp16; targets and teacher (P, MAX_TARGETS)
-    long, -1 past the end of a sequence (see :func:`shift_targets`, :func:`shift_teacher`).
-    ``sequences`` (S, 2): each sequence's [start, end) rows, where rows without labels (a
-    prompt's, read by a context layer) would hide where sequences end; None: an answer's rows
-    only, its last one the only row whose x_{t+2} is −1."""
+    """Cached training positions: hidden (P, d) fp16 (the base's final state); targets and
+    teacher (P, MAX_TARGETS) long, -1 past the end of a sequence (see :func:`shift_targets`,
+    :func:`shift_teacher`). ``sequences`` (S, 2): each sequence's [start, end) rows, where rows
+    without labels (a prompt's, read by a context layer) would hide where sequences end; None:
+    an answer's rows only, its last one the only row whose x_{t+2} is −1. ``layers`` (P, n · d)
+    fp16: the states of the base layers the heads read beside the final one, in their order
+    (None: the final state only); the heads' input is :meth:`inputs`."""
 
     hidden: torch.Tensor
     targets: torch.Tensor
     teacher: torch.Tensor
     sequences: torch.Tensor | None = None
+    layers: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.hidden.shape[0])
 
     def select(self, index) -> "Features":
-        return Features(self.hidden[index], self.targets[index], self.teacher[index])
+        return Features(self.hidden[index], self.targets[index], self.teacher[index],
+                        layers=None if self.layers is None else self.layers[index])
+
+    def inputs(self, index) -> torch.Tensor:
+        """The heads' input at rows ``index``: the final state, then the named layers' (...,
+        d · (1 + n)) — what :meth:`draftheads.heads.DraftHeads.read` reads."""
+        if self.layers is None:
+            return self.hidden[index]
+        return torch.cat([self.hidden[index], self.layers[index]], dim=-1)
 
 
-def load_shards(paths: Iterable[Path], fingerprint: dict | None = None) -> Features:
-    """Concatenate shards; refuse shards made from a different base or in an older format."""
+def load_shards(paths: Iterable[Path], fingerprint: dict | None = None,
+                layers: list[int] | tuple[int, ...] = ()) -> Features:
+    """Concatenate shards, with the states of ``layers`` (each shard must hold them); refuse
+    shards made from a different base, in an older format or without one of ``layers``."""
     from safetensors import safe_open
 
-    hidden, targets, teacher = [], [], []
+    hidden, named, targets, teacher = [], [], [], []
     for path in paths:
         with safe_open(str(path), framework="pt") as handle:
             meta = handle.metadata() or {}
@@ -233,4 +325,21 @@ def load_shards(paths: Iterable[Path], fingerprint: dict | None = None) -> Featu
             hidden.append(handle.get_tensor("hidden"))
             targets.append(handle.get_tensor("targets").long())
             teacher.append(handle.get_tensor("teacher").long())
-    return Features(torch.cat(hidden), torch.cat(targets), torch.cat(teacher))
+            if layers:
+                named.append(_shard_layers(handle, path, meta, layers, hidden[-1].shape[1]))
+    return Features(torch.cat(hidden), torch.cat(targets), torch.cat(teacher),
+                    layers=torch.cat(named) if layers else None)
+
+
+def _shard_layers(handle, path: Path, meta: dict, layers, hidden_size: int) -> torch.Tensor:
+    """The states of ``layers`` a feature shard holds (P, n · d); a shard without one of them is
+    one line naming it and the fix, never read as the final state only."""
+    from .data.records import DataError
+
+    recorded = json.loads(meta.get("layers", "[]"))
+    columns = layer_columns(recorded, layers, hidden_size)
+    if columns is None:
+        raise DataError(f"{path} holds {layers_text(recorded)}, but the heads read {layers_text(layers)}; re-run "
+                        "the feature extraction (it rebuilds such shards) or delete the cache directory.")
+    stored = handle.get_tensor("layers")
+    return stored if columns == list(range(stored.shape[1])) else stored[:, columns]

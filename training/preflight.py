@@ -1,6 +1,7 @@
 """What a recipe is checked for before any work: the data paths (and their records), a base
-given as a path, the heads against the base's vocabulary and hidden size (from its config, no
-weights), and the final checkpoint's folder. A problem is one line naming the recipe key and the fix.
+given as a path, the heads against the base's vocabulary, hidden size and layers (from its
+config, no weights), a job folder against the layers the heads read, and the final checkpoint's
+folder. A problem is one line naming the recipe key and the fix.
 """
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import torch
 from ..core.errors import DraftheadsError, one_line
 from .data.records import DATA_OPTIONS, DataError, is_hub_id, load_records, resolve_data_path
 from .data.data_checks import check_data
-from .frozen import base_dims
-from .data.job_data import check_job_folder
+from .frozen import base_depth, base_dims
+from .data.job_data import check_job_folder, check_job_layers
+from .recipe_checks import resolve_feature_layers
 from .recipe_sections import Recipe, RecipeError
 
 
@@ -26,7 +28,8 @@ def preflight(recipe: Recipe) -> None:
     were validated when it loaded): the data paths and a base given as a local path exist, every
     data record holds what training reads with its token ids inside the base's vocabulary, the
     heads fit that vocabulary and hidden size (both read from the base's config, no weights),
-    and the final checkpoint's folder may be written."""
+    the base has the layers they read (``heads.feature_layers``) and a job folder holds their
+    states, and the final checkpoint's folder may be written."""
     from ..decoding.base.loading import check_base_path
 
     paths = data_paths(recipe)
@@ -44,20 +47,32 @@ def preflight(recipe: Recipe) -> None:
         load_records(path, recipe.data.name, recipe.data.split)  # a Hub id: cached (or fetched) now, or one line
     if recipe.base not in ("embedded", ""):
         check_base_path(recipe.base)
+    depth = base_depth(recipe.base)
+    layers = resolve_feature_layers(recipe.heads.feature_layers, depth)  # a layer the base lacks: one line
     dims = base_dims(recipe.base)
     if dims is not None:
-        check_heads_fit(recipe, *dims)
+        check_heads_fit(recipe, *dims, layers)
+    if depth is not None:  # the layers known: a job's shards must hold their states (its manifests say)
+        jobs = [resolve_data_path(p) for p in paths] if recipe.data.kind == "job" else []
+        eval_path = Path(recipe.data.eval_path) if recipe.data.eval_path else None
+        for folder in jobs + ([eval_path] if eval_path is not None and eval_path.is_dir() else []):
+            check_job_layers(folder, layers)
     for path in paths if recipe.data.kind != "job" else ():  # a job's shards are checked as they open
         check_data(path, recipe.data.kind, dims[0] if dims else None, recipe.data.name, recipe.data.split,
                    recipe.data.columns, bool(recipe.data.sources or recipe.data.source_caps))
-    if recipe.heads.init_from:
-        check_start(recipe.heads.init_from)
+    if recipe.heads.init_from:  # "default" resolves only once the base's depth is known
+        known = depth is not None or recipe.heads.feature_layers != "default"
+        check_start(recipe.heads.init_from, layers if known else None)
     check_final_dir(recipe)
 
 
-def check_start(path: str) -> None:
+def check_start(path: str, layers: list[int] | None = None) -> None:
     """``heads.init_from`` names a checkpoint folder holding config.json (or a Hub id, resolved
-    when the heads are built): a typo is one line now, not after the data and the base load."""
+    when the heads are built): a typo is one line now, not after the data and the base load;
+    so is a folder whose heads read other base layers than the recipe's ``layers`` (when known:
+    heads that read the final state only may start heads that read layers too)."""
+    import json
+
     folder = Path(path)
     if folder.exists() and not (folder / "config.json").is_file():
         raise RecipeError(f"Recipe key heads.init_from: {path} holds no config.json; name a heads checkpoint "
@@ -65,9 +80,19 @@ def check_start(path: str) -> None:
     if not folder.exists() and not is_hub_id(path):
         raise RecipeError(f"Recipe key heads.init_from: {path} does not exist; name a heads checkpoint folder "
                           "(e.g. checkpoints/smollm2-135m-hydra) or a Hub id, or drop the key.")
+    if layers is None or not folder.exists():
+        return
+    try:
+        start = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("feature_layers") or []
+    except (OSError, ValueError, AttributeError):
+        return  # loading the checkpoint names what is wrong with it
+    if start and start != layers:
+        raise RecipeError(f"heads.init_from {path} holds other heads than the recipe trains: feature_layers {start} "
+                          f"(recipe: {layers}); set the recipe's heads.feature_layers to {start}, or drop "
+                          "heads.init_from.")
 
 
-def check_heads_fit(recipe: Recipe, vocab_size: int, hidden_size: int) -> None:
+def check_heads_fit(recipe: Recipe, vocab_size: int, hidden_size: int, feature_layers: list[int] | None = None) -> None:
     """The recipe's heads against the base's vocabulary and hidden size: the draft vocabulary
     is a part of the base's, and the family's options fit the hidden size (the heads are built
     on the meta device: their own checks run, no memory is used)."""
@@ -79,7 +104,8 @@ def check_heads_fit(recipe: Recipe, vocab_size: int, hidden_size: int) -> None:
 
     config = HeadConfig(family=recipe.heads.family, num_heads=recipe.heads.num_heads,
                         num_layers=recipe.heads.num_layers, hidden_size=hidden_size, vocab_size=vocab_size,
-                        draft_vocab_size=recipe.heads.draft_vocab_size, extra=dict(recipe.heads.extra))
+                        draft_vocab_size=recipe.heads.draft_vocab_size, extra=dict(recipe.heads.extra),
+                        feature_layers=list(feature_layers or []))
     try:
         with torch.device("meta"):
             build_heads(config)

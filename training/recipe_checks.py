@@ -60,6 +60,7 @@ def check_ranges(recipe: Recipe) -> None:
         raise RecipeError(f"Recipe key heads.family={recipe.heads.family!r} is not a known head family; use one of "
                           f"{sorted(REGISTRY)}.")
     check_family_options(recipe.heads.family, recipe.heads.extra, REGISTRY[recipe.heads.family].options_class)
+    resolve_feature_layers(recipe.heads.feature_layers)
     check_columns(recipe.data.columns)
     at_least = {("heads.draft_vocab_size", 0): recipe.heads.draft_vocab_size, ("data.limit", 0): recipe.data.limit,
                 ("data.eval_examples", 1): recipe.data.eval_examples, ("train.max_steps", 0): recipe.train.max_steps,
@@ -86,6 +87,26 @@ def check_ranges(recipe: Recipe) -> None:
     if not recipe.run.tree_budgets or min(recipe.run.tree_budgets) < 1:
         raise RecipeError(f"Recipe key run.tree_budgets must be a non-empty list of node budgets ≥ 1, got "
                           f"{recipe.run.tree_budgets}.")
+
+
+def resolve_feature_layers(value, num_hidden_layers: int | None = None) -> list[int]:
+    """``heads.feature_layers`` as layer numbers for a base of ``num_hidden_layers`` layers
+    (None: not known yet, only the form is checked): ``default`` is the base's low and middle
+    layer (:func:`draftheads.heads.fusion.default_feature_layers`; [] until the base is known), a
+    list is itself. A layer the base lacks, or anything else, is one line naming the key."""
+    from ..heads.fusion import default_feature_layers, feature_layer_problem
+
+    if isinstance(value, str):
+        if value != "default":
+            raise RecipeError(f"Recipe key heads.feature_layers must be a list of base layers such as [3, 15], or "
+                              f"default, got {value!r}.")
+        return default_feature_layers(num_hidden_layers) if num_hidden_layers is not None else []
+    problem = feature_layer_problem(value, num_hidden_layers)
+    if problem:
+        fix = (f"name layers below {num_hidden_layers}, or default" if num_hidden_layers is not None
+               and "does not have" in problem else "e.g. [3, 15], or default")
+        raise RecipeError(f"Recipe key heads.feature_layers: {problem}; {fix}.")
+    return list(value)
 
 
 #: what draftheads itself writes into a checkpoint's ``extra``: set by other recipe keys, never by hand

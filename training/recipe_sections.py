@@ -24,8 +24,16 @@ class HeadsSection:
     draft_vocab_size: int = 8192  # 0 = full vocabulary
     extra: dict[str, Any] = field(default_factory=dict)  # the family's options (typed: HeadConfig.options)
     # a checkpoint folder (or Hub id) whose weights start the run, e.g. the shipped heads or an imported Medusa:
-    # same family and shape, made for this base; its draft vocabulary is kept. A resume of this run wins
+    # same family and shape, made for this base; its draft vocabulary is kept. A resume of this run wins.
+    # A checkpoint that reads the final state only may start heads that read layers too (their fusion starts
+    # as the identity on the final state: the same drafts at step 0)
     init_from: str | None = None
+    # base layers the heads read beside its final state (heads/fusion.py: transformers' output_hidden_states
+    # numbering, i = after i decoder layers, each < the base's num_hidden_layers), e.g. [3, 15]; default: the
+    # base's low and middle layer (heads.fusion.default_feature_layers; SmolLM2's 30 layers: [3, 15]);
+    # [] (omitted): the final state only, as every recipe before them. The training data must hold their
+    # states: the feature cache captures them, a job folder needs distill_job --from-tokens ... --layers
+    feature_layers: list[int] | str = field(default_factory=list)
 
 
 @dataclass
@@ -147,6 +155,8 @@ class Recipe:
                 data["data"].pop(key)
         if not self.adversarial.enabled:
             data.pop("adversarial")  # off = as before the section existed: older runs still resume
+        if data["heads"]["feature_layers"] == []:
+            data["heads"].pop("feature_layers")  # the final state only = as before the key existed
         return data
 
     def fingerprint(self) -> str:

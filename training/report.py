@@ -83,7 +83,8 @@ def record_epoch(run, eval_sets: dict[str, tuple[Features, dict]], log: JsonlLog
 
 
 def epoch_fields(record: dict) -> dict:
-    """An epoch record as flat tracker fields: ``epoch/<table>[/<group>]/top1/head<h>``, ``…/tau8``."""
+    """An epoch record as flat tracker fields: ``epoch/<table>[/<group>]/top1/head<h>``, ``…/tau8``,
+    ``…/tau_fixed16``."""
     fields = {"epoch": record["epoch"]}
     if record["train_loss"] is not None:
         fields["epoch/train_loss"] = record["train_loss"]
@@ -92,6 +93,7 @@ def epoch_fields(record: dict) -> dict:
             if part["tau"] is None:
                 continue
             fields[f"epoch/{prefix}/tau{EVAL_BUDGET}"] = part["tau"]
+            fields[f"epoch/{prefix}/tau_fixed16"] = part["tau_fixed16"]
             fields.update({f"epoch/{prefix}/{m}/head{h}": v for m in ("top1", "top5") for h, v in enumerate(part[m])})
     return fields
 

@@ -38,7 +38,7 @@ from ..core.errors import DraftheadsError, one_line
 from .adversarial import Adversary
 from .data.records import DataError, example_features, load_examples, resolve_data_path
 from .evaluation import DEV, HELD_OUT, eval_tables, evaluate, load_eval_table
-from .frozen import frozen_parts, load_frozen_base, unsharded_loading
+from .frozen import feature_layers_for, frozen_parts, load_frozen_base, unsharded_loading
 from .final_checkpoint import write_final_checkpoint
 from .head_init import new_heads
 from .losses import head_weights
@@ -186,10 +186,11 @@ def start_run(recipe: Recipe):
 def prepare_data(recipe: Recipe, accelerator, dtype: torch.dtype):
     """The frozen parts, the training batches, the tables each epoch is scored on (the
     held-out split, and ``data.eval_path``'s) and the label ids the draft vocabulary is counted
-    from; the base is loaded once for all of them (kept only by on-the-fly batches)."""
+    from; the base is loaded once for all of them (kept only by on-the-fly batches). Every table
+    holds the states of the base layers the heads read beside the final one (``heads.feature_layers``)."""
     with unsharded_loading(accelerator):
         base, tokenizer = load_frozen_base(recipe.base, recipe.base_dtype)
-    parts = frozen_parts(base, dtype)
+    parts = frozen_parts(base, dtype, feature_layers_for(recipe, base))
     batches, held_out, label_ids = training_data(recipe, accelerator, base, tokenizer, parts)
     return parts, batches, eval_tables(held_out, load_eval_table(recipe, accelerator, parts.fingerprint, base,
                                                                  tokenizer)), label_ids
@@ -197,11 +198,11 @@ def prepare_data(recipe: Recipe, accelerator, dtype: torch.dtype):
 
 def training_data(recipe: Recipe, accelerator, base, tokenizer, parts):
     """(batches, held-out table, label ids) from a job folder, the feature cache or the base on the fly."""
-    k = recipe.heads.num_heads
+    k, layers = recipe.heads.num_heads, parts.feature_layers
     chunking = recipe.train.chunk_length if getattr(REGISTRY.get(recipe.heads.family), "contextual", False) else None
     if recipe.data.kind == "job":
         paths = [resolve_data_path(path) for path in data_paths(recipe)]
-        return job_batches(recipe, paths, parts.fingerprint, dtype_name(base.dtype), chunking)
+        return job_batches(recipe, paths, parts.fingerprint, dtype_name(base.dtype), chunking, layers)
     examples = [e for path in data_paths(recipe)
                 for e in load_examples(recipe.data.kind, path, tokenizer, recipe.data.max_length, recipe.data.limit,
                                        recipe.data.sources, recipe.data.source_caps, recipe.data.name,
@@ -209,12 +210,13 @@ def training_data(recipe: Recipe, accelerator, base, tokenizer, parts):
     train_examples, eval_examples = split_examples(examples, recipe.data.eval_examples)
     if recipe.data.features_dir:
         cache = Path(recipe.data.features_dir)
-        batches = FeatureBatches(cached_features(base, train_examples, cache / "train", parts.fingerprint, accelerator),
-                               k, chunking)
-        eval_table = cached_features(base, eval_examples, cache / "eval", parts.fingerprint, accelerator)
+        batches = FeatureBatches(cached_features(base, train_examples, cache / "train", parts.fingerprint, accelerator,
+                                                 layers), k, chunking)
+        eval_table = cached_features(base, eval_examples, cache / "eval", parts.fingerprint, accelerator, layers)
         return batches, eval_table, batches.table.teacher[:, 1: k + 1]
     label_ids = torch.tensor([t for e in train_examples for t in e.input_ids[e.response_start:]])
-    return OnTheFlyBatches(base, train_examples, k, chunking), example_features(base, eval_examples), label_ids
+    return (OnTheFlyBatches(base, train_examples, k, chunking, layers), example_features(base, eval_examples, layers),
+            label_ids)
 
 
 def prepare_run(recipe: Recipe, accelerator, output_dir: Path, dtype: torch.dtype, parts, batches,

@@ -23,7 +23,7 @@ from __future__ import annotations
 import sys
 import weakref
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -178,10 +178,12 @@ def direct_body(model) -> DirectBody | None:
 
 
 def direct_forward(state: DirectBody, input_ids: torch.Tensor, mask, position_ids: torch.Tensor,
-                   cache) -> torch.Tensor:
+                   cache, taps: Sequence[int] = ()) -> torch.Tensor:
     """input_ids (B, N) → the body's last hidden states (B, N, d), as ``LlamaModel.forward``
     computes them with ``mask`` (4D, as given) and ``cache``; inside the decoder's forward context
-    (packed linears and attention, ragged rows where the step is packed)."""
+    (packed linears and attention, ragged rows where the step is packed). With ``taps``: the
+    features of :func:`~.forward.with_taps` (B, N, d · (1 + len(taps))), each tapped layer's
+    residual stream copied as it passes (the kernels update it in place)."""
     body, ops = state.body, state.ops
     hidden = body.embed_tokens(input_ids)  # (B, N, d)
     batch, length, width = hidden.shape
@@ -189,6 +191,7 @@ def direct_forward(state: DirectBody, input_ids: torch.Tensor, mask, position_id
     cos, sin = body.rotary_emb(hidden, position_ids)  # (B or 1, N, head_dim)
     hidden = hidden.reshape(rows, width)
     attention_kwargs = {"position_ids": position_ids, "use_cache": True, PACK_FLAG: True}
+    tapped = {0: hidden.clone()} if 0 in taps else {}
     normed = ops.rms_norm(hidden, state.layers[0].input_layernorm)
     for plan, following in zip(state.plan(rows), state.next_norms):
         attn = plan.attn
@@ -202,5 +205,9 @@ def direct_forward(state: DirectBody, input_ids: torch.Tensor, mask, position_id
         gate, up = plan.gate_up(normed)
         (out,) = plan.down(ops.gated(plan.mlp, gate, up))
         hidden, normed = ops.add_rms_norm(hidden, out, following)
-    return normed.reshape(batch, length, width)
+        if plan.layer_idx + 1 in taps:  # the residual stream after layer_idx + 1 layers
+            tapped[plan.layer_idx + 1] = hidden.clone()
+    if not taps:
+        return normed.reshape(batch, length, width)
+    return torch.cat([normed, *(tapped[layer] for layer in taps)], dim=-1).reshape(batch, length, -1)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from typing import Sequence
 
 import torch
 
@@ -26,14 +27,31 @@ from .rows import subset_product
 
 
 @torch.no_grad()
-def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, all_states: bool = False):
+def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, all_states: bool = False,
+            taps: Sequence[int] = ()):
     """Run the prompt; returns (cache, last hidden state per row (B, d)), or with ``all_states``
-    every prompt position's (B, T, d) (for heads whose layer reads the prompt). Positions follow
-    transformers' ``generate`` (cumulative sum of the mask), so left padding matches it. A hook on
-    the model itself is refused first (:func:`refuse_model_hooks`)."""
+    every prompt position's (B, T, d) (for heads whose layer reads the prompt); with ``taps`` the
+    states are features (:func:`with_taps`). Positions follow transformers' ``generate``
+    (cumulative sum of the mask), so left padding matches it. A hook on the model itself is
+    refused first (:func:`refuse_model_hooks`)."""
     refuse_model_hooks(model)
-    cache, hidden = forward_all(model, input_ids, attention_mask)
+    cache, hidden = forward_all(model, input_ids, attention_mask, taps)
     return cache, hidden if all_states else hidden[:, -1]
+
+
+def with_taps(final: torch.Tensor, layers: Sequence[torch.Tensor] | None, taps: Sequence[int]) -> torch.Tensor:
+    """The base's final states (..., d) and, for ``taps`` (layers numbered as transformers'
+    ``output_hidden_states``: the residual stream after that many decoder layers), those layers'
+    states → the features draft heads read (..., d · (1 + len(taps))), the final state first
+    (:mod:`draftheads.heads.fusion`); no taps: the final states themselves."""
+    if not taps:
+        return final
+    return torch.cat([final, *(layers[layer] for layer in taps)], dim=-1)
+
+
+def final_states(features: torch.Tensor, hidden_size: int) -> torch.Tensor:
+    """The base's final states (..., d) out of :func:`with_taps`' features (contiguous, for its LM head)."""
+    return features if features.shape[-1] == hidden_size else features[..., :hidden_size].contiguous()
 
 
 def refuse_model_hooks(model) -> None:
@@ -47,17 +65,19 @@ def refuse_model_hooks(model) -> None:
 
 
 @torch.no_grad()
-def forward_all(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
-    """The base over whole sequences into a fresh cache: (cache, hidden states (B, T, d)),
-    positions as transformers' ``generate`` numbers them (cumulative sum of the mask)."""
+def forward_all(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, taps: Sequence[int] = ()):
+    """The base over whole sequences into a fresh cache: (cache, hidden states (B, T, d), or with
+    ``taps`` the features of :func:`with_taps`), positions as transformers' ``generate`` numbers
+    them (cumulative sum of the mask)."""
     position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
     cache = reserved_cache(model.config)
     if packs_prompts(model, attention_mask):
-        return cache, _forward_packed(model, input_ids, attention_mask.bool(), position_ids, cache)
+        return cache, _forward_packed(model, input_ids, attention_mask.bool(), position_ids, cache, taps)
     with forward_context(model), mask_memos():
         out = decoder_body(model)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                               use_cache=True, **cache_kwargs(model, cache), **_pack_kwargs(model))
-    return cache, out.last_hidden_state
+                                  use_cache=True, **cache_kwargs(model, cache), **_pack_kwargs(model),
+                                  **_tap_kwargs(taps))
+    return cache, with_taps(out.last_hidden_state, out.hidden_states, taps)
 
 
 def packs_prompts(model, attention_mask: torch.Tensor) -> bool:
@@ -68,7 +88,7 @@ def packs_prompts(model, attention_mask: torch.Tensor) -> bool:
 
 
 def _forward_packed(model, input_ids: torch.Tensor, valid: torch.Tensor, position_ids: torch.Tensor,
-                    cache) -> torch.Tensor:
+                    cache, taps: Sequence[int] = ()) -> torch.Tensor:
     """A padded batch of sequences with only its real tokens through the base, packed into one
     sequence as a ragged tree step is (:class:`~.attention.RaggedRows`): the linear layers, norms
     and activations compute the K real tokens, not B × T; attention unpacks them per row under
@@ -86,14 +106,15 @@ def _forward_packed(model, input_ids: torch.Tensor, valid: torch.Tensor, positio
     with forward_context(model), ragged_rows(rows), mask_memos():
         out = decoder_body(model)(input_ids=tokens, attention_mask=masks,
                                   position_ids=positions, use_cache=True, **cache_kwargs(model, cache),
-                                  **_pack_kwargs(model))
-    return rows.scatter(out.last_hidden_state[0])
+                                  **_pack_kwargs(model), **_tap_kwargs(taps))
+    return rows.scatter(with_taps(out.last_hidden_state, out.hidden_states, taps)[0])
 
 
 @torch.no_grad()
 def verify(model, tokens: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, cache,
-           valid: torch.Tensor | None = None) -> torch.Tensor:
-    """One base forward over every tree slot of every row; returns hidden states (B, N, d).
+           valid: torch.Tensor | None = None, taps: Sequence[int] = ()) -> torch.Tensor:
+    """One base forward over every tree slot of every row; returns hidden states (B, N, d), or
+    with ``taps`` the features of :func:`with_taps` (B, N, d · (1 + len(taps))).
     The cache grows by N slots per row (the caller keeps the accepted ones).
 
     ``valid`` (B, N): which slots are real, when rows carry different node counts. Where the
@@ -110,11 +131,12 @@ def verify(model, tokens: torch.Tensor, position_ids: torch.Tensor, mask: torch.
     with forward_context(model), ragged_rows(rows), mask_memos():
         direct = direct_body(model)
         if direct is not None:
-            states = direct_forward(direct, tokens, mask, position_ids, cache)
+            states = direct_forward(direct, tokens, mask, position_ids, cache, taps)
         else:
-            states = decoder_body(model)(input_ids=tokens, attention_mask=mask, position_ids=position_ids,
-                                         use_cache=True, **cache_kwargs(model, cache),
-                                         **_pack_kwargs(model)).last_hidden_state
+            out = decoder_body(model)(input_ids=tokens, attention_mask=mask, position_ids=position_ids,
+                                      use_cache=True, **cache_kwargs(model, cache), **_pack_kwargs(model),
+                                      **_tap_kwargs(taps))
+            states = with_taps(out.last_hidden_state, out.hidden_states, taps)
     return states if rows is None else rows.scatter(states[0])
 
 
@@ -174,6 +196,12 @@ def _lm_head(model, states: torch.Tensor) -> torch.Tensor:
             and packs(head.weight, states.numel() // states.shape[-1])):
         return packed_matmul(states, head.weight, packed)
     return head(states)
+
+
+def _tap_kwargs(taps: Sequence[int]) -> dict:
+    """Ask the body for every layer's states only when heads read some (transformers' public
+    ``output_hidden_states``; the states exist during the forward anyway, only references are kept)."""
+    return {"output_hidden_states": True} if taps else {}
 
 
 def _pack_kwargs(model) -> dict:

@@ -59,11 +59,19 @@ def front_matter(config: HeadConfig, datasets: list[str]) -> str:
     return "\n".join(lines + ["---", ""])
 
 
+def layers_read(config: HeadConfig) -> str:
+    """What a multi-layer checkpoint reads beside the final state, in words ("" when nothing)."""
+    if not config.feature_layers:
+        return ""
+    return (f" fused with the residual stream after its layers {', '.join(map(str, config.feature_layers))} "
+            "(a learned projection, as EAGLE-3's)")
+
+
 def summary(config: HeadConfig) -> str:
     projection = ("its own vocabulary projection per head" if config.owns_lm_head
                   else "its frozen LM head")
     return (f"{config.num_heads} {config.family} heads ({config.num_layers} layer(s) each) for `{config.base_name}`, "
-            f"reading {READS.get(config.family, 'its last hidden state')}, and drafting through {projection} over "
+            f"reading {READS.get(config.family, 'its last hidden state')}{layers_read(config)}, and drafting through {projection} over "
             f"{config.draft_vocab_size or config.vocab_size} tokens. Any other base is refused (fingerprint "
             f"`{ {k: v for k, v in (config.base_fingerprint or {}).items() if k != 'lm_head_sketch'} }`).\n" + (f"\n{BASE_NOTES[config.base_name]}\n" if config.base_name in BASE_NOTES else ""))
 

@@ -96,6 +96,10 @@ def check_exportable(heads: DraftHeads, to: str, share_lm_head: bool = False) ->
         raise ExportError(f"vLLM's Medusa format holds independent ResBlock heads on the last hidden state; "
                           f"{heads.family!r} heads also read drafted tokens or attend across heads, which it "
                           f"cannot express{hint}.")
+    if heads.feature_layers:
+        raise ExportError(f"These heads read the base's layers {list(heads.feature_layers)} beside its last hidden state; "
+                          "vLLM's Medusa format reads the last hidden state only: export heads trained without "
+                          "heads.feature_layers.")
     if heads.config.owns_lm_head and share_lm_head:
         raise ExportError("These heads each own their vocabulary projection: they cannot share one LM head "
                           "(drop --share-lm-head).")

@@ -134,6 +134,50 @@ def test_greedy_padded_batch_merged_with_lookups_matches_the_bases_generate(name
     assert decoder.last_stats.steps < 30  # trees were accepted beyond their roots
 
 
+class LayerReadingOracle(OracleHeads):
+    """Oracle drafts (greedy identity does not hang on them) from heads that read two base layers
+    beside the final state through a random fusion, recording the state each step hands them."""
+
+    def __init__(self, continuations: list[list[int]]):
+        super().__init__(continuations, vocab=VOCAB, error=0.3, feature_layers=(0, 1))
+        torch.manual_seed(3)
+        for parameter in self.fusion.parameters():
+            torch.nn.init.normal_(parameter, std=0.3)
+        self.seen: list[torch.Tensor] = []
+
+    def propose(self, hidden, roots, tree, with_probs=False):
+        self.seen.append(hidden.clone())
+        return super().propose(hidden, roots, tree, with_probs)
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_heads_reading_several_layers_see_the_bases_own_layer_states(name):
+    """Multi-layer heads (the embeddings' and the first layer's states beside the final one) decode
+    as the base's generate, and each step hands them the fusion of exactly the states the base's own
+    ``output_hidden_states`` forward gives at the last accepted position (taken from the step's forward,
+    not a second one)."""
+    model = tiny_base(name)
+    ids, mask = prompts(4, 1, 2 * WINDOW)
+    reference = base_greedy(model, ids, mask, 30)
+    heads = LayerReadingOracle([reference[0, ids.shape[1]:].tolist()])
+    decoder = DraftHeadsModel(model, heads, tree=tree_from_paths(TREE))
+    out = decoder.generate(ids, attention_mask=mask, max_new_tokens=30, eos_token_id=None)
+    assert out.tolist() == reference.tolist()
+    with torch.no_grad():
+        own = model.get_decoder()(input_ids=out, output_hidden_states=True)
+        fused = heads.read(torch.cat([own.last_hidden_state, own.hidden_states[0], own.hidden_states[1]], -1))[0]
+    tolerance = 1e-4 if model.dtype == torch.float32 else 1e-9
+    first = (fused[ids.shape[1] - 1] - heads.seen[0][0]).abs().max() / float(fused.abs().max())
+    assert float(first) < tolerance  # the first step reads the last prompt position's state
+    position = ids.shape[1] - 2
+    for hidden in heads.seen:  # (1, d): the state after the last accepted token, further on each step
+        gap = (fused[position + 1:] - hidden[0]).abs().amax(-1) / float(fused.abs().max())
+        close = (gap < tolerance).nonzero()
+        assert close.numel(), f"a step's state matches no later position of the base's own (gap {float(gap.min())})"
+        position += 1 + int(close[0])
+    assert position < out.shape[1] - 1
+
+
 @pytest.mark.parametrize("name", ARCHITECTURES)
 def test_sampling_draws_from_the_bases_own_logits(name):
     """Seeded sampling through the same path: every logit row the decoder sampled from is the

@@ -60,8 +60,8 @@ def test_the_shipped_data_is_what_its_readmes_say_and_a_wheel_carries_it():
         assert (DATA_DIR / file).is_file(), name
     counts = {f.name: sum(1 for line in open(f, encoding="utf-8") if line.strip())
               for f in [*DATA_DIR.glob("*.jsonl"), *FIXTURES.glob("*.jsonl")]}
-    assert counts == {"mt_bench.jsonl": 80, "spec_bench_dev.jsonl": 280, "gsm8k_test_sample.jsonl": 50,
-                      "train_prompts_sample.jsonl": 16,
+    assert counts == {"mt_bench.jsonl": 80, "spec_bench_dev.jsonl": 280, "clean_eval.jsonl": 224,
+                      "gsm8k_test_sample.jsonl": 50, "train_prompts_sample.jsonl": 16,
                       "train_conversations_sample.jsonl": 16, "selfdistill_smollm2_sample.jsonl": 256}
     provenance = json.loads((DATA_DIR / "provenance.json").read_text())
     for name, entry in provenance.items():

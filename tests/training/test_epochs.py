@@ -15,8 +15,8 @@ from draftheads.heads.checkpoint.card import card_for_checkpoint
 from draftheads.training import report as report_module
 from draftheads.training import train as train_module
 from draftheads.training.data.records import DataError
-from draftheads.training.evaluation import (FIXED_TREE, eval_tree, evaluate_heads, is_better, load_eval_table,
-                                            rank_scores, rank_table, tree_tau)
+from draftheads.training.evaluation import (FIXED_TREE, FIXED_TREE_16, eval_tree, evaluate_heads, is_better,
+                                            load_eval_table, rank_scores, rank_table, tree_tau)
 from draftheads.training.features import Features
 from draftheads.training.recipe import load_recipe
 from draftheads.training.recipe_sections import RecipeError
@@ -33,6 +33,14 @@ def test_tree_tau_counts_the_deepest_matching_path_within_the_heads():
     # deepest hits: [0,0,0] (3; [0,0,0,0] needs a 4th head), [1,0] (2), [0,1] (2), none (0)
     assert tree_tau(ranks, FIXED_TREE) == pytest.approx(1 + 7 / 4)
     assert tree_tau(ranks, [[0]]) == pytest.approx(1 + 2 / 4)
+    # the 16-node tree adds [0, 1, 0] (row 3) and [3] (row 4) to the 8-node one's hits
+    assert tree_tau(ranks, FIXED_TREE_16) == pytest.approx(1 + 9 / 4)
+
+
+def test_the_fixed_16_node_tree_is_the_8_node_one_grown_to_16_nodes_of_depth_4():
+    assert len({tuple(p) for p in FIXED_TREE_16}) == 16 and max(map(len, FIXED_TREE_16)) == 4
+    assert FIXED_TREE_16[: len(FIXED_TREE)] == FIXED_TREE
+    assert all(p[:-1] in FIXED_TREE_16 for p in FIXED_TREE_16 if len(p) > 1)  # every node's parent is in the tree
 
 
 def test_eval_tree_takes_budget_8_else_the_nearest_below_else_the_fixed_tree():
@@ -71,7 +79,8 @@ def test_evaluate_heads_scores_the_table_and_each_group():
     ranks = rank_table(heads, table, "teacher", torch.float64)
     paths = heads.config.trees["3"]
     assert scores["tree"] == "3" and scores["positions"] == 30 and len(scores["top1"]) == 2
-    assert {k: scores[k] for k in ("positions", "top1", "top5", "tau")} == rank_scores(ranks, paths)
+    assert {k: scores[k] for k in ("positions", "top1", "top5", "tau", "tau_fixed16")} == rank_scores(ranks, paths)
+    assert scores["tau_fixed16"] == tree_tau(ranks, FIXED_TREE_16)  # whatever trees the heads store
     assert scores["groups"]["mt_bench"] == rank_scores(ranks[:10], paths)
     assert scores["groups"]["spec_bench_dev"] == rank_scores(ranks[10:], paths)
     assert scores["tau_search"] >= scores["tau"] - 1e-9  # the searched tree is at least as good on these ranks
@@ -117,15 +126,16 @@ def test_each_epoch_is_evaluated_at_its_end_into_curves_report_and_card(tiny_set
     for (_, values), record in zip(tracked, evaluated):
         assert values["epoch/train_loss"] == record["train_loss"]
         assert values["epoch/held_out/tau8"] == record["eval"]["held_out"]["tau"]
+        assert values["epoch/held_out/tau_fixed16"] == record["eval"]["held_out"]["tau_fixed16"]
         assert [values[f"epoch/held_out/top1/head{h}"] for h in range(3)] == record["eval"]["held_out"]["top1"]
     curves = json.loads((out / "curves.json").read_text())
     assert set(curves) == {"epochs", "selection"} and curves["epochs"] == evaluated == report["curves"]
     for record in curves["epochs"]:
         assert set(record) == {"epoch", "step", "train_loss", "eval"} and set(record["eval"]) == {"held_out"}
         scores = record["eval"]["held_out"]
-        assert set(scores) == {"tree", "positions", "top1", "top5", "tau", "tau_search"}
+        assert set(scores) == {"tree", "positions", "top1", "top5", "tau", "tau_fixed16", "tau_search"}
         assert scores["tree"] == "fixed-8" and len(scores["top1"]) == len(scores["top5"]) == 3
-        assert scores["positions"] == 160 and 1.0 <= scores["tau"] <= 4.0
+        assert scores["positions"] == 160 and 1.0 <= scores["tau"] <= scores["tau_fixed16"] <= 4.0  # 8 nodes of the 16
     assert curves["selection"] == report["selection"] and report["selection"]["on"] == "held_out"
     for folder in (out, out / "final"):
         assert (folder / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

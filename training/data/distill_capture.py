@@ -88,10 +88,13 @@ def answer_with_states(decoder, prompts: list[list[int]], max_new_tokens: int, p
 
 
 @torch.no_grad()
-def forward_states(base, sequences: list[list[int]], max_tokens: int = 8192) -> list[torch.Tensor]:
+def forward_states(base, sequences: list[list[int]], max_tokens: int = 8192,
+                   layers: list[int] | tuple[int, ...] = ()) -> list[torch.Tensor]:
     """The base's final hidden states over whole sequences, one plain forward each batch
     (length-sorted, left-padded, under ``max_tokens`` padded tokens): (L, d) per sequence, the
-    last row zero like :func:`answer_with_states`."""
+    last row zero like :func:`answer_with_states`. ``layers``: the states after those decoder
+    layers too, from the same forward (``output_hidden_states``: the decoder's ``taps``), beside
+    the final state: (L, d · (1 + n)), the heads' input layout (:mod:`draftheads.heads.fusion`)."""
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
     device = next(base.parameters()).device
     result: list[torch.Tensor | None] = [None] * len(sequences)
@@ -102,7 +105,7 @@ def forward_states(base, sequences: list[list[int]], max_tokens: int = 8192) -> 
             stop += 1
         batch = order[start:stop]
         ids, mask = left_pad([sequences[i] for i in batch])
-        _, states = forward_all(base, ids.to(device), mask.to(device))  # (B, T, d)
+        _, states = forward_all(base, ids.to(device), mask.to(device), layers)  # (B, T, d · (1 + n))
         states = states.cpu()
         for row, i in enumerate(batch):
             length = len(sequences[i])

@@ -5,13 +5,17 @@ shards that resume after a stop (format: :mod:`.distill_shards`).
     python -m draftheads.training.data.distill_job --out /data/selfdistill-smollm2      # run or resume
     python -m draftheads.training.data.distill_job --out DIR --export recipes/data/selfdistill-smollm2
     python -m draftheads.training.data.distill_job --from-tokens recipes/data/selfdistill-smollm2 --out DIR
+    python -m draftheads.training.data.distill_job --from-tokens recipes/data/selfdistill-smollm2 --out DIR --layers 3 15
 
 Prompts: every prompt file given (records with ``prompt``, or conversations whose first user
 turn is taken), a text asked twice answered once; the sources are interleaved by their relative
 position so every prefix of shards is a proportional sample (a data-scaling table takes prefixes).
 Answers already made elsewhere (``--answers``: records with ``id``, ``prompt``, ``response_ids``)
 are reused and get their features from one plain forward; ``--from-tokens`` does that for a whole
-committed set of token ids, so a clone rebuilds the features with one command.
+committed set of token ids, so a clone rebuilds the features with one command. ``--layers 3 15``
+(``--from-tokens`` only) keeps, from the same forward, the states after those decoder layers beside
+the final one (``layers.npy``), for heads that read them (``heads.feature_layers``); ``default`` names
+the base's default pair (:func:`draftheads.heads.fusion.default_feature_layers`).
 """
 from __future__ import annotations
 
@@ -37,7 +41,7 @@ from .distill_capture import answer_with_states, forward_states
 from .distill_shards import Shard, ShardError, discard, load_token_ids, manifest_for, open_shard, save_token_ids
 from .distill_shards import shard_problem, write_shard
 from .job_checks import INDEX, PLAN, check_discardable, check_entries, check_export, check_options, check_out
-from .job_checks import check_vocabulary, read_index
+from .job_checks import check_vocabulary, job_layers, read_index
 from ..features import chat_prompt_ids, read_jsonl
 
 
@@ -65,6 +69,9 @@ class DistillJobConfig:
     start_at: int = 0  # build shards from this index first, then the earlier ones (e.g. the decoded ones before the reused)
     seconds: int = 0  # > 0: a time budget from the start; no shard (group) is begun that would end past it
     device: str = "cpu"
+    # --from-tokens: the base layers whose states the shards keep beside the final one (numbers, or
+    # default); a shard without one of them is rebuilt, one holding more is kept
+    layers: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -168,10 +175,11 @@ class Job:
         pad = self.tokenizer.pad_token_id
         self.pad = pad if pad is not None else self.tokenizer.eos_token_id
         self.eos = set(eos_token_ids(self.base.generation_config))
+        self.layers = job_layers(config.layers, int(self.base.config.get_text_config().num_hidden_layers))
 
     def expected(self, plan_key: str, ids: list[str]) -> dict:
         return {"plan_key": plan_key, "prompt_key": digest(ids), "base_fingerprint": self.fingerprint,
-                "dtype": self.dtype, "feature_dtype": "float16"}
+                "dtype": self.dtype, "feature_dtype": "float16", **({"layers": self.layers} if self.layers else {})}
 
     def answerer(self):
         if self.decoder is None:
@@ -290,19 +298,29 @@ def shard_prompts(prompts: list[Prompt], index: int, config: DistillJobConfig) -
     return prompts[index * config.shard_size: (index + 1) * config.shard_size]
 
 
-def open_job(out: str | Path, fingerprint: dict, dtype: str) -> list[Shard]:
+def open_job(out: str | Path, fingerprint: dict, dtype: str, layers: list[int] | tuple[int, ...] = ()) -> list[Shard]:
     """What training reads: every shard of a job, checked against the job's plan and the base it
     trains for (fingerprint, the dtype the features were computed in) and memory-mapped; a bad
-    one is one :class:`ShardError` naming it and the command that rebuilds it."""
+    one is one :class:`ShardError` naming it and the command that rebuilds it. ``layers``: the
+    base layers whose states each shard must hold beside the final one (:func:`rebuild_command`)."""
     out = Path(out)
     try:
         plan = json.loads((out / PLAN).read_text(encoding="utf-8"))
     except (OSError, ValueError) as err:
         raise ShardError(f"{out / PLAN} cannot be read ({err}); run the self-distillation job with --out {out}.") from None
     expected = {"plan_key": plan.get("plan_key"), "base_fingerprint": fingerprint, "dtype": dtype,
-                "feature_dtype": "float16"}
-    rebuild = f"python -m draftheads.training.data.distill_job --out {out}"
+                "feature_dtype": "float16", **({"layers": list(layers)} if layers else {})}
+    rebuild = rebuild_command(out, layers)
     return [open_shard(folder, expected, rebuild) for folder in sorted((out / "shards").glob("shard-[0-9]*"))]
+
+
+def rebuild_command(out: Path, layers: list[int] | tuple[int, ...] = ()) -> str:
+    """The command that rebuilds a job's bad shards: the job itself, or, for the states of base
+    layers (which only a rebuild from token ids keeps), ``--from-tokens`` with ``--layers``."""
+    if not layers:
+        return f"python -m draftheads.training.data.distill_job --out {out}"
+    return (f"python -m draftheads.training.data.distill_job --from-tokens <the job's token ids, as --export wrote "
+            f"them> --out {out} --layers {' '.join(map(str, layers))}")
 
 
 def finished_shards(out: Path, with_hidden: bool = False) -> list[tuple[int, Path]]:
@@ -358,7 +376,7 @@ def rebuild(config: DistillJobConfig) -> int:
     job = Job(config)  # every input checked (the ids against the base's vocabulary) before a file is written
     check_vocabulary(committed, job.base.get_output_embeddings().weight.shape[0])
     check_plan(out, index["plan"])
-    for entry in index["shards"]:
+    for entry in index["shards"][: config.shards or None]:  # --shards N: the first N (every prefix is a sample)
         number, ids = entry["shard"], entry["ids"]
         folder = out / "shards" / f"shard-{number:05d}"
         expected = job.expected(index["plan"]["plan_key"], ids)
@@ -369,8 +387,16 @@ def rebuild(config: DistillJobConfig) -> int:
         started = time.perf_counter()
         given = committed[number][1]
         sequences = [given.sequence(k).astype(np.int64).tolist() for k in range(len(given))]
-        given.hidden = np.concatenate([s.to(torch.float32).numpy() for s in
-                                       forward_states(job.base, sequences, config.forward_tokens)]).astype(np.float16)
+        states = np.concatenate([s.to(torch.float32).numpy() for s in
+                                 forward_states(job.base, sequences, config.forward_tokens, job.layers)])
+        width = job.base.config.get_text_config().hidden_size
+        given.hidden, given.layers = states[:, :width].astype(np.float16), states[:, width:].astype(np.float16)
+        given.feature_layers = list(job.layers)
+        if not job.layers:
+            given.layers = None
+        elif not np.isfinite(given.layers).all():
+            raise ShardError(f"--layers {' '.join(map(str, job.layers))}: a state of these layers overflows float16 "
+                             "(this base's residual stream is too large there); pass other layers.")
         write_shard(folder, given, manifest_for(given, number, expected, {  # seconds: what scaling tables count
             "given": len(given), "decoded": 0, "seconds": round(time.perf_counter() - started, 1)}))
         last = time.perf_counter() - started

@@ -12,25 +12,31 @@ A shard folder (``shard-00012/``) holds::
     hidden.npy         (L, d) float16 hidden[i]: the base's final hidden state after tokens[i]
                                       (it predicts tokens[i+1]); a sequence's last row is zero
                                       (nothing follows its last token, so the decoder never ran it)
+    layers.npy         (L, n·d) float16 only where the manifest names ``layers`` (e.g. [3, 15]): the
+                                      residual stream after those decoder layers (transformers'
+                                      ``output_hidden_states`` numbering), side by side in that
+                                      order, rows as in hidden.npy (``distill_job --layers``)
 
 Arrays are plain ``.npy`` files, read memory-mapped (``np.load(mmap_mode="r")``): a training run
 sees millions of positions without holding them in RAM. A shard that exists is complete (it is
 written in a staging folder and renamed in: :class:`~draftheads.core.atomic.atomic_directory`);
-one that is truncated, from another base, another dtype or another plan is named in one line
-and rebuilt, never read (:func:`shard_problem`).
+one that is truncated, from another base, another dtype or another plan, or without a layer
+asked for, is named in one line and rebuilt, never read (:func:`shard_problem`). A shard without
+``layers`` (every shard made before them) serves heads that read the final state only.
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from ...core.atomic import atomic_directory
 from ...core.errors import DraftheadsError, one_line
+from ..features import layers_problem
 
 SHARD_KIND = "draftheads-selfdistill-shard"
 SHARD_FORMAT = 1
@@ -47,7 +53,8 @@ class ShardError(DraftheadsError, ValueError):
 @dataclass
 class Shard:
     """One shard's sequences: ``tokens`` (L,), ``offsets`` (n+1,), ``answer_starts`` (n,),
-    ``finished`` (n,), ``hidden`` (L, d) or None (token ids only, as committed), ``ids`` (n,)."""
+    ``finished`` (n,), ``hidden`` (L, d) or None (token ids only, as committed), ``ids`` (n,);
+    ``layers`` (L, n·d) the states of the base layers ``feature_layers`` names, or None."""
 
     tokens: np.ndarray
     offsets: np.ndarray
@@ -55,6 +62,8 @@ class Shard:
     finished: np.ndarray
     ids: list[str]
     hidden: np.ndarray | None = None
+    layers: np.ndarray | None = None
+    feature_layers: list[int] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -107,6 +116,8 @@ def write_shard(folder: Path, shard: Shard, manifest: dict) -> None:
             np.save(tmp / f"{name}.npy", np.ascontiguousarray(getattr(shard, name), ARRAYS[name]))
         if shard.hidden is not None:
             np.save(tmp / "hidden.npy", np.ascontiguousarray(shard.hidden))
+        if shard.layers is not None:
+            np.save(tmp / "layers.npy", np.ascontiguousarray(shard.layers))
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
 
 
@@ -116,8 +127,9 @@ def _load(folder: Path, name: str) -> np.ndarray:
 
 def shard_problem(folder: Path, expected: dict, with_hidden: bool = True) -> str | None:
     """What is wrong with ``folder`` as the shard ``expected`` describes (its plan, base
-    fingerprint, dtype, prompts), or None: a missing or unreadable manifest or array (a
-    truncated ``.npy`` does not map), other settings, or arrays whose sizes disagree."""
+    fingerprint, dtype, prompts; ``layers``: the base layers whose states it must hold, beside
+    the final state), or None: a missing or unreadable manifest or array (a truncated ``.npy``
+    does not map), other settings, or arrays whose sizes disagree."""
     try:
         manifest = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -126,6 +138,8 @@ def shard_problem(folder: Path, expected: dict, with_hidden: bool = True) -> str
         return f"its manifest.json cannot be read ({one_line(err)})"
     if not isinstance(manifest, dict) or manifest.get("kind") != SHARD_KIND or manifest.get("format") != SHARD_FORMAT:
         return f"it is not a format-{SHARD_FORMAT} self-distillation shard"
+    expected = dict(expected)
+    asked = expected.pop("layers", [])
     for key, want in expected.items():
         if manifest.get(key) != want:
             what = {"base_fingerprint": "another base", "dtype": "another dtype", "feature_dtype": "another feature dtype",
@@ -133,7 +147,12 @@ def shard_problem(folder: Path, expected: dict, with_hidden: bool = True) -> str
             shown = want if key != "base_fingerprint" else (want or {}).get("lm_head_sha256", "")[:12]
             got = manifest.get(key) if key != "base_fingerprint" else (manifest.get(key) or {}).get("lm_head_sha256", "")[:12]
             return f"it was made with {what} ({key} {got!r}, this run {shown!r})"
-    names = list(ARRAYS) + (["hidden"] if with_hidden else [])
+    recorded = manifest.get("layers", [])
+    if not isinstance(recorded, list) or any(isinstance(x, bool) or not isinstance(x, int) for x in recorded):
+        return f"its manifest.json's layers {recorded!r} is not a list of layer numbers"
+    if with_hidden and (problem := layers_problem(recorded, asked)):
+        return problem
+    names = list(ARRAYS) + (["hidden"] + (["layers"] if recorded else []) if with_hidden else [])
     arrays = {}
     for name in names:
         try:
@@ -148,10 +167,13 @@ def shard_problem(folder: Path, expected: dict, with_hidden: bool = True) -> str
     sizes = {"tokens": (length,), "offsets": (n + 1,), "answer_starts": (n,), "finished": (n,)}
     if with_hidden:
         sizes["hidden"] = (length, manifest.get("hidden_size"))
+        if recorded:
+            sizes["layers"] = (length, (manifest.get("hidden_size") or 0) * len(recorded))
     for name, shape in sizes.items():
         if tuple(arrays[name].shape) != shape:
             return f"{name}.npy has shape {tuple(arrays[name].shape)}, the manifest says {shape}"
-    wanted = {**ARRAYS, "hidden": FEATURE_DTYPES.get(manifest.get("feature_dtype"), np.float16)}
+    feature = FEATURE_DTYPES.get(manifest.get("feature_dtype"), np.float16)
+    wanted = {**ARRAYS, "hidden": feature, "layers": feature}
     for name, array in arrays.items():
         if array.dtype != wanted[name]:
             return f"{name}.npy holds {array.dtype}, not {np.dtype(wanted[name])}"
@@ -170,7 +192,9 @@ def open_shard(folder: str | Path, expected: dict, rebuild: str, with_hidden: bo
     manifest = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
     arrays = {name: _load(folder, name) for name in ARRAYS}
     hidden = _load(folder, "hidden") if with_hidden else None
-    return Shard(ids=list(manifest["ids"]), hidden=hidden, **arrays)
+    recorded = list(manifest.get("layers") or []) if with_hidden else []
+    layers = _load(folder, "layers") if recorded else None
+    return Shard(ids=list(manifest["ids"]), hidden=hidden, layers=layers, feature_layers=recorded, **arrays)
 
 
 def discard(folder: Path) -> None:

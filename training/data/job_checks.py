@@ -17,7 +17,7 @@ from .records import DataError, resolve_data_path
 PLAN = "plan.json"
 INDEX = "index.json"
 #: what a shard folder holds when the job wrote it: only such files are ever removed with it
-SHARD_FILES = {MANIFEST, "hidden.npy", *(f"{name}.npy" for name in ARRAYS)}
+SHARD_FILES = {MANIFEST, "hidden.npy", "layers.npy", *(f"{name}.npy" for name in ARRAYS)}
 #: the integer options and their least value
 AT_LEAST = {"shard_size": 1, "batch_size": 1, "max_new_tokens": 1, "forward_tokens": 1, "shards": 0,
             "start_at": 0, "seconds": 0}
@@ -48,10 +48,38 @@ def check_options(config) -> None:
         for path in getattr(config, name):
             if not resolve_data_path(path).is_file():
                 raise DataError(f"{flag(name)} {path}: no such file; pass an existing JSONL file.")
+    if config.layers and not config.from_tokens:
+        raise DataError(f"--layers {' '.join(map(str, config.layers))}: the states of base layers are kept only by a "
+                        "rebuild from token ids (the decoder keeps the final state only): answer the prompts, --export "
+                        "their ids, then run --from-tokens DIR --out OUT --layers ...")
     if config.from_tokens and not (Path(config.from_tokens) / "index.json").is_file():
         raise DataError(f"--from-tokens {config.from_tokens}: it holds no index.json; pass the folder the job's "
                         "--export wrote (e.g. recipes/data/selfdistill-smollm2).")
     check_base_path(config.base)
+    if config.layers:  # the base's depth from its config, before it loads
+        from ..frozen import base_depth
+
+        job_layers(config.layers, base_depth(config.base or "embedded"))
+
+
+def job_layers(values: list, depth: int | None) -> list[int]:
+    """``--layers`` for a base of ``depth`` decoder layers (None: not known yet, the form only):
+    layer numbers (ascending, each one the base has) or ``default``
+    (:func:`draftheads.heads.fusion.default_feature_layers`); anything else is one line naming
+    the option, before a file is written."""
+    from ...heads.fusion import default_feature_layers, feature_layer_problem
+
+    shown = " ".join(map(str, values))
+    if list(values) == ["default"]:
+        return default_feature_layers(depth) if depth is not None else []
+    try:
+        layers = [int(v) for v in values]
+    except ValueError:
+        raise DataError(f"--layers {shown}: pass layer numbers (e.g. --layers 3 15) or --layers default.") from None
+    problem = feature_layer_problem(layers, depth)
+    if problem:
+        raise DataError(f"--layers {shown}: {problem}.")
+    return layers
 
 
 def job_folder(out: Path) -> bool:

@@ -6,6 +6,10 @@ no feature pass, and the (P, d) states stay memory-mapped (:class:`MappedRows` g
 batch's rows on demand) — a run over millions of positions holds their token ids in RAM, not
 their states.
 
+Heads that read base layers beside the final state (``heads.feature_layers``) read their states
+from ``layers.npy``, where a rebuild from token ids kept them (``distill_job --from-tokens ...
+--layers``; a shard without one is refused by name), mapped the same way.
+
 Rows follow :mod:`draftheads.training.features`: row t holds h_t, the text tokens x_{t+1..t+MAX_TARGETS}
 (``targets``) and the base's own choice for each (``teacher``: on self-distilled text the text
 itself). Per-position families read the answer's rows (t = prompt length − 1 .. L − 2). A
@@ -21,16 +25,20 @@ import numpy as np
 import torch
 
 from .distill_shards import Shard
-from ..features import MAX_TARGETS, Features, shift_targets
+from ..features import MAX_TARGETS, Features, layer_columns, layers_problem, layers_text, shift_targets
 
 
 class MappedRows:
     """(P, d) float16 rows gathered from memory-mapped shard arrays: ``rows[index]`` → tensor
-    of ``index.shape + (d,)``; row r is ``arrays[shard[r]][local[r]]``."""
+    of ``index.shape + (d,)``; row r is ``arrays[shard[r]][local[r]]`` (its ``columns[shard[r]]``
+    only, where ``columns`` gives a shard's: the layers a run reads of those a shard holds)."""
 
-    def __init__(self, arrays: list[np.ndarray], shard: np.ndarray, local: np.ndarray):
+    def __init__(self, arrays: list[np.ndarray], shard: np.ndarray, local: np.ndarray,
+                 columns: list[np.ndarray | None] | None = None):
         self.arrays, self.shard, self.local = arrays, shard.astype(np.int32), local.astype(np.int64)
-        self.shape = torch.Size((len(self.local), int(arrays[0].shape[1]) if arrays else 0))
+        self.columns = columns or [None] * len(arrays)
+        width = (len(self.columns[0]) if self.columns[0] is not None else int(arrays[0].shape[1])) if arrays else 0
+        self.shape = torch.Size((len(self.local), width))
         self.dtype = torch.float16
 
     def __len__(self) -> int:
@@ -45,7 +53,8 @@ class MappedRows:
         out = np.empty((len(flat), self.shape[1]), np.float16)
         for s in np.unique(shard):
             pick = shard == s
-            out[pick] = self.arrays[s][local[pick]]
+            rows = self.arrays[s][local[pick]]
+            out[pick] = rows if self.columns[s] is None else rows[:, self.columns[s]]
         return torch.from_numpy(out).reshape(*index.shape, self.shape[1])
 
 
@@ -63,11 +72,12 @@ def sequence_rows(shard: Shard, k: int, with_prompt: bool) -> tuple[np.ndarray, 
     return rows, targets
 
 
-def job_table(shards: list[Shard], with_prompt: bool = False, sequences: list[tuple[int, int]] | None = None
-              ) -> Features:
+def job_table(shards: list[Shard], with_prompt: bool = False, sequences: list[tuple[int, int]] | None = None,
+              layers: list[int] | tuple[int, ...] = ()) -> Features:
     """The positions of ``shards`` (every sequence, or the (shard, k) pairs of ``sequences``)
     as one :class:`Features` table, states mapped; ``with_prompt``: whole sequences, prompt rows
-    unlabelled, bounds in ``Features.sequences`` (S, 2)."""
+    unlabelled, bounds in ``Features.sequences`` (S, 2); ``layers``: the states of those base
+    layers too (``Features.layers``, mapped; each shard holds them: :func:`.distill_job.open_job`)."""
     pairs = sequences if sequences is not None else [(s, k) for s, shard in enumerate(shards) for k in range(len(shard))]
     shard_of, local, targets, bounds, count = [], [], [], [], 0
     for s, k in pairs:
@@ -83,9 +93,27 @@ def job_table(shards: list[Shard], with_prompt: bool = False, sequences: list[tu
         count += len(rows)
     if not targets:
         raise ValueError("the job's shards hold no answer of two tokens or more to train on.")
-    hidden = MappedRows([shard.hidden for shard in shards], np.concatenate(shard_of), np.concatenate(local))
+    shard_of, local = np.concatenate(shard_of), np.concatenate(local)
+    hidden = MappedRows([shard.hidden for shard in shards], shard_of, local)
     table = torch.cat(targets)
-    return Features(hidden, table, table, torch.tensor(bounds, dtype=torch.long) if with_prompt else None)
+    return Features(hidden, table, table, torch.tensor(bounds, dtype=torch.long) if with_prompt else None,
+                    mapped_layers(shards, shard_of, local, layers))
+
+
+def mapped_layers(shards: list[Shard], shard_of: np.ndarray, local: np.ndarray, layers) -> MappedRows | None:
+    """The states of ``layers`` at the table's rows, mapped (None for none): a shard that lacks
+    one is refused by name, never read as the final state only."""
+    if not layers:
+        return None
+    columns = []
+    for shard in shards:
+        width = int(shard.hidden.shape[1])
+        picked = layer_columns(shard.feature_layers, layers, width) if shard.layers is not None else None
+        if picked is None:
+            raise ValueError(f"a shard holds {layers_text(shard.feature_layers)}, but the heads read "
+                             f"{layers_text(layers)}: open the job with open_job(..., layers={list(layers)}).")
+        columns.append(None if picked == list(range(shard.layers.shape[1])) else np.array(picked, np.int64))
+    return MappedRows([shard.layers for shard in shards], shard_of, local, columns)
 
 
 def split_sequences(shards: list[Shard], held_out: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
@@ -127,19 +155,43 @@ def check_job_folder(path: Path) -> None:
                         "(recipes/data/selfdistill-smollm2/README.md), or use data.kind selfdistill for answer files.")
 
 
-def job_batches(recipe, paths: list[Path], fingerprint: dict, dtype: str, chunking: int | None):
+def check_job_layers(path: Path, layers: list[int] | tuple[int, ...]) -> None:
+    """Every shard of the job folder ``path`` holds the states of ``layers`` (its manifest says
+    so), checked before the base loads: one line naming the first that does not and the command
+    that rebuilds it (a manifest that cannot be read is named when the job opens)."""
+    import json
+
+    from .distill_job import rebuild_command
+    from .distill_shards import MANIFEST, ShardError
+
+    if not layers:
+        return
+    for folder in sorted((path / "shards").glob("shard-[0-9]*")):
+        try:
+            recorded = json.loads((folder / MANIFEST).read_text(encoding="utf-8")).get("layers", [])
+        except (OSError, ValueError, AttributeError):
+            continue
+        problem = layers_problem(recorded if isinstance(recorded, list) else [], layers)
+        if problem:
+            raise ShardError(f"{folder}: {problem}; rebuild it: `{rebuild_command(path, layers)}` (it rebuilds every "
+                             "bad shard), or drop heads.feature_layers.")
+
+
+def job_batches(recipe, paths: list[Path], fingerprint: dict, dtype: str, chunking: int | None,
+                layers: list[int] | tuple[int, ...] = ()):
     """Training batches, held-out table and draft-vocabulary label ids from job folders: the
     last ``data.eval_examples`` sequences are held out; whole sequences (prompt rows unlabelled) when the heads' context layer
     reads the prompt (``heads.extra.prefix_context: sequence``). ``data.limit`` > 0 keeps a
     seeded random N of the training sequences (``train.seed``), in job order: a job's shards are
     not a uniform mixture (the answers it reused come first), so a smaller data set is a sample
-    of the same mixture, as a data-scaling table needs."""
+    of the same mixture, as a data-scaling table needs. ``layers``: the base layers the heads read
+    beside the final state (every shard must hold their states)."""
     from ..batches import FeatureBatches
     from .distill_job import open_job
 
     k = recipe.heads.num_heads
     with_prompt = reads_prompt(recipe)
-    shards = [shard for path in paths for shard in open_job(path, fingerprint, dtype)]
+    shards = [shard for path in paths for shard in open_job(path, fingerprint, dtype, layers)]
     train, held_out = split_sequences(shards, recipe.data.eval_examples)
     if 0 < recipe.data.limit < len(train):
         keep = torch.randperm(len(train), generator=torch.Generator().manual_seed(recipe.train.seed))[: recipe.data.limit]
@@ -147,14 +199,14 @@ def job_batches(recipe, paths: list[Path], fingerprint: dict, dtype: str, chunki
     prompts = torch.from_numpy(np.concatenate([shards[s].tokens[shards[s].offsets[q]: shards[s].offsets[q]
                                                                  + shards[s].answer_starts[q]] for s, q in train]
                                                ).astype(np.int64))
-    batches = FeatureBatches(job_table(shards, with_prompt, train), k, chunking, prompts)
+    batches = FeatureBatches(job_table(shards, with_prompt, train, layers), k, chunking, prompts)
     labelled = int((batches.table.targets[:, 0] >= 0).sum())
     summary = {"jobs": [str(p) for p in paths], "shards": len(shards), "sequences": len(train),
                "held_out_sequences": len(held_out), "share": round(len(train) / sum(len(shard) for shard in shards), 6),
                "answer_positions": labelled, "rows": len(batches.table)}
     check_same_data(Path(recipe.run.output_dir), summary)
     write_data_summary(Path(recipe.run.output_dir), summary)
-    return batches, job_table(shards, with_prompt, held_out), batches.table.teacher[:, 1: k + 1]
+    return batches, job_table(shards, with_prompt, held_out, layers), batches.table.teacher[:, 1: k + 1]
 
 
 DATA_SUMMARY = "data.json"
@@ -201,16 +253,18 @@ def write_data_summary(output_dir: Path, summary: dict) -> None:
         tmp.write_text(json.dumps(summary, indent=1) + "\n")
 
 
-def job_eval_table(path: Path, fingerprint: dict, dtype: str, with_prompt: bool) -> tuple[Features, dict[str, torch.Tensor]]:
+def job_eval_table(path: Path, fingerprint: dict, dtype: str, with_prompt: bool,
+                   layers: list[int] | tuple[int, ...] = ()) -> tuple[Features, dict[str, torch.Tensor]]:
     """An evaluation job (e.g. the base's answers to MT-Bench and Spec-Bench dev) as a table and
     its groups, {each sequence's source: indices of its labelled rows} (scores count labelled
-    rows only, in table order: :func:`~draftheads.training.evaluation.rank_table`)."""
+    rows only, in table order: :func:`~draftheads.training.evaluation.rank_table`), with the
+    states of the base ``layers`` the heads read."""
     from .distill_job import open_job
 
-    shards = open_job(path, fingerprint, dtype)
+    shards = open_job(path, fingerprint, dtype, layers)
     folders = sorted((path / "shards").glob("shard-[0-9]*"))
     sources = [src for folder, shard in zip(folders, shards) for src in sequence_sources(folder, len(shard))]
-    table = job_table(shards, with_prompt)
+    table = job_table(shards, with_prompt, layers=layers)
     counts = [int(s.offsets[k + 1] - s.offsets[k] - s.answer_starts[k]) for s in shards for k in range(len(s))]
     starts = np.cumsum([0] + counts)
     groups: dict[str, list[torch.Tensor]] = {}

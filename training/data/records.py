@@ -31,7 +31,8 @@ import torch
 
 from ...core.errors import DraftheadsError
 from ...decoding.base.loading import from_checkout
-from ..features import Example, Features, hidden_states, selfdistill_examples, shift_targets, shift_teacher
+from ..features import (Example, Features, captured_states, check_fp16, selfdistill_examples, shift_targets,
+                        shift_teacher)
 
 PROVENANCE = "provenance.json"
 #: the Hub options (a recipe's data.name / data.split / data.columns, self-distillation's --name /
@@ -244,16 +245,18 @@ def load_examples(kind: str, path: str | Path, tokenizer=None, max_length: int =
 
 # -- training positions -------------------------------------------------------------------------
 @torch.no_grad()
-def example_features(model, examples: list[Example]) -> Features:
+def example_features(model, examples: list[Example], layers: list[int] | tuple[int, ...] = ()) -> Features:
     """The same positions the feature cache stores, computed now (the on-the-fly path): one
-    base forward over the batch of examples. Rows of one example stay contiguous and in order,
-    which :func:`shifted_rows` relies on."""
-    hidden, targets, teacher = [], [], []
-    for example, (states, predicted) in zip(examples, hidden_states(model, examples)):
-        hidden.append(states)
+    base forward over the batch of examples (the states of ``layers`` from it too). Rows of one
+    example stay contiguous and in order, which :func:`shifted_rows` relies on."""
+    hidden, named, targets, teacher = [], [], [], []
+    for example, captured in zip(examples, captured_states(model, examples, layers)):
+        hidden.append(captured.hidden)
+        named.append(captured.layers)
         targets.append(shift_targets(torch.tensor(example.input_ids), example.response_start))
-        teacher.append(shift_teacher(predicted))
-    return Features(torch.cat(hidden), torch.cat(targets), torch.cat(teacher))
+        teacher.append(shift_teacher(captured.predicted))
+    return Features(torch.cat(hidden), torch.cat(targets), torch.cat(teacher),
+                    layers=check_fp16(torch.cat(named), layers, "the base's forward") if layers else None)
 
 
 def shifted_rows(targets: torch.Tensor, num_heads: int) -> torch.Tensor:

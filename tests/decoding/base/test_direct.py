@@ -38,11 +38,11 @@ def _pair(dtype: torch.dtype, ops: FusedOps | None, packed: bool = False, seed: 
     return reference, direct
 
 
-def _compare(reference, direct, cases, exact: bool, tolerance: dict | None = None):
+def _compare(reference, direct, cases, exact: bool, tolerance: dict | None = None, taps: tuple[int, ...] = ()):
     for tokens, positions, mask, valid, cache in cases:
         theirs_cache, ours_cache = cache(), cache()
-        theirs = verify(reference, tokens, positions, mask, theirs_cache, valid)
-        ours = verify(direct, tokens, positions, mask, ours_cache, valid)
+        theirs = verify(reference, tokens, positions, mask, theirs_cache, valid, taps)
+        ours = verify(direct, tokens, positions, mask, ours_cache, valid, taps)
         pairs = [(ours, theirs)] + [(a.keys, b.keys) for a, b in zip(ours_cache.layers, theirs_cache.layers)] \
             + [(a.values, b.values) for a, b in zip(ours_cache.layers, theirs_cache.layers)]
         for a, b in pairs:
@@ -50,6 +50,10 @@ def _compare(reference, direct, cases, exact: bool, tolerance: dict | None = Non
                 assert torch.equal(a, b)
             else:
                 torch.testing.assert_close(a.float(), b.float(), **tolerance)
+
+
+#: the layers multi-layer heads read in these tests: the embeddings and the first layer's residual stream
+TAPS = (0, 1)
 
 
 def _cases(model):
@@ -61,10 +65,12 @@ def _cases(model):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 def test_the_direct_forward_through_the_modules_code_is_transformers_bit_for_bit(dtype):
     """Single rows, plain steps, trees, batches and ragged (packed) steps: the same hidden states
-    and cache entries as the body's own forward, in every dtype, with the products packed or not."""
+    and cache entries as the body's own forward, in every dtype, with the products packed or not —
+    and the layers multi-layer heads read (``taps``) as ``output_hidden_states`` gives them."""
     for packed in (False, True):
         reference, direct = _pair(dtype, FusedOps(), packed)
         _compare(reference, direct, _cases(reference), exact=True)
+        _compare(reference, direct, _cases(reference), exact=True, taps=TAPS)
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +88,7 @@ def test_the_fused_kernels_stay_within_one_rounding_of_transformers(ops, dtype):
     reference, direct = _pair(dtype, ops, packed=True)
     tolerance = {"rtol": 2 ** -6, "atol": 2 ** -6} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-5}
     _compare(reference, direct, _cases(reference), exact=False, tolerance=tolerance)
+    _compare(reference, direct, _cases(reference), exact=False, tolerance=tolerance, taps=TAPS)  # kernels add in place
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
