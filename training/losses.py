@@ -83,24 +83,32 @@ def head_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, weights: torc
 
 
 def teacher_kl(logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
-               counts: torch.Tensor | None = None, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+               counts: torch.Tensor | None = None, temperature: float = 1.0,
+               topk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Σ_k w_k · mean KL(p_teacher ‖ p_head) over positions whose label is valid (Hydra++).
 
     ``teacher_logits`` (P, K, V) are the frozen base's own next-token logits for the token each
     head drafts, i.e. lm_head(h_{t+k+1}) for head k at position t (see :func:`shifted_rows`);
     soft targets carry the base's whole ranking, not just its argmax, which is what tree
     drafting with top-k children needs. ``temperature`` softens both sides (scaled by T² so
-    gradients keep their size, as in Hinton et al.)."""
+    gradients keep their size, as in Hinton et al.). ``topk`` > 0: the teacher's top-``topk``
+    tokens only (:func:`distill_loss`)."""
     loss, per_head = distill_loss(logits, labels, weights, counts, ce_weight=0.0, kl_weight=1.0,
-                                  teacher_logits=teacher_logits, temperature=temperature)
+                                  teacher_logits=teacher_logits, temperature=temperature, kl_topk=topk)
     return loss, per_head["kl"]
 
 
 def distill_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor | None,
                  ce_weight: float, kl_weight: float, teacher_logits: torch.Tensor | None = None,
-                 temperature: float = 1.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                 temperature: float = 1.0, kl_topk: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """ce_weight · Σ_k w_k CE_k + kl_weight · Σ_k w_k KL_k (the two losses above) and each one's
     per-head means ({"ce": (K,), "kl": (K,)}, for the heads' logs).
+
+    ``kl_topk`` = N > 0 (HASS's top-K distillation, arXiv 2408.15766): KL_k is taken over the
+    teacher's N most probable draft-vocabulary tokens only, its probabilities renormalized over
+    them (p_N, zero elsewhere), the heads' log-probabilities over the whole draft vocabulary:
+    Σ_{i ∈ top-N} p_N(i) (log p_N(i) − log q(i)); its gradient is the same closed form with p_N
+    for p_teacher. N = the draft vocabulary's size is the full KL; 0 (the default) is the full KL.
 
     One pass over row blocks of the (P, K, V) logits, in float32 (float64 kept), that also writes
     the gradient, a (P, K, V) tensor of the logits' dtype, in closed form:
@@ -110,11 +118,14 @@ def distill_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tens
     passes cost more than the heads themselves."""
     if kl_weight and teacher_logits is None:
         raise ValueError("distill_loss: kl_weight > 0 needs teacher_logits")
+    if not 0 <= kl_topk <= logits.shape[-1]:
+        raise ValueError(f"distill_loss: kl_topk={kl_topk} must be in 0..{logits.shape[-1]} (the draft vocabulary)")
     counts = label_counts(labels) if counts is None else counts
     dtype = _loss_dtype(logits)
     per_label = 1.0 / counts.to(logits.device, dtype).clamp(min=1)  # (K,) each head's mean
     loss, ce, kl = _DistillLoss.apply(logits, labels, weights.to(logits.device, dtype), per_label, float(ce_weight),
-                                      float(kl_weight), teacher_logits if kl_weight else None, float(temperature))
+                                      float(kl_weight), teacher_logits if kl_weight else None, float(temperature),
+                                      int(kl_topk))
     return loss, {"ce": ce, "kl": kl}
 
 
@@ -128,7 +139,7 @@ class _DistillLoss(torch.autograd.Function):
     gradient times the incoming scalar backward (``logits`` is the only input that gets one)."""
 
     @staticmethod
-    def forward(ctx, logits, labels, weights, per_label, ce_weight, kl_weight, teacher, temperature):
+    def forward(ctx, logits, labels, weights, per_label, ce_weight, kl_weight, teacher, temperature, topk=0):
         dtype = _loss_dtype(logits)
         grad = torch.empty_like(logits) if logits.requires_grad else None
         ce_sum = torch.zeros_like(weights)  # (K,) token sums per head
@@ -149,9 +160,15 @@ class _DistillLoss(torch.autograd.Function):
                     g = log_p.exp().mul_(coef).scatter_add_(-1, y, -coef)
             if kl_weight:
                 log_q = log_p if temperature == 1.0 else torch.log_softmax(s / temperature, dim=-1)
-                log_t = torch.log_softmax(teacher[rows].to(dtype) / temperature, dim=-1)
-                p_t = log_t.exp()
-                kl_sum += ((p_t * (log_t - log_q)).sum(-1) * keep).sum(0) * temperature ** 2
+                if topk:  # p_t is zero outside the teacher's top-K, where its terms are 0
+                    log_t = top_k_log_softmax(teacher[rows].to(dtype) / temperature, topk)
+                    p_t = log_t.exp()
+                    kl_sum += ((torch.where(p_t > 0, p_t * (log_t - log_q), 0.0)).sum(-1) * keep).sum(0) \
+                        * temperature ** 2
+                else:
+                    log_t = torch.log_softmax(teacher[rows].to(dtype) / temperature, dim=-1)
+                    p_t = log_t.exp()
+                    kl_sum += ((p_t * (log_t - log_q)).sum(-1) * keep).sum(0) * temperature ** 2
                 if grad is not None:
                     term = log_q.exp().sub_(p_t).mul_((b * keep).unsqueeze(-1))
                     g = term if g is None else g.add_(term)
@@ -166,7 +183,14 @@ class _DistillLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_ce, _grad_kl):
         (grad,) = ctx.saved_tensors
-        return grad * grad_loss.to(grad.dtype), None, None, None, None, None, None, None
+        return grad * grad_loss.to(grad.dtype), None, None, None, None, None, None, None, None
+
+
+def top_k_log_softmax(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """log softmax of ``scores`` (..., V) over each row's ``k`` largest entries only, −inf
+    elsewhere: the log of the distribution renormalized over its top-k (k = V: log_softmax)."""
+    top = scores.topk(k, dim=-1)
+    return torch.log_softmax(torch.full_like(scores, float("-inf")).scatter_(-1, top.indices, top.values), dim=-1)
 
 
 def teacher_logits(next_hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:

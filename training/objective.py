@@ -47,7 +47,8 @@ def compute_loss(model, heads: DraftHeads, table: Features, rows: torch.Tensor, 
                 target = teacher_logits(nxt, heads.draft_weight())
     if recipe.loss.ce_weight or recipe.loss.kl_weight:
         supervised, per_head = distill_loss(logits, labels, weights, counts, recipe.loss.ce_weight,
-                                            recipe.loss.kl_weight, target, recipe.loss.temperature)
+                                            recipe.loss.kl_weight, target, recipe.loss.temperature,
+                                            recipe.loss.kl_topk)
         loss = loss + supervised * scale
         metrics.update({name: per_head[name].detach() * scale
                         for name, weight in (("ce", recipe.loss.ce_weight), ("kl", recipe.loss.kl_weight)) if weight})

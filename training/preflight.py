@@ -13,7 +13,7 @@ from ..core.errors import DraftheadsError, one_line
 from .data.records import DATA_OPTIONS, DataError, is_hub_id, load_records, resolve_data_path
 from .data.data_checks import check_data
 from .frozen import base_depth, base_dims
-from .data.job_data import check_job_folder, check_job_layers
+from .data.job_data import check_job_folder, check_job_layers, check_job_predicted
 from .recipe_checks import resolve_feature_layers
 from .recipe_sections import Recipe, RecipeError
 
@@ -29,7 +29,8 @@ def preflight(recipe: Recipe) -> None:
     data record holds what training reads with its token ids inside the base's vocabulary, the
     heads fit that vocabulary and hidden size (both read from the base's config, no weights),
     the base has the layers they read (``heads.feature_layers``) and a job folder holds their
-    states, and the final checkpoint's folder may be written."""
+    states (and, for ``data.prompt_positions``, the base's predictions), and the final
+    checkpoint's folder may be written."""
     from ..decoding.base.loading import check_base_path
 
     paths = data_paths(recipe)
@@ -57,6 +58,9 @@ def preflight(recipe: Recipe) -> None:
         eval_path = Path(recipe.data.eval_path) if recipe.data.eval_path else None
         for folder in jobs + ([eval_path] if eval_path is not None and eval_path.is_dir() else []):
             check_job_layers(folder, layers)
+    if recipe.data.kind == "job" and recipe.data.prompt_positions:  # the training jobs (evaluation: answers only)
+        for path in paths:
+            check_job_predicted(resolve_data_path(path), layers)
     for path in paths if recipe.data.kind != "job" else ():  # a job's shards are checked as they open
         check_data(path, recipe.data.kind, dims[0] if dims else None, recipe.data.name, recipe.data.split,
                    recipe.data.columns, bool(recipe.data.sources or recipe.data.source_caps))
@@ -100,6 +104,10 @@ def check_heads_fit(recipe: Recipe, vocab_size: int, hidden_size: int, feature_l
         raise RecipeError(f"Recipe key heads.draft_vocab_size={recipe.heads.draft_vocab_size} is larger than the "
                           f"base's vocabulary ({vocab_size} tokens, {recipe.base}): use at most {vocab_size}, or 0 for "
                           "all of it.")
+    if recipe.loss.kl_topk > (recipe.heads.draft_vocab_size or vocab_size):
+        raise RecipeError(f"Recipe key loss.kl_topk={recipe.loss.kl_topk} is larger than the draft vocabulary (the "
+                          f"base's {vocab_size} tokens, heads.draft_vocab_size: 0) the teacher's top-K is taken over: "
+                          f"use at most {vocab_size}, or 0 for the full KL.")
     from ..heads import HeadConfig, build_heads
 
     config = HeadConfig(family=recipe.heads.family, num_heads=recipe.heads.num_heads,

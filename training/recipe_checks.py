@@ -67,7 +67,8 @@ def check_ranges(recipe: Recipe) -> None:
                 ("train.weight_decay", 0): recipe.train.weight_decay, ("train.max_grad_norm", 0): recipe.train.max_grad_norm,
                 ("run.keep_checkpoints", 1): recipe.run.keep_checkpoints, ("run.eval_positions", 0): recipe.run.eval_positions,
                 ("run.default_budget", 0): recipe.run.default_budget, ("loss.ce_weight", 0): recipe.loss.ce_weight,
-                ("loss.kl_weight", 0): recipe.loss.kl_weight, ("loss.noise_alpha", 0): recipe.loss.noise_alpha}
+                ("loss.kl_weight", 0): recipe.loss.kl_weight, ("loss.noise_alpha", 0): recipe.loss.noise_alpha,
+                ("loss.kl_topk", 0): recipe.loss.kl_topk}
     for (key, low), value in at_least.items():
         if value < low:
             raise RecipeError(f"Recipe key {key} must be ≥ {low}, got {value}.")
@@ -87,6 +88,39 @@ def check_ranges(recipe: Recipe) -> None:
     if not recipe.run.tree_budgets or min(recipe.run.tree_budgets) < 1:
         raise RecipeError(f"Recipe key run.tree_budgets must be a non-empty list of node budgets ≥ 1, got "
                           f"{recipe.run.tree_budgets}.")
+    check_distillation(recipe)
+
+
+def check_distillation(recipe: Recipe) -> None:
+    """``data.prompt_positions`` and ``loss.kl_topk`` against the rest of the recipe: prompt
+    positions are labelled with the base's own predictions, which a job folder keeps (the text
+    there is the user's, never a label), and only for heads that read the prompt when they decode
+    or read no context at all; a top-K KL needs the KL term on and a K the draft vocabulary has."""
+    from ..heads import REGISTRY
+
+    if recipe.data.prompt_positions:
+        if recipe.data.kind != "job":
+            raise RecipeError(f"Recipe key data.prompt_positions: true labels prompt positions with the base's own "
+                              f"predictions, which a self-distillation job folder keeps (predicted.npy), not data.kind "
+                              f"{recipe.data.kind}: train on a job folder (data.kind: job), or set "
+                              "data.prompt_positions: false.")
+        if recipe.loss.labels != "teacher":
+            raise RecipeError("Recipe keys data.prompt_positions: true and loss.labels: text do not go together: on "
+                              "prompt positions the text is the user's, not the base's distribution; set loss.labels: "
+                              "teacher (the base's own predictions), or data.prompt_positions: false.")
+        family = REGISTRY[recipe.heads.family]
+        if getattr(family, "contextual", False) and recipe.heads.extra.get("prefix_context") != "sequence":
+            raise RecipeError(f"Recipe key data.prompt_positions: {recipe.heads.family} heads whose context layer "
+                              "reads the answer only (heads.extra.prefix_context: answer) never see the prompt when "
+                              "they decode; set heads.extra.prefix_context: sequence, or data.prompt_positions: false.")
+    if recipe.loss.kl_topk:
+        if not recipe.loss.kl_weight:
+            raise RecipeError(f"Recipe key loss.kl_topk={recipe.loss.kl_topk} restricts the KL term, which "
+                              "loss.kl_weight: 0 switches off: set loss.kl_weight > 0, or loss.kl_topk: 0.")
+        if 0 < recipe.heads.draft_vocab_size < recipe.loss.kl_topk:
+            raise RecipeError(f"Recipe key loss.kl_topk={recipe.loss.kl_topk} is larger than the draft vocabulary "
+                              f"(heads.draft_vocab_size={recipe.heads.draft_vocab_size}) the teacher's top-K is taken "
+                              f"over: use at most {recipe.heads.draft_vocab_size}, or 0 for the full KL.")
 
 
 def resolve_feature_layers(value, num_hidden_layers: int | None = None) -> list[int]:

@@ -56,6 +56,9 @@ class DataSection:
     max_length: int = 1024  # tokens per example (prompt + answer)
     sources: list[str] = field(default_factory=list)  # keep records whose 'source' starts with one of these
     source_caps: dict[str, int] = field(default_factory=dict)  # at most N records per 'source' prefix
+    # true: every position trains, the prompt's too (data.kind job only), labelled with the base's own predictions
+    # there (the job's predicted.npy: distill_job --from-tokens ... --predicted); false: the answers' positions only
+    prompt_positions: bool = False
 
 
 @dataclass
@@ -64,6 +67,9 @@ class LossSection:
     ce_weight: float = 1.0  # cross-entropy on the labels
     kl_weight: float = 0.0  # KL to the base's next-token distribution (Hydra++ teacher distillation)
     temperature: float = 1.0
+    # K > 0: the KL term over the teacher's top-K draft-vocabulary tokens only (its probabilities renormalized
+    # over them, the heads' over the whole draft vocabulary: HASS's top-K distillation); 0: the full KL
+    kl_topk: int = 0
     head_decay: float = 0.8  # head k weighted decay^k (1.0 = plain sum)
     noise_alpha: float = 0.0  # NEFTune-style uniform noise on the input hidden states
 
@@ -157,6 +163,10 @@ class Recipe:
             data.pop("adversarial")  # off = as before the section existed: older runs still resume
         if data["heads"]["feature_layers"] == []:
             data["heads"].pop("feature_layers")  # the final state only = as before the key existed
+        if not data["data"]["prompt_positions"]:
+            data["data"].pop("prompt_positions")  # the answers only = as before the key existed
+        if not data["loss"]["kl_topk"]:
+            data["loss"].pop("kl_topk")  # the full KL = as before the key existed
         return data
 
     def fingerprint(self) -> str:

@@ -112,7 +112,9 @@ def training_section(config: HeadConfig, report: dict) -> str:
     loss, data, train = recipe["loss"], recipe["data"], recipe["train"]
     objective = " + ".join(part for part in (
         f"{loss['ce_weight']}·CE on the {loss['labels']} tokens" if loss["ce_weight"] else "",
-        f"{loss['kl_weight']}·KL to the base's next-token distribution" if loss["kl_weight"] else "") if part)
+        (f"{loss['kl_weight']}·KL to the base's next-token distribution"
+         + (f" over its top-{loss['kl_topk']} tokens (renormalized)" if loss.get("kl_topk") else ""))
+        if loss["kl_weight"] else "") if part)
     koala = config.koala
     adversarial = "" if not koala else (
         f"\n- KOALA (arXiv 2408.08146): K = {koala.layers}-layer heads, plus adversarial learning: a discriminator "
@@ -141,7 +143,9 @@ def volume_lines(report: dict) -> str:
     data = report.get("data") or {}
     lines = []
     if report.get("epochs") is not None:
-        sized = (f" of {data['sequences']:,} sequences ({data['answer_positions']:,} answer positions)"
+        prompts = (f" + {data['prompt_positions']:,} prompt positions labelled with the base's own predictions"
+                   if isinstance(data.get("prompt_positions"), int) else "")
+        sized = (f" of {data['sequences']:,} sequences ({data['answer_positions']:,} answer positions{prompts})"
                  if {"sequences", "answer_positions"} <= data.keys() else "")
         lines.append(f"- {report['epochs']:g} epoch(s){sized}")
     start = report.get("start")

@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator
 
+import numpy as np
 import torch
 
 from ...decoding.accept import Acceptance
@@ -114,3 +115,26 @@ def forward_states(base, sequences: list[list[int]], max_tokens: int = 8192,
             result[i] = kept
         start = stop
     return result  # type: ignore[return-value]
+
+
+#: rows of states per LM-head chunk of :func:`base_predictions` (its logits: these rows × the vocabulary)
+PREDICT_ROWS = 1024
+
+
+@torch.no_grad()
+def base_predictions(base, states: list[torch.Tensor]) -> np.ndarray:
+    """The base's own choice after every token of each sequence, from the final (normed) states
+    its forward already computed, (L, d) per sequence as :func:`forward_states` and
+    :func:`answer_with_states` return them: argmax of its LM head, ``PREDICT_ROWS`` rows at a time
+    on the head's device and in its dtype (no second forward). int32 (Σ L,), the sequences
+    concatenated; −1 at each sequence's last row (a zero state: nothing follows its last token)."""
+    head = base.get_output_embeddings()
+    weight = head.weight
+    rows = torch.cat(states) if states else torch.zeros(0, weight.shape[1])
+    out = torch.empty(rows.shape[0], dtype=torch.int32)
+    for start in range(0, rows.shape[0], PREDICT_ROWS):
+        chunk = rows[start: start + PREDICT_ROWS].to(weight.device, weight.dtype)
+        out[start: start + chunk.shape[0]] = head(chunk).argmax(-1).to("cpu", torch.int32)
+    ends = torch.tensor([len(s) for s in states], dtype=torch.long).cumsum(0) - 1
+    out[ends[ends >= 0]] = -1
+    return out.numpy()

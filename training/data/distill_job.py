@@ -16,6 +16,11 @@ committed set of token ids, so a clone rebuilds the features with one command. `
 (``--from-tokens`` only) keeps, from the same forward, the states after those decoder layers beside
 the final one (``layers.npy``), for heads that read them (``heads.feature_layers``); ``default`` names
 the base's default pair (:func:`draftheads.heads.fusion.default_feature_layers`).
+
+Every shard it writes also keeps the base's own choice after every token (``predicted.npy``: the
+argmax of its LM head over the final states the forwards computed, no second forward), what
+training labels prompt positions with (``data.prompt_positions``); ``--from-tokens ... --predicted``
+rebuilds the shards made before that (a rebuild otherwise keeps a good shard as it is).
 """
 from __future__ import annotations
 
@@ -37,7 +42,7 @@ from ...core.atomic import write_text_atomic
 from ...core.errors import DraftheadsError
 from .config_cli import parse_config, run_cli
 from .records import DataError, resolve_data_path
-from .distill_capture import answer_with_states, forward_states
+from .distill_capture import answer_with_states, base_predictions, forward_states
 from .distill_shards import Shard, ShardError, discard, load_token_ids, manifest_for, open_shard, save_token_ids
 from .distill_shards import shard_problem, write_shard
 from .job_checks import INDEX, PLAN, check_discardable, check_entries, check_export, check_options, check_out
@@ -72,6 +77,9 @@ class DistillJobConfig:
     # --from-tokens: the base layers whose states the shards keep beside the final one (numbers, or
     # default); a shard without one of them is rebuilt, one holding more is kept
     layers: list[str] = field(default_factory=list)
+    # --from-tokens: rebuild the shards that lack the base's predictions (predicted.npy: made before them);
+    # every shard written holds them either way
+    predicted: bool = False
 
 
 @dataclass
@@ -179,7 +187,8 @@ class Job:
 
     def expected(self, plan_key: str, ids: list[str]) -> dict:
         return {"plan_key": plan_key, "prompt_key": digest(ids), "base_fingerprint": self.fingerprint,
-                "dtype": self.dtype, "feature_dtype": "float16", **({"layers": self.layers} if self.layers else {})}
+                "dtype": self.dtype, "feature_dtype": "float16", **({"layers": self.layers} if self.layers else {}),
+                **({"predicted": True} if self.config.predicted else {})}
 
     def answerer(self):
         if self.decoder is None:
@@ -215,6 +224,7 @@ class Job:
             hidden = [states[i].to(torch.float32).numpy() for i in part]
             shard = Shard.from_sequences([prompts[i].id for i in part], [encoded[i] for i in part],
                                          [answers[i] for i in part], self.eos, hidden)
+            shard.predicted = base_predictions(self.base, [states[i] for i in part])
             if not np.isfinite(shard.hidden).all():
                 raise ShardError("a hidden state overflows float16; store this base's features in another dtype.")
             shards.append(shard)
@@ -298,29 +308,34 @@ def shard_prompts(prompts: list[Prompt], index: int, config: DistillJobConfig) -
     return prompts[index * config.shard_size: (index + 1) * config.shard_size]
 
 
-def open_job(out: str | Path, fingerprint: dict, dtype: str, layers: list[int] | tuple[int, ...] = ()) -> list[Shard]:
+def open_job(out: str | Path, fingerprint: dict, dtype: str, layers: list[int] | tuple[int, ...] = (),
+             predicted: bool = False) -> list[Shard]:
     """What training reads: every shard of a job, checked against the job's plan and the base it
     trains for (fingerprint, the dtype the features were computed in) and memory-mapped; a bad
     one is one :class:`ShardError` naming it and the command that rebuilds it. ``layers``: the
-    base layers whose states each shard must hold beside the final one (:func:`rebuild_command`)."""
+    base layers whose states each shard must hold beside the final one (:func:`rebuild_command`);
+    ``predicted``: each shard must hold the base's predictions (``predicted.npy``)."""
     out = Path(out)
     try:
         plan = json.loads((out / PLAN).read_text(encoding="utf-8"))
     except (OSError, ValueError) as err:
         raise ShardError(f"{out / PLAN} cannot be read ({err}); run the self-distillation job with --out {out}.") from None
     expected = {"plan_key": plan.get("plan_key"), "base_fingerprint": fingerprint, "dtype": dtype,
-                "feature_dtype": "float16", **({"layers": list(layers)} if layers else {})}
-    rebuild = rebuild_command(out, layers)
+                "feature_dtype": "float16", **({"layers": list(layers)} if layers else {}),
+                **({"predicted": True} if predicted else {})}
+    rebuild = rebuild_command(out, layers, predicted)
     return [open_shard(folder, expected, rebuild) for folder in sorted((out / "shards").glob("shard-[0-9]*"))]
 
 
-def rebuild_command(out: Path, layers: list[int] | tuple[int, ...] = ()) -> str:
+def rebuild_command(out: Path, layers: list[int] | tuple[int, ...] = (), predicted: bool = False) -> str:
     """The command that rebuilds a job's bad shards: the job itself, or, for the states of base
-    layers (which only a rebuild from token ids keeps), ``--from-tokens`` with ``--layers``."""
-    if not layers:
+    layers or the base's predictions (which a shard made before them lacks, and only a rebuild
+    from token ids adds), ``--from-tokens`` with ``--layers`` / ``--predicted``."""
+    if not layers and not predicted:
         return f"python -m draftheads.training.data.distill_job --out {out}"
     return (f"python -m draftheads.training.data.distill_job --from-tokens <the job's token ids, as --export wrote "
-            f"them> --out {out} --layers {' '.join(map(str, layers))}")
+            f"them> --out {out}" + (" --predicted" if predicted else "")
+            + (f" --layers {' '.join(map(str, layers))}" if layers else ""))
 
 
 def finished_shards(out: Path, with_hidden: bool = False) -> list[tuple[int, Path]]:
@@ -387,9 +402,11 @@ def rebuild(config: DistillJobConfig) -> int:
         started = time.perf_counter()
         given = committed[number][1]
         sequences = [given.sequence(k).astype(np.int64).tolist() for k in range(len(given))]
-        states = np.concatenate([s.to(torch.float32).numpy() for s in
-                                 forward_states(job.base, sequences, config.forward_tokens, job.layers)])
+        forwarded = forward_states(job.base, sequences, config.forward_tokens, job.layers)
         width = job.base.config.get_text_config().hidden_size
+        given.predicted = base_predictions(job.base, [s[:, :width] for s in forwarded])  # the final states' argmax
+        states = np.concatenate([s.to(torch.float32).numpy() for s in forwarded])
+        del forwarded
         given.hidden, given.layers = states[:, :width].astype(np.float16), states[:, width:].astype(np.float16)
         given.feature_layers = list(job.layers)
         if not job.layers:

@@ -16,13 +16,19 @@ A shard folder (``shard-00012/``) holds::
                                       residual stream after those decoder layers (transformers'
                                       ``output_hidden_states`` numbering), side by side in that
                                       order, rows as in hidden.npy (``distill_job --layers``)
+    predicted.npy      (L,) int32     only where the manifest says ``"predicted": true``: the base's own
+                                      choice after tokens[i] (argmax of its LM head over its final
+                                      state there, in the dtype it ran in; −1 at a sequence's last
+                                      row), what prompt positions are labelled with
+                                      (``data.prompt_positions``)
 
 Arrays are plain ``.npy`` files, read memory-mapped (``np.load(mmap_mode="r")``): a training run
 sees millions of positions without holding them in RAM. A shard that exists is complete (it is
 written in a staging folder and renamed in: :class:`~draftheads.core.atomic.atomic_directory`);
 one that is truncated, from another base, another dtype or another plan, or without a layer
 asked for, is named in one line and rebuilt, never read (:func:`shard_problem`). A shard without
-``layers`` (every shard made before them) serves heads that read the final state only.
+``layers`` (every shard made before them) serves heads that read the final state only; one
+without ``predicted`` (every shard made before it) serves answer-only training.
 """
 from __future__ import annotations
 
@@ -44,6 +50,8 @@ MANIFEST = "manifest.json"
 #: the arrays of a shard and their dtypes (hidden is checked against the manifest's feature dtype)
 ARRAYS = {"tokens": np.uint16, "offsets": np.int64, "answer_starts": np.int32, "finished": np.bool_}
 FEATURE_DTYPES = {"float16": np.float16}
+#: what ``predicted.npy`` holds, as messages name it
+PREDICTED_TEXT = "the base's own prediction after every token, which prompt positions are labelled with"
 
 
 class ShardError(DraftheadsError, ValueError):
@@ -54,7 +62,8 @@ class ShardError(DraftheadsError, ValueError):
 class Shard:
     """One shard's sequences: ``tokens`` (L,), ``offsets`` (n+1,), ``answer_starts`` (n,),
     ``finished`` (n,), ``hidden`` (L, d) or None (token ids only, as committed), ``ids`` (n,);
-    ``layers`` (L, n·d) the states of the base layers ``feature_layers`` names, or None."""
+    ``layers`` (L, n·d) the states of the base layers ``feature_layers`` names, or None;
+    ``predicted`` (L,) int32 the base's own choice after each token, or None."""
 
     tokens: np.ndarray
     offsets: np.ndarray
@@ -64,6 +73,7 @@ class Shard:
     hidden: np.ndarray | None = None
     layers: np.ndarray | None = None
     feature_layers: list[int] = field(default_factory=list)
+    predicted: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -93,11 +103,16 @@ class Shard:
 
 def manifest_for(shard: Shard, index: int, expected: dict, extra: dict | None = None) -> dict:
     """What a shard records of itself: ``expected`` (plan key, fingerprint, dtype, feature
-    dtype, prompt key — what :func:`shard_problem` compares) + its counts."""
-    return {"kind": SHARD_KIND, "format": SHARD_FORMAT, "shard": index, **expected,
-            "sequences": len(shard), "tokens": int(shard.offsets[-1]), "answer_tokens": shard.answer_tokens,
-            "hidden_size": None if shard.hidden is None else int(shard.hidden.shape[1]), "ids": shard.ids,
-            **(extra or {})}
+    dtype, prompt key — what :func:`shard_problem` compares) + its counts; ``"predicted": true``
+    exactly when the shard holds the base's predictions (``predicted.npy``)."""
+    manifest = {"kind": SHARD_KIND, "format": SHARD_FORMAT, "shard": index, **expected,
+                "sequences": len(shard), "tokens": int(shard.offsets[-1]), "answer_tokens": shard.answer_tokens,
+                "hidden_size": None if shard.hidden is None else int(shard.hidden.shape[1]), "ids": shard.ids,
+                **(extra or {})}
+    manifest.pop("predicted", None)
+    if shard.predicted is not None:
+        manifest["predicted"] = True
+    return manifest
 
 
 def is_shard_folder(folder: Path) -> bool:
@@ -118,6 +133,8 @@ def write_shard(folder: Path, shard: Shard, manifest: dict) -> None:
             np.save(tmp / "hidden.npy", np.ascontiguousarray(shard.hidden))
         if shard.layers is not None:
             np.save(tmp / "layers.npy", np.ascontiguousarray(shard.layers))
+        if shard.predicted is not None:
+            np.save(tmp / "predicted.npy", np.ascontiguousarray(shard.predicted, np.int32))
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
 
 
@@ -128,8 +145,9 @@ def _load(folder: Path, name: str) -> np.ndarray:
 def shard_problem(folder: Path, expected: dict, with_hidden: bool = True) -> str | None:
     """What is wrong with ``folder`` as the shard ``expected`` describes (its plan, base
     fingerprint, dtype, prompts; ``layers``: the base layers whose states it must hold, beside
-    the final state), or None: a missing or unreadable manifest or array (a truncated ``.npy``
-    does not map), other settings, or arrays whose sizes disagree."""
+    the final state; ``predicted``: true where it must hold the base's predictions), or None: a
+    missing or unreadable manifest or array (a truncated ``.npy`` does not map), other settings,
+    or arrays whose sizes disagree."""
     try:
         manifest = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -140,6 +158,7 @@ def shard_problem(folder: Path, expected: dict, with_hidden: bool = True) -> str
         return f"it is not a format-{SHARD_FORMAT} self-distillation shard"
     expected = dict(expected)
     asked = expected.pop("layers", [])
+    asked_predicted = bool(expected.pop("predicted", False))
     for key, want in expected.items():
         if manifest.get(key) != want:
             what = {"base_fingerprint": "another base", "dtype": "another dtype", "feature_dtype": "another feature dtype",
@@ -152,7 +171,13 @@ def shard_problem(folder: Path, expected: dict, with_hidden: bool = True) -> str
         return f"its manifest.json's layers {recorded!r} is not a list of layer numbers"
     if with_hidden and (problem := layers_problem(recorded, asked)):
         return problem
-    names = list(ARRAYS) + (["hidden"] + (["layers"] if recorded else []) if with_hidden else [])
+    predicted = manifest.get("predicted", False)
+    if not isinstance(predicted, bool):
+        return f"its manifest.json's predicted {predicted!r} is not true or false"
+    if with_hidden and asked_predicted and not predicted:
+        return f"it holds no predicted.npy ({PREDICTED_TEXT})"
+    names = list(ARRAYS) + (["hidden"] + (["layers"] if recorded else []) + (["predicted"] if predicted else [])
+                            if with_hidden else [])
     arrays = {}
     for name in names:
         try:
@@ -169,11 +194,13 @@ def shard_problem(folder: Path, expected: dict, with_hidden: bool = True) -> str
         sizes["hidden"] = (length, manifest.get("hidden_size"))
         if recorded:
             sizes["layers"] = (length, (manifest.get("hidden_size") or 0) * len(recorded))
+        if predicted:
+            sizes["predicted"] = (length,)
     for name, shape in sizes.items():
         if tuple(arrays[name].shape) != shape:
             return f"{name}.npy has shape {tuple(arrays[name].shape)}, the manifest says {shape}"
     feature = FEATURE_DTYPES.get(manifest.get("feature_dtype"), np.float16)
-    wanted = {**ARRAYS, "hidden": feature, "layers": feature}
+    wanted = {**ARRAYS, "hidden": feature, "layers": feature, "predicted": np.int32}
     for name, array in arrays.items():
         if array.dtype != wanted[name]:
             return f"{name}.npy holds {array.dtype}, not {np.dtype(wanted[name])}"
@@ -194,7 +221,9 @@ def open_shard(folder: str | Path, expected: dict, rebuild: str, with_hidden: bo
     hidden = _load(folder, "hidden") if with_hidden else None
     recorded = list(manifest.get("layers") or []) if with_hidden else []
     layers = _load(folder, "layers") if recorded else None
-    return Shard(ids=list(manifest["ids"]), hidden=hidden, layers=layers, feature_layers=recorded, **arrays)
+    predicted = _load(folder, "predicted") if with_hidden and manifest.get("predicted") is True else None
+    return Shard(ids=list(manifest["ids"]), hidden=hidden, layers=layers, feature_layers=recorded,
+                 predicted=predicted, **arrays)
 
 
 def discard(folder: Path) -> None:

@@ -17,7 +17,7 @@ from .records import DataError, resolve_data_path
 PLAN = "plan.json"
 INDEX = "index.json"
 #: what a shard folder holds when the job wrote it: only such files are ever removed with it
-SHARD_FILES = {MANIFEST, "hidden.npy", "layers.npy", *(f"{name}.npy" for name in ARRAYS)}
+SHARD_FILES = {MANIFEST, "hidden.npy", "layers.npy", "predicted.npy", *(f"{name}.npy" for name in ARRAYS)}
 #: the integer options and their least value
 AT_LEAST = {"shard_size": 1, "batch_size": 1, "max_new_tokens": 1, "forward_tokens": 1, "shards": 0,
             "start_at": 0, "seconds": 0}
@@ -52,6 +52,10 @@ def check_options(config) -> None:
         raise DataError(f"--layers {' '.join(map(str, config.layers))}: the states of base layers are kept only by a "
                         "rebuild from token ids (the decoder keeps the final state only): answer the prompts, --export "
                         "their ids, then run --from-tokens DIR --out OUT --layers ...")
+    if getattr(config, "predicted", False) and not config.from_tokens:
+        raise DataError("--predicted rebuilds the shards that lack the base's predictions (predicted.npy), which a "
+                        "rebuild from token ids adds: run --from-tokens DIR --out OUT --predicted (a job the decoder "
+                        "answers keeps them in every new shard without it).")
     if config.from_tokens and not (Path(config.from_tokens) / "index.json").is_file():
         raise DataError(f"--from-tokens {config.from_tokens}: it holds no index.json; pass the folder the job's "
                         "--export wrote (e.g. recipes/data/selfdistill-smollm2).")

@@ -16,6 +16,12 @@ itself). Per-position families read the answer's rows (t = prompt length − 1 .
 family whose layer reads the context (Hydra++ with ``prefix_context: sequence``) reads whole
 sequences: the prompt's rows come first with every target −1 (they feed the layer, they are
 never a label), and ``Features.sequences`` marks where each sequence's rows start and end.
+
+With ``data.prompt_positions`` every position trains (:func:`labelled_sequence_rows`): the
+prompt's rows t = 0 .. prompt length − 2 join the answer's, labelled with the base's own choices
+(``predicted.npy``, which a rebuild from token ids keeps: the text there is the user's, not the
+base's distribution); the answer's rows keep their labels. The held-out and evaluation tables
+stay the answer's (what decoding drafts).
 """
 from __future__ import annotations
 
@@ -25,7 +31,8 @@ import numpy as np
 import torch
 
 from .distill_shards import Shard
-from ..features import MAX_TARGETS, Features, layer_columns, layers_problem, layers_text, shift_targets
+from ..features import (MAX_TARGETS, Features, layer_columns, layers_problem, layers_text, shift_targets,
+                        shift_teacher)
 
 
 class MappedRows:
@@ -72,23 +79,59 @@ def sequence_rows(shard: Shard, k: int, with_prompt: bool) -> tuple[np.ndarray, 
     return rows, targets
 
 
+def labelled_sequence_rows(shard: Shard, k: int) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
+    """Sequence ``k`` of ``shard`` with every row labelled (``data.prompt_positions``): its rows'
+    indices t = 0 .. L − 2 into the shard's arrays, their text targets (R, MAX_TARGETS) as
+    :func:`~draftheads.training.features.shift_targets` lays them out, and the base's own choices
+    lined up the same way (:func:`~draftheads.training.features.shift_teacher`): after a prompt
+    token its prediction there (``predicted.npy``: argmax of its LM head after the text up to
+    that token), after an answer token the answer itself (the base's own greedy choice, as the
+    answer's rows are labelled without prompt positions). −1 past the end."""
+    if shard.predicted is None:
+        raise ValueError("prompt positions need shards opened with the base's predictions: "
+                         "open_job(..., predicted=True).")
+    first, end = int(shard.offsets[k]), int(shard.offsets[k + 1])
+    start = max(int(shard.answer_starts[k]), 1)
+    tokens = torch.from_numpy(shard.tokens[first:end].astype(np.int64))
+    predicted = torch.from_numpy(np.asarray(shard.predicted[first: first + start - 1], dtype=np.int64))
+    choices = torch.cat([predicted, tokens[start:], torch.tensor([-1])])  # the choice after each token 0 .. L-1
+    return np.arange(first, end - 1), shift_targets(tokens, 1), shift_teacher(choices)
+
+
+def answer_rows(shards: list[Shard], sequences: list[tuple[int, int]]) -> torch.Tensor:
+    """Which rows of ``job_table(shards, sequences=sequences, prompt_labels=True)`` are the
+    answers' (bool (P,)): each sequence's rows from its prompt length − 1 on."""
+    parts = []
+    for s, k in sequences:
+        length = int(shards[s].offsets[k + 1] - shards[s].offsets[k])
+        if length >= 2:
+            parts.append(torch.arange(length - 1) >= max(int(shards[s].answer_starts[k]), 1) - 1)
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.bool)
+
+
 def job_table(shards: list[Shard], with_prompt: bool = False, sequences: list[tuple[int, int]] | None = None,
-              layers: list[int] | tuple[int, ...] = ()) -> Features:
+              layers: list[int] | tuple[int, ...] = (), prompt_labels: bool = False) -> Features:
     """The positions of ``shards`` (every sequence, or the (shard, k) pairs of ``sequences``)
     as one :class:`Features` table, states mapped; ``with_prompt``: whole sequences, prompt rows
     unlabelled, bounds in ``Features.sequences`` (S, 2); ``layers``: the states of those base
-    layers too (``Features.layers``, mapped; each shard holds them: :func:`.distill_job.open_job`)."""
+    layers too (``Features.layers``, mapped; each shard holds them: :func:`.distill_job.open_job`);
+    ``prompt_labels``: whole sequences, prompt rows labelled with the base's own predictions
+    (:func:`labelled_sequence_rows`; each shard holds them)."""
     pairs = sequences if sequences is not None else [(s, k) for s, shard in enumerate(shards) for k in range(len(shard))]
-    shard_of, local, targets, bounds, count = [], [], [], [], 0
+    shard_of, local, targets, choices, bounds, count = [], [], [], [], [], 0
     for s, k in pairs:
         if shards[s].hidden is None:
             raise ValueError("job_table needs shards opened with their hidden states.")
-        rows, labels = sequence_rows(shards[s], k, with_prompt)
+        if prompt_labels:
+            rows, labels, chosen = labelled_sequence_rows(shards[s], k)
+        else:
+            (rows, labels), chosen = sequence_rows(shards[s], k, with_prompt), None
         if len(rows) < 1:
             continue
         shard_of.append(np.full(len(rows), s))
         local.append(rows)
         targets.append(labels)
+        choices.append(chosen)
         bounds.append((count, count + len(rows)))
         count += len(rows)
     if not targets:
@@ -96,7 +139,8 @@ def job_table(shards: list[Shard], with_prompt: bool = False, sequences: list[tu
     shard_of, local = np.concatenate(shard_of), np.concatenate(local)
     hidden = MappedRows([shard.hidden for shard in shards], shard_of, local)
     table = torch.cat(targets)
-    return Features(hidden, table, table, torch.tensor(bounds, dtype=torch.long) if with_prompt else None,
+    teacher = torch.cat(choices) if prompt_labels else table  # answer rows only: the text is the base's choice
+    return Features(hidden, table, teacher, torch.tensor(bounds, dtype=torch.long) if with_prompt else None,
                     mapped_layers(shards, shard_of, local, layers))
 
 
@@ -177,6 +221,27 @@ def check_job_layers(path: Path, layers: list[int] | tuple[int, ...]) -> None:
                              "bad shard), or drop heads.feature_layers.")
 
 
+def check_job_predicted(path: Path, layers: list[int] | tuple[int, ...] = ()) -> None:
+    """Every shard of the job folder ``path`` holds the base's predictions (``predicted.npy``, its
+    manifest says so), as ``data.prompt_positions`` needs, checked before the base loads: one line
+    naming the first that does not and the command that rebuilds it (with the ``layers`` the heads
+    read, so the rebuilt shards keep them)."""
+    import json
+
+    from .distill_job import rebuild_command
+    from .distill_shards import MANIFEST, PREDICTED_TEXT, ShardError
+
+    for folder in sorted((path / "shards").glob("shard-[0-9]*")):
+        try:
+            predicted = json.loads((folder / MANIFEST).read_text(encoding="utf-8")).get("predicted", False)
+        except (OSError, ValueError, AttributeError):
+            continue  # named when the job opens
+        if predicted is not True:
+            raise ShardError(f"{folder}: it holds no predicted.npy ({PREDICTED_TEXT}: data.prompt_positions); rebuild "
+                             f"it: `{rebuild_command(path, layers, predicted=True)}` (it rebuilds every shard without "
+                             "them), or set data.prompt_positions: false.")
+
+
 def job_batches(recipe, paths: list[Path], fingerprint: dict, dtype: str, chunking: int | None,
                 layers: list[int] | tuple[int, ...] = ()):
     """Training batches, held-out table and draft-vocabulary label ids from job folders: the
@@ -185,13 +250,17 @@ def job_batches(recipe, paths: list[Path], fingerprint: dict, dtype: str, chunki
     seeded random N of the training sequences (``train.seed``), in job order: a job's shards are
     not a uniform mixture (the answers it reused come first), so a smaller data set is a sample
     of the same mixture, as a data-scaling table needs. ``layers``: the base layers the heads read
-    beside the final state (every shard must hold their states)."""
+    beside the final state (every shard must hold their states). ``data.prompt_positions``: the
+    training sequences' prompt rows are labelled too (:func:`labelled_sequence_rows`; every shard
+    must hold the base's predictions), the held-out table and the draft vocabulary's counts stay
+    the answers'."""
     from ..batches import FeatureBatches
     from .distill_job import open_job
 
     k = recipe.heads.num_heads
     with_prompt = reads_prompt(recipe)
-    shards = [shard for path in paths for shard in open_job(path, fingerprint, dtype, layers)]
+    every = recipe.data.prompt_positions
+    shards = [shard for path in paths for shard in open_job(path, fingerprint, dtype, layers, every)]
     train, held_out = split_sequences(shards, recipe.data.eval_examples)
     if 0 < recipe.data.limit < len(train):
         keep = torch.randperm(len(train), generator=torch.Generator().manual_seed(recipe.train.seed))[: recipe.data.limit]
@@ -199,14 +268,17 @@ def job_batches(recipe, paths: list[Path], fingerprint: dict, dtype: str, chunki
     prompts = torch.from_numpy(np.concatenate([shards[s].tokens[shards[s].offsets[q]: shards[s].offsets[q]
                                                                  + shards[s].answer_starts[q]] for s, q in train]
                                                ).astype(np.int64))
-    batches = FeatureBatches(job_table(shards, with_prompt, train, layers), k, chunking, prompts)
-    labelled = int((batches.table.targets[:, 0] >= 0).sum())
+    batches = FeatureBatches(job_table(shards, with_prompt, train, layers, every), k, chunking, prompts)
+    answers = answer_rows(shards, train) if every else None
+    labelled = int((batches.table.targets[:, 0] >= 0).sum()) if answers is None else int(answers.sum())
     summary = {"jobs": [str(p) for p in paths], "shards": len(shards), "sequences": len(train),
                "held_out_sequences": len(held_out), "share": round(len(train) / sum(len(shard) for shard in shards), 6),
-               "answer_positions": labelled, "rows": len(batches.table)}
+               "answer_positions": labelled, "rows": len(batches.table),
+               **({"prompt_positions": len(batches.table) - labelled} if every else {})}
     check_same_data(Path(recipe.run.output_dir), summary)
     write_data_summary(Path(recipe.run.output_dir), summary)
-    return batches, job_table(shards, with_prompt, held_out, layers), batches.table.teacher[:, 1: k + 1]
+    label_ids = batches.table.teacher[:, 1: k + 1] if answers is None else batches.table.teacher[answers, 1: k + 1]
+    return batches, job_table(shards, with_prompt, held_out, layers), label_ids
 
 
 DATA_SUMMARY = "data.json"
