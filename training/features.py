@@ -298,12 +298,14 @@ class Features:
         return Features(self.hidden[index], self.targets[index], self.teacher[index],
                         layers=None if self.layers is None else self.layers[index])
 
-    def inputs(self, index) -> torch.Tensor:
-        """The heads' input at rows ``index``: the final state, then the named layers' (...,
-        d · (1 + n)) — what :meth:`draftheads.heads.DraftHeads.read` reads."""
+    def inputs(self, index, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The heads' input at rows ``index`` (in ``dtype``, when given): the final state, then the
+        named layers' (..., d · (1 + n)) — what :meth:`draftheads.heads.DraftHeads.read` reads. The
+        parts are cast before they are joined (under CPU autocast, ``cat`` refuses float16 parts)."""
+        hidden = self.hidden[index] if dtype is None else self.hidden[index].to(dtype)
         if self.layers is None:
-            return self.hidden[index]
-        return torch.cat([self.hidden[index], self.layers[index]], dim=-1)
+            return hidden
+        return torch.cat([hidden, self.layers[index].to(hidden.dtype)], dim=-1)
 
 
 def load_shards(paths: Iterable[Path], fingerprint: dict | None = None,

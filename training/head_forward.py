@@ -16,7 +16,7 @@ def head_logits(model, table: Features, rows: torch.Tensor, num_heads: int, devi
     The heads read :meth:`Features.inputs` (the final state, then the named layers' states when
     the table holds them); the input noise is each state's, as the final state alone gets it."""
     safe = rows.clamp(min=0)
-    hidden = state_noise(table.inputs(safe).to(device, dtype), table.hidden.shape[-1], noise_alpha)
+    hidden = state_noise(table.inputs(safe, dtype).to(device), table.hidden.shape[-1], noise_alpha)
     tokens = table.targets[safe, :num_heads].clamp(min=0).to(device)
     if rows.dim() == 1:
         return model(hidden, tokens=tokens), rows

@@ -22,7 +22,7 @@ from draftheads.training.data.distill_capture import forward_states
 from draftheads.training.data.distill_shards import ShardError
 from draftheads.training.data.job_data import job_table
 from draftheads.training.data.records import DataError, example_features
-from draftheads.training.features import Example, extract_features, load_shards, shard_path
+from draftheads.training.features import Example, Features, extract_features, load_shards, shard_path
 from draftheads.training.frozen import base_depth, frozen_parts
 from draftheads.training.head_forward import head_logits, state_noise
 from draftheads.training.head_init import new_heads
@@ -300,3 +300,14 @@ def test_a_layer_the_base_lacks_is_one_line_before_any_work(tiny_setup):
     assert plain.heads.feature_layers == [] and "feature_layers" not in plain.identity()["heads"]
     assert load_recipe(tiny_recipe(tiny_setup, "plain"), ["--heads.feature_layers", "[1]"]).identity()["heads"][
         "feature_layers"] == [1]
+
+
+def test_the_heads_input_of_float16_states_joins_under_bfloat16_autocast():
+    """A job's states are float16 and a bf16 run evaluates under CPU autocast, where ``cat`` refuses
+    float16 parts (a run once crashed at its epoch's evaluation): the parts are cast, then joined."""
+    table = Features(torch.randn(4, 8).half(), torch.zeros(4, 9, dtype=torch.long), torch.zeros(4, 9, dtype=torch.long),
+                     layers=torch.randn(4, 16).half())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        joined = table.inputs(torch.arange(4), torch.bfloat16)
+    assert joined.dtype == torch.bfloat16 and joined.shape == (4, 24)
+    assert torch.equal(joined[:, 8:], table.layers.to(torch.bfloat16))
