@@ -4,7 +4,7 @@ last hidden states (fp16 shards), so head training never re-runs the base.
 Heads that read more of the base (``HeadConfig.feature_layers``, :mod:`draftheads.heads.fusion`)
 get the residual stream after the named layers from the same forward (``output_hidden_states``):
 a shard keeps them beside the final state, as ``layers`` (P, n · d) fp16, and records which
-(``"layers": [3, 15]`` in its metadata). A shard that lacks a layer a run reads is rebuilt; one
+(``"layers": [8, 22]`` in its metadata). A shard that lacks a layer a run reads is rebuilt; one
 that holds more serves the layers asked (:func:`layer_columns`); shards without ``layers`` (every
 shard before them) serve heads that read the final state only.
 

@@ -132,13 +132,13 @@ def resolve_feature_layers(value, num_hidden_layers: int | None = None) -> list[
 
     if isinstance(value, str):
         if value != "default":
-            raise RecipeError(f"Recipe key heads.feature_layers must be a list of base layers such as [3, 15], or "
+            raise RecipeError(f"Recipe key heads.feature_layers must be a list of base layers such as [8, 22], or "
                               f"default, got {value!r}.")
         return default_feature_layers(num_hidden_layers) if num_hidden_layers is not None else []
     problem = feature_layer_problem(value, num_hidden_layers)
     if problem:
         fix = (f"name layers below {num_hidden_layers}, or default" if num_hidden_layers is not None
-               and "does not have" in problem else "e.g. [3, 15], or default")
+               and "does not have" in problem else "e.g. [8, 22], or default")
         raise RecipeError(f"Recipe key heads.feature_layers: {problem}; {fix}.")
     return list(value)
 

@@ -29,8 +29,8 @@ class HeadsSection:
     # as the identity on the final state: the same drafts at step 0)
     init_from: str | None = None
     # base layers the heads read beside its final state (heads/fusion.py: transformers' output_hidden_states
-    # numbering, i = after i decoder layers, each < the base's num_hidden_layers), e.g. [3, 15]; default: the
-    # base's low and middle layer (heads.fusion.default_feature_layers; SmolLM2's 30 layers: [3, 15]);
+    # numbering, i = after i decoder layers, each < the base's num_hidden_layers), e.g. [8, 22]; default: the
+    # layers a quarter and three quarters up the base (heads.fusion.default_feature_layers; SmolLM2's 30 layers: [8, 22]);
     # [] (omitted): the final state only, as every recipe before them. The training data must hold their
     # states: the feature cache captures them, a job folder needs distill_job --from-tokens ... --layers
     feature_layers: list[int] | str = field(default_factory=list)

@@ -160,7 +160,7 @@ def test_a_job_rebuilt_with_layers_keeps_them_and_one_without_is_refused_by_name
     (["--layers", "1"], r"--layers 1: the states of base layers are kept only by a rebuild from token ids"),
     (["--from-tokens", "IDS", "--layers", "2"], r"--layers 2: feature_layers \[2\] names a layer the base does not "
                                                  r"have: it has 2 layers, so 0-1"),
-    (["--from-tokens", "IDS", "--layers", "deep"], r"--layers deep: pass layer numbers \(e\.g\. --layers 3 15\) or "
+    (["--from-tokens", "IDS", "--layers", "deep"], r"--layers deep: pass layer numbers \(e\.g\. --layers 8 22\) or "
                                                     r"--layers default"),
 ])
 def test_a_bad_layers_option_is_one_line_before_a_file_is_written(job, capsys, more, message):
@@ -294,7 +294,7 @@ def test_a_layer_the_base_lacks_is_one_line_before_any_work(tiny_setup):
         with pytest.raises(RecipeError, match=r"heads\.feature_layers.*" + message):
             load_recipe(tiny_recipe(tiny_setup, "bad", heads__feature_layers=value), [])
     assert base_depth(str(tiny_setup / "base")) == 2 and base_depth("embedded") == 30
-    assert resolve_feature_layers("default", 30) == [3, 15] and resolve_feature_layers([], 30) == []
+    assert resolve_feature_layers("default", 30) == [8, 22] and resolve_feature_layers([], 30) == []
     # omitted, the recipe is what it was (its identity too: runs from before the key still resume)
     plain = load_recipe(tiny_recipe(tiny_setup, "plain"), [])
     assert plain.heads.feature_layers == [] and "feature_layers" not in plain.identity()["heads"]

@@ -5,14 +5,14 @@ shards that resume after a stop (format: :mod:`.distill_shards`).
     python -m draftheads.training.data.distill_job --out /data/selfdistill-smollm2      # run or resume
     python -m draftheads.training.data.distill_job --out DIR --export recipes/data/selfdistill-smollm2
     python -m draftheads.training.data.distill_job --from-tokens recipes/data/selfdistill-smollm2 --out DIR
-    python -m draftheads.training.data.distill_job --from-tokens recipes/data/selfdistill-smollm2 --out DIR --layers 3 15
+    python -m draftheads.training.data.distill_job --from-tokens recipes/data/selfdistill-smollm2 --out DIR --layers 8 22
 
 Prompts: every prompt file given (records with ``prompt``, or conversations whose first user
 turn is taken), a text asked twice answered once; the sources are interleaved by their relative
 position so every prefix of shards is a proportional sample (a data-scaling table takes prefixes).
 Answers already made elsewhere (``--answers``: records with ``id``, ``prompt``, ``response_ids``)
 are reused and get their features from one plain forward; ``--from-tokens`` does that for a whole
-committed set of token ids, so a clone rebuilds the features with one command. ``--layers 3 15``
+committed set of token ids, so a clone rebuilds the features with one command. ``--layers 8 22``
 (``--from-tokens`` only) keeps, from the same forward, the states after those decoder layers beside
 the final one (``layers.npy``), for heads that read them (``heads.feature_layers``); ``default`` names
 the base's default pair (:func:`draftheads.heads.fusion.default_feature_layers`).

@@ -12,7 +12,7 @@ A shard folder (``shard-00012/``) holds::
     hidden.npy         (L, d) float16 hidden[i]: the base's final hidden state after tokens[i]
                                       (it predicts tokens[i+1]); a sequence's last row is zero
                                       (nothing follows its last token, so the decoder never ran it)
-    layers.npy         (L, n·d) float16 only where the manifest names ``layers`` (e.g. [3, 15]): the
+    layers.npy         (L, n·d) float16 only where the manifest names ``layers`` (e.g. [8, 22]): the
                                       residual stream after those decoder layers (transformers'
                                       ``output_hidden_states`` numbering), side by side in that
                                       order, rows as in hidden.npy (``distill_job --layers``)

@@ -79,7 +79,7 @@ def job_layers(values: list, depth: int | None) -> list[int]:
     try:
         layers = [int(v) for v in values]
     except ValueError:
-        raise DataError(f"--layers {shown}: pass layer numbers (e.g. --layers 3 15) or --layers default.") from None
+        raise DataError(f"--layers {shown}: pass layer numbers (e.g. --layers 8 22) or --layers default.") from None
     problem = feature_layer_problem(layers, depth)
     if problem:
         raise DataError(f"--layers {shown}: {problem}.")
