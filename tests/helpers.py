@@ -395,6 +395,14 @@ def tiny_distill_setup(root: Path, prompts: int, seed: int):
     return model, texts
 
 
+def tiny_job_args(root: Path, max_new_tokens: int = 10) -> list[str]:
+    """The self-distillation job over :func:`tiny_distill_setup`'s folder into ``root/job``: float64,
+    the tree heads alone, shards of 8 answered in batches of 8."""
+    return ["--out", str(root / "job"), "--prompts", str(root / "prompts.jsonl"), "--base", str(root / "base"),
+            "--heads", str(root / "heads"), "--dtype", "float64", "--tree", "3", "--sources", "heads",
+            "--max-new-tokens", str(max_new_tokens), "--shard-size", "8", "--batch-size", "8"]
+
+
 # -- heads and a calibration grid several test modules use ------------------------------------------
 def random_heads(family: str, model, seed: int = 0, draft_vocab: int = 0, num_layers: int = 1,
                  extra: dict | None = None, feature_layers: tuple[int, ...] = ()):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import final_weights, run_inprocess, tiny_distill_setup, tiny_llama, tiny_recipe
+from helpers import final_weights, run_inprocess, tiny_distill_setup, tiny_job_args, tiny_llama, tiny_recipe
 from draftheads.decoding.base.fingerprint import fingerprint
 from draftheads.heads import DraftHeads
 from draftheads.training.data import distill_job
@@ -102,9 +102,7 @@ def job(tmp_path_factory):
     and the same ids rebuilt with the states of layer 1 (``with-layers/``)."""
     root = tmp_path_factory.mktemp("layers-job")
     model, _ = tiny_distill_setup(root, 16, seed=2)
-    args = ["--out", str(root / "job"), "--prompts", str(root / "prompts.jsonl"), "--base", str(root / "base"),
-            "--heads", str(root / "heads"), "--dtype", "float64", "--tree", "3", "--sources", "heads",
-            "--max-new-tokens", "10", "--shard-size", "8", "--batch-size", "8"]
+    args = tiny_job_args(root)
     assert distill_job.main(args) == 0
     assert distill_job.main(["--out", str(root / "job"), "--export", str(root / "ids")]) == 0
     fp = distill_job.Job(distill_job.parse_args(args)).fingerprint

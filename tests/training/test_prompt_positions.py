@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import final_weights, run_inprocess, tiny_distill_setup, tiny_recipe
+from helpers import final_weights, run_inprocess, tiny_distill_setup, tiny_job_args, tiny_recipe
 from draftheads.heads import HeadConfig, build_heads
 from draftheads.training.data import distill_job
 from draftheads.training.data.distill_shards import ShardError
@@ -36,9 +36,7 @@ def job(tmp_path_factory):
     (``old/``: no predicted.npy, no manifest key)."""
     root = tmp_path_factory.mktemp("prompt-positions")
     model, _ = tiny_distill_setup(root, SEQUENCES, seed=3)
-    args = ["--out", str(root / "job"), "--prompts", str(root / "prompts.jsonl"), "--base", str(root / "base"),
-            "--heads", str(root / "heads"), "--dtype", "float64", "--tree", "3", "--sources", "heads",
-            "--max-new-tokens", "10", "--shard-size", "8", "--batch-size", "8"]
+    args = tiny_job_args(root)
     assert distill_job.main(args) == 0
     assert distill_job.main(["--out", str(root / "job"), "--export", str(root / "ids")]) == 0
     assert distill_job.main(rebuild_args(root, "rebuilt")) == 0

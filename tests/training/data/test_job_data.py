@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import REPO, run_inprocess, save_tiny_base, subprocess_env, tiny_distill_setup, tiny_recipe
+from helpers import REPO, run_inprocess, save_tiny_base, subprocess_env, tiny_distill_setup, tiny_job_args, tiny_recipe
 from draftheads.training.data import distill_job
 from draftheads.training.batches import sequence_chunks
 from draftheads.training.features import Example, hidden_states, shift_targets
@@ -23,9 +23,7 @@ from draftheads.training.data.job_data import MappedRows, job_table, split_seque
 def job(tmp_path_factory):
     root = tmp_path_factory.mktemp("jobdata")
     model, _ = tiny_distill_setup(root, 24, seed=1)
-    args = ["--out", str(root / "job"), "--prompts", str(root / "prompts.jsonl"), "--base", str(root / "base"),
-            "--heads", str(root / "heads"), "--dtype", "float64", "--tree", "3", "--sources", "heads",
-            "--max-new-tokens", "12", "--shard-size", "8", "--batch-size", "8"]
+    args = tiny_job_args(root, 12)
     assert distill_job.main(args) == 0
     fp = distill_job.Job(distill_job.parse_args(args)).fingerprint
     return root, model, distill_job.open_job(root / "job", fp, "float64")
