@@ -2,9 +2,9 @@
 the same self-distilled data, each scored on what predicts decoding.
 
     python scripts/data_scaling.py --recipe recipes/hydra-smollm2.yaml --sizes 400,1200,0 \\
-        --eval-job data_cache/eval-smollm2 --out results/data_scaling/hydra [--data.path JOB ...]
+        --eval-job data_cache/eval-clean-smollm2 --out results/data_scaling/hydra [--data.path JOB ...]
     python scripts/data_scaling.py --recipe recipes/{medusa,hydra,hydrapp,amphista,koala-hydra}-smollm2.yaml \\
-        --sizes 1200 --eval-job data_cache/eval-smollm2 --out results/data_scaling/orderings --train.epochs 2 ...
+        --sizes 1200 --eval-job data_cache/eval-clean-smollm2 --out results/data_scaling/orderings --train.epochs 2 ...
 
 Per recipe and size (``data.limit`` sequences, a seeded sample of the job's mixture, the same for
 every recipe with the same ``train.seed``; 0 = all of it):

@@ -1,7 +1,7 @@
 """How much of the evaluation answers a draft vocabulary can draft at all.
 
     python scripts/draft_vocab_coverage.py --job data_cache/selfdistill-smollm2 \\
-        --eval-job data_cache/eval-smollm2 --sizes 8192,12288,16384,24576,32768 \\
+        --eval-job data_cache/eval-clean-smollm2 --sizes 8192,12288,16384,24576,32768 \\
         --out results/data_scaling/draft_vocab_coverage.json
 
 Heads draft over the ``draft_vocab_size`` most frequent tokens of their training answers
