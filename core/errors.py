@@ -43,6 +43,10 @@ def one_line(message: str) -> str:
     return " ".join(part.strip() for part in str(message).splitlines() if part.strip())
 
 
+class DataError(DraftheadsError, ValueError):
+    """Training data that cannot be used as asked: missing file or column, inconsistent resume."""
+
+
 class InputError(DraftheadsError, ValueError):
     """An argument or input the decoder cannot use; the message says what to pass instead."""
 

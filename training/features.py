@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 
 from ..decoding.base.architecture import decoder_body
 from ..core.atomic import atomic_file
+from ..core.errors import DataError
 
 MAX_TARGETS = 9  # future tokens stored per position: x_{t+1} (the root) + enough for up to 8 heads
 SHARD_EXAMPLES = 128  # examples per feature shard (the held-out split is counted in shards)
@@ -210,8 +211,6 @@ def extract_features(model, examples: list[Example], directory: str | Path, fing
 def check_fp16(states: torch.Tensor, layers, where) -> torch.Tensor:
     """The named layers' states as stored (float16): a residual stream past float16's range would
     be stored as infinities, so it is one line naming the layers and ``where`` instead."""
-    from .data.records import DataError
-
     if not bool(torch.isfinite(states).all()):
         raise DataError(f"{where}: a state of base layers {list(layers)} overflows float16 (this base's residual "
                         "stream is too large there); read other layers (heads.feature_layers).")
@@ -336,8 +335,6 @@ def load_shards(paths: Iterable[Path], fingerprint: dict | None = None,
 def _shard_layers(handle, path: Path, meta: dict, layers, hidden_size: int) -> torch.Tensor:
     """The states of ``layers`` a feature shard holds (P, n · d); a shard without one of them is
     one line naming it and the fix, never read as the final state only."""
-    from .data.records import DataError
-
     recorded = json.loads(meta.get("layers", "[]"))
     columns = layer_columns(recorded, layers, hidden_size)
     if columns is None:

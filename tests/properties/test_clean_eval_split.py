@@ -8,7 +8,7 @@ from collections import Counter
 
 from draftheads.prompts import (BATCH_PROMPTS, CLEAN_EVAL_PROMPTS, DATA_DIR, DEV_PROMPTS, MT_BENCH_CATEGORIES,
                                 PROMPT_SETS, clean_eval_text, group_of, read_prompts)
-from draftheads.training.data import distill_job
+from draftheads.training.data import distill_prompts
 
 SPEC_BENCH_TASKS = ("translation", "summarization", "qa", "math_reasoning", "rag")
 CLEAN_FILE = DATA_DIR / "clean_eval.jsonl"
@@ -45,5 +45,5 @@ def test_the_name_takes_counts_and_the_distill_job_groups_it_by_task():
         c: 4 for c in (*MT_BENCH_CATEGORIES, *SPEC_BENCH_TASKS)}
     assert len(read_prompts(f"{CLEAN_EVAL_PROMPTS}@2:mt_bench,rag")) == 8 * 2 + 2
     # the evaluation job's groups are its sources: mt_bench (what scripts/data_scaling.py reads) and each task
-    sources = Counter(p.source for p in distill_job.read_prompts(str(CLEAN_FILE)))
+    sources = Counter(p.source for p in distill_prompts.read_prompts(str(CLEAN_FILE)))
     assert sources == {"mt_bench": 64, **{t: 32 for t in SPEC_BENCH_TASKS}}

@@ -29,7 +29,7 @@ from typing import Iterable
 
 import torch
 
-from ...core.errors import DraftheadsError
+from ...core.errors import DataError  # noqa: F401 (its home is core.errors; training imports it from here)
 from ...decoding.base.loading import from_checkout
 from ..features import (Example, Features, captured_states, check_fp16, selfdistill_examples, shift_targets,
                         shift_teacher)
@@ -56,10 +56,6 @@ REQUIRED_COLUMNS = {
     "tokens": (("input_ids",), "pre-tokenized records with input_ids (and optionally response_start)"),
     "prompts": (("prompt",), "prompt records, e.g. train_prompts.jsonl"),
 }
-
-
-class DataError(DraftheadsError, ValueError):
-    """Data that cannot be used as asked: missing file or column, inconsistent resume."""
 
 
 # -- loading ------------------------------------------------------------------------------------

@@ -17,7 +17,8 @@ from helpers import OracleHeads, left_pad, tiny_distill_setup, tiny_llama
 from draftheads.decoding import DraftHeadsModel, tree_from_paths
 from draftheads.training.data import distill_job, distill_shards
 from draftheads.training.data.distill_capture import answer_with_states, forward_states
-from draftheads.training.data.distill_job import Prompt, interleave, main
+from draftheads.training.data.distill_job import main
+from draftheads.training.data.distill_prompts import Prompt, interleave
 from draftheads.training.data.distill_shards import ShardError, open_shard
 
 PAD = 0
