@@ -24,6 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..decoding.base.architecture import decoder_body
+from ..decoding.base.forward import tapped_layers
 from ..core.atomic import atomic_file
 from ..core.errors import DataError
 
@@ -109,15 +110,6 @@ class Captured:
     layers: torch.Tensor | None = None
 
 
-def selected_states(out, layers: list[int] | tuple[int, ...]) -> torch.Tensor | None:
-    """The named layers' states of a forward run with ``output_hidden_states=True``, side by side
-    (..., n · d) in the order named (index i of ``out.hidden_states``: the residual stream after i
-    decoder layers, 0 the embeddings); None when none are named."""
-    if not layers:
-        return None
-    return torch.cat([out.hidden_states[layer] for layer in layers], dim=-1)
-
-
 @torch.no_grad()
 def captured_states(model, batch: list[Example], layers: list[int] | tuple[int, ...] = ()) -> list[Captured]:
     """Per example what :class:`Captured` holds, from one forward of the base's body over the
@@ -131,7 +123,7 @@ def captured_states(model, batch: list[Example], layers: list[int] | tuple[int, 
     device = next(model.parameters()).device
     out = decoder_body(model)(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False,
                               **({"output_hidden_states": True} if layers else {}))
-    states, named = out.last_hidden_state, selected_states(out, layers)
+    states, named = out.last_hidden_state, tapped_layers(out.hidden_states, layers)
     result = []
     for row, e in enumerate(batch):
         span = states[row, e.response_start - 1: len(e.input_ids)]

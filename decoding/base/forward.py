@@ -44,9 +44,13 @@ def with_taps(final: torch.Tensor, layers: Sequence[torch.Tensor] | None, taps: 
     ``output_hidden_states``: the residual stream after that many decoder layers), those layers'
     states → the features draft heads read (..., d · (1 + len(taps))), the final state first
     (:mod:`draftheads.heads.fusion`); no taps: the final states themselves."""
-    if not taps:
-        return final
-    return torch.cat([final, *(layers[layer] for layer in taps)], dim=-1)
+    return final if not taps else torch.cat([final, tapped_layers(layers, taps)], dim=-1)
+
+
+def tapped_layers(layers: Sequence[torch.Tensor], taps: Sequence[int]) -> torch.Tensor | None:
+    """The states of ``taps`` out of a body's ``output_hidden_states`` (index i: the residual stream
+    after i decoder layers, 0 the embeddings), side by side (..., n · d) in the order named; None for none."""
+    return torch.cat([layers[layer] for layer in taps], dim=-1) if taps else None
 
 
 def final_states(features: torch.Tensor, hidden_size: int) -> torch.Tensor:
