@@ -23,6 +23,7 @@ import torch
 from ..heads import DraftHeads
 from .accept import Acceptance
 from .base.cache import KVState, reserved_cache
+from .base.forward import final_states
 from .step_trees import StepTrees
 
 
@@ -79,7 +80,7 @@ class HeadState:
         # the caller's row of each live row, kept only for a listener (the loop has its own ``live``)
         self.rows = torch.arange(last_hidden.shape[0]) if self.listener is not None else None
         if self.listener is not None and prompt_states is not None:
-            self.listener.prefilled(prompt_states[..., : self.width])
+            self.listener.prefilled(final_states(prompt_states, self.width))
         if heads is None or not heads.contextual:
             return
         if heads.context_from_prompt:
@@ -103,7 +104,7 @@ class HeadState:
         """After a verification: ``states`` (B, N, F) of every tree slot (features, as
         ``last_hidden``); keep the accepted ones."""
         if self.listener is not None:
-            self.listener.verified(self.rows, states[..., : self.width], result)
+            self.listener.verified(self.rows, final_states(states, self.width), result)
         rows = torch.arange(states.shape[0], device=states.device)
         if self.kv is None:
             chosen = states[rows, result.best]
