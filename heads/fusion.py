@@ -47,6 +47,22 @@ def feature_layer_problem(feature_layers, num_hidden_layers: int | None = None) 
     return None
 
 
+def resolve_feature_layers(value, num_hidden_layers: int | None = None) -> list[int]:
+    """The layers a configuration names, for a base of ``num_hidden_layers`` layers (None: not known
+    yet, only the form is checked): ``"default"`` (or ``["default"]``, as a command line gives it) is
+    :func:`default_feature_layers` ([] until the base is known), a list of layer numbers is itself.
+    Anything else raises ``ValueError`` with :func:`feature_layer_problem`'s words; each caller
+    names its own key or option before them."""
+    if value == "default" or (isinstance(value, (list, tuple)) and list(value) == ["default"]):
+        return default_feature_layers(num_hidden_layers) if num_hidden_layers is not None else []
+    if isinstance(value, str):
+        raise ValueError(f"feature_layers must be a list of layer numbers such as [8, 22], or default, got {value!r}")
+    problem = feature_layer_problem(value, num_hidden_layers)
+    if problem:
+        raise ValueError(problem)
+    return list(value)
+
+
 class FeatureFusion(nn.Module):
     """(..., d · (1 + n)) → (..., d): each named layer's state RMS-normed (a residual stream's scale
     differs from layer to layer and from the final, normed state), then one ``Linear`` over the

@@ -124,23 +124,16 @@ def check_distillation(recipe: Recipe) -> None:
 
 
 def resolve_feature_layers(value, num_hidden_layers: int | None = None) -> list[int]:
-    """``heads.feature_layers`` as layer numbers for a base of ``num_hidden_layers`` layers
-    (None: not known yet, only the form is checked): ``default`` is the base's low and middle
-    layer (:func:`draftheads.heads.fusion.default_feature_layers`; [] until the base is known), a
-    list is itself. A layer the base lacks, or anything else, is one line naming the key."""
-    from ..heads.fusion import default_feature_layers, feature_layer_problem
+    """``heads.feature_layers`` as layer numbers (:func:`draftheads.heads.fusion.resolve_feature_layers`),
+    a bad value one line naming the key."""
+    from ..heads.fusion import resolve_feature_layers as resolve
 
-    if isinstance(value, str):
-        if value != "default":
-            raise RecipeError(f"Recipe key heads.feature_layers must be a list of base layers such as [8, 22], or "
-                              f"default, got {value!r}.")
-        return default_feature_layers(num_hidden_layers) if num_hidden_layers is not None else []
-    problem = feature_layer_problem(value, num_hidden_layers)
-    if problem:
+    try:
+        return resolve(value, num_hidden_layers)
+    except ValueError as err:
         fix = (f"name layers below {num_hidden_layers}, or default" if num_hidden_layers is not None
-               and "does not have" in problem else "e.g. [8, 22], or default")
-        raise RecipeError(f"Recipe key heads.feature_layers: {problem}; {fix}.")
-    return list(value)
+               and "does not have" in str(err) else "e.g. [8, 22], or default")
+        raise RecipeError(f"Recipe key heads.feature_layers: {err}; {fix}.") from None
 
 
 #: what draftheads itself writes into a checkpoint's ``extra``: set by other recipe keys, never by hand

@@ -67,23 +67,18 @@ def check_options(config) -> None:
 
 
 def job_layers(values: list, depth: int | None) -> list[int]:
-    """``--layers`` for a base of ``depth`` decoder layers (None: not known yet, the form only):
-    layer numbers (ascending, each one the base has) or ``default``
-    (:func:`draftheads.heads.fusion.default_feature_layers`); anything else is one line naming
-    the option, before a file is written."""
-    from ...heads.fusion import default_feature_layers, feature_layer_problem
+    """``--layers`` (layer numbers, or ``default``) for a base of ``depth`` decoder layers (None: not
+    known yet, the form only), by :func:`draftheads.heads.fusion.resolve_feature_layers`; anything
+    else is one line naming the option, before a file is written."""
+    from ...heads.fusion import resolve_feature_layers
 
     shown = " ".join(map(str, values))
-    if list(values) == ["default"]:
-        return default_feature_layers(depth) if depth is not None else []
     try:
-        layers = [int(v) for v in values]
-    except ValueError:
-        raise DataError(f"--layers {shown}: pass layer numbers (e.g. --layers 8 22) or --layers default.") from None
-    problem = feature_layer_problem(layers, depth)
-    if problem:
-        raise DataError(f"--layers {shown}: {problem}.")
-    return layers
+        layers = values if list(values) == ["default"] else [int(v) for v in values]
+        return resolve_feature_layers(layers, depth)
+    except ValueError as err:  # int() of a word, or the resolver's words
+        words = str(err) if str(err).startswith("feature_layers") else "pass layer numbers (e.g. --layers 8 22) or --layers default"
+        raise DataError(f"--layers {shown}: {words}.") from None
 
 
 def job_folder(out: Path) -> bool:
