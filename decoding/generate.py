@@ -35,7 +35,7 @@ from .base.dtypes import parse_dtype
 from .loop import DecodingStats, plain_generate, speculate
 from .output import loop_mode, released
 from .policy import AdaptivePolicy, TreePolicy
-from .request import Call, Request, make_request, prepare_call, token_by_token
+from .request import Call, Request, check_own_loop, make_request, prepare_call, token_by_token
 from .step import PhaseTimer
 
 class DraftHeadsModel:
@@ -228,8 +228,10 @@ class DraftHeadsModel:
         logits processors and stopping criteria are built by transformers' own methods, the
         caller's own included; :mod:`~draftheads.decoding.generation_options` lists what is honoured and
         what refused); stopping criteria are called as transformers' loop calls them
-        (:class:`~draftheads.decoding.output.StopReplay`), and a batch whose criteria are handed
-        ``output_scores`` decodes token by token, with one warning. Returns what transformers
+        (:class:`~draftheads.decoding.output.StopReplay`); a batch whose criteria are handed
+        ``output_scores``, and a model carrying a forward hook or pre-hook (on itself, any of its
+        modules, or every module), decode token by token with the model's own loop, with one
+        warning (:func:`~draftheads.decoding.request.token_by_token`). Returns what transformers
         returns, with these documented edges:
         ``scores``/``logits`` are float32 as there; with ``return_dict_in_generate`` a batch's
         ``past_key_values`` and the scores of rows that finished early come from one extra forward
@@ -253,12 +255,10 @@ class DraftHeadsModel:
         decoding = self._decoding  # the policy, the drafter and the per-call switches, read once
         request = make_request(self.base, decoding.max_nodes, call, streamer, acceptance)
         started = time.perf_counter()
-        reason = token_by_token(request)
+        reason = token_by_token(self.base, request)
         if reason is not None:  # the model's own loop, or a refusal where it cannot run as asked
-            if generator is not None or acceptance is not None or (request.plain is None and request.own_loop is None):
-                raise InputError(f"{reason.split(';')[0]}; the model's own loop cannot honour generator= or acceptance= "
-                                 "or run here: drop them, output_scores, or the criterion.")
-            warnings.warn(reason, UserWarning, stacklevel=3)
+            check_own_loop(reason, request, generator, acceptance)
+            warnings.warn(reason.warning, UserWarning, stacklevel=3)
         if reason is not None or decoding.config.delegate_plain and self._delegates(request, generator):
             output, self.last_stats = plain_generate(self.base, request, started, streamer)
             return output

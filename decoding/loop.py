@@ -10,6 +10,7 @@ What one call did is a :class:`DecodingStats` (τ, steps, trees by batch size).
 """
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -142,7 +143,8 @@ def speculate(base, heads, policy, drafter: Drafter, request: Request, started: 
     """Prefill, the loop, the output: ``(what generate returns, DecodingStats)``. ``shrink``:
     finished rows leave the batch (else their trees are verified and ignored)."""
     sequences = Sequences(request.input_ids, request.attention_mask)  # the one owner of the tokens
-    out = Emitter(sequences, request.limits, request.eos, stop_replay(request), streamer, request.want_scores)
+    vocab = base.get_output_embeddings().weight.shape[0]
+    out = Emitter(sequences, request.limits, request.eos, stop_replay(request, vocab), streamer, request.want_scores)
     # every prompt position's state (B, T, d), computed by the forward anyway: heads that read the
     # prompt and a listener (training's capture) take them; the rest only the last one's
     # (with the layers multi-layer heads read beside the final state: features, :func:`with_taps`)
@@ -168,15 +170,19 @@ def speculate(base, heads, policy, drafter: Drafter, request: Request, started: 
                            logits.shape[-1]), stats
 
 
-def stop_replay(request: Request) -> StopReplay | None:
-    """The call's stopping criteria besides length and EOS, called as transformers calls them
-    (None: there are none, nothing to call). transformers pads rows that finished when any of
-    its criteria has an ``eos_token_id`` (``has_eos_stopping_criteria``)."""
-    if not request.criteria:
+def stop_replay(request: Request, vocab: int) -> StopReplay | None:
+    """transformers' steps as the tree loop replays them (:class:`~.output.StopReplay`): the
+    call's stopping criteria besides length and EOS, and in a batch the caller's processor
+    functions on rows that finished (over ``vocab`` ids), called as transformers calls them
+    (None: nothing to call). transformers pads rows that finished when any of its criteria has an
+    ``eos_token_id`` (``has_eos_stopping_criteria``)."""
+    callers = request.processors.callers if request.batch > 1 else []
+    if not request.criteria and not callers:
         return None
     pads = bool(request.eos) or any(hasattr(c, "eos_token_id") for c in request.criteria)
+    finished_calls = functools.partial(request.processors.call_finished, vocab=vocab) if callers else None
     return StopReplay(request.criteria, request.input_ids, request.pad, pads,
-                      bool(score_readers(request.criteria, request.config)))
+                      bool(score_readers(request.criteria, request.config)), finished_calls)
 
 
 def decode(base, policy, sequences: Sequences, out: Emitter, acceptor: Acceptor, drafter: Drafter, kv: KVState, heads_state: HeadState,

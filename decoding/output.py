@@ -12,6 +12,7 @@ through :func:`released`.
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import torch
 
@@ -178,17 +179,23 @@ class Emitter:
 
 
 class StopReplay:
-    """The call's stopping criteria besides length and EOS, called exactly as transformers' loop
-    calls them: once per step for the whole batch, with ``input_ids`` (B, L + t) — every row's
-    prompt and first t tokens, a row that finished already continued with the pad token when an
-    EOS criterion is in force (else with its own tokens, which it keeps) — and ``scores`` the
-    tuple of the t processed (B, V) float32 scores (``return_dict_in_generate`` and
-    ``output_scores``; else None). Rows of a tree loop advance unevenly, so step t is called once
-    every row has its t-th token; a row a criterion stops at step t is cut to t tokens. The calls,
-    their order and their arguments are transformers' own, so criteria with state see what they
-    would see there (the wall clock aside)."""
+    """transformers' loop step by step, as far as a tree loop must replay it: the call's stopping
+    criteria besides length and EOS, and the caller's logits-processor functions on rows that
+    finished (``finished_calls``: (a row's tokens so far (1, L + t - 1), its batch row) → None,
+    raising what transformers' step would; :meth:`~.processors.NodeProcessors.call_finished`).
+    Each is called exactly as transformers' loop calls it: once per step for the whole batch,
+    with ``input_ids`` (B, L + t) — every row's prompt and first t tokens, a row that finished
+    already continued with the pad token when an EOS criterion is in force (else with its own
+    tokens, which it keeps) — and ``scores`` the tuple of the t processed (B, V) float32 scores
+    (``return_dict_in_generate`` and ``output_scores``; else None). Rows of a tree loop advance
+    unevenly, so step t is called once every row has its t-th token; a row a criterion stops at
+    step t is cut to t tokens. The calls, their order and their arguments are transformers' own,
+    so criteria with state see what they would see there (the wall clock aside), and an error a
+    row's processors raise at step t — a live row's on its tokens (:attr:`Emitter.blocked`), a
+    finished row's on its padded ones — is raised at step t, rows in batch order."""
 
-    def __init__(self, criteria: list, input_ids: torch.Tensor, pad: int, pads_finished: bool, pass_scores: bool):
+    def __init__(self, criteria: list, input_ids: torch.Tensor, pad: int, pads_finished: bool, pass_scores: bool,
+                 finished_calls: Callable[[torch.Tensor, int], None] | None = None):
         from transformers import StoppingCriteriaList
 
         self.criteria = StoppingCriteriaList(criteria)
@@ -196,28 +203,44 @@ class StopReplay:
         self.prompt_len = int(input_ids.shape[1])
         self.finished = torch.zeros(input_ids.shape[0], dtype=torch.bool)
         self.pad, self.pads_finished, self.pass_scores = pad, pads_finished, pass_scores
+        self.finished_calls = finished_calls
         self.scores: tuple[torch.Tensor, ...] = ()
 
     @property
     def steps(self) -> int:
         return int(self.ids.shape[1]) - self.prompt_len
 
+    def _padded(self, row: int) -> bool:
+        """Whether ``row`` finished and transformers now feeds it the pad token."""
+        return bool(self.finished[row]) and self.pads_finished
+
     def _ready(self, out: Emitter, t: int) -> bool:
-        """Whether every row's t-th input is known; raises a row's pending error where
-        transformers' step t would (its processors run on that row before the criteria)."""
+        """Whether step t's inputs are known for every row up to the first whose processors fail
+        at step t (transformers' step raises there, the rows after it do not matter)."""
         for row in range(self.finished.shape[0]):
-            if (bool(self.finished[row]) and self.pads_finished) or out.seqs.count(row) >= t:
+            if self._padded(row) or out.seqs.count(row) >= t:
                 continue
             if row in out.blocked:
-                raise out.blocked[row]
+                return True
             if not bool(out.done[row]):
                 return False  # still decoding: its t-th token is to come
         return True
+
+    def _process(self, out: Emitter, t: int) -> None:
+        """Step t's logits processors, as far as they can fail: rows in batch order, a finished
+        row's padded tokens through ``finished_calls``, a live row's error raised where it fell."""
+        for row in range(self.finished.shape[0]):
+            if self._padded(row):
+                if self.finished_calls is not None:
+                    self.finished_calls(self.ids[row: row + 1], row)
+            elif out.seqs.count(row) < t and row in out.blocked:
+                raise out.blocked[row]
 
     def advance(self, out: Emitter) -> None:
         """Call every step whose inputs are known, in order; stop and cut rows as transformers does."""
         while not bool(self.finished.all()) and self._ready(out, self.steps + 1):
             t = self.steps + 1
+            self._process(out, t)
             column = [self.pad if (bool(self.finished[row]) and self.pads_finished) or out.seqs.count(row) < t
                       else out.seqs.generated[row][t - 1] for row in range(self.finished.shape[0])]
             self.ids = torch.cat([self.ids, self.ids.new_tensor(column)[:, None]], dim=1)

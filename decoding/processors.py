@@ -22,7 +22,10 @@ guidance) or a class draftheads does not know — is refused by name before any 
 (:func:`check_processors`); a caller's own processor that is a function of the tokens so far
 and the scores can say so by being wrapped in :class:`PrefixOnly`. A caller's function that raises
 or allows nothing on a drafted prefix fails only that node (:class:`NodeProcessors`): its error is
-raised where transformers would reach that prefix. Acceptance (:mod:`.accept`)
+raised where transformers would reach that prefix. transformers calls every processor on every row
+at every step, rows that finished included (their tokens padded): the caller's functions among them
+are called there too (:meth:`NodeProcessors.call_finished`), so what they raise there propagates
+as it does in transformers. Acceptance (:mod:`.accept`)
 compares drafts with the processed distribution; nothing here knows about caches or drafters.
 """
 from __future__ import annotations
@@ -43,7 +46,10 @@ class PrefixOnly:
     """A caller's own logits processor, declared a function of each row's tokens so far and its
     scores alone (no state across calls, no batch index): draftheads then applies it at every
     tree node on that node's own prefix, as transformers would at that step. Pass
-    ``logits_processor=[PrefixOnly(mine)]``; transformers' own ``generate`` runs it unchanged."""
+    ``logits_processor=[PrefixOnly(mine)]``; transformers' own ``generate`` runs it unchanged.
+    On a finished row's padded tokens, where transformers calls it and discards what it returns,
+    it is handed zeros for the scores (the base's scores there are not computed): what it raises
+    there must follow from the tokens alone (:meth:`NodeProcessors.call_finished`)."""
 
     def __init__(self, processor):
         if not callable(processor):
@@ -86,6 +92,15 @@ _REFUSED = {
     "SynthIDTextWatermarkLogitsProcessor": ("watermarking_config (SynthID)", "it keeps state from step to step"),
     "EncoderNoRepeatNGramLogitsProcessor": ("encoder_no_repeat_ngram_size", "it keeps per-batch-row state"),
 }
+
+
+def callers_functions(processors) -> list:
+    """The processors that run a caller's own function on the tokens so far — a
+    ``prefix_allowed_tokens_fn`` (``PrefixConstrainedLogitsProcessor``), a :class:`PrefixOnly` — which
+    may raise or allow nothing where transformers' own processors cannot (exact classes)."""
+    from transformers.generation.logits_process import PrefixConstrainedLogitsProcessor
+
+    return [p for p in processors if type(p) in (PrefixConstrainedLogitsProcessor, PrefixOnly)]
 
 
 def kind_of(processor) -> str | None:
@@ -168,6 +183,8 @@ class NodeProcessors:
         self.reads_ids = any(kind != SCORES for kind in found)
         self.tolerant = False
         self.failed: dict[int, BaseException] = {}
+        #: the caller's functions, called on finished rows too (:meth:`call_finished`)
+        self.callers = callers_functions(self.processors)
 
     def __len__(self) -> int:
         return len(self.processors)
@@ -215,6 +232,16 @@ class NodeProcessors:
             except Exception as err:  # noqa: BLE001 (the caller's function: any error is its answer)
                 self.failed[entry] = err
         return out
+
+    def call_finished(self, ids: torch.Tensor, row: int, vocab: int) -> None:
+        """What transformers' step does on batch row ``row`` after it finished: it calls every
+        processor on the row's tokens so far, padded (``ids`` (1, W)), and discards the scores. The
+        caller's functions among them (:attr:`callers`) are called here, in order, with zero scores
+        (V = ``vocab``), so what they raise there — ``prefix_allowed_tokens_fn``'s empty list
+        included — propagates as in transformers; transformers' own processors cannot fail there."""
+        scores = torch.zeros(1, vocab, device=ids.device)
+        for processor in self.callers:
+            for_rows(processor, torch.tensor([row]))(ids, scores)
 
     def take_failed(self, nodes: int) -> dict[tuple[int, int], BaseException]:
         """The last call's failed entries as {(row, slot): error} for trees of ``nodes`` slots."""

@@ -13,6 +13,7 @@ from typing import Any, Callable
 import torch
 
 from .accept import resolve_acceptance
+from .base.forward import hook_site
 from ..core.errors import InputError, InputTypeError
 from .input_checks import check_inputs, wanted_new_tokens, warn_context_cut
 from .memory import check_memory
@@ -190,17 +191,66 @@ def score_readers(criteria: list, config) -> list:
     return [c for c in criteria if type(c) not in scoreless]
 
 
-def token_by_token(request: Request) -> str | None:
+@dataclass(frozen=True)
+class OwnLoop:
+    """Why a call decodes token by token with the model's own loop (:func:`token_by_token`):
+    ``culprit`` names what the caller gave (a stopping criterion, a hooked module), ``why`` what
+    the tree loop cannot do with it, ``keeps`` what would keep the draft trees, ``drop`` what to
+    drop where the own loop cannot run as asked. The warning and the refusal are each written
+    whole from these (:attr:`warning`, :meth:`refusal`)."""
+
+    culprit: str
+    why: str
+    keeps: str
+    drop: str
+
+    @property
+    def warning(self) -> str:
+        return (f"generate(): {self.culprit} {self.why}; this call decodes token by token with the model's own loop "
+                f"({self.keeps}).")
+
+    def refusal(self, blocker: str, fix: str) -> str:
+        """The one line refusing a call whose own loop cannot ``blocker`` ("honour generator=", ...)
+        unless the caller does ``fix``."""
+        return (f"generate(): {self.culprit} {self.why}, so this call must decode token by token with the model's own "
+                f"loop, which cannot {blocker}: {fix}, {self.drop}.")
+
+
+def token_by_token(base, request: Request) -> OwnLoop | None:
     """Why the tree loop cannot give transformers' answer for this call, so that it decodes token
-    by token with the model's own loop (None: it can). A stopping criterion handed ``scores`` in
-    a batch reads every row's scores at every step, rows that finished included, which draft
-    trees do not compute at that step."""
+    by token with the model's own loop (None: it can), checked at every call. A forward hook or
+    pre-hook on the model or any module of it, or one registered for every module
+    (:func:`~.base.forward.hook_site`), would see several positions, tree slots and packed rows
+    at once where transformers' loop hands it one token per row (and draftheads never runs the
+    model's own forward). A stopping criterion handed ``scores`` in a batch reads every row's
+    scores at every step, rows that finished included, which draft trees do not compute at that step."""
+    site = hook_site(base)
+    if site is not None:
+        return OwnLoop(site, "would see other calls in draftheads' tree steps than in transformers' token-by-token "
+                       "loop (several positions, tree slots and packed rows at once; never the model's own forward)",
+                       "remove the hook to decode with draft trees", "or remove the hook")
     reading = score_readers(request.criteria, request.config) if request.batch > 1 else []
     if not reading:
         return None
-    return (f"generate(): stopping criterion {type(reading[0]).__name__} is handed every row's scores at every step "
-            "(output_scores=True in a batch), which draft trees do not hold for rows that finished; this call decodes "
-            "token by token with the model's own loop (batch size 1, or output_scores=False, keeps the trees).")
+    return OwnLoop(f"stopping criterion {type(reading[0]).__name__}",
+                   "is handed every row's scores at every step (output_scores=True in a batch), which draft trees do "
+                   "not hold for rows that finished", "batch size 1, or output_scores=False, keeps the trees",
+                   "or drop output_scores or the criterion")
+
+
+def check_own_loop(reason: OwnLoop, request: Request, generator, acceptance) -> None:
+    """A call that must decode with the model's own loop (``reason``) where that loop cannot
+    honour it — a ``torch.Generator`` or an ``acceptance`` rule given (the loop samples from the
+    global RNG, exactly from the model), or a call prepared without the loop (neither
+    ``request.plain`` nor ``request.own_loop``) — is refused by name before any work."""
+    if generator is not None:
+        raise InputError(reason.refusal("honour generator= (it samples from the global torch RNG)",
+                                        "drop generator= (seed with torch.manual_seed)"))
+    if acceptance is not None:
+        raise InputError(reason.refusal("honour acceptance= (it samples exactly from the model)", "drop acceptance="))
+    if request.plain is None and request.own_loop is None:
+        raise InputError(reason.refusal("run here (this call came prepared without it)",
+                                        "prepare it with prepare_call, or give prepared_call the loop (own_loop=)"))
 
 
 def make_request(base, max_nodes, call: Call, streamer, acceptance) -> Request:

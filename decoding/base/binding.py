@@ -68,6 +68,21 @@ def global_hooks() -> bool:
     return bool(torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks)
 
 
+#: where transformers defines the forward hooks it installs itself on first ``output_hidden_states``
+#: / ``output_attentions`` (``install_output_capuring_hook``): they only record what passes, and
+#: only inside a forward that asked for it, so they change nothing a caller sees
+_CAPTURING_HOOKS = "transformers.utils.output_capturing"
+
+
+def callers_hook(module: nn.Module) -> bool:
+    """Whether ``module`` carries a forward hook or pre-hook of the caller's (``with_kwargs`` and
+    ``always_call`` ones live in the same tables; transformers' output-capturing hooks do not count)."""
+    if module._forward_pre_hooks:
+        return True
+    return bool(module._forward_hooks) and any(getattr(hook, "__module__", None) != _CAPTURING_HOOKS
+                                                for hook in module._forward_hooks.values())
+
+
 def stands_in(module: nn.Module) -> bool:
     """Whether a draftheads product may be computed in place of calling ``module``: a plain
     ``nn.Linear`` (the class it is or wears, not a subclass: a parametrized layer is one) whose

@@ -30,7 +30,7 @@ from torch import nn
 
 from .architecture import decoder_body
 from .attention import PACK_FLAG, packed_gqa_sdpa, uses_packed_sdpa
-from .binding import PackedLinear, binding, global_hooks, resolved_linears
+from .binding import PackedLinear, binding, callers_hook, global_hooks, resolved_linears
 from .fused import FusedOps, KernelOps, fused_ops
 from .plan import PLAN
 
@@ -70,7 +70,7 @@ class DirectBody:
         self.next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [body.norm]
         modules = list(body.modules())
         self._children = [(m._modules, tuple(m._modules.values())) for m in modules if m._modules]
-        self._hooks = [table for m in modules for table in (m._forward_hooks, m._forward_pre_hooks)]
+        self._modules = modules
         self.rotary = sys.modules[type(self.layers[0].self_attn).__module__].apply_rotary_pos_emb
         self.ops = ops
         self.plans: dict[int, list[LayerPlan]] = {}
@@ -91,8 +91,11 @@ class DirectBody:
         return all(tuple(children.values()) == kept for children, kept in self._children)
 
     def hooked(self) -> bool:
-        """Whether any module of the body, or the process, carries a forward hook now."""
-        return global_hooks() or any(self._hooks)
+        """Whether any module of the body, or the process, carries a caller's forward hook now
+        (transformers' own output-capturing hooks, installed on first ``output_hidden_states``, are
+        not: the direct forward never runs those modules' forwards)."""
+        return global_hooks() or any((m._forward_hooks or m._forward_pre_hooks) and callers_hook(m)
+                                     for m in self._modules)
 
 
 def _layer_plan(layer: nn.Module, rows: int) -> LayerPlan:

@@ -13,10 +13,9 @@ from typing import Sequence
 
 import torch
 
-from ...core.errors import InputError
 from .architecture import additive_mask, apply_logit_transforms, attention_layout, decoder_body, layer_masks
 from .attention import PACK_FLAG, RaggedRows, ragged_rows, uses_packed_sdpa
-from .binding import stands_in
+from .binding import callers_hook, global_hooks, stands_in
 from .cache import reserved_cache, reserved_layer_class
 from .direct import direct_body, direct_forward
 from .mask_memo import mask_memos
@@ -32,9 +31,7 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, all_st
     """Run the prompt; returns (cache, last hidden state per row (B, d)), or with ``all_states``
     every prompt position's (B, T, d) (for heads whose layer reads the prompt); with ``taps`` the
     states are features (:func:`with_taps`). Positions follow transformers' ``generate``
-    (cumulative sum of the mask), so left padding matches it. A hook on the model itself is
-    refused first (:func:`refuse_model_hooks`)."""
-    refuse_model_hooks(model)
+    (cumulative sum of the mask), so left padding matches it."""
     cache, hidden = forward_all(model, input_ids, attention_mask, taps)
     return cache, hidden if all_states else hidden[:, -1]
 
@@ -58,14 +55,35 @@ def final_states(features: torch.Tensor, hidden_size: int) -> torch.Tensor:
     return features if features.shape[-1] == hidden_size else features[..., :hidden_size].contiguous()
 
 
-def refuse_model_hooks(model) -> None:
-    """The decoder runs the model's body and LM head, never the causal LM's own forward: a forward
-    hook or pre-hook on the model itself would not run, so it is refused by name before any work
-    (hooks on its modules run where those modules run)."""
-    if model._forward_hooks or model._forward_pre_hooks:
-        raise InputError(f"{type(model).__name__} carries a forward hook or pre-hook on the model itself, which "
-                         "draftheads' decoding never calls (it runs the model's body and LM head); register the hook "
-                         "on the module it means (e.g. model.lm_head or a layer) or remove it.")
+def hook_site(model) -> str | None:
+    """Where a caller's forward hook or pre-hook would see other calls in draftheads' forwards
+    than in the model's own token-by-token loop (None: nowhere), as a phrase naming it: one
+    registered for every module of the process, one on the model object itself (whose forward
+    draftheads never runs) or on any module of it — body, LM head, embeddings — by its qualified
+    name (``model.layers.3.mlp``). transformers' own output-capturing hooks are not a caller's.
+    Read at every call: one walk over the modules' hook tables (~0.1 ms for a 30-layer model)."""
+    if global_hooks():
+        return "a forward hook or pre-hook registered for every module (register_module_forward_hook / _pre_hook)"
+    if not _any_callers_hook(model):
+        return None
+    if callers_hook(model):
+        return f"a forward hook or pre-hook on the model itself ({type(model).__name__})"
+    name = next(name for name, module in model.named_modules() if callers_hook(module))
+    return f"a forward hook or pre-hook on {name}"
+
+
+def _any_callers_hook(model) -> bool:
+    """Whether any module under ``model`` (itself included) carries a caller's hook: a plain walk
+    over ``_modules`` (``modules()`` costs four times more: its prefixes and memo)."""
+    stack = [model]
+    while stack:
+        module = stack.pop()
+        if module is None:  # a child registered as None
+            continue
+        if (module._forward_hooks or module._forward_pre_hooks) and callers_hook(module):
+            return True
+        stack.extend(module._modules.values())
+    return False
 
 
 @torch.no_grad()

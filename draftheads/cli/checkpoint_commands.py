@@ -25,12 +25,14 @@ def write_dtype(name: str, option: str) -> torch.dtype | None:
 
 
 def load_base_model(name: str | None):
-    """The frozen base alone (no tokenizer: these commands only need its LM head and fingerprint)."""
+    """The frozen base alone (no tokenizer: these commands only need its LM head and fingerprint);
+    a base the decoder cannot verify a tree on (no attention layers) is refused before it loads."""
     from transformers import AutoModelForCausalLM
 
-    from ..decoding.base.loading import resolve_base
+    from ..decoding.base.loading import check_base_architecture, resolve_base
 
     path, _ = resolve_base(name)
+    check_base_architecture(path, name if name is not None else path)
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().requires_grad_(False)
 
 

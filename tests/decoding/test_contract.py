@@ -9,7 +9,8 @@ on a tiny random float64 Llama; or are refused by name before any work.
 The criteria are called as transformers calls them (decoding/output.py, ``StopReplay``); a batch
 whose criterion is handed the scores decodes token by token with one warning
 (decoding/request.py, ``token_by_token``); drafted prefixes a processor fails on are tolerated until
-transformers itself would reach them (decoding/processors.py, ``NodeProcessors``).
+transformers itself would reach them (decoding/processors.py, ``NodeProcessors``), and the caller's
+functions are asked about rows that finished at the steps transformers asks them (``call_finished``).
 """
 from __future__ import annotations
 
@@ -344,6 +345,30 @@ def test_a_grammar_with_no_way_on_raises_as_transformers_raises(setup, form):
         run(setup, form, ids, kwargs, [reached + [11] * 5])
 
 
+def past_the_end(ends: set[int], off: Callable[[], list[int]]):
+    """A ``prefix_allowed_tokens_fn`` that allows every id until its row ended (its last token one
+    of ``ends``), then answers ``off()``: transformers asks it about rows that finished, every step."""
+    return lambda batch_id, sent: off() if int(sent[-1]) in ends else list(range(VOCAB))
+
+
+@pytest.mark.parametrize("form", ["api", "custom_generate"])
+@pytest.mark.parametrize("off", ["raises", "[]"])
+def test_a_grammar_asked_about_a_finished_row_fails_as_in_transformers(setup, form, off):
+    """Batch of 3: row 1 ends at its second token while the others decode on; transformers then
+    calls the function on row 1's ended tokens, which raises (or allows nothing): so does draftheads."""
+    ids, mask = prompt(3)
+    kwargs = {"max_new_tokens": NEW, "do_sample": False, "pad_token_id": PAD, "attention_mask": mask,
+              "eos_token_id": [55, EOS]}
+    plain = sequences(setup.model.generate(ids, **kwargs))
+    assert [row[ids.shape[1]:][1] for row in plain] == [53, 55, 86]  # row 1 ends early, the others go on
+    fn = past_the_end({55, EOS, PAD}, raise_off_grammar if off == "raises" else list)
+    error, words = (KeyError, "off the grammar") if off == "raises" else (ValueError, "returned an empty list")
+    with pytest.raises(error, match=words):
+        setup.model.generate(ids, prefix_allowed_tokens_fn=fn, **kwargs)
+    with pytest.raises(error, match=words):
+        run(setup, form, ids, {**kwargs, "prefix_allowed_tokens_fn": fn}, [row[ids.shape[1]:] for row in plain])
+
+
 def test_a_stopped_row_streams_what_transformers_streams(setup):
     """Batch of 1 with a streamer: tokens drafted past the criterion's stop are never streamed."""
     streamed = []
@@ -359,8 +384,14 @@ def test_a_stopped_row_streams_what_transformers_streams(setup):
     assert streamed[0] == streamed[1]
 
 
-def test_a_seeded_generator_is_refused_where_the_call_decodes_token_by_token(setup):
+@pytest.mark.parametrize("given", ["generator", "acceptance"])
+def test_what_the_own_loop_cannot_honour_is_refused_by_name(setup, given):
+    """A batch that must decode token by token (a criterion handed the scores) given what the
+    model's own loop cannot honour: one line naming the criterion and that argument alone."""
     ids, kwargs = kwargs_for("criterion len(scores)", 3)
     decoder = DraftHeadsModel(setup.model, OracleHeads([[]] * 3, vocab=VOCAB), tree=tree_from_paths(TREE))
-    with pytest.raises(InputError, match="stopping criterion StopAfterSteps is handed every row's scores.*generator="):
-        decoder.generate(ids, generator=torch.Generator().manual_seed(0), **{**kwargs, "do_sample": True})
+    extra = {"generator": torch.Generator().manual_seed(0)} if given == "generator" else {"acceptance": "typical"}
+    with pytest.raises(InputError, match=f"stopping criterion StopAfterSteps is handed every row's scores.*{given}=") as err:
+        decoder.generate(ids, **{**kwargs, "do_sample": True}, **extra)
+    other = "acceptance=" if given == "generator" else "generator="
+    assert other not in str(err.value) and "\n" not in str(err.value)

@@ -143,6 +143,19 @@ def test_a_hook_registered_after_preparation_is_honoured():
         pre.remove()
 
 
+def test_transformers_own_capturing_hooks_leave_the_direct_forward_on():
+    """transformers installs recording hooks on the body's layers at the first forward asked for
+    ``output_hidden_states`` (as every prefill for multi-layer heads is): they are not a caller's,
+    so the direct forward keeps running; a caller's hook beside them still turns it off."""
+    _, direct = _pair(torch.float64, None)
+    direct.model(input_ids=torch.tensor([[3, 4, 5]]), output_hidden_states=True)
+    assert any(m._forward_hooks for m in direct.model.modules())  # transformers' own, now installed
+    assert direct_body(direct) is not None
+    handle = direct.model.layers[1].register_forward_hook(lambda module, args, output: None)
+    assert direct_body(direct) is None
+    handle.remove()
+
+
 def test_bases_the_direct_forward_does_not_know_run_transformers_forward():
     class Adapter(nn.Linear):  # what peft or a quantizer puts in a projection's place
         pass

@@ -2,8 +2,8 @@
 parametrization, weight norm, an adapter swapped in for a layer — on the LM head or on a layer
 inside the body, registered after the decoder was built and used: each call sees it and gives
 transformers' own answer (float32 greedy, every product forced onto the packed path, bs 1 and a
-left-padded batch of 3, ``DraftHeadsModel.generate`` and ``custom_generate``), or refuses it by
-name before any work (a hook on the model itself, whose forward the decoder never runs)."""
+left-padded batch of 3, ``DraftHeadsModel.generate`` and ``custom_generate``); a call on a model
+carrying a hook decodes token by token with its own loop (tests/decoding/test_hooked_calls.py)."""
 from __future__ import annotations
 
 from typing import Callable
@@ -14,7 +14,6 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from draftheads import custom_generate
-from draftheads.core.errors import InputError
 from draftheads.decoding import DraftHeadsModel
 from draftheads.decoding.base import plan
 from helpers import left_pad, saved_tree_heads, tiny_llama
@@ -152,20 +151,27 @@ def test_a_change_made_after_binding_gives_transformers_answer(heads, tmp_path, 
 
 
 @pytest.mark.parametrize("form", ["api", "custom_generate"])
-def test_a_hook_on_the_model_itself_is_refused_by_name_before_any_work(heads, tmp_path, monkeypatch, form):
-    """The decoder never runs the causal LM's own forward, so a hook there cannot be honoured."""
+def test_a_hook_on_the_model_itself_decodes_with_the_models_own_loop(heads, tmp_path, monkeypatch, form):
+    """The decoder never runs the causal LM's own forward: with a hook there the call decodes token
+    by token with the model's own loop (one warning naming it), so the hook runs as it would there."""
     monkeypatch.setenv("DRAFTHEADS_CACHE", str(tmp_path / "cache"))
     model = tiny_llama(0, dtype=torch.float32)
     decoder = _bound(form, heads, model)
-    calls: list = []
-    model.get_input_embeddings().register_forward_pre_hook(lambda *_: calls.append(1))
-    for register in (model.register_forward_hook, model.register_forward_pre_hook):
-        handle = register(lambda *args: None)
+    before = _reference(model, PROMPTS[3])
+
+    def bias(module, args, output):
+        output.logits = output.logits + _vector(96, 2, 4.0).to(output.logits.dtype)
+        return output
+
+    hooks = {"forward hook": lambda: model.register_forward_hook(bias),
+             "pre-hook": lambda: model.register_forward_pre_hook(lambda module, args: None)}
+    for kind, register in hooks.items():
+        handle = register()
         try:
-            with pytest.raises(InputError, match="LlamaForCausalLM") as err:
-                _call(form, model, decoder, *left_pad(PROMPTS[3]))
-            assert "\n" not in str(err.value) and "hook" in str(err.value)
-            assert not calls
+            expected = _reference(model, PROMPTS[3])
+            assert (expected != before) == (kind == "forward hook")  # the bias changes transformers' answer
+            with pytest.warns(UserWarning, match=r"on the model itself \(LlamaForCausalLM\).*token by token"):
+                assert _call(form, model, decoder, *left_pad(PROMPTS[3])).tolist() == expected, kind
         finally:
             handle.remove()
     assert _call(form, model, decoder, *left_pad(PROMPTS[1])).shape[1] == len(PROMPTS[1][0]) + NEW  # hooks gone
