@@ -21,6 +21,7 @@ from typing import Iterator, Protocol
 import torch
 
 from ..heads import DraftHeads
+from ..heads.eagle3 import DraftContext
 from .accept import Acceptance
 from .base.cache import KVState, reserved_cache
 from .base.forward import final_states
@@ -69,7 +70,8 @@ class HeadState:
     final states only) and not kept."""
 
     def __init__(self, heads: DraftHeads | None, last_hidden: torch.Tensor, prompt_states: torch.Tensor | None = None,
-                 attention_mask: torch.Tensor | None = None):
+                 attention_mask: torch.Tensor | None = None, input_ids: torch.Tensor | None = None,
+                 roots: torch.Tensor | None = None):
         self.heads = heads
         self.taps = taps_of(heads)
         #: the base's width: the final state's share of the features
@@ -87,7 +89,13 @@ class HeadState:
             if prompt_states is None or attention_mask is None:
                 raise ValueError(f"{type(heads).__name__} read the whole prompt: pass HeadState the prefill's "
                                  "prompt_states (B, T, d) and attention_mask (prefill(..., all_states=True)).")
-            self.kv, self.hidden = over_prompt(heads, heads.read(prompt_states), attention_mask)
+            tokens = None
+            if heads.reads_next_tokens:  # each prompt position's next token: the prompt's, the root last
+                if input_ids is None or roots is None:
+                    raise ValueError(f"{type(heads).__name__} pair each state with the token after it: pass HeadState "
+                                     "the prompt's input_ids and the first tokens (roots).")
+                tokens = torch.cat([input_ids[:, 1:], roots[:, None].to(input_ids.device)], dim=1)
+            self.kv, self.hidden = over_prompt(heads, heads.read(prompt_states), attention_mask, tokens)
             return
         from transformers import DynamicCache
 
@@ -111,9 +119,18 @@ class HeadState:
             self.hidden = self.heads.read(chosen) if self.heads is not None else chosen
             return
         mask, positions, past = self.kv.tree_inputs(trees.ancestor, trees.depth)
-        out = self.heads.contextualize(self.heads.read(states), positions, mask, self.kv.cache)
+        extra = {"tokens": next_tokens(trees.tokens, result)} if self.heads.reads_next_tokens else {}
+        out = self.heads.contextualize(self.heads.read(states), positions, mask, self.kv.cache, **extra)
         self.kv.commit(result.path + past, result.accepted + 1)
         self.hidden = out[rows, result.best]
+
+    def draft_context(self):
+        """What heads that draft in their context (``drafts_in_context``: EAGLE-3) attend over at the
+        next step: their layer's keys, values, real slots and each row's next position; else None."""
+        if self.heads is None or not self.heads.drafts_in_context or self.kv is None:
+            return None
+        layer = self.kv.cache.layers[0]
+        return DraftContext(layer.keys, layer.values, self.kv.valid, self.kv.next_pos)
 
     def select_rows(self, keep: torch.Tensor) -> None:
         """Finished rows leave the batch."""
@@ -124,7 +141,24 @@ class HeadState:
             self.kv.select_rows(keep)
 
 
-def over_prompt(heads: DraftHeads, states: torch.Tensor, attention_mask: torch.Tensor) -> tuple[KVState, torch.Tensor]:
+def next_tokens(tokens: torch.Tensor, result: Acceptance) -> torch.Tensor:
+    """Each tree slot's next token (B, N) for heads that pair a state with the token after it: on
+    each row's accepted path the next accepted token, the bonus after the last; 0 elsewhere (those
+    slots are dropped from the heads' cache)."""
+    batch, nodes = tokens.shape
+    path = result.path  # (B, D+1) slots root→best, padded with best
+    rows = torch.arange(batch, device=tokens.device)
+    steps = torch.arange(path.shape[1], device=tokens.device)[None]
+    following = torch.cat([tokens.gather(1, path[:, 1:]), path.new_zeros(batch, 1)], dim=1)  # (B, D+1)
+    following[rows, result.accepted] = result.bonus.to(following.dtype)
+    on_path = steps <= result.accepted[:, None]
+    out = tokens.new_zeros(batch, nodes + 1)  # column N takes the slots off the path
+    out.scatter_(1, torch.where(on_path, path, nodes), torch.where(on_path, following, 0))
+    return out[:, :nodes]
+
+
+def over_prompt(heads: DraftHeads, states: torch.Tensor, attention_mask: torch.Tensor,
+                tokens: torch.Tensor | None = None) -> tuple[KVState, torch.Tensor]:
     """The heads' layer over every prompt state (B, T, d) into its own cache, laid out as the
     base's (:meth:`KVState.after_prefill`: same slots, same positions, left padding masked out)
     → (its KVState, its output at the last prompt token (B, d)). The cache reserves room ahead,
@@ -138,5 +172,6 @@ def over_prompt(heads: DraftHeads, states: torch.Tensor, attention_mask: torch.T
     # padding states are zeroed: masked keys still enter the product (0 · NaN would be NaN)
     hidden = states.masked_fill(~valid[..., None], 0)
     cache = reserved_cache(None)  # one layer, made on first use
-    out = heads.contextualize(hidden, positions, mask, cache)  # (B, T, d)
+    extra = {} if tokens is None else {"tokens": tokens}  # each position's next token (heads that pair them)
+    out = heads.contextualize(hidden, positions, mask, cache, **extra)  # (B, T, d)
     return KVState.after_prefill(cache, attention_mask), out[:, -1].clone()

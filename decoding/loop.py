@@ -148,14 +148,16 @@ def speculate(base, heads, policy, drafter: Drafter, request: Request, started: 
     # every prompt position's state (B, T, d), computed by the forward anyway: heads that read the
     # prompt and a listener (training's capture) take them; the rest only the last one's
     # (with the layers multi-layer heads read beside the final state: features, :func:`with_taps`)
-    cache, states = prefill(base, request.input_ids, request.attention_mask, all_states=True, taps=taps_of(heads))
-    heads_state = HeadState(heads, states[:, -1].clone(), states, request.attention_mask)
-    hidden = final_states(states[:, -1], heads_state.width)  # (B, d)
-    del states  # not kept past the prefill
+    taps = taps_of(heads)
+    cache, states = prefill(base, request.input_ids, request.attention_mask, all_states=True, taps=taps)
+    hidden = final_states(states[:, -1], states.shape[-1] // (1 + len(taps)))  # (B, d)
     kv = KVState.after_prefill(cache, request.attention_mask)
     logits = lm_logits(base, hidden)  # (B, V)
     acceptor = Acceptor(request.config, request.mode, logits.shape[-1], sequences, generator, request.processors)
     roots = acceptor.first(logits)
+    # after the first tokens: heads that pair each state with the token after it read them (EAGLE-3)
+    heads_state = HeadState(heads, states[:, -1].clone(), states, request.attention_mask, request.input_ids, roots)
+    del states  # not kept past the prefill
     out.emit_first(roots, acceptor.reported(logits) if request.want_scores else None)
     prefilled = time.perf_counter()
     drafter.start(sequences.prompts())
@@ -204,7 +206,7 @@ def decode(base, policy, sequences: Sequences, out: Emitter, acceptor: Acceptor,
         active = out.running(live).to(device)  # all True when shrinking; finished rows masked otherwise
         tree = policy.choose(live.numel(), kv.length)
         state = DraftState(roots, heads_state.hidden, live.tolist(), _rooms(out, live), kv.length,
-                           sequences.generated)
+                           sequences.generated, heads_state.draft_context())
         step = decode_step(base, drafter, acceptor, kv, heads_state, state, tree, timer)
         result = step.acceptance
         policy.observe(step.trees.chosen, result.accepted[active])

@@ -9,8 +9,9 @@ from .checkpoint.io import load_heads
 from .medusa import MedusaHeads, MedusaOptions, ResBlock
 from .hydra import HydraHeads, HydraOptions, HydraPlusPlusOptions
 from .amphista import AmphistaHeads, AmphistaOptions
+from .eagle3 import Eagle3Heads, Eagle3Options
 
-__all__ = ["AmphistaHeads", "AmphistaOptions", "CheckpointError", "DraftHeads", "DraftheadsError", "FamilyOptions",
+__all__ = ["AmphistaHeads", "AmphistaOptions", "Eagle3Heads", "Eagle3Options", "CheckpointError", "DraftHeads", "DraftheadsError", "FamilyOptions",
            "HeadConfig", "HydraHeads", "HydraOptions", "HydraPlusPlusOptions", "KoalaOptions", "MedusaHeads",
            "MedusaOptions", "OptionError", "REGISTRY", "ResBlock", "TreeSpec", "build_heads", "cartesian_tokens",
            "display_name", "load_heads", "read_config", "register"]

@@ -87,6 +87,13 @@ class DraftHeads(nn.Module):
     #: layer): the decoder then passes each step's verified hidden states through
     #: ``contextualize(hidden, positions, mask, cache)`` with a cache it keeps like the base's.
     contextual: ClassVar[bool] = False
+    #: True when a contextual family's layer pairs each position's state with the token after it
+    #: (EAGLE-3): the decoder passes ``contextualize(..., tokens=)`` each slot's next token, known
+    #: once a step's tokens are accepted
+    reads_next_tokens: ClassVar[bool] = False
+    #: True when :meth:`propose` attends over the family's own context (EAGLE-3): the decoder passes
+    #: ``propose(..., context=)`` what :class:`draftheads.decoding.head_state.HeadState` keeps
+    drafts_in_context: ClassVar[bool] = False
     #: True when the family can give each head its own vocabulary projection (``owns_lm_head``)
     supports_owned_lm_head: ClassVar[bool] = False
     #: the dataclass of the family's options (``config.options``; a recipe's ``heads.extra`` keys):
@@ -270,18 +277,20 @@ class DraftHeads(nn.Module):
         return self(hidden, tokens=tokens)
 
     @torch.no_grad()
-    def path_probs(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    def path_probs(self, hidden: torch.Tensor, tokens: torch.Tensor, context: object | None = None) -> torch.Tensor:
         """hidden (P, d), tokens (P, L+1) = a root then L ≤ K drafted tokens → (P, L) float32:
         the heads' probability of each draft given the root and the drafts before it (0 for a
         token outside the draft vocabulary). Someone else's drafts, reviewed by the heads: the
-        vertical cascade (:class:`draftheads.decoding.drafters.merged.MergedDrafter`) reads it."""
+        vertical cascade (:class:`draftheads.decoding.drafters.merged.MergedDrafter`) reads it.
+        ``context``: what heads that draft in their own context attend over, one row per path."""
         paths, length = tokens.shape[0], tokens.shape[1] - 1
         if not 0 <= length <= self.num_heads:
             raise ValueError(f"path_probs reviews at most {self.num_heads} drafts per path (the heads' depth), "
                              f"got {length}.")
         padded = torch.zeros(paths, self.num_heads, dtype=torch.long, device=tokens.device)
         padded[:, : min(length + 1, self.num_heads)] = tokens[:, : self.num_heads]
-        logits = self.path_logits(hidden, padded)[:, :length].float()  # (P, L, V_draft)
+        extra = {"context": context} if self.drafts_in_context else {}
+        logits = self.path_logits(hidden, padded, **extra)[:, :length].float()  # (P, L, V_draft)
         index = self.draft_index(tokens[:, 1:])
         chosen = logits.gather(-1, index.clamp(min=0)[..., None]).squeeze(-1)
         probs = (chosen - logits.logsumexp(-1)).exp()

@@ -409,6 +409,10 @@ def random_heads(family: str, model, seed: int = 0, draft_vocab: int = 0, num_la
     """Heads with random (non-zero) weights so drafts are diverse and mostly wrong (``extra``: the
     family's options; ``feature_layers``: the base layers they read beside its final state)."""
     cfg = model.config
+    if family == "eagle3" and not feature_layers:  # EAGLE-3 reads base layers, never the final state alone
+        from draftheads.heads.eagle3 import eagle3_layers
+
+        feature_layers = tuple(eagle3_layers(cfg.num_hidden_layers))
     heads = build_heads(HeadConfig(family=family, num_heads=3, num_layers=num_layers, hidden_size=cfg.hidden_size,
                                    vocab_size=cfg.vocab_size, draft_vocab_size=draft_vocab,
                                    base_fingerprint=fingerprint(model).to_dict(), extra=dict(extra or {}),

@@ -274,20 +274,24 @@ class Features:
     without labels (a prompt's, read by a context layer) would hide where sequences end; None:
     an answer's rows only, its last one the only row whose x_{t+2} is −1. ``layers`` (P, n · d)
     fp16: the states of the base layers the heads read beside the final one, in their order
-    (None: the final state only); the heads' input is :meth:`inputs`."""
+    (None: the final state only); the heads' input is :meth:`inputs`. ``next_tokens`` (P,) long:
+    the text token after each row, where the table has rows without targets (a prompt's, read by a
+    context layer): heads that pair each state with the token after it (EAGLE-3) read it there."""
 
     hidden: torch.Tensor
     targets: torch.Tensor
     teacher: torch.Tensor
     sequences: torch.Tensor | None = None
     layers: torch.Tensor | None = None
+    next_tokens: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.hidden.shape[0])
 
     def select(self, index) -> "Features":
         return Features(self.hidden[index], self.targets[index], self.teacher[index],
-                        layers=None if self.layers is None else self.layers[index])
+                        layers=None if self.layers is None else self.layers[index],
+                        next_tokens=None if self.next_tokens is None else self.next_tokens[index])
 
     def inputs(self, index, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The heads' input at rows ``index`` (in ``dtype``, when given): the final state, then the

@@ -17,7 +17,10 @@ def head_logits(model, table: Features, rows: torch.Tensor, num_heads: int, devi
     the table holds them); the input noise is each state's, as the final state alone gets it."""
     safe = rows.clamp(min=0)
     hidden = state_noise(table.inputs(safe, dtype).to(device), table.hidden.shape[-1], noise_alpha)
-    tokens = table.targets[safe, :num_heads].clamp(min=0).to(device)
+    tokens = table.targets[safe, :num_heads].clamp(min=0)
+    if table.next_tokens is not None:  # rows without targets (a prompt's) still pair with the token after them
+        tokens[..., 0] = table.next_tokens[safe]
+    tokens = tokens.to(device)
     if rows.dim() == 1:
         return model(hidden, tokens=tokens), rows
     valid = rows >= 0

@@ -98,6 +98,15 @@ def check_distillation(recipe: Recipe) -> None:
     or read no context at all; a top-K KL needs the KL term on and a K the draft vocabulary has."""
     from ..heads import REGISTRY
 
+    family = REGISTRY.get(recipe.heads.family)
+    if getattr(family, "requires_feature_layers", False) and not recipe.heads.feature_layers:
+        raise RecipeError(f"Recipe key heads.feature_layers: {recipe.heads.family} heads read base layers, not the final "
+                          "state alone: name them (EAGLE-3's low, middle and high layer, e.g. [2, 15, 27] of a "
+                          "30-layer base), or default.")
+    if getattr(family, "reads_next_tokens", False) and recipe.data.kind != "job":
+        raise RecipeError(f"Recipe key data.kind={recipe.data.kind!r}: {recipe.heads.family} heads read whole "
+                          "sequences, the prompt's positions too, which a self-distillation job folder keeps: train on "
+                          "a job folder (data.kind: job).")
     if recipe.data.prompt_positions:
         if recipe.data.kind != "job":
             raise RecipeError(f"Recipe key data.prompt_positions: true labels prompt positions with the base's own "
@@ -109,7 +118,8 @@ def check_distillation(recipe: Recipe) -> None:
                               "prompt positions the text is the user's, not the base's distribution; set loss.labels: "
                               "teacher (the base's own predictions), or data.prompt_positions: false.")
         family = REGISTRY[recipe.heads.family]
-        if getattr(family, "contextual", False) and recipe.heads.extra.get("prefix_context") != "sequence":
+        if getattr(family, "contextual", False) and not getattr(family, "reads_next_tokens", False) \
+                and recipe.heads.extra.get("prefix_context") != "sequence":
             raise RecipeError(f"Recipe key data.prompt_positions: {recipe.heads.family} heads whose context layer "
                               "reads the answer only (heads.extra.prefix_context: answer) never see the prompt when "
                               "they decode; set heads.extra.prefix_context: sequence, or data.prompt_positions: false.")

@@ -47,7 +47,7 @@ class HeadsDrafter:
         if self.heads is None or tree.num_nodes == 1:
             return plain_step(state.roots)
         if self.offer is None:
-            return StepTrees.uniform(tree, self.heads.propose(state.hidden, state.roots, tree.spec))
+            return StepTrees.uniform(tree, heads_propose(self.heads, state, tree.spec))
         offer = self.offer(tree).fitting(min(state.room))
         self._proposed = select_rows(heads_tries(self.heads, state, offer, self.hitrate), tree.num_nodes - 1)
         return step_trees(state.roots, self._proposed, chosen=tree)
@@ -67,8 +67,14 @@ class HeadsDrafter:
 def heads_tries(heads: DraftHeads, state: DraftState, tree: Tree, hitrate: HitRate) -> CandidateBatch:
     """Every live row's heads' proposal on ``tree`` as candidates, scored on the P(accepted)
     scale by ``hitrate``'s calibration: what a dynamic tree and the merged tree choose from."""
-    tokens, probs = heads.propose(state.hidden, state.roots, tree.spec, with_probs=True)
+    tokens, probs = heads_propose(heads, state, tree.spec, with_probs=True)
     return hitrate.rescore(heads_batch(tree, tokens, probs))
+
+
+def heads_propose(heads: DraftHeads, state: DraftState, spec, with_probs: bool = False):
+    """The heads' tree for the live rows, given their own context where they draft in it (EAGLE-3)."""
+    extra = {"context": state.context} if heads.drafts_in_context else {}
+    return heads.propose(state.hidden, state.roots, spec, with_probs=with_probs, **extra)
 
 
 def heads_batch(tree: Tree, tokens: torch.Tensor, probs: torch.Tensor) -> CandidateBatch:

@@ -35,6 +35,8 @@ class DraftState:
     room: list[int]  # (B,) the deepest draft each row may still use (tokens left - 1)
     context_length: int  # cache columns (the cost model's kv_len)
     generated: Sequence[Sequence[int]] = ()  # per caller row: its tokens emitted so far (root last)
+    #: what heads that draft in their own context attend over (HeadState.draft_context; None: other heads)
+    context: object | None = None
 
 
 class Drafter(Protocol):

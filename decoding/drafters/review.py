@@ -42,7 +42,8 @@ def review(heads: DraftHeads, state: DraftState, tries: Sequence[Candidates], hi
         tokens[p, 0] = state.roots[b]
         tokens[p, 1: 1 + len(path)] = torch.tensor(path)
     index = torch.tensor(owners, device=state.hidden.device)
-    probs = heads.path_probs(state.hidden.index_select(0, index), tokens).cpu().numpy()  # (P, longest)
+    context = state.context.select(index) if heads.drafts_in_context and state.context is not None else None
+    probs = heads.path_probs(state.hidden.index_select(0, index), tokens, context).cpu().numpy()  # (P, longest)
     reviewed = [np.full(len(trie), np.nan) for trie in tries]
     for p, (b, chain) in enumerate(zip(owners, chains)):
         reviewed[b][chain] = probs[p, : len(chain)]

@@ -23,7 +23,7 @@ def test_family_decodes_token_identically(family, seed):
     assert drafter.generate(ids, attention_mask=mask, max_new_tokens=30).tolist() == reference.tolist()
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "eagle3"])  # EAGLE-3 is one layer, not ResBlocks
 def test_multilayer_heads_decode_token_identically(family):
     """KOALA's K-layer heads (``num_layers`` > 1, distinct blocks) keep every family exact."""
     model = tiny_llama(3)

@@ -315,3 +315,79 @@ def test_top_k_distillation_gradient_check(k, temperature, ce_weight):
         return distill_loss(x, labels, weights, counts, ce_weight, 0.7, teacher, temperature, kl_topk=k)[0]
 
     assert torch.autograd.gradcheck(loss, (logits.clone().requires_grad_(True),), eps=1e-6, atol=1e-7)
+
+
+# -- EAGLE-3: a layer that pairs each position with the token after it ------------------------------------------
+def test_whole_sequence_tables_carry_each_rows_next_token(job):
+    """Prompt rows hold no targets (nothing to learn there without prompt positions), yet EAGLE-3's
+    layer pairs them with the token after them: the table keeps it for every row."""
+    root, _, fp = job
+    shards = distill_job.open_job(root / "rebuilt", fp, "float64", predicted=True)
+    whole = job_table(shards, with_prompt=True)
+    row = 0
+    for shard in shards:
+        for k in range(len(shard)):
+            sequence = torch.tensor(shard.sequence(k).astype(np.int64))
+            assert torch.equal(whole.next_tokens[row: row + len(sequence) - 1], sequence[1:])
+            row += len(sequence) - 1
+    assert row == len(whole) and job_table(shards).next_tokens is None
+    assert torch.equal(whole.select(torch.tensor([0, 2])).next_tokens, whole.next_tokens[[0, 2]])
+
+
+@pytest.fixture(scope="module")
+def layered(job):
+    """The job rebuilt with the base's layer 1 and its predictions (what EAGLE-3 heads train on)."""
+    root, _, _ = job
+    assert distill_job.main(rebuild_args(root, "layered", "--layers", "1", "--predicted")) == 0
+    return job
+
+
+@pytest.mark.parametrize("every", [False, True])
+def test_eagle3_heads_train_on_whole_sequences_and_decode_as_the_base(layered, every):
+    from draftheads.decoding import DraftHeadsModel
+    from draftheads.heads import load_heads
+
+    root, model, fp = layered
+    run = f"eagle3-{every}"
+    report = run_inprocess(job_recipe(root, run, path="layered", data={"prompt_positions": every}, train__chunk_length=8,
+                                      heads={"family": "eagle3", "num_heads": 3, "num_layers": 1,
+                                             "draft_vocab_size": 24, "feature_layers": [1]}))
+    assert np.isfinite(report["final_loss"]) and report["steps"] > 0
+    summary = json.loads((root / run / "data.json").read_text())
+    assert summary["rows"] > summary["answer_positions"]  # the prompt's rows feed the layer either way
+    heads = load_heads(root / run / "final", expected_fingerprint=fp, dtype=model.dtype)
+    assert heads.family == "eagle3" and heads.feature_layers == (1,)
+    ids = torch.tensor([[5, 9, 33, 4, 17, 8]])
+    reference = model.generate(ids, max_new_tokens=16, do_sample=False)
+    assert DraftHeadsModel(model, heads).generate(ids, max_new_tokens=16).tolist() == reference.tolist()
+
+
+@pytest.mark.parametrize("over, message", [
+    ({"heads": {"family": "eagle3", "num_heads": 3, "num_layers": 1, "draft_vocab_size": 0}},
+     r"heads\.feature_layers: eagle3 heads read base layers, not the final state alone"),
+    ({"heads": {"family": "eagle3", "num_heads": 3, "num_layers": 1, "draft_vocab_size": 0, "feature_layers": [1]},
+      "data": {"kind": "tokens"}}, r"data\.kind='tokens': eagle3 heads read whole sequences"),
+])
+def test_an_eagle3_recipe_it_cannot_train_is_one_line(job, over, message):
+    root, _, _ = job
+    with pytest.raises(RecipeError) as err:
+        load_recipe(job_recipe(root, "bad-eagle3", data=over.pop("data", {}), **over), [])
+    assert re.search(message, one_line(err))
+
+
+def test_the_heads_read_each_rows_next_token_where_it_has_no_target(job):
+    from draftheads.training.head_forward import head_logits
+
+    root, _, fp = job
+    shards = distill_job.open_job(root / "rebuilt", fp, "float64", predicted=True)
+    whole = job_table(shards, with_prompt=True)
+    seen = {}
+
+    def model(hidden, tokens, attention_mask=None):
+        seen["tokens"] = tokens
+        return torch.zeros(*tokens.shape, 5)
+
+    rows = torch.tensor([[0, 1, 2, 3, -1]])  # a chunk: the first sequence's prompt rows, then padding
+    head_logits(model, whole, rows, 3, "cpu", torch.float64)
+    assert bool((whole.targets[:4, 0] < 0).all())  # prompt rows: no target
+    assert torch.equal(seen["tokens"][0, :4, 0], whole.next_tokens[:4])  # yet the token after each is read

@@ -118,7 +118,7 @@ def job_table(shards: list[Shard], with_prompt: bool = False, sequences: list[tu
     ``prompt_labels``: whole sequences, prompt rows labelled with the base's own predictions
     (:func:`labelled_sequence_rows`; each shard holds them)."""
     pairs = sequences if sequences is not None else [(s, k) for s, shard in enumerate(shards) for k in range(len(shard))]
-    shard_of, local, targets, choices, bounds, count = [], [], [], [], [], 0
+    shard_of, local, targets, choices, bounds, following, count = [], [], [], [], [], [], 0
     for s, k in pairs:
         if shards[s].hidden is None:
             raise ValueError("job_table needs shards opened with their hidden states.")
@@ -130,6 +130,7 @@ def job_table(shards: list[Shard], with_prompt: bool = False, sequences: list[tu
             continue
         shard_of.append(np.full(len(rows), s))
         local.append(rows)
+        following.append(shards[s].tokens[rows + 1].astype(np.int64))  # row t's next text token (t < L − 1)
         targets.append(labels)
         choices.append(chosen)
         bounds.append((count, count + len(rows)))
@@ -141,7 +142,8 @@ def job_table(shards: list[Shard], with_prompt: bool = False, sequences: list[tu
     table = torch.cat(targets)
     teacher = torch.cat(choices) if prompt_labels else table  # answer rows only: the text is the base's choice
     return Features(hidden, table, teacher, torch.tensor(bounds, dtype=torch.long) if with_prompt else None,
-                    mapped_layers(shards, shard_of, local, layers))
+                    mapped_layers(shards, shard_of, local, layers),
+                    torch.from_numpy(np.concatenate(following)) if with_prompt else None)
 
 
 def mapped_layers(shards: list[Shard], shard_of: np.ndarray, local: np.ndarray, layers) -> MappedRows | None:
@@ -184,8 +186,12 @@ def sequence_sources(folder: Path, count: int) -> list[str]:
 
 def reads_prompt(recipe) -> bool:
     """Whether the recipe's heads read whole sequences, prompt included (Hydra++'s
-    ``prefix_context: sequence``): their tables then carry the prompt's rows."""
-    return recipe.heads.extra.get("prefix_context") == "sequence"
+    ``prefix_context: sequence``; EAGLE-3, whose layer pairs every position with the token after
+    it): their tables then carry the prompt's rows."""
+    from ...heads import REGISTRY
+
+    family = REGISTRY.get(recipe.heads.family)
+    return recipe.heads.extra.get("prefix_context") == "sequence" or getattr(family, "reads_next_tokens", False)
 
 
 def check_job_folder(path: Path) -> None:

@@ -31,7 +31,8 @@ def contextual_hidden(heads, hidden: torch.Tensor) -> torch.Tensor:
         return hidden
     batch = hidden.shape[0]
     ones = torch.ones(batch, 1, 1, 1, dtype=torch.bool)
-    return heads.contextualize(hidden[:, None], torch.zeros(batch, 1, dtype=torch.long), ones)[:, 0]
+    extra = {"tokens": torch.full((batch, 1), 7)} if heads.reads_next_tokens else {}  # EAGLE-3: a next token
+    return heads.contextualize(hidden[:, None], torch.zeros(batch, 1, dtype=torch.long), ones, **extra)[:, 0]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
