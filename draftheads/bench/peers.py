@@ -8,6 +8,12 @@ ones. A peer that is not installed is one line saying how to install it, never a
   in the bench's dtype — the very weights draftheads decodes (:mod:`.peer_gguf`) — plain greedy
   decoding on the torch thread count. Besides the whole call, the time to its first token is
   kept: the rest over the other tokens is llama.cpp's decoding time a token, apart from prefill.
+- ``openvino`` (OpenVINO GenAI in a venv of its own that draftheads makes on first use,
+  :mod:`.peer_openvino`): two columns, ``openvino`` (plain greedy) and ``openvino-lookup`` (its
+  prompt lookup), the base folder exported once with float32 weights and compiled in the bench's
+  dtype, on the torch thread count.
+
+A peer's loader gives one run (the column takes the peer's name) or several by column name.
 """
 from __future__ import annotations
 
@@ -22,9 +28,11 @@ import torch
 from ..core.errors import InputError
 from ..decoding.base.loading import converted_from
 from .peer_gguf import typed_gguf
+from .peer_openvino import PeerUnavailable, install_hint, openvino_runs
 
-#: peer name → (module it needs, how to install it)
-PEERS = {"llama.cpp": ("llama_cpp", 'pip install -e ".[peers]"  (llama-cpp-python)')}
+#: peer name → (module it needs in this venv, None: none; how to install it)
+PEERS = {"llama.cpp": ("llama_cpp", 'pip install -e ".[peers]"  (llama-cpp-python)'),
+         "openvino": (None, "OpenVINO GenAI in its own venv")}
 #: a peer's run: prompt ids (1, L) and new tokens at most → (prompt + new tokens (1, L + n), seconds,
 #: seconds to the first new token)
 PeerRun = Callable[[torch.Tensor, int], tuple[torch.Tensor, float, float]]
@@ -40,15 +48,21 @@ def parse_peers(value: str) -> tuple[str, ...]:
 
 
 def load_peers(names: tuple[str, ...], base, eos: list[int], log=print) -> dict[str, PeerRun]:
-    """The installed peers among ``names``, ready to run on ``base``'s source file; each missing
-    one logged as one line naming the install command."""
+    """The installed peers among ``names`` by column, ready to run on ``base``; each missing one
+    (its module not found, or :class:`~.peer_openvino.PeerUnavailable`: its venv cannot be made)
+    logged as one line naming how to install it."""
     runs = {}
     for name in names:
         module, install = PEERS[name]
-        if importlib.util.find_spec(module) is None:
+        if module is not None and importlib.util.find_spec(module) is None:
             log(f"peer {name}: not installed; to compare with it: {install}")
             continue
-        runs[name] = LOADERS[name](base, eos)
+        try:
+            loaded = LOADERS[name](base, eos)
+        except PeerUnavailable as err:
+            log(f"peer {name}: not installed: {err}; to compare with it: {install_hint()}")
+            continue
+        runs.update(loaded if isinstance(loaded, dict) else {name: loaded})
     return runs
 
 
@@ -101,4 +115,4 @@ def peer_builds(runs: dict[str, PeerRun]) -> dict[str, dict]:
     return {name: getattr(run, "build", {}) for name, run in runs.items()}
 
 
-LOADERS = {"llama.cpp": llama_cpp_run}
+LOADERS = {"llama.cpp": llama_cpp_run, "openvino": openvino_runs}

@@ -114,7 +114,7 @@ def bench_table(results: dict) -> str:
             lines.append(f"| {name} | " + " | ".join(cells) + f" | {times(lookup)} |" + versus)
     peers = results["overall"].get("peers") or {}
     if peers:
-        lines += ["", "CPU engines on the same token ids (plain greedy), same run, interleaved",
+        lines += ["", "CPU engines on the same token ids (greedy; openvino-lookup: its prompt lookup), same run, interleaved",
                   "| engine | tok/s | vs HF generate | draftheads over it | prompts with HF's greedy tokens |",
                   "|---|---|---|---|---|"]
         lines += [f"| {name} | {p['tokens_per_second']:.1f} | {p['speedup']:.2f}x | {p['draftheads_vs_peer']:.2f}x | "
@@ -160,7 +160,8 @@ def add_command(sub, common) -> None:
                             "rotating order, and count the fastest (greedy output is identical each time; filters "
                             "a shared machine's slow spells)")
     bench.add_argument("--peers", type=peer_list, default=None,
-                       help="CPU engines as columns of the bs-1 bench, e.g. llama.cpp (pip install -e \".[peers]\"); "
+                       help="CPU engines as columns of the bs-1 bench: llama.cpp (pip install -e \".[peers]\"), openvino "
+                            "(made in a venv of its own on first use), or both, comma-separated; "
                             "a peer not installed is one line saying how to install it")
     bench.add_argument("--no-mask-compare", action="store_true",
                        help="skip the 'adaptive:mask' strategy (finished rows masked instead of dropped)")

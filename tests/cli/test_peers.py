@@ -19,8 +19,8 @@ def test_a_peer_that_is_not_installed_is_one_line_saying_how_to_install_it(monke
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--peers", "vllm"], "argument --peers: unknown peer(s) vllm; choose from llama.cpp."),
-    (["--peers", ","], "argument --peers: unknown peer(s) (none given); choose from llama.cpp."),
+    (["--peers", "vllm"], "argument --peers: unknown peer(s) vllm; choose from llama.cpp, openvino."),
+    (["--peers", ","], "argument --peers: unknown peer(s) (none given); choose from llama.cpp, openvino."),
     (["--peers", "llama.cpp", "--batch-sizes", "1,2"], "--peers compares engines in the bs-1 bench: drop --batch-sizes."),
 ])
 def test_bad_peer_options_are_one_line(capsys, argv, message):
