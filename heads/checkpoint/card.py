@@ -32,7 +32,9 @@ READS = {"medusa": "its last hidden state",
          "hydra++": "a trained decoder layer over its hidden states (kept incrementally while decoding) and "
                     "the input embeddings of the tokens drafted before each head",
          "amphista": "its last hidden state and the input embedding of the token it just produced, through "
-                     "staged adaptation layers; the heads attend to each other bidirectionally"}
+                     "staged adaptation layers; the heads attend to each other bidirectionally",
+         "eagle3": "a trained decoder layer over a fusion of its layers and the embedding of the token after each "
+                   "position, drafting autoregressively in its own context (kept incrementally while decoding)"}
 
 
 def hub_base(config: HeadConfig) -> str | None:
@@ -63,6 +65,8 @@ def layers_read(config: HeadConfig) -> str:
     """What a multi-layer checkpoint reads beside the final state, in words ("" when nothing)."""
     if not config.feature_layers:
         return ""
+    if config.family == "eagle3":  # its fc reads the named layers alone
+        return f" (the residual stream after its layers {', '.join(map(str, config.feature_layers))}, not its final state)"
     return (f" fused with the residual stream after its layers {', '.join(map(str, config.feature_layers))} "
             "(a learned projection, as EAGLE-3's)")
 
