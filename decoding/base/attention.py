@@ -120,6 +120,7 @@ def _attend_rows(module, query: torch.Tensor, key: torch.Tensor, value: torch.Te
     # query heads k·n_rep … k·n_rep+n_rep-1 use key/value head k (repeat_kv's order): fold them into rows
     packed = query.reshape(batch, key.shape[1], n_rep * q_len, dim)
     mask = repeated if repeated is not None else repeated_mask(attention_mask, n_rep)  # row r·q + i is query token i
+    mask = additive_mask(mask, query.dtype)
     out = torch.nn.functional.scaled_dot_product_attention(packed, key, value, attn_mask=mask, dropout_p=dropout,
                                                            scale=scaling)
     return out.reshape(out.shape[0], heads, q_len, dim).transpose(1, 2).contiguous(), None
@@ -237,6 +238,22 @@ def repeated_mask(mask: torch.Tensor, n_rep: int) -> torch.Tensor:
     """mask (B, 1, q, T) → (B, 1, n_rep·q, T), row r·q + i = row i; kept for the mask tensor
     (:mod:`.mask_memo`) instead of redone per layer."""
     return _REPEATED.get(mask, n_rep, lambda: mask.repeat(1, 1, n_rep, 1))
+
+
+#: each forward's boolean mask as SDPA adds it, made once for all its layers
+_ADDITIVE = mask_memo()
+#: the largest mask kept as an additive one (elements): a tree step's, not a long prefill's
+ADDITIVE_MAX = 1 << 20
+
+
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask (True = may attend) as the additive one SDPA turns it into at every call
+    (0 / −inf in the query's dtype: the same values, so the same result), made once per forward
+    for all its layers; a float mask, or one past :data:`ADDITIVE_MAX` elements, is returned as it is."""
+    if mask.dtype != torch.bool or mask.numel() > ADDITIVE_MAX:
+        return mask
+    return _ADDITIVE.get(mask, dtype, lambda: torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+                         .masked_fill_(~mask, float("-inf")))
 
 
 def register_packed_sdpa() -> None:

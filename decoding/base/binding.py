@@ -288,7 +288,8 @@ def resolved_linears(members: tuple[nn.Linear, ...], rows: int) -> Callable[[tor
             and siblings[0].pays(rows)):
         product = siblings[0]
         stacked = resolved_matmul(product.shape, product.copies, rows, product.bias())
-        return lambda x: stacked(x).split(product.widths, dim=-1)
+        widths = list(product.widths)
+        return lambda x: stacked(x).split_with_sizes(widths, dim=-1)  # the method: not Tensor.split's Python wrapper
     alone = [_resolved_one(m, b, rows) for m, b in zip(members, bound)]
     return lambda x: tuple(f(x) for f in alone)
 

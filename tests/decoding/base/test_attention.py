@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 from helpers import left_pad, ragged_step, record_packed_steps, tiny_llama
@@ -168,3 +169,23 @@ def test_ragged_attention_splits_off_only_the_few_long_rows():
     assert rows([9, 1]).split[1] is None
     packed = rows([2, 1, 3])
     assert packed.count == 6 and packed.index.tolist() == [0, 1, 3, 6, 7, 8]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_the_additive_mask_is_the_one_sdpa_makes_of_the_boolean_mask(dtype):
+    """Handing SDPA the boolean mask as 0 / −inf in the query's dtype, made once a forward, gives
+    its result bit for bit (SDPA converts a boolean mask so at every call)."""
+    from draftheads.decoding.base.attention import additive_mask
+    from draftheads.decoding.base.mask_memo import mask_memos
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, n, 16, generator=gen).to(dtype) for n in (12, 40, 40))
+    mask = torch.rand(2, 1, 12, 40, generator=gen) > 0.4
+    mask[..., 0] = True
+    with mask_memos():
+        additive = additive_mask(mask, dtype)
+        assert additive.dtype == dtype and additive_mask(mask, dtype) is additive  # once a forward
+        ours = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=additive)
+    theirs = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert torch.equal(ours, theirs)
+    assert additive_mask(additive, dtype) is additive  # a float mask passes as it is
