@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from ..core.errors import InputError
+from ..core.errors import CheckpointError, DraftheadsError, InputError, one_line
 from ..decoding.base.dtypes import parse_dtype
 from ..core.atomic import link_or_copy, write_text_atomic
 
@@ -47,12 +47,19 @@ def cmd_export(args) -> int:
     from ..heads import load_heads
     from ..core.atomic import FolderNotOursError, beside_candidates, check_output_dir, choose_destination
     from ..heads.checkpoint.io import check_heads_base
-    from ..heads.checkpoint.vllm_export import check_exportable, export_heads
+    from ..heads.checkpoint.vllm_export import EAGLE3_TARGETS, check_exportable, export_heads
 
-    heads = load_heads(args.checkpoint)
+    try:
+        heads = load_heads(args.checkpoint)
+    except ValueError as err:  # a config.json the family's constructor refuses (EAGLE-3 without feature_layers)
+        if isinstance(err, DraftheadsError):
+            raise
+        raise CheckpointError(f"{args.checkpoint}/config.json: {one_line(str(err))}") from None
     try:
         if args.to == CUSTOM_GENERATE:
             return export_custom_generate(heads, args.out, args.source, args.beside)
+        if args.to in EAGLE3_TARGETS:
+            return export_eagle3_command(heads, args)
         check_exportable(heads, args.to, args.share_lm_head)  # refuse before loading a base
         check_output_dir(args.out, heads.checkpoint_dir)
         choose_destination(args.out, beside=args.beside)  # someone else's folder: refused before a base loads
@@ -67,6 +74,30 @@ def cmd_export(args) -> int:
         raise FolderNotOursError(f"{str(err).removesuffix('.')}, or pass --beside to write "
                                  f"{next(beside_candidates(err.target))} next to it.", err.target) from None
     print(f"wrote {out} ({args.to}); serve with vLLM as a Medusa speculator of {heads.config.base_name}", file=sys.stderr)
+    return 0
+
+
+def export_eagle3_command(heads, args) -> int:
+    """``export --to speculators | specforge``: EAGLE-3 heads with the base's config, LM-head rows
+    and embeddings; every refusal before the base loads where it can, and before anything is written."""
+    from ..decoding.base.fingerprint import fingerprint
+    from ..core.atomic import check_output_dir, choose_destination
+    from ..heads.checkpoint.eagle3_export import check_eagle3_exportable, export_eagle3
+    from ..heads.checkpoint.io import check_heads_base
+
+    check_eagle3_exportable(heads, args.to)
+    if args.share_lm_head:
+        raise InputError(f"--share-lm-head is vllm-medusa's: --to {args.to} always carries the draft vocabulary's "
+                         "LM-head rows; drop it.")
+    check_output_dir(args.out, heads.checkpoint_dir)
+    choose_destination(args.out, beside=args.beside)  # someone else's folder: refused before a base loads
+    base = load_base_model(args.base)
+    check_heads_base(heads.config, fingerprint(base).to_dict(), base_label(args.base), args.checkpoint)
+    out = export_eagle3(heads, args.to, base, args.out, write_dtype(args.dtype, "--dtype"), beside=args.beside)
+    how = (f"vLLM: LLM({str(base.name_or_path)!r}, speculative_config={{'model': {str(out)!r}, 'method': 'eagle3', "
+           f"'num_speculative_tokens': {heads.num_heads}}})" if args.to == "speculators" else
+           f"SGLang: --speculative-algorithm EAGLE3 --speculative-draft-model-path {out}")
+    print(f"wrote {out} ({args.to}); serve with {how}", file=sys.stderr)
     return 0
 
 
@@ -195,8 +226,9 @@ def add_commands(sub) -> None:
     """Add ``export``, ``import-medusa``, ``card`` and ``push`` to the ``draftheads`` parser."""
     from ..heads.checkpoint.vllm_export import TARGETS
 
-    export = sub.add_parser("export", help="write a head checkpoint in a serving engine's format (vLLM) or with "
-                                           "transformers' custom_generate/ folder")
+    export = sub.add_parser("export", help="write a head checkpoint in a serving engine's format (vLLM Medusa; "
+                                           "EAGLE-3 as speculators or SpecForge) or with transformers' "
+                                           "custom_generate/ folder")
     export.add_argument("--to", required=True, choices=(*TARGETS, CUSTOM_GENERATE), help="target format")
     export.add_argument("--source", default=None, help="custom-generate: where the written code finds the heads "
                                                        "(the Hub repo id you will push to; default: the output folder)")

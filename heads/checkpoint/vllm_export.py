@@ -18,6 +18,9 @@ config ``vllm/transformers_utils/configs/medusa.py``), as vLLM 0.32's own loader
 
 ``vllm-mlp-speculator`` — refused for every draftheads family, with the reason
 (:data:`MLP_SPECULATOR_REASON`): no family here computes what an MLPSpeculator stage computes.
+
+``speculators`` / ``specforge`` — the EAGLE-3 family's layouts (:mod:`.eagle3_export`); this
+module refuses every other family for them, and EAGLE-3 heads for ``vllm-medusa``.
 """
 from __future__ import annotations
 
@@ -31,7 +34,12 @@ from ...core.errors import CheckpointError
 from ..protocol import DraftHeads
 from ...core.atomic import atomic_directory, check_output_dir
 
-TARGETS = ("vllm-medusa", "vllm-mlp-speculator")
+#: the EAGLE-3 family's layouts (:mod:`.eagle3_export`, which needs the base's config and embeddings)
+EAGLE3_TARGETS = ("speculators", "specforge")
+TARGETS = ("vllm-medusa", "vllm-mlp-speculator", *EAGLE3_TARGETS)
+#: the families each target can express (the refusals list them)
+EXPRESSIBLE = {"vllm-medusa": ("medusa",), "vllm-mlp-speculator": (), "speculators": ("eagle3",),
+               "specforge": ("eagle3",)}
 
 MLP_SPECULATOR_REASON = (
     "vLLM's MLPSpeculator stage k computes s_k = GELU(RMSNorm_k(P_k s_(k-1) + c·E_k[x_k])) and logits H_k s_k: "
@@ -90,12 +98,24 @@ def check_exportable(heads: DraftHeads, to: str, share_lm_head: bool = False) ->
         raise ExportError(f"Unknown export target {to!r}; known: {list(TARGETS)}.")
     if to == "vllm-mlp-speculator":
         raise ExportError(f"Cannot export {heads.family!r} heads to vLLM's MLPSpeculator: {MLP_SPECULATOR_REASON}")
-    if heads.family != "medusa":
+    takes = ", ".join(EXPRESSIBLE[to])
+    if to in EAGLE3_TARGETS:
+        if heads.family not in EXPRESSIBLE[to]:
+            raise ExportError(f"The {to} layout holds one EAGLE-3 draft layer over fused base layers and cannot "
+                              f"express {heads.family!r} heads; --to {to} takes: {takes} "
+                              "(Medusa heads: --to vllm-medusa).")
+        return  # the layout's own checks: eagle3_export.check_eagle3_exportable
+    if heads.family == "eagle3":
+        raise ExportError("vLLM's Medusa format holds independent ResBlock heads on the last hidden state and cannot "
+                          "express 'eagle3' heads (a decoder layer over fused base layers, drafting autoregressively); "
+                          f"--to vllm-medusa takes: {takes}. Export EAGLE-3 heads with --to speculators (vLLM) or "
+                          "--to specforge (SpecForge, SGLang).")
+    if heads.family not in EXPRESSIBLE[to]:
         hint = " (for Hydra-family heads, MLPSpeculator cannot represent them either; see --to vllm-mlp-speculator)" \
             if heads.family.startswith("hydra") else ""
         raise ExportError(f"vLLM's Medusa format holds independent ResBlock heads on the last hidden state; "
                           f"{heads.family!r} heads also read drafted tokens or attend across heads, which it "
-                          f"cannot express{hint}.")
+                          f"cannot express{hint}; --to vllm-medusa takes: {takes}.")
     if heads.feature_layers:
         raise ExportError(f"These heads read the base's layers {list(heads.feature_layers)} beside its last hidden state; "
                           "vLLM's Medusa format reads the last hidden state only: export heads trained without "
@@ -128,6 +148,10 @@ def export_vllm_medusa(heads: DraftHeads, out: str | Path, lm_head_weight: torch
 
 def export_heads(heads: DraftHeads, to: str, out: str | Path, lm_head_weight: torch.Tensor | None = None,
                  share_lm_head: bool = False, dtype: torch.dtype | None = None, beside: bool = False) -> Path:
-    """``draftheads export --to TARGET``: dispatch on the target, refusing what it cannot hold."""
+    """``draftheads export --to TARGET``: dispatch on the target, refusing what it cannot hold
+    (the EAGLE-3 layouts read the whole base: :func:`.eagle3_export.export_eagle3`)."""
     check_exportable(heads, to, share_lm_head)
+    if to in EAGLE3_TARGETS:
+        raise ExportError(f"--to {to} reads the base's config and embeddings: call "
+                          "draftheads.heads.checkpoint.eagle3_export.export_eagle3(heads, layout, base, out).")
     return export_vllm_medusa(heads, out, lm_head_weight, share_lm_head, dtype, beside)
