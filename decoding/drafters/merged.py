@@ -62,12 +62,15 @@ class MergedDrafter:
     _seen: dict[int, int] = field(default_factory=dict)
     _proposed: CandidateBatch | None = None  # the last step's tries, every row
     _weights: np.ndarray | None = None  # (B,) this step's :func:`~.width.finish_weights` for per-row counts (None: all 1)
+    _step: tuple[float, float] | None = None  # the weighed step under way: (its start, the ms priced for it)
+    _heads_ms: float = 0.0  # this step's heads' proposal (ms; 0 when they sat out)
 
     def start(self, prompts: Sequence[Sequence[int]]) -> None:
         self.lookup.reset()
         self._seen.clear()
         self.heads_steps = self.skipped_heads_steps = 0
         self.worth.restart()
+        self._step = None  # the time between requests is no step
         for row, prompt in enumerate(prompts):
             self.lookup.start(row, prompt)
             self._seen[row] = 0
@@ -80,6 +83,10 @@ class MergedDrafter:
         return min(self.width.max_nodes, offered + self.lookup_nodes)
 
     def propose(self, state: DraftState, tree: Tree) -> StepTrees:
+        started = time.perf_counter()
+        if self._step is not None:  # the last step ran from its proposal to this one
+            self.worth.stepped((started - self._step[0]) * 1e3, self._step[1])
+            self._step = None
         if self.heads_tree is not None and tree.num_nodes > 1:  # a plain step stays plain
             tree = self.heads_tree
         tree = tree.fitting(min(state.room))
@@ -92,6 +99,7 @@ class MergedDrafter:
         self._weights = self._finish_weights(state)
         kv_len = state.context_length
         width = None
+        self._heads_ms = 0.0  # the heads' proposal this step (0: they sat out)
         self.worth.new_step()
         heads_on = self.heads is not None and tree.num_nodes > 1
         parts = self.lookup.tries_rows(state.rows, self.lookup_nodes)
@@ -118,6 +126,9 @@ class MergedDrafter:
         if width is None:
             priced = self.worth.priced(tries, kv_len)  # the lookups' own step, when the worth check priced it
             width, keep = (priced[0], priced[0] - 1) if priced and not self.width.per_row else self._cut(tries, kv_len)
+        if heads_on and self.worth.weighs(tries.rows) and self.width.cost is not LINEAR_COST:
+            # what the step's wall time beyond this is the overhead the worth check weighs the heads against
+            self._step = (started, self.width.cost.step_ms(tries.rows, width, kv_len) + self._heads_ms)
         # best-first order: each row's first nodes (width − 1, or its own count) are a prefix-closed tree
         self._proposed = tries.first(keep)
         return step_trees(state.roots, self._proposed)
@@ -135,7 +146,8 @@ class MergedDrafter:
         its time joins the median the heads are priced at (:meth:`~.worth.HeadsWorth.timed`)."""
         started = time.perf_counter()
         heads = heads_tries(self.heads, state, tree, self.lookup.hitrate)
-        self.worth.timed((time.perf_counter() - started) * 1e3)
+        self._heads_ms = (time.perf_counter() - started) * 1e3
+        self.worth.timed(self._heads_ms)
         return heads
 
     def _finish_weights(self, state: DraftState) -> np.ndarray | None:

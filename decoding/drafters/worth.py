@@ -109,6 +109,10 @@ class HeadsWorth:
     ms: float | None = None
     gain: float | None = None
     extra_ms: float | None = None
+    #: a step's wall time beyond what the cost model prices (its forward at the chosen width) and the
+    #: heads' proposal: the lookups' drafting, acceptance, the cache's commit, the loop (a moving
+    #: average, :meth:`stepped`); T tokens come in t + this, so the heads' p weighs against all of it
+    overhead_ms: float | None = None
     recheck: Recheck = field(init=False)
     _times: deque = field(default_factory=lambda: deque(maxlen=HEADS_MS_WINDOW))
     _misses: float = 0.0  # the lookups' first-token miss rate summed over rows, on the step the heads proposed in
@@ -141,6 +145,11 @@ class HeadsWorth:
         """A step the heads could draft in: they proposed, or :meth:`pays` skipped them."""
         self.recheck.count(proposed)
 
+    def stepped(self, wall_ms: float, priced_ms: float) -> None:
+        """One whole step took ``wall_ms`` where the cost model and the heads' proposal account for
+        ``priced_ms``: the rest joins :attr:`overhead_ms`."""
+        self.overhead_ms = moving_average(self.overhead_ms, max(0.0, wall_ms - priced_ms))
+
     def priced(self, tries: CandidateBatch, kv_len: int) -> tuple[int, float, float] | None:
         """:meth:`lookups_step`'s answer for these very tries, if it gave one this step."""
         step = self._alone_step
@@ -169,7 +178,8 @@ class HeadsWorth:
         proposed too, and heads nodes can push lookup nodes out of the cut, so what the heads
         bought is the difference, which can be negative. It costs p ms to
         propose plus v ms to verify their extra nodes, on a step of t ms that yields T expected
-        tokens from the lookups alone (the width chooser's step), so it pays when
+        tokens from the lookups alone (the width chooser's step, plus the step's measured wall time
+        beyond it: :attr:`overhead_ms`), so it pays when
         (T + G) / (t + p + v) > T / t. Until measured (the first proposals), again after a run of
         skipped steps (see ``recheck_every``), and whenever more than ``weigh_up_to`` rows are
         live, the heads propose."""
@@ -177,6 +187,7 @@ class HeadsWorth:
             return True  # LINEAR_COST is relative, not ms: no step time to weigh the heads' ms against
         _, expected, step_ms = self.lookups_step(tries, kv_len, width)
         gain = float((1.0 - tries.first_scores()).sum()) * self.gain
+        step_ms += self.overhead_ms or 0.0  # what the step costs beyond its forward, heads or not
         return self.recheck.decide(pays(expected, step_ms, gain, self.ms + (self.extra_ms or 0.0)))
 
     def learn(self, alone: CandidateBatch, merged: CandidateBatch, merged_width: float, kv_len: int,

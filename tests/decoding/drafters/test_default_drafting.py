@@ -197,3 +197,24 @@ def test_merged_default_offers_the_heads_a_larger_tree_and_keeps_the_output(tmp_
     given = model.with_decoding(tree=FixedTree(tree_for_budget(model.heads, 1)), sources="heads,context")
     assert given.drafter.heads_tree is None and model.drafter.heads_tree is not None
 
+
+
+def test_the_steps_own_overhead_weighs_against_the_heads_cost():
+    """A step costs more than its forward (the lookups' drafting, acceptance, the commit, the loop):
+    measured, that overhead joins t, so heads that buy a little at a fixed cost pay once the whole
+    step is counted — the check no longer grows stricter as the forward gets cheaper."""
+    weak = CandidateBatch.from_rows([chain([0.7, 0.5])])
+    drafter = merged(2.0, 1.0)  # G = (1 − 0.7) · 1 = 0.3 tokens for 2 ms; T ≈ 2.2 tokens
+    assert not heads_pay(drafter, weak)  # against the forward alone (~10 ms) 2 ms is too much: G·t < T·p
+    for _ in range(20):
+        drafter.worth.stepped(25.0, 10.0)  # steps take 15 ms more than the cost model prices
+    assert abs(drafter.worth.overhead_ms - 15.0) < 0.2
+    assert heads_pay(merged_like(drafter), weak)
+
+
+def merged_like(drafter: MergedDrafter) -> MergedDrafter:
+    """A fresh drafter with what ``drafter`` measured (no recheck state in the way)."""
+    fresh = merged(drafter.worth.ms, drafter.worth.gain)
+    fresh.worth.overhead_ms = drafter.worth.overhead_ms
+    return fresh
+
