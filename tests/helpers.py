@@ -118,6 +118,22 @@ def ragged_step(model, seed: int, bs: int = 4, width: int = 6, kv_len: int = 10,
     return tokens, positions, mask, valid, cache
 
 
+def tiny_peer_bench(tmp_path, monkeypatch, peers: str, dtype: str, new_tokens: int) -> dict:
+    """``draftheads bench --peers PEERS`` on a saved tiny base and heads, two prompts: its results.json."""
+    from draftheads.cli import main
+
+    monkeypatch.setenv("DRAFTHEADS_CACHE", str(tmp_path / "cache"))
+    base = save_tiny_base(tmp_path / "base")
+    save_tiny_heads(tmp_path / "heads", base)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p, "category": "a"}) + "\n" for p in ("w5 w6 w7", "w9 w8 w9")))
+    out = tmp_path / "bench"
+    assert main(["bench", "--prompts", str(prompts), "--base", str(tmp_path / "base"), "--heads", str(tmp_path / "heads"),
+                 "--dtype", dtype, "--tree", "3", "--max-new-tokens", str(new_tokens), "--no-control", "--peers", peers,
+                 "--out", str(out)]) == 0
+    return json.loads((out / "results.json").read_text())
+
+
 def save_tiny_heads(folder: Path, base) -> MedusaHeads:
     """Two float64 Medusa heads with a stored 3-node tree for ``base`` (:func:`save_tiny_base`), saved."""
     heads = MedusaHeads(HeadConfig(num_heads=2, hidden_size=32, vocab_size=96, trees={"3": [[0], [1], [0, 0]]},

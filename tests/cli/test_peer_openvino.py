@@ -230,19 +230,9 @@ def test_a_runner_that_fails_hangs_or_dies_is_one_line(tmp_path, fake_engine):
 def test_openvino_columns_in_the_bench_json(tmp_path, monkeypatch, capsys, fake_engine):
     """The real bench on a tiny float32 base with the stand-in engine: both columns in every
     row and in the summary, their builds in the meta; the table lists them."""
-    from draftheads.cli import main
-    from helpers import save_tiny_base, save_tiny_heads
+    from helpers import tiny_peer_bench
 
-    monkeypatch.setenv("DRAFTHEADS_CACHE", str(tmp_path / "cache"))
-    base = save_tiny_base(tmp_path / "base")
-    save_tiny_heads(tmp_path / "heads", base)
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": p, "category": "a"}) + "\n" for p in ("w5 w6 w7", "w9 w8 w9")))
-    out = tmp_path / "bench"
-    assert main(["bench", "--prompts", str(prompts), "--base", str(tmp_path / "base"), "--heads", str(tmp_path / "heads"),
-                 "--dtype", "float32", "--tree", "3", "--max-new-tokens", "6", "--no-control", "--peers", "openvino",
-                 "--out", str(out)]) == 0
-    results = json.loads((out / "results.json").read_text())
+    results = tiny_peer_bench(tmp_path, monkeypatch, "openvino", "float32", 6)
     keys = {"new_tokens", "seconds", "tokens_per_second", "speedup", "first_token_seconds", "same_as_hf",
             "first_difference"}
     for row in results["per_prompt"]:

@@ -47,8 +47,7 @@ def test_peers_are_columns_of_the_bench_with_tokens_compared_to_hf(tmp_path, mon
     greedy generate does (same tokens on every prompt), one changes its third token; each gets
     tokens/s, its speedup over HF and draftheads' over it, and the prompts where it matched HF."""
     from draftheads.bench.runs import hf_greedy
-    from draftheads.cli import main
-    from helpers import save_tiny_base, save_tiny_heads
+    from helpers import tiny_peer_bench
 
     def engine(change: bool):
         def load(base, eos):
@@ -64,16 +63,7 @@ def test_peers_are_columns_of_the_bench_with_tokens_compared_to_hf(tmp_path, mon
     for name, change in (("same", False), ("other", True)):
         monkeypatch.setitem(peers.PEERS, name, ("json", "pip install nothing"))
         monkeypatch.setitem(peers.LOADERS, name, engine(change))
-    monkeypatch.setenv("DRAFTHEADS_CACHE", str(tmp_path / "cache"))
-    base = save_tiny_base(tmp_path / "base")
-    save_tiny_heads(tmp_path / "heads", base)
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": p, "category": "a"}) + "\n" for p in ("w5 w6 w7", "w9 w8 w9")))
-    out = tmp_path / "bench"
-    assert main(["bench", "--prompts", str(prompts), "--base", str(tmp_path / "base"), "--heads", str(tmp_path / "heads"),
-                 "--dtype", "float64", "--tree", "3", "--max-new-tokens", "10", "--no-control", "--peers", "same,other",
-                 "--out", str(out)]) == 0
-    results = json.loads((out / "results.json").read_text())
+    results = tiny_peer_bench(tmp_path, monkeypatch, "same,other", "float64", 10)
     for row in results["per_prompt"]:
         assert row["peers"]["same"]["same_as_hf"] and row["peers"]["same"]["first_difference"] is None
         assert not row["peers"]["other"]["same_as_hf"] and row["peers"]["other"]["first_difference"] == 2

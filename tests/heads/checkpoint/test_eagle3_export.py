@@ -16,7 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from helpers import REPO, random_heads, tiny_llama
+from helpers import REPO, load_script, random_heads, tiny_llama
 from draftheads.cli import main
 from draftheads.decoding.base.fingerprint import fingerprint
 from draftheads.heads import HeadConfig, HydraHeads
@@ -264,12 +264,9 @@ def test_a_full_vocabulary_draft_has_no_maps_and_still_matches(tmp_path):
 
 
 # -- the layouts the packages write ---------------------------------------------------------
-def flat_keys(value, prefix: str = "") -> dict:
-    if isinstance(value, dict) and value:
-        return {k: v for key, item in value.items() for k, v in flat_keys(item, f"{prefix}{key}.").items()}
-    if isinstance(value, list) and value and all(isinstance(i, dict) for i in value):
-        return {k: v for n, item in enumerate(value) for k, v in flat_keys(item, f"{prefix}{n}.").items()}
-    return {prefix.rstrip("."): value}
+def flat_keys(value) -> dict:
+    """{dotted path: leaf} of a config, as the fixture's script records the packages' own."""
+    return load_script("eagle3_layout_fixture").flatten(value)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
