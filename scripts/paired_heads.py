@@ -69,7 +69,8 @@ def teacher_forced(heads_dir: Path, base, eval_job: Path) -> dict:
 
     heads = load_heads(heads_dir, dtype=torch.float32)
     heads.bind(base.get_output_embeddings().weight.float(), base.get_input_embeddings().weight.float())
-    table, _ = job_eval_table(eval_job, fingerprint(base).to_dict(), dtype_name(base.dtype), False,
+    # heads whose layer reads the prompt (EAGLE-3, Hydra++ "sequence") read each answer after its prompt's rows
+    table, _ = job_eval_table(eval_job, fingerprint(base).to_dict(), dtype_name(base.dtype), heads.context_from_prompt,
                               heads.feature_layers)
     scores = evaluate_heads(heads, table, None, chunk_length=0)
     return {"positions": scores["positions"], "top1": scores["top1"], "top5": scores["top5"],
