@@ -70,6 +70,7 @@ class DirectBody:
         self.next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [body.norm]
         modules = list(body.modules())
         self._children = [(m._modules, tuple(m._modules.values())) for m in modules if m._modules]
+        self._hooks = [table for m in modules for table in (m._forward_hooks, m._forward_pre_hooks)]
         self._modules = modules
         self.rotary = sys.modules[type(self.layers[0].self_attn).__module__].apply_rotary_pos_emb
         self.ops = ops
@@ -94,8 +95,11 @@ class DirectBody:
         """Whether any module of the body, or the process, carries a caller's forward hook now
         (transformers' own output-capturing hooks, installed on first ``output_hidden_states``, are
         not: the direct forward never runs those modules' forwards)."""
-        return global_hooks() or any((m._forward_hooks or m._forward_pre_hooks) and callers_hook(m)
-                                     for m in self._modules)
+        if global_hooks():
+            return True
+        if not any(self._hooks):  # no hook table holds anything: the common case, one C-level pass
+            return False
+        return any((m._forward_hooks or m._forward_pre_hooks) and callers_hook(m) for m in self._modules)
 
 
 def _layer_plan(layer: nn.Module, rows: int) -> LayerPlan:

@@ -127,7 +127,8 @@ class MergedDrafter:
             priced = self.worth.priced(tries, kv_len)  # the lookups' own step, when the worth check priced it
             width, keep = (priced[0], priced[0] - 1) if priced and not self.width.per_row else self._cut(tries, kv_len)
         if heads_on and self.worth.weighs(tries.rows) and self.width.cost is not LINEAR_COST:
-            # what the step's wall time beyond this is the overhead the worth check weighs the heads against
+            # the step's wall time beyond its priced forward and the heads' proposal is the overhead the worth
+            # check weighs the heads against (measured at the next proposal)
             self._step = (started, self.width.cost.step_ms(tries.rows, width, kv_len) + self._heads_ms)
         # best-first order: each row's first nodes (width − 1, or its own count) are a prefix-closed tree
         self._proposed = tries.first(keep)
