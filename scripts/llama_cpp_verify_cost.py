@@ -6,9 +6,11 @@ products and the same attention work as a chain of n tokens (only the mask diffe
 sequence ids), so the chain's time is the tree's. Measured here, on the base's GGUF re-typed to the
 dtype (as ``draftheads bench --peers llama.cpp`` decodes it), after a prompt of ``--context``
 tokens: ms of one ``llama_decode`` of n tokens with logits for all n (what verification reads),
-n = 1 (llama.cpp's plain decoding step) and the tree sizes the default verifies, interleaved, medians.
-Beside it, torch's: draftheads' verification forward (``verify``) over the same n rows at the same
-context. Results: JSON + PNG.
+n = 1 (llama.cpp's plain decoding step) and the tree sizes the default verifies. Beside it, torch's:
+draftheads' verification forward (the calibration's timed forward: verify + LM head + argmax) over the
+same n rows at the same context. Each system runs alone in its own process (their thread pools spin
+and slow each other in one), the systems alternating ``--rounds`` times, the node counts interleaved
+within each; medians. Results: JSON + PNG.
 
     python scripts/llama_cpp_verify_cost.py --dtype bfloat16 --out results/profile/llama_cpp_verify
 """
