@@ -176,6 +176,18 @@ def record_measured(checkpoint: Path, results: str, command: str, date: str | No
     write_text_atomic(path, json.dumps(report, indent=2) + "\n")
 
 
+def record_served(checkpoint: Path, results: str) -> None:
+    """Point the checkpoint's training report at the engine check (``scripts/engine_check.py``'s
+    JSON, which carries its own command and date) that its card cites."""
+    from ..heads.head_config import read_json_object
+
+    path = checkpoint / "training_report.json"
+    report = read_json_object(path, "a training report", "--served needs a trained checkpoint's training report "
+                                                         "(written by `draftheads train`).")
+    report["served"] = {"results": results}
+    write_text_atomic(path, json.dumps(report, indent=2) + "\n")
+
+
 def cmd_card(args) -> int:
     from ..heads.checkpoint.card import card_for_checkpoint
     from ..heads.head_config import CARD_NAME
@@ -185,6 +197,8 @@ def cmd_card(args) -> int:
         if not args.command_line:
             raise InputError("--results needs --command, the exact command that wrote the results.")
         record_measured(checkpoint, args.results, args.command_line, args.date)
+    if args.served:
+        record_served(checkpoint, args.served)
     card = card_for_checkpoint(checkpoint, name=args.name, root=args.root)
     target = checkpoint / CARD_NAME
     if args.check:
@@ -262,6 +276,8 @@ def add_commands(sub) -> None:
     card.add_argument("--results", default=None, help="record this benchmark results JSON as the measured figures")
     card.add_argument("--command", dest="command_line", default=None, help="the exact command that wrote --results")
     card.add_argument("--date", default=None, help="when --results was measured (default: today)")
+    card.add_argument("--served", default=None, help="record this scripts/engine_check.py JSON (the heads run in a "
+                                                     "serving engine) for the card to cite")
     card.add_argument("--check", action="store_true", help="only compare; exit 1 if README.md is out of date")
     card.set_defaults(func=cmd_card)
     push = sub.add_parser("push", help="upload a checkpoint folder to the Hugging Face Hub, with custom_generate/ "

@@ -4,7 +4,8 @@ A card is the Hub's ``README.md``: YAML front matter (``base_model``, ``library_
 ``tags``, ``datasets``, ``license``) and a body built only from recorded figures — the
 ``config.json``, the trainer's ``training_report.json`` and, when the report points at one
 (``measured``), the results JSON of the benchmark that measured τ and speedup, cited with the
-exact command that wrote it. Nothing here measures; regenerating a card never changes a figure.
+exact command that wrote it, and (``served``) the JSON of ``scripts/engine_check.py`` that ran these
+heads in a serving engine. Nothing here measures; regenerating a card never changes a figure.
 """
 from __future__ import annotations
 
@@ -265,6 +266,41 @@ def model_card(config: HeadConfig, report: dict, name: str = "<repo id or folder
     return card
 
 
+def served_section(served: dict, result: dict) -> str:
+    """How a serving engine ran these heads: ``scripts/engine_check.py``'s JSON, with its command."""
+    engine = "vLLM" if result["to"] in ("speculators", "vllm-medusa") else result["to"]
+    schedule = result.get("num_speculative_tokens_per_batch_size")
+    drafts = result.get("chain_at_bs1") or result["k"]  # with a schedule, the draft length it gives batch size 1
+    return (f"\n## Served by {engine} {result['vllm']} ({result['date']}, {result['dtype']}, greedy, batch size 1: "
+            f"{drafts} draft(s) a step)\n"
+            f"`{result['command']}` (figures from `{served['results']}`; `draftheads export --to {result['to']}`):\n"
+            f"- {result['same_as_hf_prompts']}/{result['prompts']} prompts: the same tokens as HF greedy `generate` "
+            f"({result['max_new_tokens']} new tokens each).\n"
+            f"- Mean accepted tokens a step: {result['vllm_mean_accepted_per_step']:.3f} in {engine}, "
+            f"{result['draftheads_chain_tau']:.3f} in draftheads for the same {drafts}-token chain on the same "
+            f"prompts.\n"
+            + (f"- Batch size → draft length ({engine}'s `num_speculative_tokens_per_batch_size`, from draftheads' "
+               f"calibrated cost model): `{schedule}`.\n" if schedule else ""))
+
+
+def read_served(checkpoint: Path, report: dict, report_path: Path, root: str | Path) -> dict | None:
+    """The engine check the report points at (``served``), checked to be of this checkpoint."""
+    served = report.get("served")
+    if not served:
+        return None
+    fix = "re-run scripts/engine_check.py on this checkpoint and record it with `draftheads card --served`."
+    if not isinstance(served, dict) or not isinstance(served.get("results"), str):
+        raise CheckpointError(f"{report_path}: 'served' must be an object with a 'results' path; {fix}")
+    path = Path(root) / served["results"]
+    if not path.is_file():
+        raise MissingPathError(f"{path} (named by {report_path} 'served.results') not found: run the card command "
+                               f"from the repository root, or {fix}")
+    result = read_json_object(path, "an engine check", fix)
+    if Path(str(result.get("heads", ""))).name != checkpoint.name:
+        raise CheckpointError(f"{path} is the engine check of {result.get('heads')!r}, not of {checkpoint.name}; {fix}")
+    return result
+
+
 def card_for_checkpoint(checkpoint: str | Path, name: str | None = None, root: str | Path = ".") -> str:
     """Regenerate a saved checkpoint's card from what it records: ``config.json``,
     ``training_report.json`` if present, and the results JSON its ``measured`` entry names
@@ -288,14 +324,21 @@ def card_for_checkpoint(checkpoint: str | Path, name: str | None = None, root: s
             raise MissingPathError(f"{results_path} (named by {report_path} 'measured.results') not found: run the "
                                    f"card command from the repository root, or re-run `{measured.get('command')}`.")
         results = read_json_object(results_path, "benchmark results", f"re-run `{measured.get('command')}`.")
+    served = read_served(checkpoint, report, report_path, root)
     try:
         body = model_card(config, report, name, None, checkpoint)
     except (KeyError, TypeError, ValueError, IndexError, AttributeError) as err:
         raise CheckpointError(f"{report_path} lacks what the card cites ({type(err).__name__}: {err}); {fix}") from None
-    if results is None:
+    if results is not None:
+        try:
+            body = model_card(config, report, name, results, checkpoint)
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as err:
+            raise CheckpointError(f"{results_path} lacks what the card cites for {checkpoint.name} "
+                                  f"({type(err).__name__}: {err}); re-run `{measured.get('command')}`.") from None
+    if served is None:
         return body
     try:
-        return model_card(config, report, name, results, checkpoint)
+        return body + served_section(report["served"], served)
     except (KeyError, TypeError, ValueError, IndexError, AttributeError) as err:
-        raise CheckpointError(f"{results_path} lacks what the card cites for {checkpoint.name} "
-                              f"({type(err).__name__}: {err}); re-run `{measured.get('command')}`.") from None
+        raise CheckpointError(f"{report['served']['results']} lacks what the card cites ({type(err).__name__}: "
+                              f"{err}); re-run scripts/engine_check.py on {checkpoint.name}.") from None

@@ -44,6 +44,14 @@ def test_shipped_cards_are_generated_from_recorded_figures(checkpoint):
     assert differ + (f", {overall['divergences_outside_band']} of them outside" if overall["mismatching_prompts"]
                      else ".") in card
     assert f"{report['train_wall_seconds']} s wall time" in card
+    served = report.get("served")  # the run in a serving engine, where the card cites one
+    assert served or checkpoint.name != "smollm2-135m-eagle3"  # the EAGLE-3 heads are shipped to be served
+    if served:
+        result = json.loads((REPO / served["results"]).read_text())
+        assert Path(result["heads"]).name == checkpoint.name and f"`{result['command']}`" in card
+        assert f"- {result['same_as_hf_prompts']}/{result['prompts']} prompts: the same tokens as HF greedy" in card
+        assert (f"{result['vllm_mean_accepted_per_step']:.3f} in vLLM, {result['draftheads_chain_tau']:.3f} in "
+                "draftheads" in card)
     assert "| 1 | {:.3f} | {:.3f} |".format(report["accuracy"]["top1"][0], report["accuracy"]["top5"][0]) in card
 
 

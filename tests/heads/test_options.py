@@ -12,9 +12,9 @@ import torch
 
 from helpers import REPO, tiny_llama
 from draftheads.decoding.base.fingerprint import fingerprint
-from draftheads.heads import (AmphistaHeads, AmphistaOptions, CheckpointError, DraftHeads, HeadConfig, HydraHeads,
-                              HydraOptions, HydraPlusPlusOptions, KoalaOptions, MedusaHeads, MedusaOptions, OptionError,
-                              build_heads, read_config)
+from draftheads.heads import (AmphistaHeads, AmphistaOptions, CheckpointError, DraftHeads, Eagle3Options, HeadConfig,
+                              HydraHeads, HydraOptions, HydraPlusPlusOptions, KoalaOptions, MedusaHeads, MedusaOptions,
+                              OptionError, build_heads, read_config)
 from draftheads.heads.head_config import DRAFTHEADS_VERSION, PROMOTED_FROM_EXTRA
 
 SHIPPED = sorted((REPO / "checkpoints").glob("*/config.json"))
@@ -24,8 +24,9 @@ KOALA = {"label": "KOALA-Hydra", "layers": 2, "adversarial_weight": 0.1, "schedu
 
 
 def test_the_shipped_checkpoints_are_among_those_checked():
-    assert {path.parent.name for path in SHIPPED} >= {"smollm2-135m-amphista", "smollm2-135m-hydrapp",
-                                                       "smollm2-135m-koala-medusa", "smollm2-135m-medusa"}
+    assert {path.parent.name for path in SHIPPED} >= {"smollm2-135m-amphista", "smollm2-135m-eagle3",
+                                                       "smollm2-135m-hydrapp", "smollm2-135m-koala-medusa",
+                                                       "smollm2-135m-medusa"}
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.parent.name)
@@ -36,7 +37,7 @@ def test_shipped_configs_load_typed_and_write_back_the_same_extra(path):
     raw = json.loads(path.read_text())
     config = read_config(path.parent)
     options_class = {"medusa": MedusaOptions, "hydra": HydraOptions, "hydra++": HydraPlusPlusOptions,
-                     "amphista": AmphistaOptions}[raw["family"]]
+                     "amphista": AmphistaOptions, "eagle3": Eagle3Options}[raw["family"]]
     assert type(config.options) is options_class
     assert config.options.to_extra() == {k: v for k, v in raw["extra"].items() if k in options_class.kinds()}
     assert (config.koala is None) == ("koala" not in raw["extra"])

@@ -191,6 +191,11 @@ REPORT_DAMAGE = {
     "measured not an object": ('{"measured": 3}', r"'measured' must be an object with a 'results' path"),
     "results missing": ('{"measured": {"results": "nowhere.json", "command": "c"}}', r"nowhere.json .* not found"),
     "results corrupt": ('{"measured": {"results": "bad.json", "command": "c"}}', r"bad.json is not valid JSON"),
+    "served not an object": ('{"served": 3}', r"'served' must be an object with a 'results' path"),
+    "served missing": ('{"served": {"results": "nowhere.json"}}', r"nowhere.json .* not found: run the card command"),
+    "served corrupt": ('{"served": {"results": "bad.json"}}', r"bad.json is not valid JSON"),
+    "served of other heads": ('{"served": {"results": "other.json"}}',
+                              r"other.json is the engine check of 'checkpoints/smollm2-135m-medusa', not of ckpt"),
 }
 
 
@@ -200,6 +205,7 @@ def test_a_damaged_training_report_or_results_file_is_named(tmp_path, case):
     card_for_checkpoint(folder)  # without a report: the basic card
     content, message = REPORT_DAMAGE[case]
     (tmp_path / "bad.json").write_text('{"checkpoints": ')
+    (tmp_path / "other.json").write_text('{"heads": "checkpoints/smollm2-135m-medusa"}')
     report = folder / "training_report.json"
     report.write_bytes(content if isinstance(content, bytes) else content.encode())
     with pytest.raises(DraftheadsError, match=message):
