@@ -283,22 +283,19 @@ def served_section(served: dict, result: dict) -> str:
                f"calibrated cost model): `{schedule}`.\n" if schedule else ""))
 
 
-def read_served(checkpoint: Path, report: dict, report_path: Path, root: str | Path) -> dict | None:
-    """The engine check the report points at (``served``), checked to be of this checkpoint."""
-    served = report.get("served")
-    if not served:
-        return None
-    fix = "re-run scripts/engine_check.py on this checkpoint and record it with `draftheads card --served`."
-    if not isinstance(served, dict) or not isinstance(served.get("results"), str):
-        raise CheckpointError(f"{report_path}: 'served' must be an object with a 'results' path; {fix}")
-    path = Path(root) / served["results"]
+def read_cited(report: dict, key: str, report_path: Path, root: str | Path, what: str,
+               rerun: str) -> tuple[Path | None, dict | None]:
+    """The results JSON the report's ``key`` entry (``measured``, ``served``) names, relative to ``root``."""
+    entry = report.get(key)
+    if not entry:
+        return None, None
+    if not isinstance(entry, dict) or not isinstance(entry.get("results"), str):
+        raise CheckpointError(f"{report_path}: '{key}' must be an object with a 'results' path; {rerun}")
+    path = Path(root) / entry["results"]
     if not path.is_file():
-        raise MissingPathError(f"{path} (named by {report_path} 'served.results') not found: run the card command "
-                               f"from the repository root, or {fix}")
-    result = read_json_object(path, "an engine check", fix)
-    if Path(str(result.get("heads", ""))).name != checkpoint.name:
-        raise CheckpointError(f"{path} is the engine check of {result.get('heads')!r}, not of {checkpoint.name}; {fix}")
-    return result
+        raise MissingPathError(f"{path} (named by {report_path} '{key}.results') not found: run the card command "
+                               f"from the repository root, or {rerun}")
+    return path, read_json_object(path, what, rerun)
 
 
 def card_for_checkpoint(checkpoint: str | Path, name: str | None = None, root: str | Path = ".") -> str:
@@ -314,17 +311,14 @@ def card_for_checkpoint(checkpoint: str | Path, name: str | None = None, root: s
         return basic_card(config, name)
     fix = "re-run training to write it again, or delete it for a basic card."
     report = read_json_object(report_path, "a training report", fix)
-    results, results_path = None, None
     measured = report.get("measured")
-    if measured:
-        if not isinstance(measured, dict) or not isinstance(measured.get("results"), str):
-            raise CheckpointError(f"{report_path}: 'measured' must be an object with a 'results' path; {fix}")
-        results_path = Path(root) / measured["results"]
-        if not results_path.is_file():
-            raise MissingPathError(f"{results_path} (named by {report_path} 'measured.results') not found: run the "
-                                   f"card command from the repository root, or re-run `{measured.get('command')}`.")
-        results = read_json_object(results_path, "benchmark results", f"re-run `{measured.get('command')}`.")
-    served = read_served(checkpoint, report, report_path, root)
+    rerun = f"re-run `{measured.get('command')}`." if isinstance(measured, dict) else fix
+    results_path, results = read_cited(report, "measured", report_path, root, "benchmark results", rerun)
+    served_fix = "re-run scripts/engine_check.py on this checkpoint and record it with `draftheads card --served`."
+    served_path, served = read_cited(report, "served", report_path, root, "an engine check", served_fix)
+    if served is not None and Path(str(served.get("heads", ""))).name != checkpoint.name:
+        raise CheckpointError(f"{served_path} is the engine check of {served.get('heads')!r}, not of "
+                              f"{checkpoint.name}; {served_fix}")
     try:
         body = model_card(config, report, name, None, checkpoint)
     except (KeyError, TypeError, ValueError, IndexError, AttributeError) as err:
