@@ -165,26 +165,16 @@ def fit_imported_trees(heads, base, tokenizer, prompts: list[dict], args) -> Non
     print(f"fitted trees, expected τ per node budget: {taus}", file=sys.stderr)
 
 
-def record_measured(checkpoint: Path, results: str, command: str, date: str | None) -> None:
-    """Point the checkpoint's training report at the benchmark results its card cites."""
+def record_cited(checkpoint: Path, key: str, entry: dict, flag: str) -> None:
+    """Point the checkpoint's training report at results its card cites: ``measured`` (a benchmark's
+    results JSON, with its command and date) or ``served`` (``scripts/engine_check.py``'s JSON,
+    which carries its own)."""
     from ..heads.head_config import read_json_object
 
     path = checkpoint / "training_report.json"
-    report = read_json_object(path, "a training report", "--results needs a trained checkpoint's training report "
+    report = read_json_object(path, "a training report", f"{flag} needs a trained checkpoint's training report "
                                                          "(written by `draftheads train`).")
-    report["measured"] = {"results": results, "command": command, "date": date or datetime.date.today().isoformat()}
-    write_text_atomic(path, json.dumps(report, indent=2) + "\n")
-
-
-def record_served(checkpoint: Path, results: str) -> None:
-    """Point the checkpoint's training report at the engine check (``scripts/engine_check.py``'s
-    JSON, which carries its own command and date) that its card cites."""
-    from ..heads.head_config import read_json_object
-
-    path = checkpoint / "training_report.json"
-    report = read_json_object(path, "a training report", "--served needs a trained checkpoint's training report "
-                                                         "(written by `draftheads train`).")
-    report["served"] = {"results": results}
+    report[key] = entry
     write_text_atomic(path, json.dumps(report, indent=2) + "\n")
 
 
@@ -196,9 +186,10 @@ def cmd_card(args) -> int:
     if args.results:
         if not args.command_line:
             raise InputError("--results needs --command, the exact command that wrote the results.")
-        record_measured(checkpoint, args.results, args.command_line, args.date)
+        record_cited(checkpoint, "measured", {"results": args.results, "command": args.command_line,
+                                              "date": args.date or datetime.date.today().isoformat()}, "--results")
     if args.served:
-        record_served(checkpoint, args.served)
+        record_cited(checkpoint, "served", {"results": args.served}, "--served")
     card = card_for_checkpoint(checkpoint, name=args.name, root=args.root)
     target = checkpoint / CARD_NAME
     if args.check:

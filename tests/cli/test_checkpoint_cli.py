@@ -55,6 +55,30 @@ def test_shipped_cards_are_generated_from_recorded_figures(checkpoint):
     assert "| 1 | {:.3f} | {:.3f} |".format(report["accuracy"]["top1"][0], report["accuracy"]["top5"][0]) in card
 
 
+def test_card_records_the_cited_results_and_writes_the_shipped_card(tmp_path, capsys):
+    """``card --results --command --served`` point a report at its benchmark and engine check: on a copy
+    of the shipped EAGLE-3 checkpoint with both pointers removed, the card comes out as shipped."""
+    shipped = REPO / "checkpoints" / "smollm2-135m-eagle3"
+    copy = tmp_path / shipped.name
+    copy.mkdir()
+    for name in ("config.json", "model.safetensors", "curves.json"):
+        (copy / name).write_bytes((shipped / name).read_bytes())
+    report = json.loads((shipped / "training_report.json").read_text())
+    measured, served = report.pop("measured"), report.pop("served")
+    (copy / "training_report.json").write_text(json.dumps(report))
+    args = ["card", str(copy), "--root", str(REPO), "--name", f"checkpoints/{shipped.name}"]
+    with pytest.raises(SystemExit) as stop:  # a user error: one line on stderr, exit status 2
+        main(args + ["--results", measured["results"]])
+    assert stop.value.code == 2
+    assert "--results needs --command, the exact command that wrote the results." in capsys.readouterr().err
+    assert "measured" not in json.loads((copy / "training_report.json").read_text())  # nothing recorded
+    assert main(args + ["--results", measured["results"], "--command", measured["command"], "--date", measured["date"],
+                        "--served", served["results"]]) == 0
+    assert (copy / "README.md").read_text() == (shipped / "README.md").read_text()
+    recorded = json.loads((copy / "training_report.json").read_text())
+    assert recorded["measured"] == measured and recorded["served"] == served
+
+
 def test_card_check_fails_on_a_stale_card(tmp_path):
     heads = HydraHeads(HeadConfig(family="hydra", num_heads=2, hidden_size=8, vocab_size=10))
     heads.save_pretrained(tmp_path, card="hand-edited")
