@@ -334,5 +334,5 @@ def card_for_checkpoint(checkpoint: str | Path, name: str | None = None, root: s
     try:
         return body + served_section(report["served"], served)
     except (KeyError, TypeError, ValueError, IndexError, AttributeError) as err:
-        raise CheckpointError(f"{report['served']['results']} lacks what the card cites ({type(err).__name__}: "
-                              f"{err}); re-run scripts/engine_check.py on {checkpoint.name}.") from None
+        raise CheckpointError(f"{served_path} lacks what the card cites ({type(err).__name__}: {err}); "
+                              f"{served_fix}") from None
