@@ -70,6 +70,8 @@ class Decoding:
         if isinstance(drafter, MergedDrafter) and drafter.heads is not None:
             out["heads_steps"] = drafter.heads_steps
             out["skipped_heads_steps"] = drafter.skipped_heads_steps
+            if drafter.mode_steps:  # a batch's steps by the mode that drafted them (.drafters.modes)
+                out["batch_modes"] = dict(drafter.mode_steps)
         return out
 
 

@@ -17,9 +17,10 @@ from ..cost import LINEAR_COST
 from ..tree import Tree
 from .candidates import CandidateBatch, step_trees
 from ..step_trees import StepTrees
-from .heads_drafter import heads_tries
+from .heads_drafter import heads_propose, heads_tries
 from .lookup import LookupConfig, LookupSources
-from .interface import DraftState
+from .interface import DraftState, plain_step
+from .modes import BatchModes
 from .review import review
 from .tries import merge_rows
 from .width import WidthChooser, finish_weights, width_scores
@@ -44,7 +45,9 @@ class MergedDrafter:
     calibrated hit rate (:func:`review`).
 
     ``worth``: whether the heads' proposal pays this step beside the lookups' tries, and what it
-    has been worth (:class:`~.worth.HeadsWorth`)."""
+    has been worth (:class:`~.worth.HeadsWorth`); ``modes``: above the rows it weighs at, which of
+    the merged tree, the lookups alone and the heads alone on the policy's tree drafts a batch's
+    step, by their measured speeds (:class:`~.modes.BatchModes`)."""
 
     heads: DraftHeads | None
     lookup: LookupSources
@@ -52,6 +55,7 @@ class MergedDrafter:
     lookup_nodes: int = 16
     review: bool = False
     worth: HeadsWorth = field(default_factory=HeadsWorth)
+    modes: BatchModes = field(default_factory=BatchModes)
     #: the tree the heads fill in place of the policy's (None: the policy's). The default model
     #: sets a larger one than the heads-alone default (``MERGED_OFFER_SCALE`` in
     #: :mod:`draftheads.decoding.config`): the width chooser verifies only what pays of it
@@ -59,17 +63,22 @@ class MergedDrafter:
     #: steps of the current request this drafter proposed with and without the heads (reports, tests)
     heads_steps: int = 0
     skipped_heads_steps: int = 0
+    #: steps of the current request per batch mode (:mod:`.modes`; steps at weighed row counts are not counted)
+    mode_steps: dict[str, int] = field(default_factory=dict)
     _seen: dict[int, int] = field(default_factory=dict)
     _proposed: CandidateBatch | None = None  # the last step's tries, every row
     _weights: np.ndarray | None = None  # (B,) this step's :func:`~.width.finish_weights` for per-row counts (None: all 1)
     _step: tuple[float, float] | None = None  # the weighed step under way: (its start, the ms priced for it)
     _heads_ms: float = 0.0  # this step's heads' proposal (ms; 0 when they sat out)
+    _mode_started: float | None = None  # when the batch-mode step under way was proposed (perf_counter s)
 
     def start(self, prompts: Sequence[Sequence[int]]) -> None:
         self.lookup.reset()
         self._seen.clear()
         self.heads_steps = self.skipped_heads_steps = 0
+        self.mode_steps = {}
         self.worth.restart()
+        self.modes.abandon()
         self._step = None  # the time between requests is no step
         for row, prompt in enumerate(prompts):
             self.lookup.start(row, prompt)
@@ -87,24 +96,34 @@ class MergedDrafter:
         if self._step is not None:  # the last step ran from its proposal to this one
             self.worth.stepped((started - self._step[0]) * 1e3, self._step[1])
             self._step = None
-        if self.heads_tree is not None and tree.num_nodes > 1:  # a plain step stays plain
-            tree = self.heads_tree
-        tree = tree.fitting(min(state.room))
-        budget = tree.num_nodes - 1 + self.lookup_nodes
+        if self._mode_started is not None:
+            self.modes.finished((started - self._mode_started) * 1e3)
+            self._mode_started = None
+        kv_len = state.context_length
+        mode = self._mode(state, tree, kv_len, started)
+        if mode == "heads":  # the heads alone fill the policy's tree, as the heads' own drafter does; the
+            self._proposed = None  # lookups hear the rows' new tokens when they next draft (one call for all)
+            tree = tree.fitting(min(state.room))
+            if tree.num_nodes == 1:
+                return plain_step(state.roots)
+            return StepTrees.uniform(tree, heads_propose(self.heads, state, tree.spec))
         for row in state.rows:
             new = state.generated[row][self._seen[row]:]  # what the row emitted since it last drafted
             if new:
                 self.lookup.extend(row, new)
                 self._seen[row] += len(new)
+        if self.heads_tree is not None and tree.num_nodes > 1:  # a plain step stays plain
+            tree = self.heads_tree
+        tree = tree.fitting(min(state.room))
+        budget = tree.num_nodes - 1 + self.lookup_nodes
         self._weights = self._finish_weights(state)
-        kv_len = state.context_length
         width = None
         self._heads_ms = 0.0  # the heads' proposal this step (0: they sat out)
         self.worth.new_step()
-        heads_on = self.heads is not None and tree.num_nodes > 1
+        heads_on = self.heads is not None and tree.num_nodes > 1 and mode != "lookups"
         parts = self.lookup.tries_rows(state.rows, self.lookup_nodes)
         if heads_on and not self.worth.weighs(len(state.rows)) and not self.review:
-            # in a batch the heads always propose: every source is merged at once
+            # a batch's merged mode: every source is merged at once
             tries = merge_rows(parts + [self._heads_tries(state, tree)], budget).cap_depth(state.room)
             width, keep = self._cut(tries, kv_len)
             self._count_heads_step(proposed=True)
@@ -133,6 +152,20 @@ class MergedDrafter:
         # best-first order: each row's first nodes (width − 1, or its own count) are a prefix-closed tree
         self._proposed = tries.first(keep)
         return step_trees(state.roots, self._proposed)
+
+    def _mode(self, state: DraftState, tree: Tree, kv_len: int, started: float) -> str | None:
+        """The batch mode of this step (:class:`~.modes.BatchModes`), or None where none is chosen:
+        no heads, rows the heads' worth is weighed at, the vertical cascade, or a cost model without
+        milliseconds (LINEAR_COST). Where the policy's tree is plain the heads' mode is a plain step
+        (what the heads alone do there) and the merged mode is the lookups'."""
+        rows = len(state.rows)
+        if self.heads is None or self.worth.weighs(rows) or self.review or self.width.cost is LINEAR_COST:
+            return None
+        mode = self.modes.choose(rows)
+        self.modes.started(rows, mode, self.width.cost.step_ms(rows, 1, kv_len))
+        self._mode_started = started
+        self.mode_steps[mode] = self.mode_steps.get(mode, 0) + 1
+        return mode
 
     def _count_heads_step(self, proposed: bool) -> None:
         """A step the heads could draft in: they proposed, or their worth check skipped them."""
@@ -174,6 +207,9 @@ class MergedDrafter:
 
     def observe(self, trees: StepTrees, result: Acceptance, rows: Sequence[int]) -> None:
         """Each row's accepted drafts calibrate the hit rates of the sources that proposed them."""
+        self.modes.emitted(int(result.accepted.sum()) + len(rows))  # each row's accepted drafts and the base's token
+        if self._proposed is None:  # the heads alone drafted (a batch mode): nothing of the lookups' to calibrate
+            return
         accepted = trees.accepted_tokens(result.path, result.accepted)
         self.lookup.observe_rows(rows, self._proposed, accepted)
         self.worth.observe(accepted, result.bonus)

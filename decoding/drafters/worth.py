@@ -101,10 +101,10 @@ class HeadsWorth:
     #: the heads never pay the rechecks stay a small share of the steps
     recheck_every: int = 8
     recheck_most: int = 64
-    #: the most live rows at which the heads' proposal is weighed against its cost (above: the
-    #: heads always propose). In a batch the rows without a lookup match set how many steps it
-    #: takes, and the heads are what drafts for them: skipping the heads for the batch as a whole
-    #: costs those rows their drafts and the batch steps. evidence: results/batch/batch_drafting_bf16_v4
+    #: the most live rows at which the heads' proposal is weighed against its cost. Above, a step's
+    #: heads are not skipped for a lookup match: the rows without one set how many steps a batch
+    #: takes (evidence: results/batch/batch_drafting_bf16_v4); the batch's mode — merged, lookups
+    #: alone, heads alone — is chosen by measured speed instead (:class:`~.modes.BatchModes`)
     weigh_up_to: int = 1
     ms: float | None = None
     gain: float | None = None

@@ -90,6 +90,8 @@ def drafting_line(model) -> str:
         proposed, skipped = summary["heads_steps"], summary["skipped_heads_steps"]
         line += (f"; the heads proposed on {proposed} of {proposed + skipped} steps "
                  "(skipped where a lookup match carried the step)")
+    if summary.get("batch_modes"):
+        line += "; batch steps by mode: " + ", ".join(f"{mode} {n}" for mode, n in summary["batch_modes"].items())
     return line + " (--sources heads: the heads alone)"
 
 
