@@ -8,8 +8,9 @@ that the batch's rows do not share, and on the dev batch mix it decoded slower t
 its parts (bf16, decode phase: 0.85× the heads alone at bs 16, 0.94× at bs 4; evidence:
 results/batch/batch_modes). So in a batch the modes are measured, not predicted: each mode's
 tokens per wall millisecond, relative to the calibrated cost of a plain step at the same live
-rows (a speed over plain decoding, so steps at 16 and at 11 live rows compare), as a moving
-average per live-row bucket. The best mode runs; after a run of steps on it the mode tried
+rows (a speed over plain decoding, so steps at 16 and at 11 live rows compare), per live-row
+bucket: the ratio of the steps' decayed sums (normalized tokens over milliseconds, each older step
+weighing ``decay`` as much as the next), so a long step counts by its time, as in tokens/s. The best mode runs; after a run of steps on it the mode tried
 least recently runs once, and the run doubles while the best stays the best.
 """
 from __future__ import annotations
@@ -36,14 +37,16 @@ class BatchModes:
     """Measured speeds of the modes per live-row bucket, and the choice they make (see the module
     docstring). ``first_steps``: the steps each mode runs in a bucket before the speeds are
     compared; ``recheck_every`` / ``recheck_most``: the run on the best mode before another is
-    measured again, doubled (up to the most) while the best stays the best; ``weight``: the moving
-    average's. What is measured carries over requests, as the heads' worth does."""
+    measured again, doubled (up to the most) while the best stays the best; ``decay``: an older
+    step's weight in the sums against the next's. What is measured carries over requests, as the
+    heads' worth does."""
 
     first_steps: int = 2
     recheck_every: int = 8
     recheck_most: int = 64
-    weight: float = 0.3
+    decay: float = 0.7
     speeds: dict[tuple[int, str], float] = field(default_factory=dict)  # (bucket, mode) → speed
+    _sums: dict[tuple[int, str], tuple[float, float]] = field(default_factory=dict)  # → (tokens over plain, ms)
     counts: dict[tuple[int, str], int] = field(default_factory=dict)  # (bucket, mode) → steps measured
     _last_used: dict[tuple[int, str], int] = field(default_factory=dict)  # (bucket, mode) → the step it last ran
     _run: dict[int, int] = field(default_factory=dict)  # bucket → steps on its best since the last recheck
@@ -94,9 +97,12 @@ class BatchModes:
         if tokens <= 0:
             return
         key = (rows_bucket(rows), mode)
-        value = speed(tokens, rows, wall_ms, plain_ms)
-        previous = self.speeds.get(key)
-        self.speeds[key] = value if previous is None else (1 - self.weight) * previous + self.weight * value
+        wall_ms = max(wall_ms, 1e-6)
+        worth, spent = self._sums.get(key, (0.0, 0.0))
+        worth = self.decay * worth + speed(tokens, rows, wall_ms, plain_ms) * wall_ms  # tokens a row × plain ms
+        spent = self.decay * spent + wall_ms
+        self._sums[key] = (worth, spent)
+        self.speeds[key] = worth / spent
         self.counts[key] = self.counts.get(key, 0) + 1
 
     def abandon(self) -> None:

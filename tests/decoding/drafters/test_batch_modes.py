@@ -47,9 +47,9 @@ def test_rechecks_back_off_while_the_best_stays_and_reset_when_it_changes():
     assert [chosen[i] for i in rechecks] == ["merged", "lookups", "merged", "lookups"]  # the least recently tried
     speeds["heads"] = 0.5  # the text changed: the heads stop paying
     after = "".join(step(modes, 8, speeds)[0] for _ in range(30))
-    # the heads' average falls for three steps; then the lookups lead, and their runs start again at
-    # 4 steps, then 8
-    assert after == "hhh" + "llll" + "m" + "l" * 8 + "h" + "l" * 13
+    # one slow step of the heads weighs by its time: the lookups lead at once, and their runs start
+    # again at 4 steps, then 8
+    assert after == "h" + "llll" + "m" + "l" * 8 + "h" + "l" * 15
 
 
 def test_buckets_of_live_rows_are_measured_apart_and_requests_keep_them():
@@ -108,3 +108,14 @@ def test_every_mode_in_a_batch_gives_the_base_own_tokens(speeds, monkeypatch):
     assert twin.drafting_summary()["batch_modes"] == drafter.mode_steps
     favourite = max(speeds, key=speeds.get)
     assert drafter.mode_steps[favourite] > max(n for m, n in drafter.mode_steps.items() if m != favourite)
+
+
+def test_a_mode_speed_weighs_each_step_by_its_time():
+    """Tokens over time, as tokens/s is: a slow step counts for its length (decayed sums, not an
+    average of step speeds)."""
+    modes = BatchModes(decay=0.7)
+    for tokens, wall_ms in ((8, 10.0), (4, 40.0)):  # speeds 2.0, then 0.25 over a 10 ms plain step of 4 rows
+        modes.started(4, "heads", plain_ms=10.0)
+        modes.emitted(tokens)
+        modes.finished(wall_ms)
+    assert modes.speeds[(3, "heads")] == pytest.approx((0.7 * 2.0 * 10 + 0.25 * 40) / (0.7 * 10 + 40))
