@@ -207,7 +207,8 @@ class MergedDrafter:
 
     def observe(self, trees: StepTrees, result: Acceptance, rows: Sequence[int]) -> None:
         """Each row's accepted drafts calibrate the hit rates of the sources that proposed them."""
-        self.modes.emitted(int(result.accepted.sum()) + len(rows))  # each row's accepted drafts and the base's token
+        if self._mode_started is not None:  # a batch-mode step: each row's accepted drafts and the base's token
+            self.modes.emitted(int(result.accepted.sum()) + len(rows))
         if self._proposed is None:  # the heads alone drafted (a batch mode): nothing of the lookups' to calibrate
             return
         accepted = trees.accepted_tokens(result.path, result.accepted)

@@ -9,9 +9,10 @@ its parts (bf16, decode phase: 0.85× the heads alone at bs 16, 0.94× at bs 4; 
 results/batch/batch_modes). So in a batch the modes are measured, not predicted: each mode's
 tokens per wall millisecond, relative to the calibrated cost of a plain step at the same live
 rows (a speed over plain decoding, so steps at 16 and at 11 live rows compare), per live-row
-bucket: the ratio of the steps' decayed sums (normalized tokens over milliseconds, each older step
-weighing ``decay`` as much as the next), so a long step counts by its time, as in tokens/s. The best mode runs; after a run of steps on it the mode tried
-least recently runs once, and the run doubles while the best stays the best.
+bucket: the ratio of the steps' decayed sums (normalized tokens over milliseconds, each older
+step weighing ``decay`` as much as the next), so a long step counts by its time, as in tokens/s.
+The best mode runs; after a run of steps on it the mode tried least recently runs once, and the
+run doubles while the best stays the best.
 """
 from __future__ import annotations
 
@@ -45,8 +46,8 @@ class BatchModes:
     recheck_every: int = 8
     recheck_most: int = 64
     decay: float = 0.7
-    speeds: dict[tuple[int, str], float] = field(default_factory=dict)  # (bucket, mode) → speed
-    _sums: dict[tuple[int, str], tuple[float, float]] = field(default_factory=dict)  # → (tokens over plain, ms)
+    #: (bucket, mode) → the decayed sums of its steps: (speed × ms, ms)
+    sums: dict[tuple[int, str], tuple[float, float]] = field(default_factory=dict)
     counts: dict[tuple[int, str], int] = field(default_factory=dict)  # (bucket, mode) → steps measured
     _last_used: dict[tuple[int, str], int] = field(default_factory=dict)  # (bucket, mode) → the step it last ran
     _run: dict[int, int] = field(default_factory=dict)  # bucket → steps on its best since the last recheck
@@ -55,6 +56,11 @@ class BatchModes:
     _clock: int = 0
     _pending: tuple[int, str, float, int] | None = None  # the step under way: (rows, mode, plain ms, tokens)
 
+    @property
+    def speeds(self) -> dict[tuple[int, str], float]:
+        """(bucket, mode) → its measured speed over plain decoding (the ratio of its sums)."""
+        return {key: worth / spent for key, (worth, spent) in self.sums.items()}
+
     def choose(self, rows: int) -> str:
         """The mode the next step of ``rows`` live rows drafts with."""
         bucket = rows_bucket(rows)
@@ -62,7 +68,8 @@ class BatchModes:
         untried = [m for m in MODES if self.counts.get((bucket, m), 0) < self.first_steps]
         if untried:
             return self._use(bucket, untried[0])
-        best = max(MODES, key=lambda m: self.speeds[(bucket, m)])
+        speeds = self.speeds
+        best = max(MODES, key=lambda m: speeds[(bucket, m)])
         if best != self._best.get(bucket):  # another mode leads: measure the rest soon again
             self._best[bucket], self._wait[bucket], self._run[bucket] = best, self.recheck_every, 0
         if self._run.get(bucket, 0) >= self._wait.get(bucket, self.recheck_every):
@@ -88,8 +95,8 @@ class BatchModes:
             self._pending = (rows, mode, plain_ms, tokens)
 
     def finished(self, wall_ms: float) -> None:
-        """The step under way took ``wall_ms`` from its proposal to the next one: its speed joins its
-        mode's average. A step that emitted nothing (a request ended before it was verified) is dropped."""
+        """The step under way took ``wall_ms`` from its proposal to the next one: it joins its mode's
+        sums. A step that emitted nothing (a request ended before it was verified) is dropped."""
         if self._pending is None:
             return
         rows, mode, plain_ms, tokens = self._pending
@@ -98,11 +105,9 @@ class BatchModes:
             return
         key = (rows_bucket(rows), mode)
         wall_ms = max(wall_ms, 1e-6)
-        worth, spent = self._sums.get(key, (0.0, 0.0))
-        worth = self.decay * worth + speed(tokens, rows, wall_ms, plain_ms) * wall_ms  # tokens a row × plain ms
-        spent = self.decay * spent + wall_ms
-        self._sums[key] = (worth, spent)
-        self.speeds[key] = worth / spent
+        worth, spent = self.sums.get(key, (0.0, 0.0))
+        self.sums[key] = (self.decay * worth + speed(tokens, rows, wall_ms, plain_ms) * wall_ms,
+                          self.decay * spent + wall_ms)
         self.counts[key] = self.counts.get(key, 0) + 1
 
     def abandon(self) -> None:
