@@ -78,11 +78,13 @@ NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "
 
 
 def compile_kernel(folder: Path):
+    """The prototype built as the few-row kernel is (its compiler and flags), plus F16C for the fp16 scales."""
+    from draftheads.decoding.base import fewrow
+
     path = folder / "q4.so"
     src = folder / "q4.c"
     src.write_text(SOURCE)
-    subprocess.run(["cc", "-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC",
-                    str(src), "-o", str(path)], check=True)
+    subprocess.run([*(fewrow._compiler() or ["cc"]), *fewrow.FLAGS, "-mf16c", str(src), "-o", str(path)], check=True)
     return ctypes.CDLL(str(path))
 
 
