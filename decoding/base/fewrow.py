@@ -47,7 +47,7 @@ from ...core.errors import DraftheadsError
 from .hardware import bf16_native, is_x86
 
 SOURCE = Path(__file__).with_name("fewrow.c")
-FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 #: after the source: the libraries it calls into (sqrtf)
 LIBRARIES = ("-lm",)
 BLOCK = 16  # output features per block (two AVX registers)
@@ -164,6 +164,11 @@ def _bind(path: Path):
     lib.draftheads_block16_bf16.restype = None
     lib.draftheads_fewrow_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [ctypes.c_int]
     lib.draftheads_fewrow_bf16.restype = None
+    lib.draftheads_q4_layout.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 2 + [ctypes.c_int]
+    lib.draftheads_q4_layout.restype = None
+    for name in ("draftheads_fewrow_q4", "draftheads_fewrow_q4_bf16"):
+        getattr(lib, name).argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
+        getattr(lib, name).restype = None
     for suffix in ("", "_bf16"):
         for name, args in (("add_rms_norm", [ctypes.c_void_p] * 4 + [ctypes.c_long] * 2 + [ctypes.c_float]),
                            ("rope", [ctypes.c_void_p] + [ctypes.c_long] * 4 + [ctypes.c_void_p] * 2 + [ctypes.c_long])):
@@ -295,3 +300,4 @@ def fewrow_linear(x: torch.Tensor, blocked: torch.Tensor, out_features: int,
     """x (..., in) · Wᵀ through W's blocked copy (both in W's dtype) → (..., out_features)."""
     y = fewrow_product(blocked, out_features, bias)(x.reshape(-1, x.shape[-1]).contiguous())
     return y.reshape(*x.shape[:-1], out_features)
+

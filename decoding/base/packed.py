@@ -1,5 +1,5 @@
 """A weight's packed copies, kept beside it: the oneDNN-packed copy and the few-row kernel's
-blocked copy (:mod:`.fewrow`), each made on first use and checked against the weight's content
+blocked copy (:mod:`.fewrow`), each made on first use (and its Q4_1 blocks where they were given, :mod:`.q4`) and checked against the weight's content
 (:func:`~draftheads.core.content.content_fingerprint`) before each decoding call; and the one
 product through them (:func:`packed_matmul`) that the plan picks (:mod:`.plan`)."""
 from __future__ import annotations
@@ -11,6 +11,7 @@ import torch
 from ...core.content import FingerprintMemo, fingerprint_of
 from .fewrow import block_weight, fewrow_product
 from .plan import PLAN, fewrow_applies, packs
+from .q4 import Q4Blocks, q4_product
 
 
 def tensor_key(weight: torch.Tensor) -> tuple:
@@ -31,7 +32,7 @@ class PackedWeight:
     content changed any other way."""
 
     def __init__(self) -> None:
-        self._copies: dict[str, tuple[tuple, torch.Tensor, tuple[torch.Tensor, ...]]] = {}
+        self._copies: dict[str, tuple[tuple, torch.Tensor | Q4Blocks, tuple[torch.Tensor, ...]]] = {}
 
     def key(self, weight: torch.Tensor) -> tuple:
         return tensor_key(weight)
@@ -55,6 +56,16 @@ class PackedWeight:
 
     def blocked(self, weight: torch.Tensor) -> torch.Tensor:
         return self._copy("fewrow", weight, block_weight)
+
+    def set_q4(self, weight: torch.Tensor, blocks: Q4Blocks) -> None:
+        """Keep ``blocks``, which dequantize to ``weight`` as it is now (:mod:`.gguf_blocks` checked)."""
+        self._copies["q4"] = (self.key(weight), blocks, self.fingerprint(weight))
+
+    def q4(self, weight: torch.Tensor) -> Q4Blocks | None:
+        """The weight's Q4_1 blocks where they were given for it as it is now, else None (never
+        made here: blocks come only from a source checked against the weight)."""
+        cached = self._copies.get("q4")
+        return cached[1] if cached is not None and cached[0] == self.key(weight) else None
 
     def drop_stale(self, weight: torch.Tensor, memo: FingerprintMemo | None = None) -> bool:
         """Drop every copy not made from ``weight`` as it is now (another tensor, or other content);
@@ -93,7 +104,11 @@ def resolved_matmul(weight: torch.Tensor, cache: PackedWeight, rows: int,
     """:func:`packed_matmul` for ``rows`` rows resolved once: the path the plan picks and its copy,
     bound into a function of x (rows, in) contiguous (the decoder's direct body, :mod:`.direct`,
     keeps it while the plan and the copies stand)."""
-    if PLAN.path(weight, rows) == "fewrow" and fewrow_applies(weight):
+    blocks = cache.q4(weight)
+    path = PLAN.path(weight, rows, quantized=blocks is not None)
+    if path == "q4" and blocks is not None:
+        return q4_product(blocks, bias)
+    if path == "fewrow" and fewrow_applies(weight):
         return fewrow_product(cache.blocked(weight), weight.shape[0], bias)
     packed = cache.get(weight)
     return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from .fewrow import block_weight, fewrow_product, kernel, kernel_dtypes
+from .q4 import Q4_GROUP, q4_available, q4_blocks, q4_product, random_q4
 from .hardware import bf16_native
 
 
@@ -130,7 +131,8 @@ def measure_shape(dtype: torch.dtype, out_features: int, in_features: int, reps:
     """ms per call of ``F.linear``, of the packed product and (where it is loaded for the dtype) of the
     few-row kernel for a random weight of this shape at every row count of :data:`ROW_BUCKETS`,
     interleaved (one noisy spell hits every path alike); each call reads the next of
-    :func:`stream_copies` copies of the weight (``footprint``: the bytes a decoding step streams)."""
+    :func:`stream_copies` copies of the weight (``footprint``: the bytes a decoding step streams).
+    Where the Q4_1 product applies (:func:`q4_applies`) it is timed too, over random blocks."""
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
     weights = [weight] + [weight.clone() for _ in range(stream_copies(weight.numel() * weight.element_size(),
@@ -141,6 +143,10 @@ def measure_shape(dtype: torch.dtype, out_features: int, in_features: int, reps:
     if fewrow_applies(weight):
         blocked = [block_weight(w) for w in weights]
         paths["fewrow_ms"] = _rotating([fewrow_product(b, out_features) for b in blocked])
+    if q4_applies(weight):
+        parts = random_q4(out_features, in_features, generator)
+        blocks = [q4_blocks(*parts, dtype) for _ in range(stream_copies(q4_blocks(*parts, dtype).nbytes, footprint))]
+        paths["q4_ms"] = _rotating([q4_product(b) for b in blocks])
     timings: dict[str, list[float]] = {name: [] for name in paths}
     with torch.no_grad():
         for rows in ROW_BUCKETS:
@@ -178,7 +184,7 @@ def valid_timings(entry) -> bool:
     (:func:`plausible_ms`), one per row bucket, for ``F.linear`` and the packed path, and for the
     kernel where it was measured (a cached entry is checked with this before it is used)."""
     return (isinstance(entry, dict) and all(_timing_list(entry.get(name)) for name in ("linear_ms", "packed_ms"))
-            and ("fewrow_ms" not in entry or _timing_list(entry["fewrow_ms"])))
+            and all(name not in entry or _timing_list(entry[name]) for name in OPTIONAL_TIMINGS))
 
 
 _SHAPE_KEY = re.compile(r"(?P<dtype>[a-z0-9]+) [1-9][0-9]{0,8}x[1-9][0-9]{0,8}")
@@ -194,19 +200,26 @@ def valid_shape_key(key) -> bool:
 #: packing is the measured-faster path almost everywhere; it is turned off for a (shape, rows)
 #: point only where it measured more than this much slower (timing noise only adds time)
 PACK_TOLERANCE = 1.1
-#: the paths a product can take: "linear" (``F.linear``), "packed" (oneDNN), "fewrow" (the kernel)
-PATHS = ("linear", "packed", "fewrow")
+#: the paths a product can take: "linear" (``F.linear``), "packed" (oneDNN), "fewrow" (the kernel),
+#: "q4" (the kernel over the weight's Q4_1 blocks, :mod:`.q4`: only a weight that has them)
+PATHS = ("linear", "packed", "fewrow", "q4")
+#: the timings a measured shape has only where its path applies
+OPTIONAL_TIMINGS = ("fewrow_ms", "q4_ms")
 
 
-def fastest_paths(entry: dict[str, list[float]], kernel_loaded: bool = True) -> tuple[str, ...]:
+def fastest_paths(entry: dict[str, list[float]], kernel_loaded: bool = True,
+                  quantized: bool = False) -> tuple[str, ...]:
     """Per row bucket of a measured shape, the path taken: packed unless it measured more than
     :data:`PACK_TOLERANCE` slower than ``F.linear``; the few-row kernel (when loaded and
-    measured) where it beat both."""
+    measured) where it beat both; for a weight with Q4_1 blocks (``quantized``), their product
+    where it beat every other."""
     chosen = []
     for bucket, (p, f) in enumerate(zip(entry["packed_ms"], entry["linear_ms"])):
-        path, ms = ("packed", p) if p <= f * PACK_TOLERANCE else ("linear", f)
+        path, best = ("packed", p) if p <= f * PACK_TOLERANCE else ("linear", f)
         if kernel_loaded and "fewrow_ms" in entry and entry["fewrow_ms"][bucket] < min(p, f):
-            path = "fewrow"
+            path, best = "fewrow", entry["fewrow_ms"][bucket]
+        if quantized and kernel_loaded and "q4_ms" in entry and entry["q4_ms"][bucket] < min(best, p, f):
+            path = "q4"
         chosen.append(path)
     return tuple(chosen)
 
@@ -223,50 +236,59 @@ def fewrow_applies(weight: torch.Tensor) -> bool:
             and (weight.dtype != torch.bfloat16 or weight.shape[-1] % 2 == 0))
 
 
+def q4_applies(weight: torch.Tensor) -> bool:
+    """Whether a weight of this shape and dtype could be multiplied through Q4_1 blocks here
+    (:mod:`.q4`): on the CPU, whole blocks of inputs, a dtype whose Q4_1 product agreed here."""
+    return (weight.device.type == "cpu" and weight.dim() == 2 and weight.shape[-1] % Q4_GROUP == 0
+            and q4_available(weight.dtype))
+
+
 @dataclass
 class PackingPlan:
     """Per weight shape and dtype, the measured ms of each path per row bucket; the fastest is
     taken (:func:`fastest_paths`). Shapes never measured pack wherever the dtype packs."""
 
     timings: dict[ShapeKey, dict[str, list[float]]] = field(default_factory=dict)
-    _verdicts: dict[ShapeKey, tuple[str, ...]] = field(default_factory=dict, repr=False)
-    _fusions: dict[tuple[ShapeKey, int], bool] = field(default_factory=dict, repr=False)
+    _verdicts: dict[tuple[ShapeKey, bool], tuple[str, ...]] = field(default_factory=dict, repr=False)
+    _fusions: dict[tuple[ShapeKey, int, bool], bool] = field(default_factory=dict, repr=False)
     #: bumped whenever a verdict may change (what resolved products, :mod:`.direct`, compare)
     generation: int = 0
 
-    def path(self, weight: torch.Tensor, rows: int) -> str:
-        """The path a product of ``rows`` rows with ``weight`` takes (one of :data:`PATHS`)."""
-        return self.path_of(shape_key(weight.dtype, weight.shape[0], weight.shape[1]), rows)
+    def path(self, weight: torch.Tensor, rows: int, quantized: bool = False) -> str:
+        """The path a product of ``rows`` rows with ``weight`` takes (one of :data:`PATHS`;
+        ``quantized``: the weight has Q4_1 blocks)."""
+        return self.path_of(shape_key(weight.dtype, weight.shape[0], weight.shape[1]), rows, quantized)
 
-    def path_of(self, key: ShapeKey, rows: int) -> str:
-        verdict = self._verdicts.get(key)
+    def path_of(self, key: ShapeKey, rows: int, quantized: bool = False) -> str:
+        verdict = self._verdicts.get((key, quantized))
         if verdict is None:
             entry = self.timings.get(key)
             if entry is None:
                 return "packed"
-            verdict = self._verdicts[key] = fastest_paths(entry, kernel() is not None)
+            verdict = self._verdicts[(key, quantized)] = fastest_paths(entry, kernel() is not None, quantized)
         return verdict[row_bucket(rows)]
 
-    def pays(self, weight: torch.Tensor, rows: int) -> bool:
-        return self.path(weight, rows) != "linear"
+    def pays(self, weight: torch.Tensor, rows: int, quantized: bool = False) -> bool:
+        return self.path(weight, rows, quantized) != "linear"
 
-    def best_ms(self, key: ShapeKey, rows: int) -> float | None:
+    def best_ms(self, key: ShapeKey, rows: int, quantized: bool = False) -> float | None:
         """The measured ms of the path taken for ``rows`` rows of shape ``key`` (None: unmeasured)."""
         entry = self.timings.get(key)
         if entry is None:
             return None
         bucket = row_bucket(rows)
-        return entry[f"{self.path_of(key, rows)}_ms"][bucket]
+        return entry[f"{self.path_of(key, rows, quantized)}_ms"][bucket]
 
-    def fusion_pays(self, fused: ShapeKey, members: tuple[ShapeKey, ...], rows: int) -> bool:
+    def fusion_pays(self, fused: ShapeKey, members: tuple[ShapeKey, ...], rows: int, quantized: bool = False) -> bool:
         """Whether one product of the stacked weight (``fused``) measured faster than the
-        ``members``' products one by one, at ``rows`` rows (unmeasured: no)."""
-        verdict = self._fusions.get((fused, row_bucket(rows)))
+        ``members``' products one by one, at ``rows`` rows (unmeasured: no; ``quantized``: all of
+        them through their Q4_1 blocks)."""
+        verdict = self._fusions.get((fused, row_bucket(rows), quantized))
         if verdict is None:
-            together = self.best_ms(fused, rows)
-            alone = [self.best_ms(key, rows) for key in members]
+            together = self.best_ms(fused, rows, quantized)
+            alone = [self.best_ms(key, rows, quantized) for key in members]
             verdict = together is not None and None not in alone and together < sum(alone)
-            self._fusions[(fused, row_bucket(rows))] = verdict
+            self._fusions[(fused, row_bucket(rows), quantized)] = verdict
         return verdict
 
     def missing(self, weights: Iterable[torch.Tensor]) -> list[tuple[torch.dtype, int, int]]:
@@ -274,15 +296,18 @@ class PackingPlan:
         (or were measured before the few-row kernel was loaded, for the shapes it applies to)."""
         shapes = {(w.dtype, int(w.shape[0]), int(w.shape[1])) for w in weights if can_pack(w)}
         kernel_shapes = {(w.dtype, int(w.shape[0]), int(w.shape[1])) for w in weights if fewrow_applies(w)}
+        q4_shapes = {(w.dtype, int(w.shape[0]), int(w.shape[1])) for w in weights if q4_applies(w)}
 
         def unmeasured(s) -> bool:
             entry = self.timings.get(shape_key(*s))
-            return entry is None or (s in kernel_shapes and "fewrow_ms" not in entry)
+            return (entry is None or (s in kernel_shapes and "fewrow_ms" not in entry)
+                    or (s in q4_shapes and "q4_ms" not in entry))
         return sorted((s for s in shapes if unmeasured(s)), key=str)
 
     def add(self, key: ShapeKey, entry: dict[str, list[float]]) -> None:
         self.timings[key] = entry
-        self._verdicts.pop(key, None)
+        self._verdicts.pop((key, False), None)
+        self._verdicts.pop((key, True), None)
         self._fusions.clear()
         self.generation += 1
 
@@ -298,8 +323,9 @@ class PackingPlan:
 PLAN = PackingPlan()
 
 
-def packs(weight: torch.Tensor, rows: int) -> bool:
+def packs(weight: torch.Tensor, rows: int, quantized: bool = False) -> bool:
     """Whether a product of ``rows`` rows with ``weight`` takes a path other than ``F.linear``:
-    the dtype packs here and the shape measured faster that way at that row count."""
-    return can_pack(weight) and PLAN.pays(weight, rows)
+    the dtype packs here and the shape measured faster that way at that row count (``quantized``:
+    the weight has Q4_1 blocks)."""
+    return can_pack(weight) and PLAN.pays(weight, rows, quantized)
 

@@ -65,7 +65,8 @@ class SiblingProduct:
         self._outputs: list[torch.Tensor | None] = []
 
     def pays(self, rows: int) -> bool:
-        return (PLAN.fusion_pays(self.key, self.member_keys, rows)
+        quantized = self.copies.q4(self.shape) is not None  # every member's blocks, stacked (:mod:`.gguf_blocks`)
+        return (PLAN.fusion_pays(self.key, self.member_keys, rows, quantized)
                 and stacking_exact(self.shape.dtype, self.member_shapes)[row_bucket(rows)])
 
     def bias(self) -> torch.Tensor | None:
