@@ -15,7 +15,7 @@ from .decoding.base.hardware import bf16_native, cpu_model, fp16_native, isa_lim
 from .decoding.base.loading import cache_root
 from .decoding.base.packing import packing_cache_path, read_packing_cache
 from .decoding.base.plan import PACKED_DTYPES, PATHS, fastest_paths, packing_available
-from .decoding.base.q4 import Q4_DTYPES, q4_available
+from .decoding.base.blocks import DTYPES, KINDS, blocks_available
 from .decoding.base.siblings import STACKED_DTYPES
 
 PACKAGES = ("draftheads", "torch", "transformers", "accelerate", "datasets", "huggingface_hub", "safetensors", "numpy")
@@ -28,10 +28,12 @@ def version(package: str) -> str:
         return "not installed"
 
 
-def q4_report() -> str:
-    """The dtypes whose products stream a converted base's Q4_1 blocks here (:mod:`~.decoding.base.q4`)."""
-    dtypes = [str(d).removeprefix("torch.") for d in Q4_DTYPES if q4_available(d)]
-    return ", ".join(dtypes) if dtypes else "off (the few-row kernel is off, or its Q4_1 product did not agree)"
+def blocks_report() -> str:
+    """Per block kind, the dtypes whose products stream a converted base's GGUF blocks here
+    (:mod:`~.decoding.base.blocks`)."""
+    kinds = {kind: [str(d).removeprefix("torch.") for d in DTYPES if blocks_available(kind, d)] for kind in KINDS}
+    found = "; ".join(f"{kind.upper()} {', '.join(dtypes)}" for kind, dtypes in kinds.items() if dtypes)
+    return found or "off (the few-row kernel is off, or its block products did not agree)"
 
 
 def stacking_report() -> str:
@@ -80,7 +82,7 @@ def collect() -> dict:
         **{f"oneDNN packing, {k}": v for k, v in packing_report().items()},
         "stacked q/k/v and gate/up products": stacking_report(),
         "few-row kernel": kernel_status(),
-        "Q4_1 block products (bases converted from a Q4_1 GGUF)": q4_report(),
+        "GGUF block products (bases converted from a GGUF)": blocks_report(),
         "torch threads": torch.get_num_threads(),
         "cache (DRAFTHEADS_CACHE)": str(cache_root()),
         "packing cache": str(packing_cache_path()),

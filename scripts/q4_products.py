@@ -4,7 +4,7 @@ The embedded SmolLM2 base is its GGUF dequantized: every body weight is d·q + m
 fp16, q 4 bits), which float32 holds exactly, and a bfloat16 base holds rounded to bf16. The decoder
 gives such weights their blocks at load (``decoding/base/gguf_blocks.py``: rows matched by content,
 kept only where they give the weight bit for bit) and multiplies through them
-(``decoding/base/q4.py``: 0.625 bytes a weight against float32's 4 and bf16's 2, the few-row
+(``decoding/base/blocks.py``: 0.625 bytes a weight against float32's 4 and bf16's 2, the few-row
 kernel's sums bit for bit). This script loads the base in ``--dtype`` as the decoder prepares it and
 times one pass over every body product with blocks at 1-8 rows, through the blocks and through the
 few-row kernel of that dtype, interleaved, best of ``--reps``; it checks the two give bit-equal
@@ -32,7 +32,7 @@ def blocked_layers(base) -> list:
 
     use_packed_linears(base)
     found = binding(decoder_body(base))
-    return [b for b in found.linears.values() if b.copies.q4(b.module.weight) is not None]
+    return [b for b in found.linears.values() if b.copies.blocks(b.module.weight) is not None]
 
 
 def main() -> None:
@@ -49,7 +49,7 @@ def main() -> None:
     from draftheads.decoding.base import fewrow
     from draftheads.decoding.base.hardware import isa_limits, machine_summary
     from draftheads.decoding.base.loading import load_base
-    from draftheads.decoding.base.q4 import q4_product
+    from draftheads.decoding.base.blocks import blocks_product
 
     dtype = getattr(torch, args.dtype)
     base, _ = load_base(dtype=dtype)
@@ -58,7 +58,7 @@ def main() -> None:
         raise SystemExit("no body weight got Q4_1 blocks here: " + fewrow.kernel_status())
     weights = [b.module.weight.detach() for b in layers]
     fp32 = [fewrow.fewrow_product(fewrow.block_weight(w), w.shape[0]) for w in weights]
-    q4s = [q4_product(b.copies.q4(b.module.weight)) for b in layers]
+    q4s = [blocks_product(b.copies.blocks(b.module.weight)) for b in layers]
     generator = torch.Generator().manual_seed(0)
     rows = [int(r) for r in args.rows.split(",")]
     inputs = {r: {n: torch.randn(r, n, generator=generator).to(dtype) for n in {w.shape[1] for w in weights}} for r in rows}
@@ -77,7 +77,7 @@ def main() -> None:
     result = {"meta": {"machine": machine_summary(), "isa_limits": isa_limits(), "threads": args.threads, "reps": args.reps, "dtype": args.dtype,
                        "layers_with_blocks": len(layers), "outputs_bit_equal": bit_equal,
                        "bytes": {"kernel": int(sum(w.numel() * w.element_size() for w in weights)),
-                                 "q4_1_layout": int(sum(b.copies.q4(b.module.weight).nbytes for b in layers))}},
+                                 "q4_1_layout": int(sum(b.copies.blocks(b.module.weight).nbytes for b in layers))}},
               "best_ms": best, "ratio": {r: round(best["kernel"][r] / best["q4_1"][r], 2) for r in rows}}
     out = Path(args.out or f"results/profile/q4_products/{args.dtype}")
     out.mkdir(parents=True, exist_ok=True)

@@ -85,7 +85,8 @@ def install_call_timers() -> None:
     """Time every product and attention call (before any model resolves its products)."""
     lib = fewrow.kernel()
     if lib is not None:
-        for name in ("draftheads_fewrow", "draftheads_fewrow_bf16", "draftheads_fewrow_q4", "draftheads_fewrow_q4_bf16"):
+        for name in ("draftheads_fewrow", "draftheads_fewrow_bf16", "draftheads_fewrow_q4", "draftheads_fewrow_q4_bf16",
+                     "draftheads_fewrow_q8", "draftheads_fewrow_q8_bf16"):
             setattr(lib, name, _timed("products", getattr(lib, name)))
     torch.ops.mkldnn._linear_pointwise = _timed("products", torch.ops.mkldnn._linear_pointwise)
     torch.nn.functional.linear = _timed("products", torch.nn.functional.linear)

@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn.modules import module as torch_module
 
 from ...core.content import FingerprintMemo
-from .packed import PackedWeight, packed_matmul, resolved_matmul
+from .packed import PackedWeight, block_kind, packed_matmul, resolved_matmul
 from .plan import PACKED_DTYPES, packing_available, packs
 from .rows import subset_product
 from .siblings import SiblingProduct, sibling_groups
@@ -58,7 +58,7 @@ class PackedLinear(nn.Linear):
             rows = x.numel() // self.in_features
             if bound.siblings is not None and bound.siblings[0].pays(rows):
                 return bound.siblings[0].output(bound.siblings[1], x)
-            if packs(self.weight, rows, bound.copies.q4(self.weight) is not None):
+            if packs(self.weight, rows, block_kind(bound.copies, self.weight)):
                 return packed_matmul(x, self.weight, bound.copies, self.bias)
         return nn.functional.linear(x, self.weight, self.bias)
 
@@ -295,7 +295,7 @@ def resolved_linears(members: tuple[nn.Linear, ...], rows: int) -> Callable[[tor
 
 
 def _resolved_one(module: nn.Linear, bound: BoundLinear | None, rows: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    if bound is not None and packs(module.weight, rows, bound.copies.q4(module.weight) is not None):
+    if bound is not None and packs(module.weight, rows, block_kind(bound.copies, module.weight)):
         return resolved_matmul(module.weight, bound.copies, rows, module.bias)
     return lambda x: nn.functional.linear(x, module.weight, module.bias)  # the layer's weight when called
 

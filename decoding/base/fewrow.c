@@ -63,60 +63,127 @@ void draftheads_fewrow(const float *x, const float *blocked, float *y, long rows
             block_rows(x + m * in, blocked + b * in * 16, y + m * out, rows - m < 6 ? rows - m : 6, in, out, b);
 }
 
-/* ---- Float32 products over Q4_1 blocks (q4.py says when a weight has them) ----
- * A weight that is a Q4_1 quantization dequantized (every group of 32 inputs of an output:
- * w = d·q + m, d and m fp16, q 4 bits: float32 holds d·q exactly and rounds once in + m, as
- * fma rounds) is streamed as its blocks, 0.625 bytes a weight against float32's 4. Layout per
- * 16-output block b and 32-input group g (groups = in / 32):
- *   nib[((b·groups + g)·32 + k)·8 + j] = q[16b + j, 32g + k] | q[16b + j + 8, 32g + k] << 4   (j < 8)
- *   dm[(b·groups + g)·32 + j] = d[16b + j, g],  dm[(b·groups + g)·32 + 16 + j] = m[16b + j, g]   (fp16)
- * Each half of a block (8 outputs: the low nibbles, then the high ones) is dequantized in
- * registers, one input column at a time, and multiplied into up to 8 rows' accumulators with the
- * float32 kernel's FMA chain (acc = w·x + acc, inputs in order): the outputs are bit for bit the
- * float32 kernel's over the dequantized weight. */
-#define Q4_ROWS 8
-#ifndef Q4_FULL_ROWS
-#define Q4_FULL_ROWS 3
-#endif
+/* ---- Float32 products over a GGUF's blocks (blocks.py says when a weight has them) ----
+ * A weight that is a GGUF quantization dequantized is streamed as its blocks. Q4_1: every group of
+ * 32 inputs of an output is w = d·q + m (d, m fp16, q 4 bits: float32 holds d·q exactly and rounds
+ * once in + m, as fma rounds), 0.625 bytes a weight against float32's 4. Q8_0: w = d·q (d fp16,
+ * q int8: exact in float32), 1.0625 bytes a weight. Layout per 16-output block b and 32-input
+ * group g (groups = in / 32):
+ *   Q4_1 nib[(b·groups + g)·256 + 8k + j] = q[16b + j, 32g + k] | q[16b + j + 8, 32g + k] << 4   (j < 8)
+ *        dm[(b·groups + g)·32 + j] = d[16b + j, g],  dm[(b·groups + g)·32 + 16 + j] = m[16b + j, g]   (fp16)
+ *   Q8_0 qs[(b·groups + g)·512 + 16k + j] = q[16b + j, 32g + k];  dm[(b·groups + g)·16 + j] = d[16b + j, g]
+ * (the bf16 products read the paired layout of each: see below). Up to 3 rows take a whole block at
+ * once (two chains a row: one chain a row waits on the FMA's latency); more take each half (8
+ * outputs) with up to 8 rows' accumulators. Either way a column's weights are made in registers
+ * and multiplied with the float32 kernel's FMA chain (acc = w·x + acc, inputs in order): the
+ * outputs are bit for bit the float32 kernel's over the dequantized weight. */
+#define BLOCK_ROWS 8
+#define FULL_ROWS 3
+#define CVTPH(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+
+/* a group's scales, then a column's weights (w0, w1: outputs 0-7, 8-15; w: this half's 8) */
+#define Q4_FULL_SETUP() const uint16_t *s = dm + (b * groups + g) * 32;                                 \
+    const __m256 d0 = CVTPH(s), d1 = CVTPH(s + 8), m0 = CVTPH(s + 16), m1 = CVTPH(s + 24);           \
+    const uint8_t *col = data + (b * groups + g) * 256;
+#define Q4_FULL_W() __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(col + kk * 8)));     \
+    __m256 w0 = _mm256_fmadd_ps(d0, _mm256_cvtepi32_ps(_mm256_and_si256(q, low)), m0);               \
+    __m256 w1 = _mm256_fmadd_ps(d1, _mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4)), m1);
+#define Q4_HALF_SETUP() const uint16_t *s = dm + (b * groups + g) * 32 + half * 8;                      \
+    const __m256 d = CVTPH(s), mm = CVTPH(s + 16);                                                    \
+    const uint8_t *col = data + (b * groups + g) * 256;
+#define Q4_HALF_W() __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(col + kk * 8)));     \
+    __m256 w = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(q, shift), low)), mm);
+#define Q8_FULL_SETUP() const __m256 d0 = CVTPH(dm + (b * groups + g) * 16), d1 = CVTPH(dm + (b * groups + g) * 16 + 8); \
+    const int8_t *col = (const int8_t *)data + (b * groups + g) * 512;
+#define Q8_FULL_W()                                                                                       \
+    __m256 w0 = _mm256_mul_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(col + kk * 16))))); \
+    __m256 w1 = _mm256_mul_ps(d1, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(col + kk * 16 + 8)))));
+#define Q8_HALF_SETUP() const __m256 d = CVTPH(dm + (b * groups + g) * 16 + half * 8);                  \
+    const int8_t *col = (const int8_t *)data + (b * groups + g) * 512 + half * 8;
+#define Q8_HALF_W()                                                                                       \
+    __m256 w = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(col + kk * 16)))));
+
+#define COLUMNS(SETUP, W, BODY) for (long g = 0; g < groups; g++) { SETUP()                             \
+        for (long kk = 0; kk < 32; kk++) { long k = g * 32 + kk; W() BODY } }
 #define HROW(r) acc[r] = _mm256_fmadd_ps(w, _mm256_broadcast_ss(x + (r) * in + k), acc[r]);
-#define Q4LOOP(BODY) for (long g = 0; g < groups; g++) {                                              \
-        const uint16_t *s = dm + (b * groups + g) * 32 + half * 8;                                    \
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)s));                        \
-        const __m256 mm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + 16)));                \
-        const uint8_t *nb = nib + (b * groups + g) * 256;                                             \
-        for (long kk = 0; kk < 32; kk++) {                                                            \
-            long k = g * 32 + kk;                                                                     \
-            __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(nb + kk * 8)));       \
-            __m256 w = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(q, shift), low)), mm); \
-            BODY } }
+#define FROW(r) { __m256 xb = _mm256_broadcast_ss(x + (r) * in + k);                                  \
+                  acc[r][0] = _mm256_fmadd_ps(w0, xb, acc[r][0]); acc[r][1] = _mm256_fmadd_ps(w1, xb, acc[r][1]); }
 
 /* rows (≤ 8) input rows against half `half` of block b: y[r·out + 16b + 8·half + j] */
-static void q4_half(const float *x, const uint8_t *nib, const uint16_t *dm, float *y, long rows, long in, long out,
-                    long b, int half) {
-    long groups = in / 32;
-    const __m256i low = _mm256_set1_epi32(15);
-    const __m128i shift = _mm_cvtsi32_si128(4 * half);
-    __m256 acc[Q4_ROWS];
-    for (int r = 0; r < Q4_ROWS; r++) acc[r] = _mm256_setzero_ps();
-    switch (rows) {  /* one loop per row count: the accumulators stay in registers */
-    case 1: Q4LOOP(HROW(0)) break;
-    case 2: Q4LOOP(HROW(0) HROW(1)) break;
-    case 3: Q4LOOP(HROW(0) HROW(1) HROW(2)) break;
-    case 4: Q4LOOP(HROW(0) HROW(1) HROW(2) HROW(3)) break;
-    case 5: Q4LOOP(HROW(0) HROW(1) HROW(2) HROW(3) HROW(4)) break;
-    case 6: Q4LOOP(HROW(0) HROW(1) HROW(2) HROW(3) HROW(4) HROW(5)) break;
-    case 7: Q4LOOP(HROW(0) HROW(1) HROW(2) HROW(3) HROW(4) HROW(5) HROW(6)) break;
-    default: Q4LOOP(HROW(0) HROW(1) HROW(2) HROW(3) HROW(4) HROW(5) HROW(6) HROW(7)) break;
-    }
-    float tmp[Q4_ROWS][8];  /* stored at constant indices: the accumulators stay in registers in the loop */
-    for (int r = 0; r < Q4_ROWS; r++) _mm256_storeu_ps(tmp[r], acc[r]);
-    long first = b * 16 + half * 8, width = out - first < 8 ? out - first : 8;
-    for (long r = 0; r < rows && width > 0; r++) memcpy(y + r * out + first, tmp[r], sizeof(float) * width);
+#define HALF_BLOCK(NAME, SETUP, W)                                                                      \
+static void NAME(const float *x, const uint8_t *data, const uint16_t *dm, float *y, long rows, long in, long out, \
+                 long b, int half) {                                                                    \
+    long groups = in / 32;                                                                              \
+    const __m256i low = _mm256_set1_epi32(15);                                                          \
+    const __m128i shift = _mm_cvtsi32_si128(4 * half);                                                  \
+    (void)low; (void)shift;                                                                             \
+    __m256 acc[BLOCK_ROWS];                                                                             \
+    for (int r = 0; r < BLOCK_ROWS; r++) acc[r] = _mm256_setzero_ps();                                  \
+    switch (rows) {  /* one loop per row count: the accumulators stay in registers */                   \
+    case 1: COLUMNS(SETUP, W, HROW(0)) break;                                                           \
+    case 2: COLUMNS(SETUP, W, HROW(0) HROW(1)) break;                                                   \
+    case 3: COLUMNS(SETUP, W, HROW(0) HROW(1) HROW(2)) break;                                           \
+    case 4: COLUMNS(SETUP, W, HROW(0) HROW(1) HROW(2) HROW(3)) break;                                   \
+    case 5: COLUMNS(SETUP, W, HROW(0) HROW(1) HROW(2) HROW(3) HROW(4)) break;                           \
+    case 6: COLUMNS(SETUP, W, HROW(0) HROW(1) HROW(2) HROW(3) HROW(4) HROW(5)) break;                   \
+    case 7: COLUMNS(SETUP, W, HROW(0) HROW(1) HROW(2) HROW(3) HROW(4) HROW(5) HROW(6)) break;           \
+    default: COLUMNS(SETUP, W, HROW(0) HROW(1) HROW(2) HROW(3) HROW(4) HROW(5) HROW(6) HROW(7)) break;  \
+    }                                                                                                   \
+    float tmp[BLOCK_ROWS][8];  /* stored at constant indices: the accumulators stay in registers */     \
+    for (int r = 0; r < BLOCK_ROWS; r++) _mm256_storeu_ps(tmp[r], acc[r]);                              \
+    long first = b * 16 + half * 8, width = out - first < 8 ? out - first : 8;                          \
+    for (long r = 0; r < rows && width > 0; r++) memcpy(y + r * out + first, tmp[r], sizeof(float) * width); \
 }
 
-/* q (out, in) uint8 < 16, d and m (out, in / 32) fp16 as uint16 → nib, dm as above (zero rows pad the last
- * block); `paired` (the bf16 product's layout): within each 16 bytes of a pair of columns (2p, 2p + 1), byte
- * 2j + e holds column 2p + e's outputs j and j + 8 instead of byte 8e + j */
+/* 1-3 rows against a whole block, both halves at once */
+#define FULL_BLOCK(NAME, SETUP, W)                                                                      \
+static void NAME(const float *x, const uint8_t *data, const uint16_t *dm, float *y, long rows, long in, long out, \
+                 long b) {                                                                              \
+    long groups = in / 32;                                                                              \
+    const __m256i low = _mm256_set1_epi32(15);                                                          \
+    (void)low;                                                                                          \
+    __m256 acc[FULL_ROWS][2];                                                                           \
+    for (int r = 0; r < FULL_ROWS; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();                    \
+    switch (rows) {                                                                                     \
+    case 1: COLUMNS(SETUP, W, FROW(0)) break;                                                           \
+    case 2: COLUMNS(SETUP, W, FROW(0) FROW(1)) break;                                                   \
+    default: COLUMNS(SETUP, W, FROW(0) FROW(1) FROW(2)) break;                                          \
+    }                                                                                                   \
+    float tmp[FULL_ROWS][16];  /* every accumulator stored at a constant index */                      \
+    for (int r = 0; r < FULL_ROWS; r++) {                                                               \
+        _mm256_storeu_ps(tmp[r], acc[r][0]);                                                            \
+        _mm256_storeu_ps(tmp[r] + 8, acc[r][1]);                                                        \
+    }                                                                                                   \
+    long width = out - b * 16 < 16 ? out - b * 16 : 16;                                                 \
+    for (long r = 0; r < rows; r++) memcpy(y + r * out + b * 16, tmp[r], sizeof(float) * width);        \
+}
+
+/* y (rows, out) = x (rows, in) · Wᵀ for W given as blocks; in a multiple of 32 */
+#define BLOCKS_PRODUCT(NAME, FULL, HALF)                                                                \
+void NAME(const float *x, const uint8_t *data, const uint16_t *dm, float *y, long rows, long in, long out, int threads) { \
+    long blocks = (out + 15) / 16;                                                                      \
+    _Pragma("omp parallel for num_threads(threads) schedule(static)")                                   \
+    for (long b = 0; b < blocks; b++) {                                                                 \
+        if (rows <= FULL_ROWS) {                                                                        \
+            FULL(x, data, dm, y, rows, in, out, b);                                                     \
+            continue;                                                                                   \
+        }                                                                                               \
+        for (int half = 0; half < 2; half++)                                                            \
+            for (long r = 0; r < rows; r += BLOCK_ROWS)                                                 \
+                HALF(x + r * in, data, dm, y + r * out, rows - r < BLOCK_ROWS ? rows - r : BLOCK_ROWS, in, out, b, half); \
+    }                                                                                                   \
+}
+
+HALF_BLOCK(q4_half, Q4_HALF_SETUP, Q4_HALF_W)
+FULL_BLOCK(q4_full, Q4_FULL_SETUP, Q4_FULL_W)
+BLOCKS_PRODUCT(draftheads_fewrow_q4, q4_full, q4_half)
+HALF_BLOCK(q8_half, Q8_HALF_SETUP, Q8_HALF_W)
+FULL_BLOCK(q8_full, Q8_FULL_SETUP, Q8_FULL_W)
+BLOCKS_PRODUCT(draftheads_fewrow_q8, q8_full, q8_half)
+
+/* Q4_1: q (out, in) uint8 < 16, d and m (out, in / 32) fp16 as uint16 → nib, dm as above (zero rows pad the
+ * last block); `paired` (the bf16 product's layout): within each 16 bytes of a pair of columns (2p, 2p + 1),
+ * byte 2j + e holds column 2p + e's outputs j and j + 8 instead of byte 8e + j */
 void draftheads_q4_layout(const uint8_t *q, const uint16_t *d, const uint16_t *m, uint8_t *nib, uint16_t *dm,
                           long out, long in, int paired) {
     long blocks = (out + 15) / 16, groups = in / 32;
@@ -134,57 +201,20 @@ void draftheads_q4_layout(const uint8_t *q, const uint16_t *d, const uint16_t *m
     }
 }
 
-/* 1-3 rows against a whole block, both halves at once: two chains a row (one chain a row, as in
- * q4_half, waits on the FMA's latency when there are few rows) */
-#define FROW(r) { __m256 xb = _mm256_broadcast_ss(x + (r) * in + k); \
-                  acc[r][0] = _mm256_fmadd_ps(w0, xb, acc[r][0]); acc[r][1] = _mm256_fmadd_ps(w1, xb, acc[r][1]); }
-#define Q4FULL(BODY) for (long g = 0; g < groups; g++) {                                              \
-        const uint16_t *s = dm + (b * groups + g) * 32;                                               \
-        const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)s));                       \
-        const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + 8)));                 \
-        const __m256 m0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + 16)));                \
-        const __m256 m1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + 24)));                \
-        const uint8_t *nb = nib + (b * groups + g) * 256;                                             \
-        for (long kk = 0; kk < 32; kk++) {                                                            \
-            long k = g * 32 + kk;                                                                     \
-            __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(nb + kk * 8)));       \
-            __m256 w0 = _mm256_fmadd_ps(d0, _mm256_cvtepi32_ps(_mm256_and_si256(q, low)), m0);        \
-            __m256 w1 = _mm256_fmadd_ps(d1, _mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4)), m1);         \
-            BODY } }
-
-static void q4_full(const float *x, const uint8_t *nib, const uint16_t *dm, float *y, long rows, long in, long out,
-                    long b) {
-    long groups = in / 32;
-    const __m256i low = _mm256_set1_epi32(15);
-    __m256 acc[3][2];
-    for (int r = 0; r < 3; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    switch (rows) {
-    case 1: Q4FULL(FROW(0)) break;
-    case 2: Q4FULL(FROW(0) FROW(1)) break;
-    default: Q4FULL(FROW(0) FROW(1) FROW(2)) break;
-    }
-    float tmp[3][16];  /* every accumulator stored at a constant index: they stay in registers in the loop */
-    for (int r = 0; r < 3; r++) {
-        _mm256_storeu_ps(tmp[r], acc[r][0]);
-        _mm256_storeu_ps(tmp[r] + 8, acc[r][1]);
-    }
-    long width = out - b * 16 < 16 ? out - b * 16 : 16;
-    for (long r = 0; r < rows; r++) memcpy(y + r * out + b * 16, tmp[r], sizeof(float) * width);
-}
-
-/* y (rows, out) = x (rows, in) · Wᵀ for W given as Q4_1 blocks; in a multiple of 32 */
-void draftheads_fewrow_q4(const float *x, const uint8_t *nib, const uint16_t *dm, float *y, long rows, long in,
-                          long out, int threads) {
-    long blocks = (out + 15) / 16;
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (long b = 0; b < blocks; b++) {
-        if (rows <= Q4_FULL_ROWS) {
-            q4_full(x, nib, dm, y, rows, in, out, b);
-            continue;
+/* Q8_0: q (out, in) int8, d (out, in / 32) fp16 as uint16 → qs, dm as above; `paired`: within each 32 bytes
+ * of a pair of columns, byte 2j + e holds column 2p + e's output j */
+void draftheads_q8_layout(const int8_t *q, const uint16_t *d, int8_t *qs, uint16_t *dm, long out, long in,
+                          int paired) {
+    long blocks = (out + 15) / 16, groups = in / 32;
+    memset(qs, 0, (size_t)blocks * 16 * in);
+    memset(dm, 0, sizeof(uint16_t) * blocks * groups * 16);
+    for (long o = 0; o < out; o++) {
+        long b = o / 16, j = o % 16;
+        for (long g = 0; g < groups; g++) {
+            dm[(b * groups + g) * 16 + j] = d[o * groups + g];
+            for (long k = 0; k < 32; k++)
+                qs[(b * groups + g) * 512 + (paired ? (k / 2) * 32 + 2 * j + k % 2 : k * 16 + j)] = q[o * in + g * 32 + k];
         }
-        for (int half = 0; half < 2; half++)
-            for (long r = 0; r < rows; r += Q4_ROWS)
-                q4_half(x + r * in, nib, dm, y + r * out, rows - r < Q4_ROWS ? rows - r : Q4_ROWS, in, out, b, half);
     }
 }
 
@@ -241,69 +271,91 @@ void draftheads_fewrow_bf16(const uint16_t *x, const uint16_t *blocked, uint16_t
     }
 }
 
-/* ---- bfloat16 products over Q4_1 blocks (AVX512-BF16; the paired layout) ----
- * A bfloat16 weight that is a Q4_1 quantization dequantized and rounded to bf16 (as torch rounds a
- * float32 weight: to nearest even) is rebuilt in registers: two input columns (16 bytes of the
- * paired layout: byte 2j + e holds column 2p + e's outputs j (low nibble) and j + 8 (high))
+/* ---- bfloat16 products over a GGUF's blocks (AVX512-BF16; the paired layouts) ----
+ * A bfloat16 weight that is a GGUF quantization dequantized and rounded to bf16 (as torch rounds a
+ * float32 weight: to nearest even) is rebuilt in registers: a pair of input columns (2p, 2p + 1) of
+ * the paired layout — lane 2j + e of its low part holds output j's input 2p + e, of its high part
+ * output j + 8's (Q4_1: low and high nibbles of 16 bytes; Q8_0: the two 16-byte halves of 32) —
  * dequantized in float32 and rounded to bf16 pairs, which lands them in VDPBF16PS's order (output
- * j's inputs 2p, 2p + 1 side by side);
- * then the bf16 kernel's own chain (one VDPBF16PS per pair of inputs, in order, rounded once at the
- * end): the outputs are bit for bit the bf16 kernel's over the rounded weight. */
-#define Q4_BF16_BLOCKS 2  /* 16-output blocks per tile: 2 × 6 rows of accumulators */
+ * j's inputs 2p, 2p + 1 side by side); then the bf16 kernel's own chain (one VDPBF16PS per pair of
+ * inputs, in order, rounded once at the end): the outputs are bit for bit the bf16 kernel's over
+ * the rounded weight. */
+#define BF16_TILE_BLOCKS 2  /* 16-output blocks per tile: 2 × 6 rows of accumulators */
 
-/* lane 2j + e of a pair's low nibbles is output j: its d and m */
-static const int32_t Q4_LOW_LANES[16] = {0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7};
+/* lane 2j + e of a pair's low part is output j: its scales */
+static const int32_t LOW_LANES[16] = {0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7};
 
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
-static void q4_bf16_tile(const uint32_t *x, const uint8_t *nib, const uint16_t *dm, uint16_t *y, long rows, long in,
-                         long out, long b0, long nb) {
-    long groups = in / 32, pairs = in / 2;
-    __m512 acc[6][Q4_BF16_BLOCKS];
-    for (int m = 0; m < 6; m++)
-        for (int j = 0; j < Q4_BF16_BLOCKS; j++) acc[m][j] = _mm512_setzero_ps();
-    const __m512i low = _mm512_set1_epi32(15);
-    const __m512i low_lanes = _mm512_loadu_si512(Q4_LOW_LANES), high_lanes = _mm512_add_epi32(low_lanes, _mm512_set1_epi32(8));
-    for (long g = 0; g < groups; g++) {
-        __m512 dl[Q4_BF16_BLOCKS], dh[Q4_BF16_BLOCKS], ml[Q4_BF16_BLOCKS], mh[Q4_BF16_BLOCKS];
-        for (int j = 0; j < Q4_BF16_BLOCKS; j++) {
-            const uint16_t *s = dm + ((b0 + (j < nb ? j : 0)) * groups + g) * 32;
-            __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)s));
-            __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + 16)));
-            dl[j] = _mm512_permutexvar_ps(low_lanes, d), dh[j] = _mm512_permutexvar_ps(high_lanes, d);
-            ml[j] = _mm512_permutexvar_ps(low_lanes, m), mh[j] = _mm512_permutexvar_ps(high_lanes, m);
-        }
-        for (long kk = 0; kk < 16; kk++) {
-            long p = g * 16 + kk;
-            __m512i w[Q4_BF16_BLOCKS];
-            for (int j = 0; j < Q4_BF16_BLOCKS; j++) {
-                const uint8_t *nb16 = nib + (((b0 + (j < nb ? j : 0)) * groups + g) * 32 + 2 * kk) * 8;
-                __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)nb16));
-                __m512 lo = _mm512_fmadd_ps(dl[j], _mm512_cvtepi32_ps(_mm512_and_si512(q, low)), ml[j]);
-                __m512 hi = _mm512_fmadd_ps(dh[j], _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), mh[j]);
-                w[j] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
-            }
-            for (int m = 0; m < 6 && m < rows; m++) {
-                __m512i xm = _mm512_set1_epi32((int)x[m * pairs + p]);
-                for (int j = 0; j < Q4_BF16_BLOCKS; j++) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], (__m512bh)xm, (__m512bh)w[j]);
-            }
-        }
-    }
-    for (long m = 0; m < rows; m++)
-        for (long j = 0; j < nb; j++) store_bf16(acc[m][j], y + m * out, out, b0 + j);
+/* a group's scales for tile block j, then a pair's weights */
+#define Q4_PAIR_SETUP(j) const uint16_t *s = dm + (blk * groups + g) * 32;                            \
+    __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)s));                               \
+    __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + 16)));                        \
+    dl[j] = _mm512_permutexvar_ps(low_lanes, d), dh[j] = _mm512_permutexvar_ps(high_lanes, d);        \
+    ml[j] = _mm512_permutexvar_ps(low_lanes, m), mh[j] = _mm512_permutexvar_ps(high_lanes, m);
+#define Q4_PAIR_W(j) __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(data + (blk * groups + g) * 256 + kk * 16))); \
+    __m512 lo = _mm512_fmadd_ps(dl[j], _mm512_cvtepi32_ps(_mm512_and_si512(q, low)), ml[j]);         \
+    __m512 hi = _mm512_fmadd_ps(dh[j], _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), mh[j]);
+#define Q8_PAIR_SETUP(j) __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dm + (blk * groups + g) * 16))); \
+    dl[j] = _mm512_permutexvar_ps(low_lanes, d), dh[j] = _mm512_permutexvar_ps(high_lanes, d);
+#define Q8_PAIR_W(j) const int8_t *pair = (const int8_t *)data + (blk * groups + g) * 512 + kk * 32;   \
+    __m512 lo = _mm512_mul_ps(dl[j], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)pair)))); \
+    __m512 hi = _mm512_mul_ps(dh[j], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(pair + 16)))));
+
+/* rows (≤ 6) input rows (as pairs of bf16) against blocks b0 .. b0 + nb − 1 (nb ≤ BF16_TILE_BLOCKS) */
+#define PAIR_TILE(NAME, SETUP, W)                                                                       \
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))                                      \
+static void NAME(const uint32_t *x, const uint8_t *data, const uint16_t *dm, uint16_t *y, long rows, long in, \
+                 long out, long b0, long nb) {                                                          \
+    long groups = in / 32, pairs = in / 2;                                                              \
+    __m512 acc[6][BF16_TILE_BLOCKS];                                                                    \
+    for (int m = 0; m < 6; m++)                                                                         \
+        for (int j = 0; j < BF16_TILE_BLOCKS; j++) acc[m][j] = _mm512_setzero_ps();                     \
+    const __m512i low = _mm512_set1_epi32(15), low_lanes = _mm512_loadu_si512(LOW_LANES);               \
+    const __m512i high_lanes = _mm512_add_epi32(low_lanes, _mm512_set1_epi32(8));                       \
+    (void)low;                                                                                          \
+    for (long g = 0; g < groups; g++) {                                                                 \
+        __m512 dl[BF16_TILE_BLOCKS], dh[BF16_TILE_BLOCKS], ml[BF16_TILE_BLOCKS], mh[BF16_TILE_BLOCKS];  \
+        (void)ml; (void)mh;                                                                             \
+        for (int j = 0; j < BF16_TILE_BLOCKS; j++) {                                                    \
+            long blk = b0 + (j < nb ? j : 0);  /* past the last block: its first again, never stored */ \
+            SETUP(j)                                                                                    \
+        }                                                                                               \
+        for (long kk = 0; kk < 16; kk++) {                                                              \
+            long p = g * 16 + kk;                                                                       \
+            __m512i w[BF16_TILE_BLOCKS];                                                                \
+            for (int j = 0; j < BF16_TILE_BLOCKS; j++) {                                                \
+                long blk = b0 + (j < nb ? j : 0);                                                       \
+                W(j)                                                                                    \
+                w[j] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);                                            \
+            }                                                                                           \
+            for (int m = 0; m < 6 && m < rows; m++) {                                                   \
+                __m512i xm = _mm512_set1_epi32((int)x[m * pairs + p]);                                  \
+                for (int j = 0; j < BF16_TILE_BLOCKS; j++)                                              \
+                    acc[m][j] = _mm512_dpbf16_ps(acc[m][j], (__m512bh)xm, (__m512bh)w[j]);              \
+            }                                                                                           \
+        }                                                                                               \
+    }                                                                                                   \
+    for (long m = 0; m < rows; m++)                                                                     \
+        for (long j = 0; j < nb; j++) store_bf16(acc[m][j], y + m * out, out, b0 + j);                  \
 }
 
-/* y (rows, out) bf16 = x (rows, in) bf16 · Wᵀ for W as Q4_1 blocks rounded to bf16; in a multiple of 32 */
-void draftheads_fewrow_q4_bf16(const uint16_t *x, const uint8_t *nib, const uint16_t *dm, uint16_t *y, long rows,
-                               long in, long out, int threads) {
-    long blocks = (out + 15) / 16, tiles = (blocks + Q4_BF16_BLOCKS - 1) / Q4_BF16_BLOCKS;
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (long t = 0; t < tiles; t++) {
-        long nb = blocks - t * Q4_BF16_BLOCKS < Q4_BF16_BLOCKS ? blocks - t * Q4_BF16_BLOCKS : Q4_BF16_BLOCKS;
-        for (long m = 0; m < rows; m += 6)
-            q4_bf16_tile((const uint32_t *)(x + m * in), nib, dm, y + m * out, rows - m < 6 ? rows - m : 6, in, out,
-                         t * Q4_BF16_BLOCKS, nb);
-    }
+/* y (rows, out) bf16 = x (rows, in) bf16 · Wᵀ for W as blocks rounded to bf16; in a multiple of 32 */
+#define PAIR_PRODUCT(NAME, TILE)                                                                        \
+void NAME(const uint16_t *x, const uint8_t *data, const uint16_t *dm, uint16_t *y, long rows, long in, long out, \
+          int threads) {                                                                                \
+    long blocks = (out + 15) / 16, tiles = (blocks + BF16_TILE_BLOCKS - 1) / BF16_TILE_BLOCKS;           \
+    _Pragma("omp parallel for num_threads(threads) schedule(static)")                                   \
+    for (long t = 0; t < tiles; t++) {                                                                  \
+        long nb = blocks - t * BF16_TILE_BLOCKS < BF16_TILE_BLOCKS ? blocks - t * BF16_TILE_BLOCKS : BF16_TILE_BLOCKS; \
+        for (long m = 0; m < rows; m += 6)                                                              \
+            TILE((const uint32_t *)(x + m * in), data, dm, y + m * out, rows - m < 6 ? rows - m : 6, in, out, \
+                 t * BF16_TILE_BLOCKS, nb);                                                             \
+    }                                                                                                   \
 }
+
+PAIR_TILE(q4_pair_tile, Q4_PAIR_SETUP, Q4_PAIR_W)
+PAIR_PRODUCT(draftheads_fewrow_q4_bf16, q4_pair_tile)
+PAIR_TILE(q8_pair_tile, Q8_PAIR_SETUP, Q8_PAIR_W)
+PAIR_PRODUCT(draftheads_fewrow_q8_bf16, q8_pair_tile)
 
 /* ---- The elementwise steps of a Llama-form layer (fused.py says why and how they are checked) ----
  * Each computes what transformers' modules compute, operation by operation, in the same dtype

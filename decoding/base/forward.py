@@ -19,7 +19,7 @@ from .binding import callers_hook, global_hooks, stands_in
 from .cache import reserved_cache, reserved_layer_class
 from .direct import direct_body, direct_forward
 from .mask_memo import mask_memos
-from .packed import packed_matmul
+from .packed import block_kind, packed_matmul
 from .packing import forward_context, packed_lm_head
 from .plan import packs
 from .rows import subset_product
@@ -215,7 +215,7 @@ def _lm_head(model, states: torch.Tensor) -> torch.Tensor:
     packed = packed_lm_head(model)
     head = model.get_output_embeddings()
     if (packed is not None and stands_in(head) and head.bias is None and states.dtype == head.weight.dtype
-            and packs(head.weight, states.numel() // states.shape[-1])):
+            and packs(head.weight, states.numel() // states.shape[-1], block_kind(packed, head.weight))):
         return packed_matmul(states, head.weight, packed)
     return head(states)
 

@@ -1,5 +1,5 @@
 """A weight's packed copies, kept beside it: the oneDNN-packed copy and the few-row kernel's
-blocked copy (:mod:`.fewrow`), each made on first use (and its Q4_1 blocks where they were given, :mod:`.q4`) and checked against the weight's content
+blocked copy (:mod:`.fewrow`), each made on first use (and its GGUF blocks where they were given, :mod:`.blocks`) and checked against the weight's content
 (:func:`~draftheads.core.content.content_fingerprint`) before each decoding call; and the one
 product through them (:func:`packed_matmul`) that the plan picks (:mod:`.plan`)."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from ...core.content import FingerprintMemo, fingerprint_of
 from .fewrow import block_weight, fewrow_product
 from .plan import PLAN, fewrow_applies, packs
-from .q4 import Q4Blocks, q4_product
+from .blocks import Blocks, blocks_product
 
 
 def tensor_key(weight: torch.Tensor) -> tuple:
@@ -32,7 +32,7 @@ class PackedWeight:
     content changed any other way."""
 
     def __init__(self) -> None:
-        self._copies: dict[str, tuple[tuple, torch.Tensor | Q4Blocks, tuple[torch.Tensor, ...]]] = {}
+        self._copies: dict[str, tuple[tuple, torch.Tensor | Blocks, tuple[torch.Tensor, ...]]] = {}
 
     def key(self, weight: torch.Tensor) -> tuple:
         return tensor_key(weight)
@@ -57,14 +57,14 @@ class PackedWeight:
     def blocked(self, weight: torch.Tensor) -> torch.Tensor:
         return self._copy("fewrow", weight, block_weight)
 
-    def set_q4(self, weight: torch.Tensor, blocks: Q4Blocks) -> None:
+    def set_blocks(self, weight: torch.Tensor, blocks: Blocks) -> None:
         """Keep ``blocks``, which dequantize to ``weight`` as it is now (:mod:`.gguf_blocks` checked)."""
-        self._copies["q4"] = (self.key(weight), blocks, self.fingerprint(weight))
+        self._copies["blocks"] = (self.key(weight), blocks, self.fingerprint(weight))
 
-    def q4(self, weight: torch.Tensor) -> Q4Blocks | None:
-        """The weight's Q4_1 blocks where they were given for it as it is now, else None (never
+    def blocks(self, weight: torch.Tensor) -> Blocks | None:
+        """The weight's GGUF blocks where they were given for it as it is now, else None (never
         made here: blocks come only from a source checked against the weight)."""
-        cached = self._copies.get("q4")
+        cached = self._copies.get("blocks")
         return cached[1] if cached is not None and cached[0] == self.key(weight) else None
 
     def drop_stale(self, weight: torch.Tensor, memo: FingerprintMemo | None = None) -> bool:
@@ -89,6 +89,12 @@ class PackedWeight:
         self._copies.clear()
 
 
+def block_kind(copies: PackedWeight, weight: torch.Tensor) -> str | None:
+    """The kind of the GGUF blocks kept for ``weight`` as it is now (None: it has none)."""
+    blocks = copies.blocks(weight)
+    return blocks.kind if blocks is not None else None
+
+
 def packed_matmul(x: torch.Tensor, weight: torch.Tensor, cache: PackedWeight,
                   bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (..., in) · weightᵀ (weight (out, in)) through the copy in ``cache`` that the plan picks
@@ -104,10 +110,10 @@ def resolved_matmul(weight: torch.Tensor, cache: PackedWeight, rows: int,
     """:func:`packed_matmul` for ``rows`` rows resolved once: the path the plan picks and its copy,
     bound into a function of x (rows, in) contiguous (the decoder's direct body, :mod:`.direct`,
     keeps it while the plan and the copies stand)."""
-    blocks = cache.q4(weight)
-    path = PLAN.path(weight, rows, quantized=blocks is not None)
-    if path == "q4" and blocks is not None:
-        return q4_product(blocks, bias)
+    blocks = cache.blocks(weight)
+    path = PLAN.path(weight, rows, kind=blocks.kind if blocks is not None else None)
+    if blocks is not None and path == blocks.kind:
+        return blocks_product(blocks, bias)
     if path == "fewrow" and fewrow_applies(weight):
         return fewrow_product(cache.blocked(weight), weight.shape[0], bias)
     packed = cache.get(weight)

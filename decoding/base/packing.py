@@ -38,9 +38,9 @@ def use_packed_linears(model) -> bool:
     :func:`~.forward.lm_logits`) run
     the base's linear layers and LM head through oneDNN-packed weights or the few-row kernel,
     whichever measured fastest per shape (see :mod:`.plan`: packed bfloat16 bit-identical, the
-    kernel within one bf16 rounding; float32 within float32 rounding), and float32 weights that
-    are the Q4_1 GGUF the base was converted from through its blocks (:mod:`.gguf_blocks`, the
-    float32 kernel's results bit for bit). The copies are kept beside
+    kernel within one bf16 rounding; float32 within float32 rounding), and the weights (LM head
+    included) that are the GGUF the base was converted from through its blocks
+    (:mod:`.gguf_blocks`: the few-row kernel's results bit for bit). The copies are kept beside
     the model, which is left as it is: its own ``generate``, ``deepcopy``, ``pickle`` and
     quantizers see plain ``nn.Linear`` layers.
     Returns whether packing is available here."""
@@ -51,7 +51,7 @@ def use_packed_linears(model) -> bool:
     wrap_linears(decoder_body(model))
     _PACKED_BASES[model] = PackedWeight()
     _plan_base(model)
-    attach_gguf_blocks(model)
+    attach_gguf_blocks(model, _PACKED_BASES[model])
     return True
 
 

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from .fewrow import block_weight, fewrow_product, kernel, kernel_dtypes
-from .q4 import Q4_GROUP, q4_available, q4_blocks, q4_product, random_q4
+from .blocks import GROUP, KINDS, blocks_available, blocks_product, make_blocks, random_parts
 from .hardware import bf16_native
 
 
@@ -132,7 +132,7 @@ def measure_shape(dtype: torch.dtype, out_features: int, in_features: int, reps:
     few-row kernel for a random weight of this shape at every row count of :data:`ROW_BUCKETS`,
     interleaved (one noisy spell hits every path alike); each call reads the next of
     :func:`stream_copies` copies of the weight (``footprint``: the bytes a decoding step streams).
-    Where the Q4_1 product applies (:func:`q4_applies`) it is timed too, over random blocks."""
+    Where a block product applies (:func:`blocks_apply`) it is timed too, over random blocks."""
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
     weights = [weight] + [weight.clone() for _ in range(stream_copies(weight.numel() * weight.element_size(),
@@ -143,10 +143,10 @@ def measure_shape(dtype: torch.dtype, out_features: int, in_features: int, reps:
     if fewrow_applies(weight):
         blocked = [block_weight(w) for w in weights]
         paths["fewrow_ms"] = _rotating([fewrow_product(b, out_features) for b in blocked])
-    if q4_applies(weight):
-        parts = random_q4(out_features, in_features, generator)
-        blocks = [q4_blocks(*parts, dtype) for _ in range(stream_copies(q4_blocks(*parts, dtype).nbytes, footprint))]
-        paths["q4_ms"] = _rotating([q4_product(b) for b in blocks])
+    for kind in (k for k in KINDS if blocks_apply(weight, k)):
+        parts = random_parts(kind, out_features, in_features, generator)
+        copies = stream_copies(make_blocks(kind, *parts, dtype=dtype).nbytes, footprint)
+        paths[f"{kind}_ms"] = _rotating([blocks_product(make_blocks(kind, *parts, dtype=dtype)) for _ in range(copies)])
     timings: dict[str, list[float]] = {name: [] for name in paths}
     with torch.no_grad():
         for rows in ROW_BUCKETS:
@@ -201,25 +201,25 @@ def valid_shape_key(key) -> bool:
 #: point only where it measured more than this much slower (timing noise only adds time)
 PACK_TOLERANCE = 1.1
 #: the paths a product can take: "linear" (``F.linear``), "packed" (oneDNN), "fewrow" (the kernel),
-#: "q4" (the kernel over the weight's Q4_1 blocks, :mod:`.q4`: only a weight that has them)
-PATHS = ("linear", "packed", "fewrow", "q4")
+#: and each block kind (the kernel over the weight's GGUF blocks, :mod:`.blocks`: only a weight that has them)
+PATHS = ("linear", "packed", "fewrow") + KINDS
 #: the timings a measured shape has only where its path applies
-OPTIONAL_TIMINGS = ("fewrow_ms", "q4_ms")
+OPTIONAL_TIMINGS = ("fewrow_ms",) + tuple(f"{kind}_ms" for kind in KINDS)
 
 
 def fastest_paths(entry: dict[str, list[float]], kernel_loaded: bool = True,
-                  quantized: bool = False) -> tuple[str, ...]:
+                  kind: str | None = None) -> tuple[str, ...]:
     """Per row bucket of a measured shape, the path taken: packed unless it measured more than
     :data:`PACK_TOLERANCE` slower than ``F.linear``; the few-row kernel (when loaded and
-    measured) where it beat both; for a weight with Q4_1 blocks (``quantized``), their product
-    where it beat every other."""
+    measured) where it beat both; for a weight with blocks of ``kind``, their product where it
+    beat every other."""
     chosen = []
     for bucket, (p, f) in enumerate(zip(entry["packed_ms"], entry["linear_ms"])):
         path, best = ("packed", p) if p <= f * PACK_TOLERANCE else ("linear", f)
         if kernel_loaded and "fewrow_ms" in entry and entry["fewrow_ms"][bucket] < min(p, f):
             path, best = "fewrow", entry["fewrow_ms"][bucket]
-        if quantized and kernel_loaded and "q4_ms" in entry and entry["q4_ms"][bucket] < min(best, p, f):
-            path = "q4"
+        if kind is not None and kernel_loaded and f"{kind}_ms" in entry and entry[f"{kind}_ms"][bucket] < min(best, p, f):
+            path = kind
         chosen.append(path)
     return tuple(chosen)
 
@@ -236,11 +236,11 @@ def fewrow_applies(weight: torch.Tensor) -> bool:
             and (weight.dtype != torch.bfloat16 or weight.shape[-1] % 2 == 0))
 
 
-def q4_applies(weight: torch.Tensor) -> bool:
-    """Whether a weight of this shape and dtype could be multiplied through Q4_1 blocks here
-    (:mod:`.q4`): on the CPU, whole blocks of inputs, a dtype whose Q4_1 product agreed here."""
-    return (weight.device.type == "cpu" and weight.dim() == 2 and weight.shape[-1] % Q4_GROUP == 0
-            and q4_available(weight.dtype))
+def blocks_apply(weight: torch.Tensor, kind: str) -> bool:
+    """Whether a weight of this shape and dtype could be multiplied through blocks of ``kind`` here
+    (:mod:`.blocks`): on the CPU, whole blocks of inputs, a dtype whose block product agreed here."""
+    return (weight.device.type == "cpu" and weight.dim() == 2 and weight.shape[-1] % GROUP == 0
+            and blocks_available(kind, weight.dtype))
 
 
 @dataclass
@@ -249,46 +249,46 @@ class PackingPlan:
     taken (:func:`fastest_paths`). Shapes never measured pack wherever the dtype packs."""
 
     timings: dict[ShapeKey, dict[str, list[float]]] = field(default_factory=dict)
-    _verdicts: dict[tuple[ShapeKey, bool], tuple[str, ...]] = field(default_factory=dict, repr=False)
-    _fusions: dict[tuple[ShapeKey, int, bool], bool] = field(default_factory=dict, repr=False)
+    _verdicts: dict[tuple[ShapeKey, str | None], tuple[str, ...]] = field(default_factory=dict, repr=False)
+    _fusions: dict[tuple[ShapeKey, int, str | None], bool] = field(default_factory=dict, repr=False)
     #: bumped whenever a verdict may change (what resolved products, :mod:`.direct`, compare)
     generation: int = 0
 
-    def path(self, weight: torch.Tensor, rows: int, quantized: bool = False) -> str:
+    def path(self, weight: torch.Tensor, rows: int, kind: str | None = None) -> str:
         """The path a product of ``rows`` rows with ``weight`` takes (one of :data:`PATHS`;
-        ``quantized``: the weight has Q4_1 blocks)."""
-        return self.path_of(shape_key(weight.dtype, weight.shape[0], weight.shape[1]), rows, quantized)
+        ``kind``: the weight has blocks of that kind)."""
+        return self.path_of(shape_key(weight.dtype, weight.shape[0], weight.shape[1]), rows, kind)
 
-    def path_of(self, key: ShapeKey, rows: int, quantized: bool = False) -> str:
-        verdict = self._verdicts.get((key, quantized))
+    def path_of(self, key: ShapeKey, rows: int, kind: str | None = None) -> str:
+        verdict = self._verdicts.get((key, kind))
         if verdict is None:
             entry = self.timings.get(key)
             if entry is None:
                 return "packed"
-            verdict = self._verdicts[(key, quantized)] = fastest_paths(entry, kernel() is not None, quantized)
+            verdict = self._verdicts[(key, kind)] = fastest_paths(entry, kernel() is not None, kind)
         return verdict[row_bucket(rows)]
 
-    def pays(self, weight: torch.Tensor, rows: int, quantized: bool = False) -> bool:
-        return self.path(weight, rows, quantized) != "linear"
+    def pays(self, weight: torch.Tensor, rows: int, kind: str | None = None) -> bool:
+        return self.path(weight, rows, kind) != "linear"
 
-    def best_ms(self, key: ShapeKey, rows: int, quantized: bool = False) -> float | None:
+    def best_ms(self, key: ShapeKey, rows: int, kind: str | None = None) -> float | None:
         """The measured ms of the path taken for ``rows`` rows of shape ``key`` (None: unmeasured)."""
         entry = self.timings.get(key)
         if entry is None:
             return None
         bucket = row_bucket(rows)
-        return entry[f"{self.path_of(key, rows, quantized)}_ms"][bucket]
+        return entry[f"{self.path_of(key, rows, kind)}_ms"][bucket]
 
-    def fusion_pays(self, fused: ShapeKey, members: tuple[ShapeKey, ...], rows: int, quantized: bool = False) -> bool:
+    def fusion_pays(self, fused: ShapeKey, members: tuple[ShapeKey, ...], rows: int, kind: str | None = None) -> bool:
         """Whether one product of the stacked weight (``fused``) measured faster than the
-        ``members``' products one by one, at ``rows`` rows (unmeasured: no; ``quantized``: all of
-        them through their Q4_1 blocks)."""
-        verdict = self._fusions.get((fused, row_bucket(rows), quantized))
+        ``members``' products one by one, at ``rows`` rows (unmeasured: no; ``kind``: all of them
+        through their blocks of that kind)."""
+        verdict = self._fusions.get((fused, row_bucket(rows), kind))
         if verdict is None:
-            together = self.best_ms(fused, rows, quantized)
-            alone = [self.best_ms(key, rows, quantized) for key in members]
+            together = self.best_ms(fused, rows, kind)
+            alone = [self.best_ms(key, rows, kind) for key in members]
             verdict = together is not None and None not in alone and together < sum(alone)
-            self._fusions[(fused, row_bucket(rows), quantized)] = verdict
+            self._fusions[(fused, row_bucket(rows), kind)] = verdict
         return verdict
 
     def missing(self, weights: Iterable[torch.Tensor]) -> list[tuple[torch.dtype, int, int]]:
@@ -296,18 +296,19 @@ class PackingPlan:
         (or were measured before the few-row kernel was loaded, for the shapes it applies to)."""
         shapes = {(w.dtype, int(w.shape[0]), int(w.shape[1])) for w in weights if can_pack(w)}
         kernel_shapes = {(w.dtype, int(w.shape[0]), int(w.shape[1])) for w in weights if fewrow_applies(w)}
-        q4_shapes = {(w.dtype, int(w.shape[0]), int(w.shape[1])) for w in weights if q4_applies(w)}
+        block_shapes = {kind: {(w.dtype, int(w.shape[0]), int(w.shape[1])) for w in weights if blocks_apply(w, kind)}
+                        for kind in KINDS}
 
         def unmeasured(s) -> bool:
             entry = self.timings.get(shape_key(*s))
             return (entry is None or (s in kernel_shapes and "fewrow_ms" not in entry)
-                    or (s in q4_shapes and "q4_ms" not in entry))
+                    or any(s in shapes and f"{kind}_ms" not in entry for kind, shapes in block_shapes.items()))
         return sorted((s for s in shapes if unmeasured(s)), key=str)
 
     def add(self, key: ShapeKey, entry: dict[str, list[float]]) -> None:
         self.timings[key] = entry
-        self._verdicts.pop((key, False), None)
-        self._verdicts.pop((key, True), None)
+        for kind in (None,) + KINDS:
+            self._verdicts.pop((key, kind), None)
         self._fusions.clear()
         self.generation += 1
 
@@ -323,9 +324,9 @@ class PackingPlan:
 PLAN = PackingPlan()
 
 
-def packs(weight: torch.Tensor, rows: int, quantized: bool = False) -> bool:
+def packs(weight: torch.Tensor, rows: int, kind: str | None = None) -> bool:
     """Whether a product of ``rows`` rows with ``weight`` takes a path other than ``F.linear``:
-    the dtype packs here and the shape measured faster that way at that row count (``quantized``:
-    the weight has Q4_1 blocks)."""
-    return can_pack(weight) and PLAN.pays(weight, rows, quantized)
+    the dtype packs here and the shape measured faster that way at that row count (``kind``: the
+    weight has blocks of that kind)."""
+    return can_pack(weight) and PLAN.pays(weight, rows, kind)
 

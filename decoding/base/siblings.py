@@ -9,7 +9,7 @@ from torch import nn
 
 from ...core.kept import kept
 from ...core.content import FingerprintMemo, fingerprint_of
-from .packed import PackedWeight, packed_matmul, tensor_key
+from .packed import PackedWeight, block_kind, packed_matmul, tensor_key
 from .plan import PLAN, ROW_BUCKETS, packs, row_bucket, shape_key
 
 
@@ -65,8 +65,8 @@ class SiblingProduct:
         self._outputs: list[torch.Tensor | None] = []
 
     def pays(self, rows: int) -> bool:
-        quantized = self.copies.q4(self.shape) is not None  # every member's blocks, stacked (:mod:`.gguf_blocks`)
-        return (PLAN.fusion_pays(self.key, self.member_keys, rows, quantized)
+        kind = block_kind(self.copies, self.shape)  # every member's blocks, stacked (:mod:`.gguf_blocks`)
+        return (PLAN.fusion_pays(self.key, self.member_keys, rows, kind)
                 and stacking_exact(self.shape.dtype, self.member_shapes)[row_bucket(rows)])
 
     def bias(self) -> torch.Tensor | None:

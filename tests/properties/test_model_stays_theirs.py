@@ -42,7 +42,7 @@ def bound(request, monkeypatch, tmp_path):
     if request.param == "fewrow" and not fewrow.load_kernel(tmp_path / "kernels"):
         pytest.skip(f"the few-row kernel is off here ({fewrow.kernel_status()})")
     plan = PackingPlan()
-    monkeypatch.setattr(plan, "path_of", lambda key, rows, quantized=False: "fewrow" if request.param == "fewrow" else "packed")
+    monkeypatch.setattr(plan, "path_of", lambda key, rows, kind=None: "fewrow" if request.param == "fewrow" else "packed")
     for module in (plan_module, packed_module, siblings_module, packing_module):  # each reads the plan
         monkeypatch.setattr(module, "PLAN", plan)
     monkeypatch.setattr(packing_module, "measure_shape", lambda dtype, out, inp, **_: {

@@ -106,7 +106,7 @@ def heads(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def packed_everywhere(monkeypatch):
     """Every product of every shape takes the packed path (where the hooks were ignored)."""
-    monkeypatch.setattr(plan.PLAN, "path_of", lambda key, rows, quantized=False: "packed")
+    monkeypatch.setattr(plan.PLAN, "path_of", lambda key, rows, kind=None: "packed")
 
 
 def _reference(model, prompt) -> list:
