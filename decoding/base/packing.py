@@ -20,13 +20,14 @@ from ...core.errors import UnwritablePathError
 from .fingerprint import lm_head_weight
 from .architecture import decoder_body
 from .attention import packed_attention
-from .binding import fuse_siblings, packed_forward, packed_linears, refresh_linears, release_linears, wearing
+from .binding import binding, fuse_siblings, packed_forward, packed_linears, refresh_linears, release_linears, wearing
 from .binding import use_packed_linears as wrap_linears
 from .fewrow import load_kernel
 from .gguf_blocks import attach_gguf_blocks
 from .hardware import cpu_key
 from .loading import cache_root
-from .packed import PackedReadout, PackedWeight
+from .blocks import KINDS
+from .packed import PackedReadout, PackedWeight, block_kind
 from .plan import FOOTPRINT_RULE, PLAN, STREAM_BYTES, can_pack, measure_shape, shape_key, valid_shape_key, valid_timings
 
 
@@ -50,8 +51,10 @@ def use_packed_linears(model) -> bool:
         return False
     wrap_linears(decoder_body(model))
     _PACKED_BASES[model] = PackedWeight()
+    fuse_siblings(decoder_body(model))
+    load_kernel(cache_root() / "kernels")
+    attach_gguf_blocks(model, _PACKED_BASES[model])  # before the plan: it times the kinds the weights have
     _plan_base(model)
-    attach_gguf_blocks(model, _PACKED_BASES[model])
     return True
 
 
@@ -64,7 +67,22 @@ def _plan_base(model) -> None:
     """Measure (or read) the packing plan for every weight shape of the base, the LM head and the
     stacked sibling products included."""
     products = fuse_siblings(decoder_body(model))
-    plan_packing(base_weights(model) + [product.shape for product in products])
+    plan_packing(base_weights(model) + [product.shape for product in products], blocks=base_block_kinds(model))
+
+
+def base_block_kinds(model) -> dict[tuple[torch.dtype, int, int], set[str]]:
+    """Per (dtype, out, in) shape, the kinds of GGUF blocks the base's weights of that shape have
+    (:mod:`.gguf_blocks`): the block products the plan must time."""
+    found: dict[tuple[torch.dtype, int, int], set[str]] = {}
+    bound = binding(decoder_body(model))
+    pairs = [(b.copies, b.module.weight) for b in bound.linears.values()] if bound is not None else []
+    pairs += [(p.copies, p.shape) for p in (bound.products if bound is not None else [])]
+    pairs.append((_PACKED_BASES[model], lm_head_weight(model)))
+    for copies, weight in pairs:
+        kind = block_kind(copies, weight)
+        if kind is not None:
+            found.setdefault((weight.dtype, int(weight.shape[0]), int(weight.shape[1])), set()).add(kind)
+    return found
 
 
 def refresh_packing(model, memo: FingerprintMemo | None = None) -> None:
@@ -120,7 +138,8 @@ def read_packing_cache(path: Path) -> dict:
     return good
 
 
-def plan_packing(weights, alongside: Iterable[torch.Tensor] = ()) -> None:
+def plan_packing(weights, alongside: Iterable[torch.Tensor] = (),
+                 blocks: dict[tuple[torch.dtype, int, int], set[str]] | None = None) -> None:
     """Decide, for every shape among ``weights`` that packs here, at which row counts the packed
     path is faster (:class:`~.plan.PackingPlan`): from this machine's cache,
     else measured now (a few timings a shape, once per machine) and cached. A shape is timed over
@@ -136,18 +155,26 @@ def plan_packing(weights, alongside: Iterable[torch.Tensor] = ()) -> None:
     if not PLAN.timings:
         for key, entry in read_packing_cache(path).items():
             PLAN.add(key, entry)
-    missing = PLAN.missing(weights)
+    missing = PLAN.missing(weights, blocks)
     if not missing:
         return
     footprint = sum(w.numel() * w.element_size() for w in [*weights, *alongside])
     for dtype, out_features, in_features in missing:
         PLAN.add(shape_key(dtype, out_features, in_features),
-                 measure_shape(dtype, out_features, in_features, footprint=footprint))
+                 measure_shape(dtype, out_features, in_features, footprint=footprint,
+                               kinds=_kinds_to_time(shape_key(dtype, out_features, in_features),
+                                                    (blocks or {}).get((dtype, out_features, in_features), set()))))
     try:
         write_text_atomic(path, json.dumps({"key": cpu_key(), "shapes": PLAN.timings}, indent=1))
     except UnwritablePathError as err:
         warnings.warn(f"Cannot write the packing cache {path} ({err}); the measurement is kept for this process only "
                       "(set DRAFTHEADS_CACHE to a writable folder).", UserWarning, stacklevel=3)
+
+
+def _kinds_to_time(key: str, needed: set[str]) -> set[str]:
+    """The block kinds a shape is measured with: those its weights need, and those already measured
+    for it (a measurement replaces the entry whole)."""
+    return set(needed) | {name.removesuffix("_ms") for name in PLAN.timings.get(key, {}) if name.removesuffix("_ms") in KINDS}
 
 
 @contextmanager

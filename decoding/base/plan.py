@@ -27,7 +27,7 @@ import itertools
 import math
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable
 
 import torch
@@ -127,12 +127,13 @@ def _rotating(products: list[Callable[[torch.Tensor], torch.Tensor]]) -> Callabl
 
 
 def measure_shape(dtype: torch.dtype, out_features: int, in_features: int, reps: int = 3,
-                  footprint: int = 0) -> dict[str, list[float]]:
+                  footprint: int = 0, kinds: Iterable[str] = ()) -> dict[str, list[float]]:
     """ms per call of ``F.linear``, of the packed product and (where it is loaded for the dtype) of the
     few-row kernel for a random weight of this shape at every row count of :data:`ROW_BUCKETS`,
     interleaved (one noisy spell hits every path alike); each call reads the next of
     :func:`stream_copies` copies of the weight (``footprint``: the bytes a decoding step streams).
-    Where a block product applies (:func:`blocks_apply`) it is timed too, over random blocks."""
+    For each of ``kinds`` (a weight of this shape has such GGUF blocks) whose block product applies
+    here (:func:`blocks_apply`), that product is timed too, over random blocks."""
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
     weights = [weight] + [weight.clone() for _ in range(stream_copies(weight.numel() * weight.element_size(),
@@ -143,10 +144,11 @@ def measure_shape(dtype: torch.dtype, out_features: int, in_features: int, reps:
     if fewrow_applies(weight):
         blocked = [block_weight(w) for w in weights]
         paths["fewrow_ms"] = _rotating([fewrow_product(b, out_features) for b in blocked])
-    for kind in (k for k in KINDS if blocks_apply(weight, k)):
-        parts = random_parts(kind, out_features, in_features, generator)
-        copies = stream_copies(make_blocks(kind, *parts, dtype=dtype).nbytes, footprint)
-        paths[f"{kind}_ms"] = _rotating([blocks_product(make_blocks(kind, *parts, dtype=dtype)) for _ in range(copies)])
+    for kind in (k for k in KINDS if k in set(kinds) and blocks_apply(weight, k)):
+        first = make_blocks(kind, *random_parts(kind, out_features, in_features, generator), dtype=dtype)
+        copies = [first] + [replace(first, data=first.data.clone(), scales=first.scales.clone())
+                            for _ in range(stream_copies(first.nbytes, footprint) - 1)]
+        paths[f"{kind}_ms"] = _rotating([blocks_product(b) for b in copies])
     timings: dict[str, list[float]] = {name: [] for name in paths}
     with torch.no_grad():
         for rows in ROW_BUCKETS:
@@ -291,12 +293,16 @@ class PackingPlan:
             self._fusions[(fused, row_bucket(rows), kind)] = verdict
         return verdict
 
-    def missing(self, weights: Iterable[torch.Tensor]) -> list[tuple[torch.dtype, int, int]]:
+    def missing(self, weights: Iterable[torch.Tensor],
+                blocks: dict[tuple[torch.dtype, int, int], set[str]] | None = None) -> list[tuple[torch.dtype, int, int]]:
         """The (dtype, out, in) shapes among ``weights`` that pack here but were not measured yet
-        (or were measured before the few-row kernel was loaded, for the shapes it applies to)."""
+        (or were measured before the few-row kernel was loaded, for the shapes it applies to, or
+        without the block product of a kind ``blocks`` lists for the shape)."""
+        blocks = blocks or {}
         shapes = {(w.dtype, int(w.shape[0]), int(w.shape[1])) for w in weights if can_pack(w)}
         kernel_shapes = {(w.dtype, int(w.shape[0]), int(w.shape[1])) for w in weights if fewrow_applies(w)}
-        block_shapes = {kind: {(w.dtype, int(w.shape[0]), int(w.shape[1])) for w in weights if blocks_apply(w, kind)}
+        block_shapes = {kind: {(w.dtype, int(w.shape[0]), int(w.shape[1])) for w in weights if blocks_apply(w, kind)
+                               and kind in blocks.get((w.dtype, int(w.shape[0]), int(w.shape[1])), ())}
                         for kind in KINDS}
 
         def unmeasured(s) -> bool:
