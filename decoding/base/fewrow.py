@@ -168,7 +168,8 @@ def _bind(path: Path):
     lib.draftheads_q4_layout.restype = None
     lib.draftheads_q8_layout.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 2 + [ctypes.c_int]
     lib.draftheads_q8_layout.restype = None
-    for name in ("draftheads_fewrow_q4", "draftheads_fewrow_q4_bf16", "draftheads_fewrow_q8", "draftheads_fewrow_q8_bf16"):
+    for name in ("draftheads_fewrow_q4", "draftheads_fewrow_q4_bf16", "draftheads_fewrow_q8",
+                 "draftheads_fewrow_q8_bf16"):
         getattr(lib, name).argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
         getattr(lib, name).restype = None
     for suffix in ("", "_bf16"):

@@ -137,9 +137,10 @@ def _targets(model, head: PackedWeight | None) -> list[tuple[torch.Tensor, Packe
 
 def attach_gguf_blocks(model, head: PackedWeight | None = None) -> int:
     """Give each weight of ``model`` (its bound body's linear layers, after
-    :func:`~.binding.use_packed_linears`, and its LM head where ``head`` holds its copies) that is exactly a tensor of the GGUF the base was converted
-    from (:func:`~.loading.converted_from`), of a kind and dtype with a block product here, its
-    :class:`~.blocks.Blocks`; returns how many got them (0: not a converted base, or none such)."""
+    :func:`~.binding.use_packed_linears`, and its LM head where ``head`` holds its copies) that is
+    exactly a tensor of the GGUF the base was converted from (:func:`~.loading.converted_from`), of a
+    kind and dtype with a block product here, its :class:`~.blocks.Blocks`; returns how many got them
+    (0: not a converted base, or none such)."""
     found = binding(decoder_body(model))
     gguf = converted_from(getattr(model, "name_or_path", None) or "")
     if found is None or gguf is None or not Path(gguf).is_file():

@@ -1,5 +1,6 @@
 """A weight's packed copies, kept beside it: the oneDNN-packed copy and the few-row kernel's
-blocked copy (:mod:`.fewrow`), each made on first use (and its GGUF blocks where they were given, :mod:`.blocks`) and checked against the weight's content
+blocked copy (:mod:`.fewrow`), each made on first use, and its GGUF blocks where they were given
+(:mod:`.blocks`), each checked against the weight's content
 (:func:`~draftheads.core.content.content_fingerprint`) before each decoding call; and the one
 product through them (:func:`packed_matmul`) that the plan picks (:mod:`.plan`)."""
 from __future__ import annotations

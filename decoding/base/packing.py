@@ -174,7 +174,8 @@ def plan_packing(weights, alongside: Iterable[torch.Tensor] = (),
 def _kinds_to_time(key: str, needed: set[str]) -> set[str]:
     """The block kinds a shape is measured with: those its weights need, and those already measured
     for it (a measurement replaces the entry whole)."""
-    return set(needed) | {name.removesuffix("_ms") for name in PLAN.timings.get(key, {}) if name.removesuffix("_ms") in KINDS}
+    measured = {name.removesuffix("_ms") for name in PLAN.timings.get(key, {})}
+    return set(needed) | (measured & set(KINDS))
 
 
 @contextmanager

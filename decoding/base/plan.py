@@ -220,7 +220,8 @@ def fastest_paths(entry: dict[str, list[float]], kernel_loaded: bool = True,
         path, best = ("packed", p) if p <= f * PACK_TOLERANCE else ("linear", f)
         if kernel_loaded and "fewrow_ms" in entry and entry["fewrow_ms"][bucket] < min(p, f):
             path, best = "fewrow", entry["fewrow_ms"][bucket]
-        if kind is not None and kernel_loaded and f"{kind}_ms" in entry and entry[f"{kind}_ms"][bucket] < min(best, p, f):
+        blocks_ms = entry.get(f"{kind}_ms") if kind is not None and kernel_loaded else None
+        if blocks_ms is not None and blocks_ms[bucket] < min(best, p, f):
             path = kind
         chosen.append(path)
     return tuple(chosen)
@@ -294,7 +295,8 @@ class PackingPlan:
         return verdict
 
     def missing(self, weights: Iterable[torch.Tensor],
-                blocks: dict[tuple[torch.dtype, int, int], set[str]] | None = None) -> list[tuple[torch.dtype, int, int]]:
+                blocks: dict[tuple[torch.dtype, int, int], set[str]] | None = None
+                ) -> list[tuple[torch.dtype, int, int]]:
         """The (dtype, out, in) shapes among ``weights`` that pack here but were not measured yet
         (or were measured before the few-row kernel was loaded, for the shapes it applies to, or
         without the block product of a kind ``blocks`` lists for the shape)."""
