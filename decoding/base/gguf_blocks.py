@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from .architecture import decoder_body
-from .binding import binding
+from .binding import Binding, binding
 from .blocks import GROUP, KINDS, blocks_available, dequantized, make_blocks
 from .fingerprint import lm_head_weight
 from .loading import converted_from
@@ -124,10 +124,10 @@ def _row_keys(values: torch.Tensor, dtype: torch.dtype) -> list[int]:
     return [hash(row.tobytes()) for row in values.to(dtype).float().contiguous().numpy()]
 
 
-def _targets(model, head: PackedWeight | None) -> list[tuple[torch.Tensor, PackedWeight, int]]:
+def _targets(model, found: Binding, head: PackedWeight | None) -> list[tuple[torch.Tensor, PackedWeight, int]]:
     """The weights that may get blocks, each with the copies it is multiplied through and the id the
-    stacked products know it by: the bound body's linear layers and the LM head (``head``: its copies)."""
-    found = binding(decoder_body(model))
+    stacked products know it by: the linear layers of the body's binding (``found``) and the LM head
+    (``head``: its copies)."""
     targets = [(b.module.weight.detach(), b.copies, id(b.module)) for b in found.linears.values()]
     if head is not None:
         targets.append((lm_head_weight(model).detach(), head, id(head)))
@@ -145,7 +145,7 @@ def attach_gguf_blocks(model, head: PackedWeight | None = None) -> int:
     gguf = converted_from(getattr(model, "name_or_path", None) or "")
     if found is None or gguf is None or not Path(gguf).is_file():
         return 0
-    targets = _targets(model, head)
+    targets = _targets(model, found, head)
     rows: dict[tuple[torch.dtype, int], list[tuple[int, int]]] = {}
     for index, (weight, _, _) in enumerate(targets):
         for row, key in enumerate(_row_keys(weight, weight.dtype)):
