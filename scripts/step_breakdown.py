@@ -129,13 +129,17 @@ def _seconds(fn) -> float:
 
 @contextmanager
 def body_way(model, way: str):
-    """``direct``: the direct forward (where the base allows it); ``eager``: transformers' forward."""
+    """``direct``: the direct forward (where the base allows it); ``general``: the direct forward
+    with every step's attention through the general path (no ``StepAttention``); ``eager``:
+    transformers' forward."""
     if way == "eager":
         release_direct_body(model.base)
+    elif way == "general":
+        use_direct_body(model.base, step_attention=False)
     try:
         yield
     finally:
-        if way == "eager":
+        if way in ("eager", "general"):
             use_direct_body(model.base)
 
 
@@ -192,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heads", default="checkpoints/smollm2-135m-hydra")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--batch-sizes", default="1,16")
-    parser.add_argument("--ways", default="direct,eager", help="direct, eager, or both (compared interleaved)")
+    parser.add_argument("--ways", default="direct,eager",
+                        help="direct, general, eager: one or more (compared interleaved)")
     parser.add_argument("--limit", type=int, default=8, help="bs-1 prompts (the dev prompts, first N)")
     parser.add_argument("--repeats", type=int, default=2, help="batches a batch size above 1 runs (each way)")
     parser.add_argument("--max-new-tokens", type=int, default=64)

@@ -19,20 +19,29 @@ from .attention import current_ragged_rows
 RESERVE_SLOTS, RESERVE_FRACTION = 256, 0.25
 
 
-def _append(view: torch.Tensor | None, buffer: torch.Tensor | None, new: torch.Tensor):
-    """view (B, H, T, D) — the layer's tensor, a prefix of ``buffer`` or not — plus new
-    (B, H, q, D) → (view (B, H, T+q, D), buffer): written in place into the buffer when the view
-    is its prefix and it has room, else into a new buffer with room to spare."""
+def _room(view: torch.Tensor | None, buffer: torch.Tensor | None, new_shape: tuple, like: torch.Tensor):
+    """view (B, H, T, D) — the layer's tensor, a prefix of ``buffer`` or not — and the shape
+    (B, H, q, D) of q new slots → (a buffer whose first T slots are the view's, with room for the
+    q after them, T): ``buffer`` itself when the view is its prefix and it has room, else a new one
+    (``like``'s dtype and device) with room to spare."""
     length = 0 if view is None or view.dim() != 4 else view.shape[-2]
     fits = (buffer is not None and length > 0 and view.data_ptr() == buffer.data_ptr()
-            and view.stride() == buffer.stride() and view.shape[:2] == new.shape[:2]
-            and buffer.shape[-2] >= length + new.shape[-2] and buffer.dtype == new.dtype)
+            and view.stride() == buffer.stride() and view.shape[:2] == new_shape[:2]
+            and buffer.shape[-2] >= length + new_shape[-2] and buffer.dtype == like.dtype)
     if not fits:
-        needed = length + new.shape[-2]
+        needed = length + new_shape[-2]
         capacity = needed + max(RESERVE_SLOTS, int(needed * RESERVE_FRACTION))
-        buffer = new.new_empty(new.shape[0], new.shape[1], capacity, new.shape[3])
+        buffer = like.new_empty(new_shape[0], new_shape[1], capacity, new_shape[3])
         if length:
             buffer[:, :, :length].copy_(view)
+    return buffer, length
+
+
+def _append(view: torch.Tensor | None, buffer: torch.Tensor | None, new: torch.Tensor):
+    """view (B, H, T, D) plus new (B, H, q, D) → (view (B, H, T+q, D), buffer): written in place
+    into the buffer when the view is its prefix and it has room, else into a new buffer
+    (:func:`_room`)."""
+    buffer, length = _room(view, buffer, new.shape, new)
     buffer[:, :, length:length + new.shape[-2]].copy_(new)
     return buffer[:, :, :length + new.shape[-2]], buffer
 
@@ -63,6 +72,18 @@ def reserved_layer_class():
                 self.keys, self._key_buffer = _append(self.keys, self._key_buffer, key_states)
                 self.values, self._value_buffer = _append(self.values, self._value_buffer, value_states)
                 return self.keys, self.values
+
+            def reserve(self, count: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+                """Room for ``count`` new slots after the layer's (initialized) keys and values:
+                (key buffer, value buffer (B, H, capacity, D), the first new slot); the layer's
+                tensors cover the new slots from here on and the caller writes them (what
+                :meth:`update` does with given states, without the states)."""
+                shape = (*self.keys.shape[:2], count, self.keys.shape[3])
+                self._key_buffer, start = _room(self.keys, self._key_buffer, shape, self.keys)
+                self._value_buffer, _ = _room(self.values, self._value_buffer, shape, self.values)
+                self.keys = self._key_buffer[:, :, :start + count]
+                self.values = self._value_buffer[:, :, :start + count]
+                return self._key_buffer, self._value_buffer, start
 
             def reset(self) -> None:
                 self._key_buffer = self._value_buffer = None

@@ -27,11 +27,15 @@ from typing import Callable, Sequence
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from .architecture import decoder_body
-from .attention import PACK_FLAG, packed_gqa_sdpa, uses_packed_sdpa
+from .attention import (PACK_FLAG, additive_mask, current_ragged_rows, packed_gqa_sdpa, repeated_mask,
+                        uses_packed_sdpa)
 from .binding import PackedLinear, binding, callers_hook, global_hooks, resolved_linears
+from .cache import reserved_layer_class
 from .fused import FusedOps, KernelOps, fused_ops
+from .key_blocks import key_runs
 from .plan import PLAN
 
 #: the module types of a body the direct forward computes exactly as transformers does, by the
@@ -62,8 +66,10 @@ class DirectBody:
     layer plans per row count with the stamp (the plan's and the binding's generations) they
     were made under."""
 
-    def __init__(self, model, ops: FusedOps):
+    def __init__(self, model, ops: FusedOps, step_attention: bool = True):
         body = decoder_body(model)
+        #: whether a step's attention may run through :class:`StepAttention`
+        self.step_attention = step_attention
         self.body = body
         self.layers = list(body.layers[: model.config.num_hidden_layers])
         #: the norm each layer's output meets next: the following layer's input norm, the final norm last
@@ -139,15 +145,17 @@ def direct_body_reason(model) -> str | None:
     return None
 
 
-def use_direct_body(model, ops: FusedOps | None = None) -> bool:
+def use_direct_body(model, ops: FusedOps | None = None, step_attention: bool = True) -> bool:
     """Let :func:`~.forward.verify` run ``model``'s tree steps through the direct forward where
     :func:`direct_body_reason` finds nothing against it; returns whether it will. ``ops``: the
-    elementwise steps (default :func:`~.fused.fused_ops`: the kernels where they agree here)."""
-    if model in _BODIES and ops is None:
+    elementwise steps (default :func:`~.fused.fused_ops`: the kernels where they agree here);
+    ``step_attention=False``: attention always through the general path (for comparisons)."""
+    found = _BODIES.get(model)
+    if found is not None and ops is None and found.step_attention == step_attention:
         return True
     if direct_body_reason(model) is not None:
         return False
-    _BODIES[model] = DirectBody(model, ops if ops is not None else fused_ops())
+    _BODIES[model] = DirectBody(model, ops if ops is not None else fused_ops(), step_attention)
     return True
 
 
@@ -180,8 +188,74 @@ def direct_body(model) -> DirectBody | None:
     if not found.intact():
         if direct_body_reason(model) is not None:
             return None
-        found = _BODIES[model] = DirectBody(model, found.ops)
+        found = _BODIES[model] = DirectBody(model, found.ops, found.step_attention)
     return found
+
+
+class StepAttention:
+    """A step's attention as the direct forward runs it where it can (:func:`plan_step_attention`):
+    per layer one kernel call rotates q and k and writes k and v into the cache's reserved
+    buffers (:meth:`~.fused.KernelOps.rope_store`), then SDPA runs over the grouped query heads
+    folded into rows, as :func:`~.attention.packed_gqa_sdpa` does, with what that derives from the
+    mask (its repetition for the groups, the additive form, the key runs) made once per forward
+    instead of looked up per layer. Same operations, same order: bit-identical to the general path.
+    Why: the general path's cache update, rotary and attention dispatch were ~90 µs of Python and
+    small copies per layer (evidence: results/profile/step_breakdown)."""
+
+    def __init__(self, layers: list, mask: torch.Tensor, shape: tuple[int, int, int], heads: tuple[int, int]):
+        self.layers, self.shape, self.heads = layers, shape, heads
+        repeated = repeated_mask(mask, heads[0] // heads[1])
+        runs = key_runs(mask)
+        self.runs = (((0, shape[0], 0, additive_mask(repeated, layers[0].keys.dtype)),) if runs is None else
+                     tuple((a, b, s, additive_mask(repeated[a:b, :, :, s:], layers[0].keys.dtype)) for a, b, s in runs))
+
+    def attend(self, ops: FusedOps, rotary: Callable, plan: LayerPlan, q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """q (rows, H·D), k and v (rows, H_kv·D) → the attention's output (rows, H·D), the layer's
+        cache grown by the step's slots."""
+        batch, length, dim = self.shape
+        heads, kv_heads = self.heads
+        layer = self.layers[plan.layer_idx]
+        query = q.new_empty(batch, heads, length, dim)
+        key, value, start = layer.reserve(length)
+        ops.rope_store(rotary, q, k, v, cos, sin, self.shape, query, key, value, start)
+        packed = query.view(batch, kv_heads, heads // kv_heads * length, dim)  # query heads of a group as rows
+        keys, values = layer.keys, layer.values
+        outs = [F.scaled_dot_product_attention(packed[a:b], keys[a:b, :, s:], values[a:b, :, s:], attn_mask=mask,
+                                               dropout_p=0.0, scale=plan.attn.scaling)
+                for a, b, s, mask in self.runs]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return out.view(batch, heads, length, dim).transpose(1, 2).reshape(batch * length, heads * dim)
+
+
+def plan_step_attention(state: DirectBody, cache, mask, shape: tuple[int, int, int],
+                   dtype: torch.dtype) -> StepAttention | None:
+    """:class:`StepAttention` for this forward where it computes what the general path does: the
+    kernels loaded and agreeing (:class:`~.fused.KernelOps`), not a packed ragged step, more than
+    one slot a row, grouped heads, one boolean mask (B, 1, N, T + N), and every cache layer the
+    decoder's reserved one, already holding keys of the dtype for these rows; else None."""
+    from transformers.cache_utils import Cache
+
+    attn = state.layers[0].self_attn
+    kv_heads = attn.config.num_key_value_heads
+    heads = attn.config.num_attention_heads
+    batch, length, _ = shape
+    layers = getattr(cache, "layers", None)
+    if (not state.step_attention or not isinstance(state.ops, KernelOps) or current_ragged_rows() is not None
+            or length < 2
+            or heads == kv_heads or getattr(attn, "num_key_value_groups", 1) != heads // kv_heads
+            or not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 4
+            or mask.shape[:3] != (batch, 1, length) or getattr(cache, "offloading", False)
+            or type(cache).update is not Cache.update or layers is None or len(layers) < len(state.layers)):
+        return None
+    reserved = reserved_layer_class()
+    for layer in layers[: len(state.layers)]:
+        keys = getattr(layer, "keys", None)
+        if (type(layer) is not reserved or not layer.is_initialized or not isinstance(keys, torch.Tensor)
+                or keys.dim() != 4 or keys.shape[0] != batch or keys.dtype != dtype
+                or keys.shape[-2] + length != mask.shape[-1]):
+            return None
+    return StepAttention(layers, mask, shape, (heads, kv_heads))
 
 
 def direct_forward(state: DirectBody, input_ids: torch.Tensor, mask, position_ids: torch.Tensor,
@@ -200,14 +274,20 @@ def direct_forward(state: DirectBody, input_ids: torch.Tensor, mask, position_id
     attention_kwargs = {"position_ids": position_ids, "use_cache": True, PACK_FLAG: True}
     tapped = {0: hidden.clone()} if 0 in taps else {}
     normed = ops.rms_norm(hidden, state.layers[0].input_layernorm)
+    shape = (batch, length, state.layers[0].self_attn.head_dim)
+    step = plan_step_attention(state, cache, mask, shape, hidden.dtype)
     for plan, following in zip(state.plan(rows), state.next_norms):
         attn = plan.attn
         q, k, v = plan.qkv(normed)  # (rows, H·D), (rows, H_kv·D) ×2
-        q, k = ops.rotary(state.rotary, q, k, cos, sin, (batch, length, plan.head_dim))  # (B, H, N, D), (B, H_kv, N, D)
-        v = v.reshape(batch, length, -1, plan.head_dim).transpose(1, 2)
-        k, v = cache.update(k, v, plan.layer_idx)
-        out, _ = packed_gqa_sdpa(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling, **attention_kwargs)
-        (out,) = plan.o(out.reshape(rows, -1).contiguous())
+        if step is not None:
+            out = step.attend(ops, state.rotary, plan, q, k, v, cos, sin)
+        else:
+            q, k = ops.rotary(state.rotary, q, k, cos, sin, shape)  # (B, H, N, D), (B, H_kv, N, D)
+            v = v.reshape(batch, length, -1, plan.head_dim).transpose(1, 2)
+            k, v = cache.update(k, v, plan.layer_idx)
+            out, _ = packed_gqa_sdpa(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling, **attention_kwargs)
+            out = out.reshape(rows, -1).contiguous()
+        (out,) = plan.o(out)
         hidden, normed = ops.add_rms_norm(hidden, out, plan.post_norm)
         gate, up = plan.gate_up(normed)
         (out,) = plan.down(ops.gated(plan.mlp, gate, up))

@@ -420,3 +420,37 @@ void NAME(T *x, long rows, long stride, long heads, long dim, const T *cos, cons
 }
 ROPE(draftheads_rope, float, F32_LOAD, F32_ROUND, F32_STORE)
 ROPE(draftheads_rope_bf16, uint16_t, BF16_LOAD, BF16_ROUND, BF16_STORE)
+
+/* A tree step's q/k/v as attention takes them, in one pass: q (rows, heads·dim), k and v (rows,
+ * kv_heads·dim), each row `q_stride`/`kv_stride` elements after the last (one stacked product's
+ * columns, or three tensors), rows = batch·n (row b·n + j). Writes q rotated into q_out (batch,
+ * heads, n, dim), k rotated and v as they are into the cache's buffers (batch, kv_heads, cap, dim)
+ * at slots start … start + n − 1. The rotation is ROPE's, operation by operation; the rest copies. */
+#define ROPE_STORE(NAME, T, LOAD, ROUND, STORE)                                                        \
+static inline void NAME##_head(const T *v, T *dst, const T *c, const T *s, long dim) {                 \
+    float tmp[1024];                                                                                   \
+    long half = dim / 2;                                                                               \
+    for (long i = 0; i < dim; i++) tmp[i] = LOAD(v, i);                                                \
+    for (long i = 0; i < dim; i++) {                                                                   \
+        float rotated = i < half ? -tmp[i + half] : tmp[i - half];                                     \
+        dst[i] = STORE(ROUND(tmp[i] * LOAD(c, i)) + ROUND(rotated * LOAD(s, i)));                      \
+    }                                                                                                  \
+}                                                                                                      \
+void NAME(const T *q, const T *k, const T *v, long q_stride, long kv_stride, long batch, long n,      \
+          long heads, long kv_heads, long dim, const T *cos, const T *sin, long cos_rows,              \
+          T *q_out, T *key, T *value, long cap, long start) {                                          \
+    _Pragma("omp parallel for schedule(static) if (batch * n * heads * dim >= PARALLEL_ELEMENTS)")     \
+    for (long r = 0; r < batch * n; r++) {                                                             \
+        long b = r / n, j = r % n;                                                                     \
+        const T *c = cos + (r % cos_rows) * dim, *s = sin + (r % cos_rows) * dim;                      \
+        for (long h = 0; h < heads; h++)                                                               \
+            NAME##_head(q + r * q_stride + h * dim, q_out + ((b * heads + h) * n + j) * dim, c, s, dim); \
+        for (long h = 0; h < kv_heads; h++) {                                                          \
+            long slot = ((b * kv_heads + h) * cap + start + j) * dim;                                  \
+            NAME##_head(k + r * kv_stride + h * dim, key + slot, c, s, dim);                           \
+            memcpy(value + slot, v + r * kv_stride + h * dim, dim * sizeof(T));                        \
+        }                                                                                              \
+    }                                                                                                  \
+}
+ROPE_STORE(draftheads_rope_store, float, F32_LOAD, F32_ROUND, F32_STORE)
+ROPE_STORE(draftheads_rope_store_bf16, uint16_t, BF16_LOAD, BF16_ROUND, BF16_STORE)

@@ -177,6 +177,10 @@ def _bind(path: Path):
                            ("rope", [ctypes.c_void_p] + [ctypes.c_long] * 4 + [ctypes.c_void_p] * 2 + [ctypes.c_long])):
             function = getattr(lib, f"draftheads_{name}{suffix}")
             function.argtypes, function.restype = args, None
+        store = getattr(lib, f"draftheads_rope_store{suffix}")
+        store.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 7 + [ctypes.c_void_p] * 2 + [ctypes.c_long] \
+            + [ctypes.c_void_p] * 3 + [ctypes.c_long] * 2
+        store.restype = None
     return lib
 
 

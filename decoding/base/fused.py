@@ -55,6 +55,19 @@ class FusedOps:
         """act(gate) · up, the gated MLP's input to its down projection."""
         return mlp.act_fn(gate) * up
 
+    def rope_store(self, rotary: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, shape: tuple[int, int, int], q_out: torch.Tensor, key: torch.Tensor,
+                   value: torch.Tensor, start: int) -> None:
+        """:meth:`rotary` and the cache's update in one: q (rows, H·D), k and v (rows, H_kv·D) →
+        q rotated into q_out (B, H, N, D), k rotated and v into the cache's buffers key/value
+        (B, H_kv, capacity, D) at slots start … start + N − 1 (shape (B, N, D)); q, k and v are left
+        as they were."""
+        q, k = self.rotary(rotary, q.clone(), k.clone(), cos, sin, shape)
+        length = shape[1]
+        q_out.copy_(q)
+        key[:, :, start:start + length].copy_(k)
+        value[:, :, start:start + length].copy_(_heads(v, shape))
+
 
 def _heads(x: torch.Tensor, shape: tuple[int, int, int]) -> torch.Tensor:
     """(rows, H·D) → (B, H, N, D), the view transformers' attention takes."""
@@ -94,16 +107,40 @@ class KernelOps(FusedOps):
     def rotary(self, rotary: Callable, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                shape: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
         batch, length, dim = shape
-        if not (q.dtype in KERNEL_DTYPES and cos.dtype == sin.dtype == k.dtype == q.dtype and dim <= MAX_HEAD_DIM
-                and cos.is_contiguous() and sin.is_contiguous() and cos.shape[-1] == dim
-                and cos.shape[0] in (1, batch) and cos.shape[1] == length and sin.shape == cos.shape
-                and all(t.stride(-1) == 1 for t in (q, k))):
+        if not _rotates(q, k, cos, sin, shape):
             return super().rotary(rotary, q, k, cos, sin, shape)
         call = self._call("rope", q.dtype)
         for x in (q, k):
             call(x.data_ptr(), x.shape[0], x.stride(0), x.shape[1] // dim, dim, cos.data_ptr(), sin.data_ptr(),
                  cos.shape[0] * cos.shape[1])
         return _heads(q, shape), _heads(k, shape)
+
+
+    def rope_store(self, rotary: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, shape: tuple[int, int, int], q_out: torch.Tensor, key: torch.Tensor,
+                   value: torch.Tensor, start: int) -> None:
+        batch, length, dim = shape
+        if not (_rotates(q, k, cos, sin, shape) and v.dtype == q.dtype and v.stride(-1) == 1
+                and k.stride(0) == v.stride(0) and k.shape == v.shape and q_out.is_contiguous()
+                and q_out.shape == (batch, q.shape[1] // dim, length, dim) and q_out.dtype == q.dtype
+                and key.is_contiguous() and value.is_contiguous() and key.shape == value.shape
+                and key.shape[:2] == (batch, k.shape[1] // dim) and key.shape[3] == dim
+                and key.dtype == value.dtype == q.dtype and 0 <= start <= key.shape[2] - length):
+            return super().rope_store(rotary, q, k, v, cos, sin, shape, q_out, key, value, start)
+        self._call("rope_store", q.dtype)(q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), k.stride(0), batch,
+                                          length, q.shape[1] // dim, k.shape[1] // dim, dim, cos.data_ptr(),
+                                          sin.data_ptr(), cos.shape[0] * cos.shape[1], q_out.data_ptr(),
+                                          key.data_ptr(), value.data_ptr(), key.shape[2], start)
+
+
+def _rotates(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             shape: tuple[int, int, int]) -> bool:
+    """Whether the rotary kernels take these q (rows, H·D), k (rows, H_kv·D) and cos/sin."""
+    batch, length, dim = shape
+    return (q.dtype in KERNEL_DTYPES and cos.dtype == sin.dtype == k.dtype == q.dtype and dim <= MAX_HEAD_DIM
+            and cos.is_contiguous() and sin.is_contiguous() and cos.shape[-1] == dim
+            and cos.shape[0] in (1, batch) and cos.shape[1] == length and sin.shape == cos.shape
+            and all(t.stride(-1) == 1 for t in (q, k)) and q.shape[0] == k.shape[0] == batch * length)
 
 
 def _fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -161,4 +198,24 @@ def _agrees(ops: KernelOps, dtype: torch.dtype) -> bool:
     stacked = qkv.clone()
     ours = ops.rotary(apply_rotary_pos_emb, *stacked.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)[:2],
                       cos, sin, shape)
-    return all(torch.equal(a, b) for a, b in zip(ours, theirs))
+    if not all(torch.equal(a, b) for a, b in zip(ours, theirs)):
+        return False
+    return _stores_alike(ops, reference, qkv, cos, sin, (heads, kv_heads, dim), dtype)
+
+
+def _stores_alike(ops: KernelOps, reference: FusedOps, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  heads: tuple[int, int, int], dtype: torch.dtype) -> bool:
+    """:meth:`KernelOps.rope_store` against :class:`FusedOps`' over one stacked product's columns
+    (rows = 1 × N) into a cache with two slots taken: bit for bit, the slots around untouched."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    query_heads, kv_heads, dim = heads
+    rows = qkv.shape[0]
+    q, k, v = qkv.split([query_heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    outs = []
+    for fused in (ops, reference):
+        q_out = torch.zeros(1, query_heads, rows, dim, dtype=dtype)
+        key, value = torch.zeros(2, 1, kv_heads, rows + 5, dim, dtype=dtype).unbind(0)
+        fused.rope_store(apply_rotary_pos_emb, q, k, v, cos, sin, (1, rows, dim), q_out, key, value, 2)
+        outs.append((q_out, key, value))
+    return all(torch.equal(a, b) for a, b in zip(*outs))

@@ -27,8 +27,9 @@ def first_prompts(count: int = 20) -> list[str]:
 
 #: bfloat16 needs 20 prompts for its rate comparison with transformers' own divergences; where
 #: this CPU only emulates it (an AVX2 machine: ~5x slower than float32) the same assertions run
-#: on fewer tokens, so the suite stays under 15 minutes on both machine classes
-BF16_PROMPTS, BF16_TOKENS = (20, 64) if bf16_native() else (20, 32)
+#: on fewer tokens, so the suite stays under 15 minutes on both machine classes (at 32 tokens this
+#: test alone read 240 s of an 889 s suite on an AVX2-only EPYC)
+BF16_PROMPTS, BF16_TOKENS = (20, 64) if bf16_native() else (20, 24)
 #: float32's assertion is per prompt (identical, or a near-tie), so 12 prompts × 96 new tokens keep
 #: the suite under 15 minutes (it read 888 s at 128 tokens, this test 150 s of it)
 FP32_PROMPTS, FP32_TOKENS = 12, 96
@@ -81,10 +82,10 @@ def test_mt_bench_first_20_prompts_bf16_divergences_within_rounding(smollm2_bf16
     for i in range(0, len(encoded), 2):
         batched = padded_pair(base, encoded[i], encoded[i + 1], BF16_TOKENS, pad=2)
         for j in (i, i + 1):
-            padded += first_divergence(base, references[j], batched[j - i], encoded[j].shape[1]) is not None
+            padded += differs(references[j], batched[j - i], encoded[j].shape[1])
     for ids, reference in zip(encoded, references):
         looked_up = hf_greedy(base, ids, BF16_TOKENS, prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS)
-        lookup += first_divergence(base, reference, looked_up, ids.shape[1]) is not None
+        lookup += differs(reference, looked_up, ids.shape[1])
     print(f"\nSmolLM2 bf16: {identical}/{BF16_PROMPTS} identical, gaps in ulps {[d['gap_ulps'] for d in divergences]}; "
           f"transformers itself: {padded}/{BF16_PROMPTS} differ in padded batches of 2, {lookup} in prompt lookup; "
           f"mean τ {tau:.2f}")
@@ -93,6 +94,12 @@ def test_mt_bench_first_20_prompts_bf16_divergences_within_rounding(smollm2_bf16
     # (20 prompts: one prompt either way is sampling noise, not a higher rate)
     assert not more_frequent(BF16_PROMPTS - identical, max(padded, lookup), BF16_PROMPTS)
     assert tau > 1.2
+
+
+def differs(reference: torch.Tensor, other: torch.Tensor, prompt_len: int) -> bool:
+    """Whether two (1, L) sequences' generated tokens differ (what ``first_divergence`` is None for,
+    without its forward: the controls are only counted)."""
+    return reference[0, prompt_len:].tolist() != other[0, prompt_len:].tolist()
 
 
 def more_frequent(ours: int, theirs: int, n: int, z_critical: float = 1.645) -> bool:

@@ -64,6 +64,36 @@ def test_finished_rows_leave_the_cache(make_cache):
     assert row_keys(cache, 1) == [200, 201, 202] and kv.end.tolist() == [3, 3]
 
 
+def test_reserving_slots_and_writing_them_is_an_update(monkeypatch):
+    """The direct forward's way into the cache (``reserve`` the step's slots, the kernel writes
+    them into the buffers) leaves what ``update`` leaves, step after step, through growth of the
+    buffer (its old slots carried over) and crops."""
+    monkeypatch.setattr(cache_module, "RESERVE_SLOTS", 4)
+    reserved, updated = reserved_cache(None), reserved_cache(None)
+    generator = torch.Generator().manual_seed(1)
+    first = torch.randn(2, 3, 2, 4, generator=generator)
+    for cache in (reserved, updated):
+        cache.update(first, first + 1, 0)
+    grown = 0
+    for new, keep in [(5, 5), (3, 1), (2, 2), (9, 4), (1, 1)]:
+        kv = torch.randn(2, 3, new, 4, generator=generator)
+        updated.update(kv, kv + 1, 0)
+        layer = reserved.layers[0]
+        before = layer._key_buffer
+        key, value, start = layer.reserve(new)
+        grown += key is not before
+        assert start + new == layer.keys.shape[-2] == layer.values.shape[-2] and key.shape[2] >= start + new
+        key[:, :, start:start + new] = kv
+        value[:, :, start:start + new] = kv + 1
+        for cache in (reserved, updated):
+            if new - keep:
+                cache.crop(-(new - keep))
+        assert torch.equal(reserved.layers[0].keys, updated.layers[0].keys)
+        assert torch.equal(reserved.layers[0].values, updated.layers[0].values)
+        assert reserved.layers[0].keys.data_ptr() == reserved.layers[0]._key_buffer.data_ptr()
+    assert 1 <= grown < 5
+
+
 def test_reserved_layers_write_in_place_and_match_concatenation(monkeypatch):
     """Step after step (append a tree, keep part of it, crop the rest), the reserved cache holds
     exactly what transformers' concatenating cache holds; its tensors stay views of one buffer

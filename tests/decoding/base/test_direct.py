@@ -12,10 +12,12 @@ from torch import nn
 
 from helpers import ragged_step, tiny_llama
 from draftheads.decoding.base.attention import release_packed_sdpa, use_packed_sdpa
+from draftheads.decoding.base import direct
 from draftheads.decoding.base.direct import direct_body, direct_body_reason, release_direct_body, use_direct_body
 from draftheads.decoding.base import fewrow
 from draftheads.decoding.base.forward import verify
 from draftheads.decoding.base.fused import FusedOps, KernelOps, kernel_ops
+from draftheads.decoding.base.key_blocks import key_runs
 from draftheads.decoding.base.packing import refresh_packing, use_packed_linears
 
 
@@ -119,6 +121,43 @@ def test_the_rotary_kernel_and_the_residual_add_are_exact_on_stacked_views(ops, 
     assert torch.equal(ours_h, theirs_h)
     rounding = 2 ** -7 if dtype == torch.bfloat16 else 1e-6
     torch.testing.assert_close(ours.float(), theirs.float(), rtol=rounding, atol=rounding)
+
+
+def _key_runs_case(model, seed: int):
+    """A batch of three over a 1,500-slot cache whose last two rows hide their first 1,100 keys (left
+    padding): attention runs in two key runs (:mod:`~draftheads.decoding.base.key_blocks`)."""
+    tokens, positions, mask, valid, cache = ragged_step(model, seed, 3, 4, kv_len=1500, ragged=False)
+    mask = mask.clone()
+    mask[1:, :, :, :1100] = False
+    assert key_runs(mask) is not None
+    return tokens, positions, mask, None, cache
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_step_attention_is_the_general_path_bit_for_bit(ops, dtype, monkeypatch):
+    """One kernel call rotating q/k and writing the cache, then SDPA called directly
+    (:class:`~draftheads.decoding.base.direct.StepAttention`), against the general path (the rotary
+    kernel, the cache's update, ``packed_gqa_sdpa``): the same hidden states and cache entries bit
+    for bit — single rows, batches, plain steps and ragged steps (left to the general path), key
+    runs — and it does run where it can."""
+    _, model = _pair(dtype, ops, packed=True)
+    cases = _cases(model) + [_key_runs_case(model, 7)]
+    taken = []
+    real = direct.plan_step_attention
+
+    def counted(*args):
+        found = real(*args)
+        taken.append(found is not None)
+        return found
+    monkeypatch.setattr(direct, "plan_step_attention", counted)
+    ours = [(verify(model, t, p, m, c := cache(), v), c) for t, p, m, v, cache in cases]
+    assert taken == [False, True, True, True, False, False, True]  # N = 1 and ragged steps: the general path
+    assert use_direct_body(model, ops, step_attention=False)
+    for (states, ours_cache), (t, p, m, v, cache) in zip(ours, cases):
+        theirs = verify(model, t, p, m, theirs_cache := cache(), v)
+        assert torch.equal(states, theirs)
+        for a, b in zip(ours_cache.layers, theirs_cache.layers):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 
 
 def test_a_hook_registered_after_preparation_is_honoured():
