@@ -88,6 +88,8 @@ def install_call_timers() -> None:
         for name in ("draftheads_fewrow", "draftheads_fewrow_bf16", "draftheads_fewrow_q4", "draftheads_fewrow_q4_bf16",
                      "draftheads_fewrow_q8", "draftheads_fewrow_q8_bf16"):
             setattr(lib, name, _timed("products", getattr(lib, name)))
+        for name in ("draftheads_tree_attention", "draftheads_tree_attention_bf16"):
+            setattr(lib, name, _timed("attention", getattr(lib, name)))
     torch.ops.mkldnn._linear_pointwise = _timed("products", torch.ops.mkldnn._linear_pointwise)
     torch.nn.functional.linear = _timed("products", torch.nn.functional.linear)
     torch.nn.functional.scaled_dot_product_attention = _timed("attention",
@@ -129,17 +131,17 @@ def _seconds(fn) -> float:
 
 @contextmanager
 def body_way(model, way: str):
-    """``direct``: the direct forward (where the base allows it); ``general``: the direct forward
-    with every step's attention through the general path (no ``StepAttention``); ``eager``:
-    transformers' forward."""
+    """``direct``: the direct forward (where the base allows it); ``sdpa``, ``general``: the direct
+    forward attending another way (:data:`~draftheads.decoding.base.direct.ATTENTION_WAYS`);
+    ``eager``: transformers' forward."""
     if way == "eager":
         release_direct_body(model.base)
-    elif way == "general":
-        use_direct_body(model.base, step_attention=False)
+    elif way in ("sdpa", "general"):
+        use_direct_body(model.base, attention=way)
     try:
         yield
     finally:
-        if way in ("eager", "general"):
+        if way != "direct":
             use_direct_body(model.base)
 
 
@@ -197,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--batch-sizes", default="1,16")
     parser.add_argument("--ways", default="direct,eager",
-                        help="direct, general, eager: one or more (compared interleaved)")
+                        help="direct, sdpa, general, eager: one or more (compared interleaved)")
     parser.add_argument("--limit", type=int, default=8, help="bs-1 prompts (the dev prompts, first N)")
     parser.add_argument("--repeats", type=int, default=2, help="batches a batch size above 1 runs (each way)")
     parser.add_argument("--max-new-tokens", type=int, default=64)

@@ -66,10 +66,10 @@ class DirectBody:
     layer plans per row count with the stamp (the plan's and the binding's generations) they
     were made under."""
 
-    def __init__(self, model, ops: FusedOps, step_attention: bool = True):
+    def __init__(self, model, ops: FusedOps, attention: str = "kernel"):
         body = decoder_body(model)
-        #: whether a step's attention may run through :class:`StepAttention`
-        self.step_attention = step_attention
+        #: how a step attends (:data:`ATTENTION_WAYS`)
+        self.attention = attention
         self.body = body
         self.layers = list(body.layers[: model.config.num_hidden_layers])
         #: the norm each layer's output meets next: the following layer's input norm, the final norm last
@@ -145,17 +145,25 @@ def direct_body_reason(model) -> str | None:
     return None
 
 
-def use_direct_body(model, ops: FusedOps | None = None, step_attention: bool = True) -> bool:
+#: how the direct forward attends: ``kernel`` — :class:`StepAttention` with the attention kernel
+#: where the ops have one (the default); ``sdpa`` — :class:`StepAttention` with SDPA; ``general`` —
+#: the cache's update and :func:`~.attention.packed_gqa_sdpa` (the last two for comparisons)
+ATTENTION_WAYS = ("kernel", "sdpa", "general")
+
+
+def use_direct_body(model, ops: FusedOps | None = None, attention: str = "kernel") -> bool:
     """Let :func:`~.forward.verify` run ``model``'s tree steps through the direct forward where
     :func:`direct_body_reason` finds nothing against it; returns whether it will. ``ops``: the
     elementwise steps (default :func:`~.fused.fused_ops`: the kernels where they agree here);
-    ``step_attention=False``: attention always through the general path (for comparisons)."""
+    ``attention``: one of :data:`ATTENTION_WAYS`."""
+    if attention not in ATTENTION_WAYS:
+        raise ValueError(f"attention={attention!r}: one of {', '.join(ATTENTION_WAYS)}")
     found = _BODIES.get(model)
-    if found is not None and ops is None and found.step_attention == step_attention:
+    if found is not None and ops is None and found.attention == attention:
         return True
     if direct_body_reason(model) is not None:
         return False
-    _BODIES[model] = DirectBody(model, ops if ops is not None else fused_ops(), step_attention)
+    _BODIES[model] = DirectBody(model, ops if ops is not None else fused_ops(), attention)
     return True
 
 
@@ -188,26 +196,34 @@ def direct_body(model) -> DirectBody | None:
     if not found.intact():
         if direct_body_reason(model) is not None:
             return None
-        found = _BODIES[model] = DirectBody(model, found.ops, found.step_attention)
+        found = _BODIES[model] = DirectBody(model, found.ops, found.attention)
     return found
 
 
 class StepAttention:
     """A step's attention as the direct forward runs it where it can (:func:`plan_step_attention`):
     per layer one kernel call rotates q and k and writes k and v into the cache's reserved
-    buffers (:meth:`~.fused.KernelOps.rope_store`), then SDPA runs over the grouped query heads
-    folded into rows, as :func:`~.attention.packed_gqa_sdpa` does, with what that derives from the
-    mask (its repetition for the groups, the additive form, the key runs) made once per forward
-    instead of looked up per layer. Same operations, same order: bit-identical to the general path.
-    Why: the general path's cache update, rotary and attention dispatch were ~90 µs of Python and
-    small copies per layer (evidence: results/profile/step_breakdown)."""
+    buffers (:meth:`~.fused.KernelOps.rope_store`: bit-identical to the rotary kernel and the
+    cache's update), then one kernel call attends every query row to the keys its mask lets it see
+    (:meth:`~.fused.KernelOps.tree_attention`: float32 sums, the output within one rounding of
+    SDPA's), or, where the ops have no attention kernel for the dtype and head size, SDPA over the
+    grouped query heads folded into rows as :func:`~.attention.packed_gqa_sdpa` runs it (the mask's
+    repetition, additive form and key runs made once per forward: bit-identical to it).
+    Why: around SDPA's few-row call the general path spent ~55 µs a layer in the cache update,
+    rotation and dispatch, and SDPA itself ~90 µs a layer for 2 query rows over 300 keys
+    (AVX2 float32; evidence: results/profile/step_breakdown/avx2_native)."""
 
-    def __init__(self, layers: list, mask: torch.Tensor, shape: tuple[int, int, int], heads: tuple[int, int]):
-        self.layers, self.shape, self.heads = layers, shape, heads
+    def __init__(self, layers: list, mask: torch.Tensor, shape: tuple[int, int, int], heads: tuple[int, int],
+                 kernel: bool):
+        self.layers, self.shape, self.heads, self.kernel = layers, shape, heads, kernel
+        dtype = layers[0].keys.dtype
+        if kernel:
+            self.mask = mask[:, 0].contiguous()  # (B, N, T + N)
+            return
         repeated = repeated_mask(mask, heads[0] // heads[1])
         runs = key_runs(mask)
-        self.runs = (((0, shape[0], 0, additive_mask(repeated, layers[0].keys.dtype)),) if runs is None else
-                     tuple((a, b, s, additive_mask(repeated[a:b, :, :, s:], layers[0].keys.dtype)) for a, b, s in runs))
+        self.runs = (((0, shape[0], 0, additive_mask(repeated, dtype)),) if runs is None else
+                     tuple((a, b, s, additive_mask(repeated[a:b, :, :, s:], dtype)) for a, b, s in runs))
 
     def attend(self, ops: FusedOps, rotary: Callable, plan: LayerPlan, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -219,6 +235,8 @@ class StepAttention:
         query = q.new_empty(batch, heads, length, dim)
         key, value, start = layer.reserve(length)
         ops.rope_store(rotary, q, k, v, cos, sin, self.shape, query, key, value, start)
+        if self.kernel:
+            return ops.tree_attention(query, key, value, start + length, self.mask, plan.attn.scaling)
         packed = query.view(batch, kv_heads, heads // kv_heads * length, dim)  # query heads of a group as rows
         keys, values = layer.keys, layer.values
         outs = [F.scaled_dot_product_attention(packed[a:b], keys[a:b, :, s:], values[a:b, :, s:], attn_mask=mask,
@@ -241,7 +259,7 @@ def plan_step_attention(state: DirectBody, cache, mask, shape: tuple[int, int, i
     heads = attn.config.num_attention_heads
     batch, length, _ = shape
     layers = getattr(cache, "layers", None)
-    if (not state.step_attention or not isinstance(state.ops, KernelOps) or current_ragged_rows() is not None
+    if (state.attention == "general" or not isinstance(state.ops, KernelOps) or current_ragged_rows() is not None
             or length < 2
             or heads == kv_heads or getattr(attn, "num_key_value_groups", 1) != heads // kv_heads
             or not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 4
@@ -255,7 +273,8 @@ def plan_step_attention(state: DirectBody, cache, mask, shape: tuple[int, int, i
                 or keys.dim() != 4 or keys.shape[0] != batch or keys.dtype != dtype
                 or keys.shape[-2] + length != mask.shape[-1]):
             return None
-    return StepAttention(layers, mask, shape, (heads, kv_heads))
+    kernel = state.attention == "kernel" and state.ops.attends(dtype, shape[2])
+    return StepAttention(layers, mask, shape, (heads, kv_heads), kernel)
 
 
 def direct_forward(state: DirectBody, input_ids: torch.Tensor, mask, position_ids: torch.Tensor,

@@ -454,3 +454,90 @@ void NAME(const T *q, const T *k, const T *v, long q_stride, long kv_stride, lon
 }
 ROPE_STORE(draftheads_rope_store, float, F32_LOAD, F32_ROUND, F32_STORE)
 ROPE_STORE(draftheads_rope_store_bf16, uint16_t, BF16_LOAD, BF16_ROUND, BF16_STORE)
+
+/* ---- A tree step's attention over the cache (direct.py's StepAttention says where it runs) ----
+ * q (batch, heads, n, dim) as rope_store writes it; key/value the cache's buffers (batch, kv_heads, cap,
+ * dim), slots 0 … length − 1 read; mask (batch, n, length) bytes, nonzero = may attend; query head h reads
+ * kv head h / (heads / kv_heads). out (batch·n, heads·dim): each query row's softmax(q·kᵀ·scale)·v over
+ * the keys it may see — scores, exponentials (a degree-5 polynomial, ~1 ulp, as torch's vectorized
+ * softmax has its own) and sums in float32, rounded to the dtype once; a row that sees no key gets zeros.
+ * dim a multiple of 8, at most 1024 (fused.py checks). Threads: over (row of the batch, head) pairs. */
+#include <stdlib.h>
+
+static inline __m256 exp256(__m256 x) {  /* Cephes' expf: e^x = 2^n · e^r, |r| ≤ ln2/2 */
+    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-88.3762626647949f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_sub_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f))),
+                             _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
+    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+    y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(1.3981999507E-3f));
+    y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(8.3334519073E-3f));
+    y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(4.1665795894E-2f));
+    y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(1.6666665459E-1f));
+    y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(5.0000001201E-1f));
+    y = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(y, r), r), r), _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+#define LOAD8_F32(p) _mm256_loadu_ps(p)
+#define LOAD8_BF16(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+
+#define TREE_ATTENTION(NAME, T, LOAD8, LOAD, STORE)                                                    \
+void NAME(const T *q, const T *key, const T *value, const uint8_t *mask, T *out, long batch, long n,    \
+          long heads, long kv_heads, long dim, long cap, long length, float scale, int threads) {      \
+    long group = heads / kv_heads;                                                                     \
+    _Pragma("omp parallel for num_threads(threads) schedule(static)")                                  \
+    for (long bh = 0; bh < batch * heads; bh++) {                                                      \
+        long b = bh / heads, h = bh % heads;                                                           \
+        const T *keys = key + (b * kv_heads + h / group) * cap * dim;                                  \
+        const T *values = value + (b * kv_heads + h / group) * cap * dim;                              \
+        long padded = (length + 7) / 8 * 8;                                                            \
+        float *s = malloc(sizeof(float) * padded);                                                     \
+        float qf[1024], o[1024];                                                                       \
+        for (long j = 0; j < n; j++) {                                                                 \
+            const T *qr = q + ((b * heads + h) * n + j) * dim;                                         \
+            const uint8_t *m = mask + (b * n + j) * length;                                            \
+            T *dst = out + (b * n + j) * heads * dim + h * dim;                                        \
+            for (long d = 0; d < dim; d++) { qf[d] = LOAD(qr, d); o[d] = 0.0f; }                       \
+            float top = -INFINITY;                                                                     \
+            for (long t = 0; t < length; t++) {                                                        \
+                if (!m[t]) { s[t] = -INFINITY; continue; }                                             \
+                __m256 acc = _mm256_setzero_ps();                                                      \
+                for (long d = 0; d < dim; d += 8)                                                      \
+                    acc = _mm256_fmadd_ps(_mm256_loadu_ps(qf + d), LOAD8(keys + t * dim + d), acc);     \
+                s[t] = hsum256(acc) * scale;                                                           \
+                if (s[t] > top) top = s[t];                                                            \
+            }                                                                                          \
+            if (top == -INFINITY) { for (long d = 0; d < dim; d++) dst[d] = STORE(0.0f); continue; }   \
+            __m256 total = _mm256_setzero_ps(), shift = _mm256_set1_ps(top), hidden = _mm256_set1_ps(-INFINITY); \
+            for (long t = length; t < padded; t++) s[t] = -INFINITY;                                   \
+            for (long t = 0; t < padded; t += 8) {  /* a hidden key's weight is 0, not exp's least */  \
+                __m256 x = _mm256_loadu_ps(s + t);                                                     \
+                __m256 p = _mm256_and_ps(exp256(_mm256_sub_ps(x, shift)), _mm256_cmp_ps(x, hidden, _CMP_GT_OQ)); \
+                _mm256_storeu_ps(s + t, p);                                                            \
+                total = _mm256_add_ps(total, p);                                                       \
+            }                                                                                          \
+            float sum = hsum256(total);                                                                \
+            for (long t = 0; t < length; t++) {                                                        \
+                if (!m[t]) continue;                                                                   \
+                __m256 p = _mm256_set1_ps(s[t]);                                                       \
+                for (long d = 0; d < dim; d += 8)                                                      \
+                    _mm256_storeu_ps(o + d, _mm256_fmadd_ps(p, LOAD8(values + t * dim + d), _mm256_loadu_ps(o + d))); \
+            }                                                                                          \
+            float inv = 1.0f / sum;                                                                    \
+            for (long d = 0; d < dim; d++) dst[d] = STORE(o[d] * inv);                                 \
+        }                                                                                              \
+        free(s);                                                                                       \
+    }                                                                                                  \
+}
+TREE_ATTENTION(draftheads_tree_attention, float, LOAD8_F32, F32_LOAD, F32_STORE)
+TREE_ATTENTION(draftheads_tree_attention_bf16, uint16_t, LOAD8_BF16, BF16_LOAD, BF16_STORE)

@@ -181,6 +181,9 @@ def _bind(path: Path):
         store.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 7 + [ctypes.c_void_p] * 2 + [ctypes.c_long] \
             + [ctypes.c_void_p] * 3 + [ctypes.c_long] * 2
         store.restype = None
+        attention = getattr(lib, f"draftheads_tree_attention{suffix}")
+        attention.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 7 + [ctypes.c_float, ctypes.c_int]
+        attention.restype = None
     return lib
 
 

@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .fewrow import kernel
+from .fewrow import PARALLEL_WORK, kernel
 
 #: the dtypes the kernels compute
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
@@ -54,6 +54,18 @@ class FusedOps:
     def gated(self, mlp: nn.Module, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """act(gate) · up, the gated MLP's input to its down projection."""
         return mlp.act_fn(gate) * up
+
+    def attends(self, dtype: torch.dtype, dim: int) -> bool:
+        """Whether :meth:`tree_attention` computes a step's attention for this dtype and head size
+        (else the caller runs SDPA)."""
+        return False
+
+    def tree_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, length: int,
+                       mask: torch.Tensor, scale: float) -> torch.Tensor:
+        """query (B, H, N, D), the cache's buffers key/value (B, H_kv, capacity, D) read up to
+        ``length``, mask (B, N, length) bool → softmax(q·kᵀ·scale)·v per query row (B·N, H·D), query
+        head h reading kv head h // (H / H_kv); only where :meth:`attends`."""
+        raise NotImplementedError("FusedOps has no attention kernel: check attends() first")
 
     def rope_store(self, rotary: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, shape: tuple[int, int, int], q_out: torch.Tensor, key: torch.Tensor,
@@ -133,6 +145,26 @@ class KernelOps(FusedOps):
                                           key.data_ptr(), value.data_ptr(), key.shape[2], start)
 
 
+    def attends(self, dtype: torch.dtype, dim: int) -> bool:
+        return dtype in KERNEL_DTYPES and dim % 8 == 0 and dim <= MAX_HEAD_DIM
+
+    def tree_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, length: int,
+                       mask: torch.Tensor, scale: float) -> torch.Tensor:
+        batch, heads, count, dim = query.shape
+        if not (self.attends(query.dtype, dim) and query.is_contiguous() and key.is_contiguous()
+                and value.is_contiguous() and key.shape == value.shape and key.dtype == value.dtype == query.dtype
+                and key.shape[0] == batch and heads % key.shape[1] == 0 and key.shape[3] == dim
+                and length <= key.shape[2] and mask.dtype == torch.bool and mask.is_contiguous()
+                and mask.shape == (batch, count, length)):
+            raise ValueError("tree_attention: shapes, dtypes or layouts it does not take")
+        out = query.new_empty(batch * count, heads * dim)
+        work = batch * heads * count * length * dim
+        self._call("tree_attention", query.dtype)(query.data_ptr(), key.data_ptr(), value.data_ptr(), mask.data_ptr(),
+                                                  out.data_ptr(), batch, count, heads, key.shape[1], dim, key.shape[2],
+                                                  length, scale, torch.get_num_threads() if work >= PARALLEL_WORK else 1)
+        return out
+
+
 def _rotates(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
              shape: tuple[int, int, int]) -> bool:
     """Whether the rotary kernels take these q (rows, H·D), k (rows, H_kv·D) and cos/sin."""
@@ -200,7 +232,41 @@ def _agrees(ops: KernelOps, dtype: torch.dtype) -> bool:
                       cos, sin, shape)
     if not all(torch.equal(a, b) for a, b in zip(ours, theirs)):
         return False
-    return _stores_alike(ops, reference, qkv, cos, sin, (heads, kv_heads, dim), dtype)
+    return (_stores_alike(ops, reference, qkv, cos, sin, (heads, kv_heads, dim), dtype)
+            and _attends_alike(ops, dtype, generator))
+
+
+def sdpa_tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, length: int,
+                        mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """What :meth:`KernelOps.tree_attention` computes, through SDPA with the keys repeated for the
+    grouped heads: (B·N, H·D)."""
+    batch, heads, count, dim = query.shape
+    group = heads // key.shape[1]
+    keys = key[:, :, :length].repeat_interleave(group, dim=1)
+    values = value[:, :, :length].repeat_interleave(group, dim=1)
+    out = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=mask[:, None], scale=scale)
+    return out.transpose(1, 2).reshape(batch * count, heads * dim)
+
+
+#: how far the attention kernel may land from the float64 attention of the same inputs: float32
+#: sums (in another order than SDPA's, with another exp); for bfloat16 the output's rounding and
+#: more (SDPA's own bf16 result lands as far: it rounds the probabilities to bf16 before their
+#: product with the values)
+ATTENTION_AGREEMENT = {torch.float32: {"rtol": 1e-5, "atol": 1e-5},
+                       torch.bfloat16: {"rtol": 2.0 ** -7, "atol": 2.0 ** -6}}
+
+
+def _attends_alike(ops: KernelOps, dtype: torch.dtype, generator: torch.Generator) -> bool:
+    """:meth:`KernelOps.tree_attention` against :func:`sdpa_tree_attention` in float64 on random
+    grouped heads, a cache with room past its length and a tree's mask (every row sees itself)."""
+    batch, heads, kv_heads, count, dim, length = 2, 4, 2, 5, 16, 21
+    query = torch.randn(batch, heads, count, dim, generator=generator).to(dtype)
+    key, value = (torch.randn(batch, kv_heads, length + 3, dim, generator=generator).to(dtype) for _ in range(2))
+    mask = torch.rand(batch, count, length, generator=generator) > 0.4
+    mask[:, :, -count:] |= torch.eye(count, dtype=torch.bool)
+    ours = ops.tree_attention(query, key, value, length, mask, 0.25).double()
+    theirs = sdpa_tree_attention(query.double(), key.double(), value.double(), length, mask, 0.25)
+    return torch.allclose(ours, theirs, **ATTENTION_AGREEMENT[dtype])
 
 
 def _stores_alike(ops: KernelOps, reference: FusedOps, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

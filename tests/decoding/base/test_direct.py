@@ -16,7 +16,7 @@ from draftheads.decoding.base import direct
 from draftheads.decoding.base.direct import direct_body, direct_body_reason, release_direct_body, use_direct_body
 from draftheads.decoding.base import fewrow
 from draftheads.decoding.base.forward import verify
-from draftheads.decoding.base.fused import FusedOps, KernelOps, kernel_ops
+from draftheads.decoding.base.fused import ATTENTION_AGREEMENT, FusedOps, KernelOps, kernel_ops, sdpa_tree_attention
 from draftheads.decoding.base.key_blocks import key_runs
 from draftheads.decoding.base.packing import refresh_packing, use_packed_linears
 
@@ -141,6 +141,7 @@ def test_the_step_attention_is_the_general_path_bit_for_bit(ops, dtype, monkeypa
     for bit — single rows, batches, plain steps and ragged steps (left to the general path), key
     runs — and it does run where it can."""
     _, model = _pair(dtype, ops, packed=True)
+    assert use_direct_body(model, ops, attention="sdpa")
     cases = _cases(model) + [_key_runs_case(model, 7)]
     taken = []
     real = direct.plan_step_attention
@@ -152,12 +153,58 @@ def test_the_step_attention_is_the_general_path_bit_for_bit(ops, dtype, monkeypa
     monkeypatch.setattr(direct, "plan_step_attention", counted)
     ours = [(verify(model, t, p, m, c := cache(), v), c) for t, p, m, v, cache in cases]
     assert taken == [False, True, True, True, False, False, True]  # N = 1 and ragged steps: the general path
-    assert use_direct_body(model, ops, step_attention=False)
+    assert use_direct_body(model, ops, attention="general")
     for (states, ours_cache), (t, p, m, v, cache) in zip(ours, cases):
         theirs = verify(model, t, p, m, theirs_cache := cache(), v)
         assert torch.equal(states, theirs)
         for a, b in zip(ours_cache.layers, theirs_cache.layers):
             assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_attention_kernel_is_attention_within_the_dtypes_rounding(ops, dtype):
+    """The tree-attention kernel against float64 attention of the same inputs, as closely as the
+    dtype's own SDPA lands: grouped heads, batches, 1-8 query rows, caches of 5-700 keys with room
+    past their length, masks hiding keys anywhere (left padding's whole leading blocks included);
+    a row that sees no key gets zeros."""
+    gen = torch.Generator().manual_seed(5)
+    for trial in range(12):
+        batch, rows = 1 + trial % 3, 1 + trial % 8
+        length = int(torch.randint(5, 700, (1,), generator=gen))
+        query = (2 * torch.randn(batch, 9, rows, 64, generator=gen)).to(dtype)
+        key = (2 * torch.randn(batch, 3, length + 7, 64, generator=gen)).to(dtype)
+        value = torch.randn(batch, 3, length + 7, 64, generator=gen).to(dtype)
+        mask = torch.rand(batch, rows, length, generator=gen) > 0.3
+        mask[:, :, -1] = True
+        mask[-1, :, : length // 2] = False  # a padded row's hidden prefix
+        ours = ops.tree_attention(query, key, value, length, mask, 0.125).double()
+        exact = sdpa_tree_attention(query.double(), key.double(), value.double(), length, mask, 0.125)
+        torch.testing.assert_close(ours, exact, **ATTENTION_AGREEMENT[dtype])
+        theirs = sdpa_tree_attention(query, key, value, length, mask, 0.125).double()
+        assert (ours - exact).abs().max() <= 1.5 * (theirs - exact).abs().max() + 1e-6  # as close as SDPA
+    mask[0, 0] = False
+    out = ops.tree_attention(query, key, value, length, mask, 0.125)
+    assert not out[0].any() and out[1:].abs().sum() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_step_through_the_attention_kernel_stays_within_rounding_of_the_general_path(ops, dtype):
+    """The direct forward's default step (rotation, cache write and attention in kernels): the
+    first layer's cache entries bit for bit those of the general path (the rest follow attention's
+    outputs), the hidden states and later entries within the dtype's rounding."""
+    _, model = _pair(dtype, ops, packed=True)
+    cases = _cases(model) + [_key_runs_case(model, 7)]
+    ours = [(verify(model, t, p, m, c := cache(), v), c) for t, p, m, v, cache in cases]
+    assert use_direct_body(model, ops, attention="general")
+    tolerance = {"rtol": 2 ** -6, "atol": 2 ** -6} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-5}
+    for (states, ours_cache), (t, p, m, v, cache) in zip(ours, cases):
+        theirs = verify(model, t, p, m, theirs_cache := cache(), v)
+        torch.testing.assert_close(states.float(), theirs.float(), **tolerance)
+        first, other = ours_cache.layers[0], theirs_cache.layers[0]
+        assert torch.equal(first.keys, other.keys) and torch.equal(first.values, other.values)
+        for a, b in zip(ours_cache.layers[1:], theirs_cache.layers[1:]):
+            torch.testing.assert_close(a.keys.float(), b.keys.float(), **tolerance)
+            torch.testing.assert_close(a.values.float(), b.values.float(), **tolerance)
 
 
 def test_a_hook_registered_after_preparation_is_honoured():
