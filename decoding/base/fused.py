@@ -1,5 +1,8 @@
 """The elementwise steps of a Llama-form layer as the direct forward (:mod:`.direct`) runs them:
-the residual add with the RMSNorm after it, the rotary embedding, the SiLU gate.
+the residual add with the RMSNorm after it, the rotary embedding, the SiLU gate — and a tree
+step's rotation with its cache write (:meth:`FusedOps.rope_store`) and its attention
+(:meth:`FusedOps.tree_attention`, a kernel only: float32 sums, checked against float64 attention
+within :data:`ATTENTION_AGREEMENT`, as close as SDPA's own result lands).
 
 Why fused: on the eager path RMSNorm is 8 tensor operations and the rotary embedding 10, and at a
 tree step's 5–20 rows an operation costs its call, not its arithmetic (RMSNorm ~80 µs of a 2-core
