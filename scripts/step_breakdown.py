@@ -88,7 +88,8 @@ def install_call_timers() -> None:
         for name in ("draftheads_fewrow", "draftheads_fewrow_bf16", "draftheads_fewrow_q4", "draftheads_fewrow_q4_bf16",
                      "draftheads_fewrow_q8", "draftheads_fewrow_q8_bf16"):
             setattr(lib, name, _timed("products", getattr(lib, name)))
-        for name in ("draftheads_tree_attention", "draftheads_tree_attention_bf16"):
+        for name in ("draftheads_tree_attention", "draftheads_tree_attention_bf16", "draftheads_step_attention",
+                     "draftheads_step_attention_bf16"):  # the last two with the rotation and cache write before it
             setattr(lib, name, _timed("attention", getattr(lib, name)))
     torch.ops.mkldnn._linear_pointwise = _timed("products", torch.ops.mkldnn._linear_pointwise)
     torch.nn.functional.linear = _timed("products", torch.nn.functional.linear)

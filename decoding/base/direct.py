@@ -35,6 +35,7 @@ from .attention import (PACK_FLAG, additive_mask, current_ragged_rows, packed_gq
                         uses_packed_sdpa)
 from .binding import PackedLinear, binding, callers_hook, global_hooks, resolved_linears
 from .cache import reserved_layer_class
+from .fewrow import PARALLEL_WORK
 from .fused import FusedOps, KernelOps, fused_ops
 from .key_blocks import key_runs
 from .plan import PLAN
@@ -216,11 +217,18 @@ class StepAttention:
     float32; evidence: results/profile/step_breakdown/avx2_native)."""
 
     def __init__(self, layers: list, mask: torch.Tensor, shape: tuple[int, int, int], heads: tuple[int, int],
-                 kernel: bool):
+                 kernel: bool, call=None, rotary_rows: tuple = ()):
         self.layers, self.shape, self.heads, self.kernel = layers, shape, heads, kernel
         dtype = layers[0].keys.dtype
+        self.call = None
         if kernel:
             self.mask = mask[:, 0].contiguous()  # (B, N, T + N)
+            batch, length, dim = shape
+            if call is not None:  # the library function and the arguments every layer shares
+                self.call = call
+                self.fixed = (batch, length, heads[0], heads[1], dim, *rotary_rows)
+                work = batch * heads[0] * length * mask.shape[-1] * dim
+                self.threads = torch.get_num_threads() if work >= PARALLEL_WORK else 1
             return
         repeated = repeated_mask(mask, heads[0] // heads[1])
         runs = key_runs(mask)
@@ -234,8 +242,14 @@ class StepAttention:
         batch, length, dim = self.shape
         heads, kv_heads = self.heads
         layer = self.layers[plan.layer_idx]
-        query = q.new_empty(batch, heads, length, dim)
         key, value, start = layer.reserve(length)
+        if self.call is not None and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and k.stride(0) == v.stride(0):
+            out = q.new_empty(batch * length, heads * dim)
+            self.call(q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), k.stride(0), *self.fixed, key.data_ptr(),
+                      value.data_ptr(), key.shape[2], start, self.mask.data_ptr(), out.data_ptr(), plan.attn.scaling,
+                      self.threads)
+            return out
+        query = q.new_empty(batch, heads, length, dim)
         ops.rope_store(rotary, q, k, v, cos, sin, self.shape, query, key, value, start)
         if self.kernel:
             return ops.tree_attention(query, key, value, start + length, self.mask, plan.attn.scaling)
@@ -248,8 +262,8 @@ class StepAttention:
         return out.view(batch, heads, length, dim).transpose(1, 2).reshape(batch * length, heads * dim)
 
 
-def plan_step_attention(state: DirectBody, cache, mask, shape: tuple[int, int, int],
-                   dtype: torch.dtype) -> StepAttention | None:
+def plan_step_attention(state: DirectBody, cache, mask, shape: tuple[int, int, int], dtype: torch.dtype,
+                        cos: torch.Tensor, sin: torch.Tensor) -> StepAttention | None:
     """:class:`StepAttention` for this forward where it computes what the general path does: the
     kernels loaded and agreeing (:class:`~.fused.KernelOps`), not a packed ragged step, more than
     one slot a row, grouped heads, one boolean mask (B, 1, N, T + N), and every cache layer the
@@ -276,7 +290,9 @@ def plan_step_attention(state: DirectBody, cache, mask, shape: tuple[int, int, i
                 or keys.shape[-2] + length != mask.shape[-1]):
             return None
     kernel = state.attention == "kernel" and state.ops.attends(dtype, shape[2])
-    return StepAttention(layers, mask, shape, (heads, kv_heads), kernel)
+    call = state.ops.step_call(cos, sin, shape, dtype) if kernel else None
+    return StepAttention(layers, mask, shape, (heads, kv_heads), kernel, call,
+                         (cos.data_ptr(), sin.data_ptr(), cos.shape[0] * cos.shape[1]))
 
 
 def direct_forward(state: DirectBody, input_ids: torch.Tensor, mask, position_ids: torch.Tensor,
@@ -296,7 +312,7 @@ def direct_forward(state: DirectBody, input_ids: torch.Tensor, mask, position_id
     tapped = {0: hidden.clone()} if 0 in taps else {}
     normed = ops.rms_norm(hidden, state.layers[0].input_layernorm)
     shape = (batch, length, state.layers[0].self_attn.head_dim)
-    step = plan_step_attention(state, cache, mask, shape, hidden.dtype)
+    step = plan_step_attention(state, cache, mask, shape, hidden.dtype, cos, sin)
     for plan, following in zip(state.plan(rows), state.next_norms):
         attn = plan.attn
         q, k, v = plan.qkv(normed)  # (rows, H·D), (rows, H_kv·D) ×2

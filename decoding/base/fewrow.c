@@ -541,3 +541,18 @@ void NAME(const T *q, const T *key, const T *value, const uint8_t *mask, T *out,
 }
 TREE_ATTENTION(draftheads_tree_attention, float, LOAD8_F32, F32_LOAD, F32_STORE)
 TREE_ATTENTION(draftheads_tree_attention_bf16, uint16_t, LOAD8_BF16, BF16_LOAD, BF16_STORE)
+
+/* rope_store then tree_attention in one call, the rotated queries in a scratch of the call's own:
+ * what direct.py's StepAttention runs per layer (out as tree_attention's, keys up to start + n). */
+#define STEP_ATTENTION(NAME, T, STORE_FN, ATTEND_FN)                                                    \
+void NAME(const T *q, const T *k, const T *v, long q_stride, long kv_stride, long batch, long n,       \
+          long heads, long kv_heads, long dim, const T *cos, const T *sin, long cos_rows, T *key,      \
+          T *value, long cap, long start, const uint8_t *mask, T *out, float scale, int threads) {     \
+    T *rotated = malloc(sizeof(T) * batch * heads * n * dim);                                          \
+    STORE_FN(q, k, v, q_stride, kv_stride, batch, n, heads, kv_heads, dim, cos, sin, cos_rows, rotated, \
+             key, value, cap, start);                                                                  \
+    ATTEND_FN(rotated, key, value, mask, out, batch, n, heads, kv_heads, dim, cap, start + n, scale, threads); \
+    free(rotated);                                                                                     \
+}
+STEP_ATTENTION(draftheads_step_attention, float, draftheads_rope_store, draftheads_tree_attention)
+STEP_ATTENTION(draftheads_step_attention_bf16, uint16_t, draftheads_rope_store_bf16, draftheads_tree_attention_bf16)

@@ -184,6 +184,10 @@ def _bind(path: Path):
         attention = getattr(lib, f"draftheads_tree_attention{suffix}")
         attention.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 7 + [ctypes.c_float, ctypes.c_int]
         attention.restype = None
+        step = getattr(lib, f"draftheads_step_attention{suffix}")
+        step.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 7 + [ctypes.c_void_p] * 2 + [ctypes.c_long] \
+            + [ctypes.c_void_p] * 2 + [ctypes.c_long] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_float, ctypes.c_int]
+        step.restype = None
     return lib
 
 

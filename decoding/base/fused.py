@@ -58,6 +58,11 @@ class FusedOps:
         """act(gate) · up, the gated MLP's input to its down projection."""
         return mlp.act_fn(gate) * up
 
+    def step_call(self, cos: torch.Tensor, sin: torch.Tensor, shape: tuple[int, int, int], dtype: torch.dtype):
+        """:meth:`rope_store` then :meth:`tree_attention` as one library function for a forward's
+        cos/sin (B or 1, N, D), shape (B, N, D) and dtype, or None (the two methods then)."""
+        return None
+
     def attends(self, dtype: torch.dtype, dim: int) -> bool:
         """Whether :meth:`tree_attention` computes a step's attention for this dtype and head size
         (else the caller runs SDPA)."""
@@ -150,6 +155,14 @@ class KernelOps(FusedOps):
 
     def attends(self, dtype: torch.dtype, dim: int) -> bool:
         return dtype in KERNEL_DTYPES and dim % 8 == 0 and dim <= MAX_HEAD_DIM
+
+    def step_call(self, cos: torch.Tensor, sin: torch.Tensor, shape: tuple[int, int, int], dtype: torch.dtype):
+        batch, length, dim = shape
+        if not (self.attends(dtype, dim) and cos.dtype == sin.dtype == dtype and cos.is_contiguous()
+                and sin.is_contiguous() and cos.shape[-1] == dim and cos.shape[0] in (1, batch)
+                and cos.shape[1] == length and sin.shape == cos.shape):
+            return None
+        return self._call("step_attention", dtype)
 
     def tree_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, length: int,
                        mask: torch.Tensor, scale: float) -> torch.Tensor:

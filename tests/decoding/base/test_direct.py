@@ -188,13 +188,22 @@ def test_the_attention_kernel_is_attention_within_the_dtypes_rounding(ops, dtype
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_step_through_the_attention_kernel_stays_within_rounding_of_the_general_path(ops, dtype):
+def test_the_step_through_the_attention_kernel_stays_within_rounding_of_the_general_path(ops, dtype, monkeypatch):
     """The direct forward's default step (rotation, cache write and attention in kernels): the
     first layer's cache entries bit for bit those of the general path (the rest follow attention's
     outputs), the hidden states and later entries within the dtype's rounding."""
     _, model = _pair(dtype, ops, packed=True)
     cases = _cases(model) + [_key_runs_case(model, 7)]
+    calls = []
+    real = direct.plan_step_attention
+
+    def seen(*args):
+        found = real(*args)
+        calls.append(found is not None and found.call is not None)  # rotation, store and attention in one call
+        return found
+    monkeypatch.setattr(direct, "plan_step_attention", seen)
     ours = [(verify(model, t, p, m, c := cache(), v), c) for t, p, m, v, cache in cases]
+    assert calls == [False, True, True, True, False, False, True]
     assert use_direct_body(model, ops, attention="general")
     tolerance = {"rtol": 2 ** -6, "atol": 2 ** -6} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-5}
     for (states, ours_cache), (t, p, m, v, cache) in zip(ours, cases):
