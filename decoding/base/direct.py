@@ -204,17 +204,18 @@ def direct_body(model) -> DirectBody | None:
 
 class StepAttention:
     """A step's attention as the direct forward runs it where it can (:func:`plan_step_attention`):
-    per layer one kernel call rotates q and k and writes k and v into the cache's reserved
-    buffers (:meth:`~.fused.KernelOps.rope_store`: bit-identical to the rotary kernel and the
-    cache's update), then one kernel call attends every query row to the keys its mask lets it see
-    (:meth:`~.fused.KernelOps.tree_attention`: float32 sums, as close to float64 attention as SDPA's
-    own result in the dtype), or, where the ops have no attention kernel for the dtype and head size, SDPA over the
-    grouped query heads folded into rows as :func:`~.attention.packed_gqa_sdpa` runs it (the mask's
-    repetition, additive form and key runs made once per forward: bit-identical to it).
+    per layer one library call (:meth:`~.fused.FusedOps.step_call`, else two) rotates q and k,
+    writes k and v into the cache's reserved buffers (:meth:`~.fused.KernelOps.rope_store`:
+    bit-identical to the rotary kernel and the cache's update) and attends every query row to the
+    keys its mask lets it see (:meth:`~.fused.KernelOps.tree_attention`: float32 sums, as close to
+    float64 attention as SDPA's own result in the dtype); where the ops have no attention kernel
+    for the dtype and head size, SDPA attends over the grouped query heads folded into rows as
+    :func:`~.attention.packed_gqa_sdpa` runs it (the mask's repetition, additive form and key runs
+    made once per forward: bit-identical to it).
     Why: at a few query rows the general path's cache update, rotation and attention dispatch
     and SDPA's own per-call cost are most of a layer's non-product time: a bs-1 step's rest of the
-    verification read 8.4 ms and its attention 1.7 ms that way, 6.3 and 1.0 ms this way (AVX2
-    float32; evidence: results/profile/step_breakdown/avx2_native)."""
+    verification read 8.3 ms and its attention 1.5 ms that way, 5.1 ms and 1.1 ms (rotation and
+    cache write included) this way (AVX2 float32; evidence: results/profile/step_breakdown/avx2_native)."""
 
     def __init__(self, layers: list, mask: torch.Tensor, shape: tuple[int, int, int], heads: tuple[int, int],
                  kernel: bool, call=None, rotary_rows: tuple = ()):

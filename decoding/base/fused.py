@@ -175,9 +175,10 @@ class KernelOps(FusedOps):
             raise ValueError("tree_attention: shapes, dtypes or layouts it does not take")
         out = query.new_empty(batch * count, heads * dim)
         work = batch * heads * count * length * dim
+        threads = torch.get_num_threads() if work >= PARALLEL_WORK else 1
         self._call("tree_attention", query.dtype)(query.data_ptr(), key.data_ptr(), value.data_ptr(), mask.data_ptr(),
                                                   out.data_ptr(), batch, count, heads, key.shape[1], dim, key.shape[2],
-                                                  length, scale, torch.get_num_threads() if work >= PARALLEL_WORK else 1)
+                                                  length, scale, threads)
         return out
 
 
