@@ -398,44 +398,40 @@ void NAME(T *hidden, const T *delta, const T *weight, T *out, long rows, long d,
 ADD_RMS_NORM(draftheads_add_rms_norm, float, F32_LOAD, F32_ROUND, F32_STORE)
 ADD_RMS_NORM(draftheads_add_rms_norm_bf16, uint16_t, BF16_LOAD, BF16_ROUND, BF16_STORE)
 
-/* In place on x (rows, heads·dim) with rows `stride` apart: each head rotated as
- * q·cos + rotate_half(q)·sin, rotate_half(q) = (−q[half:], q[:half]); cos/sin (cos_rows, dim),
- * row r reading cos row r % cos_rows. */
-#define ROPE(NAME, T, LOAD, ROUND, STORE)                                                              \
-void NAME(T *x, long rows, long stride, long heads, long dim, const T *cos, const T *sin, long cos_rows) { \
+/* One head of dim values rotated as q·cos + rotate_half(q)·sin, rotate_half(q) = (−q[half:], q[:half]),
+ * from src into dst (the same place or another). */
+#define ROTATE_HEAD(NAME, T, LOAD, ROUND, STORE)                                                       \
+static inline void NAME(const T *src, T *dst, const T *c, const T *s, long dim) {                      \
+    float tmp[1024];                                                                                   \
     long half = dim / 2;                                                                               \
-    _Pragma("omp parallel for schedule(static) if (rows * heads * dim >= PARALLEL_ELEMENTS)")          \
-    for (long r = 0; r < rows; r++) {                                                                  \
-        float tmp[1024];                                                                               \
-        const T *c = cos + (r % cos_rows) * dim, *s = sin + (r % cos_rows) * dim;                      \
-        for (long h = 0; h < heads; h++) {                                                             \
-            T *v = x + r * stride + h * dim;                                                           \
-            for (long i = 0; i < dim; i++) tmp[i] = LOAD(v, i);                                        \
-            for (long i = 0; i < dim; i++) {                                                           \
-                float rotated = i < half ? -tmp[i + half] : tmp[i - half];                             \
-                v[i] = STORE(ROUND(tmp[i] * LOAD(c, i)) + ROUND(rotated * LOAD(s, i)));                \
-            }                                                                                          \
-        }                                                                                              \
+    for (long i = 0; i < dim; i++) tmp[i] = LOAD(src, i);                                              \
+    for (long i = 0; i < dim; i++) {                                                                   \
+        float rotated = i < half ? -tmp[i + half] : tmp[i - half];                                     \
+        dst[i] = STORE(ROUND(tmp[i] * LOAD(c, i)) + ROUND(rotated * LOAD(s, i)));                      \
     }                                                                                                  \
 }
-ROPE(draftheads_rope, float, F32_LOAD, F32_ROUND, F32_STORE)
-ROPE(draftheads_rope_bf16, uint16_t, BF16_LOAD, BF16_ROUND, BF16_STORE)
+ROTATE_HEAD(rotate_head, float, F32_LOAD, F32_ROUND, F32_STORE)
+ROTATE_HEAD(rotate_head_bf16, uint16_t, BF16_LOAD, BF16_ROUND, BF16_STORE)
+
+/* In place on x (rows, heads·dim) with rows `stride` apart: each head rotated (ROTATE_HEAD); cos/sin
+ * (cos_rows, dim), row r reading cos row r % cos_rows. */
+#define ROPE(NAME, T, HEAD)                                                                            \
+void NAME(T *x, long rows, long stride, long heads, long dim, const T *cos, const T *sin, long cos_rows) { \
+    _Pragma("omp parallel for schedule(static) if (rows * heads * dim >= PARALLEL_ELEMENTS)")          \
+    for (long r = 0; r < rows; r++) {                                                                  \
+        const T *c = cos + (r % cos_rows) * dim, *s = sin + (r % cos_rows) * dim;                      \
+        for (long h = 0; h < heads; h++) HEAD(x + r * stride + h * dim, x + r * stride + h * dim, c, s, dim); \
+    }                                                                                                  \
+}
+ROPE(draftheads_rope, float, rotate_head)
+ROPE(draftheads_rope_bf16, uint16_t, rotate_head_bf16)
 
 /* A tree step's q/k/v as attention takes them, in one pass: q (rows, heads·dim), k and v (rows,
  * kv_heads·dim), each row `q_stride`/`kv_stride` elements after the last (one stacked product's
  * columns, or three tensors), rows = batch·n (row b·n + j). Writes q rotated into q_out (batch,
  * heads, n, dim), k rotated and v as they are into the cache's buffers (batch, kv_heads, cap, dim)
- * at slots start … start + n − 1. The rotation is ROPE's, operation by operation; the rest copies. */
-#define ROPE_STORE(NAME, T, LOAD, ROUND, STORE)                                                        \
-static inline void NAME##_head(const T *v, T *dst, const T *c, const T *s, long dim) {                 \
-    float tmp[1024];                                                                                   \
-    long half = dim / 2;                                                                               \
-    for (long i = 0; i < dim; i++) tmp[i] = LOAD(v, i);                                                \
-    for (long i = 0; i < dim; i++) {                                                                   \
-        float rotated = i < half ? -tmp[i + half] : tmp[i - half];                                     \
-        dst[i] = STORE(ROUND(tmp[i] * LOAD(c, i)) + ROUND(rotated * LOAD(s, i)));                      \
-    }                                                                                                  \
-}                                                                                                      \
+ * at slots start … start + n − 1. The rotation is ROPE's (ROTATE_HEAD); the rest copies. */
+#define ROPE_STORE(NAME, T, HEAD)                                                                      \
 void NAME(const T *q, const T *k, const T *v, long q_stride, long kv_stride, long batch, long n,      \
           long heads, long kv_heads, long dim, const T *cos, const T *sin, long cos_rows,              \
           T *q_out, T *key, T *value, long cap, long start) {                                          \
@@ -444,16 +440,16 @@ void NAME(const T *q, const T *k, const T *v, long q_stride, long kv_stride, lon
         long b = r / n, j = r % n;                                                                     \
         const T *c = cos + (r % cos_rows) * dim, *s = sin + (r % cos_rows) * dim;                      \
         for (long h = 0; h < heads; h++)                                                               \
-            NAME##_head(q + r * q_stride + h * dim, q_out + ((b * heads + h) * n + j) * dim, c, s, dim); \
+            HEAD(q + r * q_stride + h * dim, q_out + ((b * heads + h) * n + j) * dim, c, s, dim);    \
         for (long h = 0; h < kv_heads; h++) {                                                          \
             long slot = ((b * kv_heads + h) * cap + start + j) * dim;                                  \
-            NAME##_head(k + r * kv_stride + h * dim, key + slot, c, s, dim);                           \
+            HEAD(k + r * kv_stride + h * dim, key + slot, c, s, dim);                                  \
             memcpy(value + slot, v + r * kv_stride + h * dim, dim * sizeof(T));                        \
         }                                                                                              \
     }                                                                                                  \
 }
-ROPE_STORE(draftheads_rope_store, float, F32_LOAD, F32_ROUND, F32_STORE)
-ROPE_STORE(draftheads_rope_store_bf16, uint16_t, BF16_LOAD, BF16_ROUND, BF16_STORE)
+ROPE_STORE(draftheads_rope_store, float, rotate_head)
+ROPE_STORE(draftheads_rope_store_bf16, uint16_t, rotate_head_bf16)
 
 /* ---- A tree step's attention over the cache (direct.py's StepAttention says where it runs) ----
  * q (batch, heads, n, dim) as rope_store writes it; key/value the cache's buffers (batch, kv_heads, cap,
