@@ -35,8 +35,7 @@ from .attention import (PACK_FLAG, additive_mask, current_ragged_rows, packed_gq
                         uses_packed_sdpa)
 from .binding import PackedLinear, binding, callers_hook, global_hooks, resolved_linears
 from .cache import reserved_layer_class
-from .fewrow import PARALLEL_WORK
-from .fused import FusedOps, KernelOps, fused_ops
+from .fused import FusedOps, KernelOps, attention_threads, fused_ops
 from .key_blocks import key_runs
 from .plan import PLAN
 
@@ -228,8 +227,7 @@ class StepAttention:
             if call is not None:  # the library function and the arguments every layer shares
                 self.call = call
                 self.fixed = (batch, length, heads[0], heads[1], dim, *rotary_rows)
-                work = batch * heads[0] * length * mask.shape[-1] * dim
-                self.threads = torch.get_num_threads() if work >= PARALLEL_WORK else 1
+                self.threads = attention_threads(batch, heads[0], length, mask.shape[-1], dim)
             return
         repeated = repeated_mask(mask, heads[0] // heads[1])
         runs = key_runs(mask)

@@ -157,10 +157,7 @@ class KernelOps(FusedOps):
         return dtype in KERNEL_DTYPES and dim % 8 == 0 and dim <= MAX_HEAD_DIM
 
     def step_call(self, cos: torch.Tensor, sin: torch.Tensor, shape: tuple[int, int, int], dtype: torch.dtype):
-        batch, length, dim = shape
-        if not (self.attends(dtype, dim) and cos.dtype == sin.dtype == dtype and cos.is_contiguous()
-                and sin.is_contiguous() and cos.shape[-1] == dim and cos.shape[0] in (1, batch)
-                and cos.shape[1] == length and sin.shape == cos.shape):
+        if not (self.attends(dtype, shape[2]) and _rotary_rows(cos, sin, shape, dtype)):
             return None
         return self._call("step_attention", dtype)
 
@@ -174,22 +171,32 @@ class KernelOps(FusedOps):
                 and mask.shape == (batch, count, length)):
             raise ValueError("tree_attention: shapes, dtypes or layouts it does not take")
         out = query.new_empty(batch * count, heads * dim)
-        work = batch * heads * count * length * dim
-        threads = torch.get_num_threads() if work >= PARALLEL_WORK else 1
         self._call("tree_attention", query.dtype)(query.data_ptr(), key.data_ptr(), value.data_ptr(), mask.data_ptr(),
                                                   out.data_ptr(), batch, count, heads, key.shape[1], dim, key.shape[2],
-                                                  length, scale, threads)
+                                                  length, scale, attention_threads(batch, heads, count, length, dim))
         return out
+
+
+def attention_threads(batch: int, heads: int, count: int, length: int, dim: int) -> int:
+    """The threads the attention kernel shares (batch · heads) pairs among: torch's count once the
+    step's query rows × keys × head size pay for waking the others, else one."""
+    return torch.get_num_threads() if batch * heads * count * length * dim >= PARALLEL_WORK else 1
 
 
 def _rotates(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
              shape: tuple[int, int, int]) -> bool:
     """Whether the rotary kernels take these q (rows, H·D), k (rows, H_kv·D) and cos/sin."""
     batch, length, dim = shape
-    return (q.dtype in KERNEL_DTYPES and cos.dtype == sin.dtype == k.dtype == q.dtype and dim <= MAX_HEAD_DIM
-            and cos.is_contiguous() and sin.is_contiguous() and cos.shape[-1] == dim
-            and cos.shape[0] in (1, batch) and cos.shape[1] == length and sin.shape == cos.shape
+    return (q.dtype in KERNEL_DTYPES and k.dtype == q.dtype and dim <= MAX_HEAD_DIM
+            and _rotary_rows(cos, sin, shape, q.dtype)
             and all(t.stride(-1) == 1 for t in (q, k)) and q.shape[0] == k.shape[0] == batch * length)
+
+
+def _rotary_rows(cos: torch.Tensor, sin: torch.Tensor, shape: tuple[int, int, int], dtype: torch.dtype) -> bool:
+    """Whether the kernels read cos/sin (B or 1, N, D) of ``dtype`` as rows (cos_rows, D) for shape (B, N, D)."""
+    batch, length, dim = shape
+    return (cos.dtype == sin.dtype == dtype and cos.is_contiguous() and sin.is_contiguous() and cos.shape[-1] == dim
+            and cos.shape[0] in (1, batch) and cos.shape[1] == length and sin.shape == cos.shape)
 
 
 def _fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
