@@ -219,7 +219,6 @@ class StepAttention:
     def __init__(self, layers: list, mask: torch.Tensor, shape: tuple[int, int, int], heads: tuple[int, int],
                  kernel: bool, call=None, rotary_rows: tuple = ()):
         self.layers, self.shape, self.heads, self.kernel = layers, shape, heads, kernel
-        dtype = layers[0].keys.dtype
         self.call = None
         if kernel:
             self.mask = mask[:, 0].contiguous()  # (B, N, T + N)
@@ -229,6 +228,7 @@ class StepAttention:
                 self.fixed = (batch, length, heads[0], heads[1], dim, *rotary_rows)
                 self.threads = attention_threads(batch, heads[0], length, mask.shape[-1], dim)
             return
+        dtype = layers[0].keys.dtype
         repeated = repeated_mask(mask, heads[0] // heads[1])
         runs = key_runs(mask)
         self.runs = (((0, shape[0], 0, additive_mask(repeated, dtype)),) if runs is None else

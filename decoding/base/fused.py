@@ -135,7 +135,6 @@ class KernelOps(FusedOps):
                  cos.shape[0] * cos.shape[1])
         return _heads(q, shape), _heads(k, shape)
 
-
     def rope_store(self, rotary: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, shape: tuple[int, int, int], q_out: torch.Tensor, key: torch.Tensor,
                    value: torch.Tensor, start: int) -> None:
