@@ -26,6 +26,7 @@ from .base.attention import PACKED_SDPA, uses_packed_sdpa
 from .base.direct import uses_direct_body
 from .base.cache import tree_attention_mask
 from .base.fingerprint import fingerprint
+from .base.packing import block_summary
 from .output import in_loop_mode
 from .cost import CostModel, CostSurfaceError, LatencyTable, Row, load_cost_surface
 from .tree import Tree, chain_tree, tree_from_paths
@@ -97,7 +98,8 @@ TIMING = "interleaved rounds"
 def calibration_key(model, heads=None) -> dict:
     """What the measured costs depend on: the base (fingerprint + the sizes that set its cost),
     the device, the dtype, torch, the thread count, the few-row kernel (its source and the dtypes
-    it runs here: a step through it costs less), whether tree steps run the direct forward
+    it runs here: a step through it costs less), the products through GGUF blocks (a base whose
+    blocks are not at hand streams 2-6× the bytes), whether tree steps run the direct forward
     (:mod:`~.base.direct`: a step costs less), how it is timed and the heads (their drafting cost)."""
     param = next(model.parameters())
     cfg = model.config
@@ -105,7 +107,8 @@ def calibration_key(model, heads=None) -> dict:
            "intermediate_size": int(getattr(cfg, "intermediate_size", 0)),
            "device": device_name(param.device), "dtype": str(param.dtype), "torch": torch.__version__,
            "attention": PACKED_SDPA if uses_packed_sdpa(model) else str(getattr(cfg, "_attn_implementation", None)),
-           "kernel": kernel_identity(), "forward": "direct" if uses_direct_body(model) else "transformers",
+           "kernel": kernel_identity(), "blocks": block_summary(model),
+           "forward": "direct" if uses_direct_body(model) else "transformers",
            "timing": TIMING}
     if heads is not None:
         hc = heads.config

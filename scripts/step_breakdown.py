@@ -10,13 +10,14 @@ prompts, interleaved prompt by prompt.
         --out results/profile/step_breakdown
 
 How: the products' and attention's calls are timed where they happen (the few-row kernel's
-library functions, oneDNN's packed linear, ``F.linear``, ``F.scaled_dot_product_attention``),
-each attributed to the step phase it ran in (:data:`~draftheads.decoding.step.PHASES`); the
+library functions, oneDNN's packed linear, ``F.linear``, ``F.scaled_dot_product_attention``; a
+whole-body call by its own clock), each attributed to the step phase it ran in (:data:`~draftheads.decoding.step.PHASES`); the
 rest of a phase is its wall time less those. The timers cost ~1 µs a call (~0.2 ms a step).
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import sys
 import time
@@ -81,6 +82,19 @@ def _timed(kind: str, call):
     return wrapper
 
 
+def _clocked(call):
+    """A whole-body call (decoding/base/body_call.py) given a clock of its own: the seconds it spent
+    in products and in attention added as the calls timed one by one are."""
+    def wrapper(*args):
+        if not _ACTIVE:
+            return call(*args)
+        clock = (ctypes.c_double * 3)()
+        call(*args[:-1], ctypes.addressof(clock))
+        _ACTIVE[-1].add("products", clock[0])
+        _ACTIVE[-1].add("attention", clock[1])
+    return wrapper
+
+
 def install_call_timers() -> None:
     """Time every product and attention call (before any model resolves its products)."""
     lib = fewrow.kernel()
@@ -91,6 +105,8 @@ def install_call_timers() -> None:
         for name in ("draftheads_tree_attention", "draftheads_tree_attention_bf16", "draftheads_step_attention",
                      "draftheads_step_attention_bf16"):  # the last two with the rotation and cache write before it
             setattr(lib, name, _timed("attention", getattr(lib, name)))
+        for name in ("draftheads_body", "draftheads_body_bf16"):
+            setattr(lib, name, _clocked(getattr(lib, name)))
     torch.ops.mkldnn._linear_pointwise = _timed("products", torch.ops.mkldnn._linear_pointwise)
     torch.nn.functional.linear = _timed("products", torch.nn.functional.linear)
     torch.nn.functional.scaled_dot_product_attention = _timed("attention",
@@ -132,13 +148,16 @@ def _seconds(fn) -> float:
 
 @contextmanager
 def body_way(model, way: str):
-    """``direct``: the direct forward (where the base allows it); ``sdpa``, ``general``: the direct
-    forward attending another way (:data:`~draftheads.decoding.base.direct.ATTENTION_WAYS`);
+    """``direct``: the direct forward (where the base allows it; a step's body in one call where
+    every piece has a kernel); ``layers``: the direct forward layer by layer; ``sdpa``, ``general``:
+    layer by layer, attending another way (:data:`~draftheads.decoding.base.direct.ATTENTION_WAYS`);
     ``eager``: transformers' forward."""
     if way == "eager":
         release_direct_body(model.base)
+    elif way == "layers":
+        use_direct_body(model.base, one_call=False)
     elif way in ("sdpa", "general"):
-        use_direct_body(model.base, attention=way)
+        use_direct_body(model.base, attention=way, one_call=False)
     try:
         yield
     finally:
@@ -200,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--batch-sizes", default="1,16")
     parser.add_argument("--ways", default="direct,eager",
-                        help="direct, sdpa, general, eager: one or more (compared interleaved)")
+                        help="direct, layers, sdpa, general, eager: one or more (compared interleaved)")
     parser.add_argument("--limit", type=int, default=8, help="bs-1 prompts (the dev prompts, first N)")
     parser.add_argument("--repeats", type=int, default=2, help="batches a batch size above 1 runs (each way)")
     parser.add_argument("--max-new-tokens", type=int, default=64)

@@ -494,3 +494,60 @@ def varied_llama():
             if "norm" not in name:
                 param.copy_(torch.randn(param.shape, generator=generator, dtype=param.dtype) * 0.2)
     return model
+
+
+def plan_readers() -> tuple:
+    """The modules that read the packing plan by name (what a test's own plan replaces in each)."""
+    from draftheads.decoding.base import packed, packing, plan, siblings
+
+    return plan, packed, siblings, packing
+
+
+def force_plan(model, monkeypatch, blocks_ms: float = 1.0) -> None:
+    """Every product of ``model`` (its stacked siblings' and LM head's too) through the blocks where it
+    has them (``blocks_ms`` below the kernel's 5), else the few-row kernel."""
+    from draftheads.decoding.base.blocks import KINDS
+    from draftheads.decoding.base.plan import ROW_BUCKETS, PackingPlan, shape_key
+
+    plan, n = PackingPlan(), len(ROW_BUCKETS)
+    layer = model.model.layers[0]
+    stacked = [(sum(m.out_features for m in ms), ms[0].in_features) for ms in (
+        (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj), (layer.mlp.gate_proj, layer.mlp.up_proj))]
+    for shape in [tuple(p.shape) for p in model.parameters() if p.dim() == 2] + stacked:
+        plan.add(shape_key(model.dtype, *shape), {"linear_ms": [9.0] * n, "packed_ms": [9.0] * n,
+                                                  "fewrow_ms": [5.0] * n, **{f"{k}_ms": [blocks_ms] * n for k in KINDS}})
+    for module in plan_readers():
+        monkeypatch.setattr(module, "PLAN", plan)
+
+
+def gguf_base(folder, seed: int = 2, edit=None, dtype=torch.float32):
+    """A tiny float32 Llama whose every linear weight is its Q4_1 quantization dequantized and whose
+    (tied) embeddings, some rows repeated, are their Q8_0 one, and the GGUF of those blocks (other names than
+    transformers', q/k rows permuted as in a llama GGUF, ``edit`` applied to the tensors written),
+    recorded as the GGUF the base was converted from."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFWriter, quants
+
+    from draftheads.decoding.base.architecture import decoder_body
+    from draftheads.decoding.base.loading import SOURCE_RECORD
+
+    model = tiny_llama(seed, dtype=torch.float32)
+    model.model.embed_tokens.weight.data[90:] = model.model.embed_tokens.weight.data[89]  # repeated rows, as unused tokens
+    writer = GGUFWriter(str(folder / "tiny.gguf"), "llama")
+    for index, (name, module) in enumerate((n, m) for n, m in decoder_body(model).named_modules()
+                                           if type(m) in (torch.nn.Linear, torch.nn.Embedding)):
+        qtype = GGMLQuantizationType.Q8_0 if type(module) is torch.nn.Embedding else GGMLQuantizationType.Q4_1
+        raw = quants.quantize(module.weight.detach().numpy(), qtype)
+        module.weight.data.copy_(torch.from_numpy(quants.dequantize(raw, qtype)))
+        if name.endswith(("q_proj", "k_proj")):
+            raw = raw[np.random.default_rng(index).permutation(raw.shape[0])]
+        raw = edit(name, raw) if edit is not None else raw
+        writer.add_tensor(f"t{index}", raw, raw_shape=raw.shape, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    (folder / SOURCE_RECORD).write_text(json.dumps({"gguf": str(folder / "tiny.gguf")}))
+    model = model.to(dtype)
+    model.name_or_path = str(folder)
+    return model

@@ -11,7 +11,7 @@ import threading
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -289,9 +289,18 @@ def resolved_linears(members: tuple[nn.Linear, ...], rows: int) -> Callable[[tor
         product = siblings[0]
         stacked = resolved_matmul(product.shape, product.copies, rows, product.bias())
         widths = list(product.widths)
-        return lambda x: stacked(x).split_with_sizes(widths, dim=-1)  # the method: not Tensor.split's Python wrapper
+        return _kernels(lambda x: stacked(x).split_with_sizes(widths, dim=-1),  # not Tensor.split's Python wrapper
+                        (stacked,))
     alone = [_resolved_one(m, b, rows) for m, b in zip(members, bound)]
-    return lambda x: tuple(f(x) for f in alone)
+    return _kernels(lambda x: tuple(f(x) for f in alone), alone)
+
+
+def _kernels(function: Callable, products: Sequence[Callable]) -> Callable:
+    """``function`` with ``kernels``: per product it runs (one stacked, or one per member) what it
+    multiplies through — (kind, data, scales) of the compiled library's kernels — or None where it
+    runs another path (oneDNN, ``F.linear``, a bias added): what :mod:`.body_call` reads."""
+    function.kernels = tuple(getattr(p, "kernel", None) for p in products)
+    return function
 
 
 def _resolved_one(module: nn.Linear, bound: BoundLinear | None, rows: int) -> Callable[[torch.Tensor], torch.Tensor]:

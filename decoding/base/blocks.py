@@ -96,6 +96,8 @@ def blocks_product(blocks: Blocks, bias: torch.Tensor | None = None) -> Callable
             y += bias
         return y
     product.keeps = blocks  # the blocks live as long as the product
+    if bias is None:  # what it multiplies through (:mod:`.body_call` reads it)
+        product.kernel = (blocks.kind, blocks.data, blocks.scales)
     return product
 
 

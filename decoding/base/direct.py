@@ -34,6 +34,7 @@ from .architecture import decoder_body
 from .attention import (PACK_FLAG, additive_mask, current_ragged_rows, packed_gqa_sdpa, repeated_mask,
                         uses_packed_sdpa)
 from .binding import PackedLinear, binding, callers_hook, global_hooks, resolved_linears
+from .body_call import BodyTable, body_table, run_body
 from .cache import reserved_layer_class
 from .fused import FusedOps, KernelOps, attention_threads, fused_ops
 from .key_blocks import key_runs
@@ -67,10 +68,12 @@ class DirectBody:
     layer plans per row count with the stamp (the plan's and the binding's generations) they
     were made under."""
 
-    def __init__(self, model, ops: FusedOps, attention: str = "kernel"):
+    def __init__(self, model, ops: FusedOps, attention: str = "kernel", one_call: bool = True):
         body = decoder_body(model)
         #: how a step attends (:data:`ATTENTION_WAYS`)
         self.attention = attention
+        #: whether a step whose pieces all have kernels runs its body in one call (:mod:`.body_call`)
+        self.one_call = one_call
         self.body = body
         self.layers = list(body.layers[: model.config.num_hidden_layers])
         #: the norm each layer's output meets next: the following layer's input norm, the final norm last
@@ -82,17 +85,25 @@ class DirectBody:
         self.rotary = sys.modules[type(self.layers[0].self_attn).__module__].apply_rotary_pos_emb
         self.ops = ops
         self.plans: dict[int, list[LayerPlan]] = {}
+        self.tables: dict[int, BodyTable | None] = {}
         self.stamp: tuple = ()
 
     def plan(self, rows: int) -> list[LayerPlan]:
         found = binding(self.body)
         stamp = (PLAN.generation, found.generation if found is not None else -1)
         if stamp != self.stamp:
-            self.plans, self.stamp = {}, stamp
+            self.plans, self.tables, self.stamp = {}, {}, stamp
         plans = self.plans.get(rows)
         if plans is None:
             plans = self.plans[rows] = [_layer_plan(layer, rows) for layer in self.layers]
         return plans
+
+    def table(self, rows: int) -> BodyTable | None:
+        """The one call's table for ``rows`` (:func:`~.body_call.body_table`), or None: layer by layer."""
+        plans = self.plan(rows)
+        if rows not in self.tables:
+            self.tables[rows] = body_table(self, plans) if self.one_call else None
+        return self.tables[rows]
 
     def intact(self) -> bool:
         """Whether every module of the body is still the one it was made with."""
@@ -152,19 +163,20 @@ def direct_body_reason(model) -> str | None:
 ATTENTION_WAYS = ("kernel", "sdpa", "general")
 
 
-def use_direct_body(model, ops: FusedOps | None = None, attention: str = "kernel") -> bool:
+def use_direct_body(model, ops: FusedOps | None = None, attention: str = "kernel", one_call: bool = True) -> bool:
     """Let :func:`~.forward.verify` run ``model``'s tree steps through the direct forward where
     :func:`direct_body_reason` finds nothing against it; returns whether it will. ``ops``: the
     elementwise steps (default :func:`~.fused.fused_ops`: the kernels where they agree here);
-    ``attention``: one of :data:`ATTENTION_WAYS`."""
+    ``attention``: one of :data:`ATTENTION_WAYS`; ``one_call``: a step whose pieces all have kernels
+    runs its whole body in one library call (:mod:`.body_call`; False: layer by layer, for comparisons)."""
     if attention not in ATTENTION_WAYS:
         raise ValueError(f"attention={attention!r}: one of {', '.join(ATTENTION_WAYS)}")
     found = _BODIES.get(model)
-    if found is not None and ops is None and found.attention == attention:
+    if found is not None and ops is None and (found.attention, found.one_call) == (attention, one_call):
         return True
     if direct_body_reason(model) is not None:
         return False
-    _BODIES[model] = DirectBody(model, ops if ops is not None else fused_ops(), attention)
+    _BODIES[model] = DirectBody(model, ops if ops is not None else fused_ops(), attention, one_call)
     return True
 
 
@@ -197,7 +209,7 @@ def direct_body(model) -> DirectBody | None:
     if not found.intact():
         if direct_body_reason(model) is not None:
             return None
-        found = _BODIES[model] = DirectBody(model, found.ops, found.attention)
+        found = _BODIES[model] = DirectBody(model, found.ops, found.attention, found.one_call)
     return found
 
 
@@ -312,6 +324,11 @@ def direct_forward(state: DirectBody, input_ids: torch.Tensor, mask, position_id
     normed = ops.rms_norm(hidden, state.layers[0].input_layernorm)
     shape = (batch, length, state.layers[0].self_attn.head_dim)
     step = plan_step_attention(state, cache, mask, shape, hidden.dtype, cos, sin)
+    table = state.table(rows) if step is not None and step.call is not None else None
+    if table is not None and normed.is_contiguous() and normed.dtype == hidden.dtype:
+        tapped |= run_body(ops.body_call(hidden.dtype), table, step, step.layers[:len(state.layers)], hidden, normed,
+                           taps)
+        return _states(normed, tapped, taps, (batch, length, width))
     for plan, following in zip(state.plan(rows), state.next_norms):
         attn = plan.attn
         q, k, v = plan.qkv(normed)  # (rows, H·D), (rows, H_kv·D) ×2
@@ -330,6 +347,13 @@ def direct_forward(state: DirectBody, input_ids: torch.Tensor, mask, position_id
         hidden, normed = ops.add_rms_norm(hidden, out, following)
         if plan.layer_idx + 1 in taps:  # the residual stream after layer_idx + 1 layers
             tapped[plan.layer_idx + 1] = hidden.clone()
+    return _states(normed, tapped, taps, (batch, length, width))
+
+
+def _states(normed: torch.Tensor, tapped: dict[int, torch.Tensor], taps: Sequence[int],
+            shape: tuple[int, int, int]) -> torch.Tensor:
+    """The final norm's output (rows, d), with the tapped layers' residual streams after it → (B, N, d·(1 + taps))."""
+    batch, length, width = shape
     if not taps:
         return normed.reshape(batch, length, width)
     return torch.cat([normed, *(tapped[layer] for layer in taps)], dim=-1).reshape(batch, length, -1)

@@ -552,3 +552,5 @@ void NAME(const T *q, const T *k, const T *v, long q_stride, long kv_stride, lon
 }
 STEP_ATTENTION(draftheads_step_attention, float, draftheads_rope_store, draftheads_tree_attention)
 STEP_ATTENTION(draftheads_step_attention_bf16, uint16_t, draftheads_rope_store_bf16, draftheads_tree_attention_bf16)
+
+#include "body.c"  /* the whole body in one call, over the kernels above */

@@ -47,6 +47,8 @@ from ...core.errors import DraftheadsError
 from .hardware import bf16_native, is_x86
 
 SOURCE = Path(__file__).with_name("fewrow.c")
+#: every file the library is built from (``fewrow.c`` includes the others): what its cache key reads
+SOURCES = (SOURCE, SOURCE.with_name("body.c"))
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 #: after the source: the libraries it calls into (sqrtf)
 LIBRARIES = ("-lm",)
@@ -78,7 +80,11 @@ def kernel_identity() -> str | None:
     if _state["lib"] is None:
         return None
     names = sorted(str(d).removeprefix("torch.") for d in kernel_dtypes())
-    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12] + ":" + "+".join(names)
+    return hashlib.sha256(_source_bytes()).hexdigest()[:12] + ":" + "+".join(names)
+
+
+def _source_bytes() -> bytes:
+    return b"".join(path.read_bytes() for path in SOURCES)
 
 
 def bf16_kernel_supported() -> bool:
@@ -93,8 +99,9 @@ def unsupported_reason() -> str | None:
     capability = torch.backends.cpu.get_cpu_capability()
     if not capability.startswith(("AVX2", "AVX512")):
         return f"torch runs at CPU capability {capability!r} here (the kernel needs AVX2)"
-    if not SOURCE.is_file():
-        return f"its source {SOURCE} is missing from this install"
+    missing = [path for path in SOURCES if not path.is_file()]
+    if missing:
+        return f"its source {missing[0]} is missing from this install"
     return None
 
 
@@ -123,7 +130,7 @@ def _library_path(folder: Path, compiler: list[str]) -> Path:
         version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         version = ""
-    key = (SOURCE.read_bytes() + shlex.join(compiler).encode() + version.encode()
+    key = (_source_bytes() + shlex.join(compiler).encode() + version.encode()
            + " ".join(FLAGS + LIBRARIES).encode())
     return folder / f"fewrow-{hashlib.sha256(key).hexdigest()[:16]}.so"
 
@@ -188,6 +195,12 @@ def _bind(path: Path):
         step.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 7 + [ctypes.c_void_p] * 2 + [ctypes.c_long] \
             + [ctypes.c_void_p] * 2 + [ctypes.c_long] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_float, ctypes.c_int]
         step.restype = None
+        gate = getattr(lib, f"draftheads_silu_mul{suffix}")
+        gate.argtypes, gate.restype = [ctypes.c_void_p] * 2 + [ctypes.c_long] + [ctypes.c_void_p] + [ctypes.c_long] * 2, None
+        body = getattr(lib, f"draftheads_body{suffix}")
+        body.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 8 + [ctypes.c_void_p] * 2 + [ctypes.c_long] \
+            + [ctypes.c_void_p] + [ctypes.c_float] * 2 + [ctypes.c_int] * 2 + [ctypes.c_long, ctypes.c_void_p]
+        body.restype = None
     return lib
 
 
@@ -284,6 +297,7 @@ def _product(lib, blocked: torch.Tensor, out_features: int) -> Callable[[torch.T
         run(x.data_ptr(), pointer, y.data_ptr(), rows, inp, out_features, threads)
         return y
     product.keeps = blocked  # the copy lives as long as the product
+    product.kernel = ("fewrow", blocked, None)  # what it multiplies through (:mod:`.body_call` reads it)
     return product
 
 

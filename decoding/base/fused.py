@@ -12,10 +12,11 @@ are many), computing what transformers' modules compute step by step in the same
 intermediate torch rounds to bf16 rounded alike). Only RMSNorm's sum of squares may land one
 rounding away (another summation order) — the few-row kernel's products already differ that much
 from ``F.linear``, which the guarantee allows (bfloat16: a first divergence within the dtype's
-rounding; float32: identical or a first divergence at a near-tie). The SiLU gate stays torch's two
-operations: a scalar ``exp`` loses to torch's vectorized one at every row count. Each kernel is
-checked against the modules' own code on random rows before first use (:func:`kernel_ops`): the
-rotary embedding and the residual add bit for bit, the norm within one rounding of the dtype; one
+rounding; float32: identical or a first divergence at a near-tie). The SiLU gate (silu(g)·u, one
+call) computes exp with its own polynomial, as torch's vectorized one has its own: it lands within
+a rounding of torch's two operations. Each kernel is checked against the modules' own code on
+random rows before first use (:func:`kernel_ops`): the rotary embedding and the residual add bit
+for bit, the norm and the gate within one rounding of the dtype; one
 that disagrees, a missing library or another dtype leaves :class:`FusedOps` — the modules' own
 code, bit-identical to the base's forward — in its place.
 """
@@ -57,6 +58,10 @@ class FusedOps:
     def gated(self, mlp: nn.Module, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """act(gate) · up, the gated MLP's input to its down projection."""
         return mlp.act_fn(gate) * up
+
+    def body_call(self, dtype: torch.dtype):
+        """The library function that runs a step's whole body for ``dtype`` (:mod:`.body_call`), or None."""
+        return None
 
     def step_call(self, cos: torch.Tensor, sin: torch.Tensor, shape: tuple[int, int, int], dtype: torch.dtype):
         """:meth:`rope_store` then :meth:`tree_attention` as one library function for a forward's
@@ -152,6 +157,19 @@ class KernelOps(FusedOps):
                                           key.data_ptr(), value.data_ptr(), key.shape[2], start)
 
 
+    def gated(self, mlp: nn.Module, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if not (is_silu(mlp.act_fn) and gate.dtype in KERNEL_DTYPES and up.dtype == gate.dtype
+                and gate.dim() == 2 and gate.shape == up.shape and gate.stride(-1) == up.stride(-1) == 1
+                and gate.stride(0) == up.stride(0)):
+            return super().gated(mlp, gate, up)
+        out = gate.new_empty(gate.shape)
+        self._call("silu_mul", gate.dtype)(gate.data_ptr(), up.data_ptr(), gate.stride(0), out.data_ptr(),
+                                           gate.shape[0], gate.shape[1])
+        return out
+
+    def body_call(self, dtype: torch.dtype):
+        return self._call("body", dtype) if dtype in KERNEL_DTYPES else None
+
     def attends(self, dtype: torch.dtype, dim: int) -> bool:
         return dtype in KERNEL_DTYPES and dim % 8 == 0 and dim <= MAX_HEAD_DIM
 
@@ -174,6 +192,13 @@ class KernelOps(FusedOps):
                                                   out.data_ptr(), batch, count, heads, key.shape[1], dim, key.shape[2],
                                                   length, scale, attention_threads(batch, heads, count, length, dim))
         return out
+
+
+def is_silu(act: nn.Module) -> bool:
+    """Whether a gated MLP's activation is exactly ``F.silu`` (torch's module or transformers' own,
+    whose forward is ``F.silu``; a subclass may compute anything): what the gate kernel computes."""
+    return type(act) is nn.SiLU or (type(act).__name__ == "SiLUActivation"
+                                    and type(act).__module__ == "transformers.activations")
 
 
 def attention_threads(batch: int, heads: int, count: int, length: int, dim: int) -> int:
@@ -254,6 +279,12 @@ def _agrees(ops: KernelOps, dtype: torch.dtype) -> bool:
     ours = ops.rotary(apply_rotary_pos_emb, *stacked.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)[:2],
                       cos, sin, shape)
     if not all(torch.equal(a, b) for a, b in zip(ours, theirs)):
+        return False
+    mlp = nn.Module()
+    mlp.act_fn = nn.SiLU()
+    gate_up = rand(rows + 3, 2 * width + 5) * 4  # a row of 2·width + 5: gate and up strided, a partial 8
+    gate, up = gate_up[:, :width + 2], gate_up[:, width + 2:-1]
+    if not torch.allclose(ops.gated(mlp, gate, up).float(), reference.gated(mlp, gate, up).float(), **one_rounding):
         return False
     return (_stores_alike(ops, reference, qkv, cos, sin, (heads, kv_heads, dim), dtype)
             and _attends_alike(ops, dtype, generator))

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from ...core.atomic import atomic_file
 from ...core.errors import (DamagedFileError, InputTypeError, MissingPathError, UnwritablePathError, cannot_write,
                              one_line)
 from .fingerprint import file_sha256
@@ -188,6 +189,21 @@ def converted_from(folder: str | Path) -> Path | None:
         return None
 
 
+def _record_source(folder: Path, gguf: Path) -> None:
+    """A reused conversion records ``gguf``, the file it is loaded for now (the folder is keyed by
+    its sha256: the same content), where it recorded another — a virtual environment or checkout
+    since removed: the blocks products (:mod:`.gguf_blocks`) and the peers' bench read the GGUF
+    through this record, and without it a base streams its float weights (2-6× the bytes). A
+    record that cannot be rewritten stays as it was."""
+    if converted_from(folder) == gguf.absolute():
+        return
+    try:
+        with atomic_file(folder / SOURCE_RECORD) as tmp:
+            tmp.write_text(json.dumps({"gguf": str(gguf.absolute())}))
+    except UnwritablePathError:
+        pass
+
+
 def _write_converted(model, tokenizer, gguf: Path, target: Path) -> None:
     """Write to a temp dir then rename, so an interrupted conversion never leaves a
     half-written cache entry behind; an unwritable destination is one error naming it."""
@@ -199,7 +215,7 @@ def _write_converted(model, tokenizer, gguf: Path, target: Path) -> None:
     try:
         _save_plain(model, tmp)
         tokenizer.save_pretrained(tmp)
-        (tmp / SOURCE_RECORD).write_text(json.dumps({"gguf": str(gguf)}))
+        (tmp / SOURCE_RECORD).write_text(json.dumps({"gguf": str(gguf.absolute())}))
         os.replace(tmp, target)
     except OSError as err:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -244,6 +260,7 @@ def resolve_base(name_or_path: str | None, gguf_file: str | None = None) -> tupl
     if (target / "config.json").is_file():
         problem = damaged_model_files(target)
         if not problem:
+            _record_source(target, gguf)
             return str(target), str(gguf)
         warnings.warn(f"the converted base {target} is damaged ({problem}); converting {gguf.name} again.",
                       UserWarning, stacklevel=3)

@@ -85,6 +85,15 @@ def base_block_kinds(model) -> dict[tuple[torch.dtype, int, int], set[str]]:
     return found
 
 
+def block_summary(model) -> list[str]:
+    """The base's products through GGUF blocks now, as sorted ``dtype:out×in:kind`` (empty: none, or
+    not packed): what a step's measured cost depends on (the calibration's key)."""
+    if model not in _PACKED_BASES:
+        return []
+    return sorted(f"{str(dtype).removeprefix('torch.')}:{out}x{inn}:{kind}"
+                  for (dtype, out, inn), kinds in base_block_kinds(model).items() for kind in kinds)
+
+
 def refresh_packing(model, memo: FingerprintMemo | None = None) -> None:
     """Before each decoding call: every packed copy of the base's weights made from content its
     weight no longer has — changed by an optimizer, ``load_state_dict``, or a write through

@@ -5,25 +5,21 @@ are its weights exactly (rows matched by content, permuted as transformers permu
 through them as its own ``generate``, and loses them when a weight changes or the GGUF does not read."""
 from __future__ import annotations
 
-import json
 import warnings
 
 import numpy as np
 import pytest
 import torch
 
-from draftheads.decoding.base import fewrow, packed, packing, plan as plan_module, siblings
+from draftheads.decoding.base import fewrow, packed, packing, plan as plan_module
 from draftheads.decoding.base.architecture import decoder_body
 from draftheads.decoding.base.binding import binding
 from draftheads.decoding.base.gguf_blocks import attach_gguf_blocks, gguf_parts
 from draftheads.decoding.base.loading import SOURCE_RECORD
-from draftheads.decoding.base.plan import ROW_BUCKETS, PackingPlan, fastest_paths, shape_key, valid_timings
+from draftheads.decoding.base.plan import ROW_BUCKETS, fastest_paths, valid_timings
 from draftheads.decoding.base.blocks import KINDS, blocks_available, blocks_product, dequantized, make_blocks, random_parts
 
-from helpers import OracleHeads, tiny_llama
-
-PLAN_READERS = (plan_module, packed, siblings, packing)
-
+from helpers import OracleHeads, force_plan, gguf_base
 
 @pytest.fixture(scope="module")
 def q4_kernel(tmp_path_factory):
@@ -74,35 +70,6 @@ def test_gguf_rows_read_as_gguf_dequantizes_them(kind):
     assert torch.equal(ours, torch.from_numpy(quants.dequantize(raw, qtype).astype(np.float32)))
 
 
-def gguf_base(folder, seed: int = 2, edit=None, dtype=torch.float32):
-    """A tiny float32 Llama whose every linear weight is its Q4_1 quantization dequantized and whose
-    (tied) embeddings, some rows repeated, are their Q8_0 one, and the GGUF of those blocks (other names than
-    transformers', q/k rows permuted as in a llama GGUF, ``edit`` applied to the tensors written),
-    recorded as the GGUF the base was converted from."""
-    from gguf import GGMLQuantizationType, GGUFWriter, quants
-
-    model = tiny_llama(seed, dtype=torch.float32)
-    model.model.embed_tokens.weight.data[90:] = model.model.embed_tokens.weight.data[89]  # repeated rows, as unused tokens
-    writer = GGUFWriter(str(folder / "tiny.gguf"), "llama")
-    for index, (name, module) in enumerate((n, m) for n, m in decoder_body(model).named_modules()
-                                           if type(m) in (torch.nn.Linear, torch.nn.Embedding)):
-        qtype = GGMLQuantizationType.Q8_0 if type(module) is torch.nn.Embedding else GGMLQuantizationType.Q4_1
-        raw = quants.quantize(module.weight.detach().numpy(), qtype)
-        module.weight.data.copy_(torch.from_numpy(quants.dequantize(raw, qtype)))
-        if name.endswith(("q_proj", "k_proj")):
-            raw = raw[np.random.default_rng(index).permutation(raw.shape[0])]
-        raw = edit(name, raw) if edit is not None else raw
-        writer.add_tensor(f"t{index}", raw, raw_shape=raw.shape, raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    (folder / SOURCE_RECORD).write_text(json.dumps({"gguf": str(folder / "tiny.gguf")}))
-    model = model.to(dtype)
-    model.name_or_path = str(folder)
-    return model
-
-
 def blocked_layers(model) -> dict[str, str | None]:
     """Each bound layer's block kind (None: no blocks), and the LM head's."""
     bound = binding(decoder_body(model))
@@ -110,20 +77,6 @@ def blocked_layers(model) -> dict[str, str | None]:
              if id(m) in bound.linears}
     kinds["lm_head"] = packing.packed_lm_head(model).blocks(model.lm_head.weight)
     return {name: None if blocks is None else blocks.kind for name, blocks in kinds.items()}
-
-
-def force_plan(model, monkeypatch, blocks_ms: float = 1.0) -> None:
-    """Every product of ``model`` (its stacked siblings' and LM head's too) through the blocks where it
-    has them (``blocks_ms`` below the kernel's 5), else the few-row kernel."""
-    plan, n = PackingPlan(), len(ROW_BUCKETS)
-    layer = model.model.layers[0]
-    stacked = [(sum(m.out_features for m in ms), ms[0].in_features) for ms in (
-        (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj), (layer.mlp.gate_proj, layer.mlp.up_proj))]
-    for shape in [tuple(p.shape) for p in model.parameters() if p.dim() == 2] + stacked:
-        plan.add(shape_key(model.dtype, *shape), {"linear_ms": [9.0] * n, "packed_ms": [9.0] * n,
-                                                  "fewrow_ms": [5.0] * n, **{f"{k}_ms": [blocks_ms] * n for k in KINDS}})
-    for module in PLAN_READERS:
-        monkeypatch.setattr(module, "PLAN", plan)
 
 
 @pytest.mark.skipif(not plan_module.packing_available(torch.float32), reason="this torch build has no oneDNN packed linear")
@@ -153,6 +106,23 @@ def test_a_base_converted_from_a_gguf_decodes_through_its_blocks_as_its_own_gene
     reference = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=40, do_sample=False)
     heads = OracleHeads([reference[0, 5:].tolist()], vocab=96, error=0.3, seed=4)
     assert DraftHeadsModel(model, heads, tree=3).generate(prompt, max_new_tokens=40).tolist() == reference.tolist()
+
+
+def test_the_calibration_of_a_base_is_not_reused_once_its_blocks_are_gone(q4_kernel, tmp_path):
+    """A step through the blocks costs a fraction of one streaming the float weights: the measured
+    costs are keyed by the blocks in use, so a base that lost them (its GGUF gone, a weight changed)
+    is measured again."""
+    from draftheads.decoding.calibration import calibration_key
+
+    model = gguf_base(tmp_path)
+    plain = calibration_key(model)["blocks"]
+    packing.use_packed_linears(model)
+    with_blocks = calibration_key(model)["blocks"]
+    assert plain == [] and "float32:96x32:q8_0" in with_blocks and "float32:64x32:q4_1" in with_blocks
+    model.model.layers[1].mlp.down_proj.weight.data.mul_(-1.0)
+    model.model.layers[0].mlp.down_proj.weight.data.mul_(-1.0)
+    packing.refresh_packing(model)
+    assert calibration_key(model)["blocks"] == [b for b in with_blocks if b != "float32:32x64:q4_1"]
 
 
 def test_blocks_that_are_not_the_weight_are_not_attached(q4_kernel, tmp_path):

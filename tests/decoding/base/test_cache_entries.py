@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -129,6 +130,20 @@ def test_a_damaged_converted_base_is_converted_again_with_one_warning(converted,
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the new conversion is read silently
         assert loading.resolve_base(str(gguf))[0] == path and len(conversions) == 2
+
+
+def test_a_reused_conversion_records_the_gguf_it_is_loaded_for(converted, tmp_path):
+    """A conversion whose record names a GGUF since removed (another virtual environment's, another
+    checkout's) is pointed at the file it is loaded for now, without converting again: the GGUF's
+    blocks are read through that record (a stale one silently streamed the float weights)."""
+    gguf, conversions = converted
+    folder = Path(loading.resolve_base(str(gguf))[0])
+    (folder / loading.SOURCE_RECORD).write_text(json.dumps({"gguf": str(tmp_path / "gone" / "tiny.gguf")}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert loading.resolve_base(str(gguf))[0] == str(folder) and len(conversions) == 1
+    assert loading.converted_from(folder) == gguf.absolute()
+    assert not [p for p in folder.iterdir() if p.name.startswith(".")]  # the record replaced in one rename
 
 
 @pytest.mark.parametrize("keep", [0, 8, 100, -100])

@@ -14,9 +14,8 @@ from helpers import ragged_step, tiny_llama
 from draftheads.decoding.base.attention import release_packed_sdpa, use_packed_sdpa
 from draftheads.decoding.base import direct
 from draftheads.decoding.base.direct import direct_body, direct_body_reason, release_direct_body, use_direct_body
-from draftheads.decoding.base import fewrow
 from draftheads.decoding.base.forward import verify
-from draftheads.decoding.base.fused import ATTENTION_AGREEMENT, FusedOps, KernelOps, kernel_ops, sdpa_tree_attention
+from draftheads.decoding.base.fused import ATTENTION_AGREEMENT, FusedOps, sdpa_tree_attention
 from draftheads.decoding.base.key_blocks import key_runs
 from draftheads.decoding.base.packing import refresh_packing, use_packed_linears
 
@@ -73,16 +72,6 @@ def test_the_direct_forward_through_the_modules_code_is_transformers_bit_for_bit
         reference, direct = _pair(dtype, FusedOps(), packed)
         _compare(reference, direct, _cases(reference), exact=True)
         _compare(reference, direct, _cases(reference), exact=True, taps=TAPS)
-
-
-@pytest.fixture(scope="module")
-def ops(tmp_path_factory) -> KernelOps:
-    """The fused kernels, compiled here (they must agree with torch wherever the library loads)."""
-    if not fewrow.load_kernel(tmp_path_factory.mktemp("kernels")):
-        pytest.skip(f"the few-row kernel is off here ({fewrow.kernel_status()})")
-    found = kernel_ops()
-    assert isinstance(found, KernelOps), "the library loaded but a fused kernel disagreed with torch"
-    return found
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -13,13 +13,12 @@ import warnings
 import pytest
 import torch
 
-from draftheads.decoding.base import fewrow, packed, packing, plan as plan_module, siblings
+from draftheads.decoding.base import fewrow, plan as plan_module, siblings
 from draftheads.decoding.base.plan import PackingPlan, ROW_BUCKETS, fastest_paths, shape_key, valid_timings
 
 #: the modules that read the process's packing plan (a test replaces it in each)
-PLAN_READERS = (plan_module, packed, siblings, packing)
 
-from helpers import tiny_llama
+from helpers import plan_readers, tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +115,7 @@ def test_stacked_bf16_products_through_the_kernel_are_exact(bf16_kernel, monkeyp
     n = len(ROW_BUCKETS)
     for shape in ((64, 48), (16, 48), (96, 48)):
         plan.add(shape_key(torch.bfloat16, *shape), entry([9.0] * n, [9.0] * n, [1.0] * n))
-    for module in PLAN_READERS:
+    for module in plan_readers():
         monkeypatch.setattr(module, "PLAN", plan)
     siblings.stacking_exact.cache_clear()
     try:
@@ -170,7 +169,7 @@ def test_float32_decoding_through_the_kernel_follows_the_base(kernel_dir, monkey
     n = len(ROW_BUCKETS)
     for w in [p for p in model.parameters() if p.dim() == 2]:
         plan.add(shape_key(w.dtype, w.shape[0], w.shape[1]), entry([9.0] * n, [9.0] * n, [1.0] * n))
-    for module in PLAN_READERS:
+    for module in plan_readers():
         monkeypatch.setattr(module, "PLAN", plan)
     calls = []
     real = fewrow._product
