@@ -277,8 +277,9 @@ def plan_step_attention(state: DirectBody, cache, mask, shape: tuple[int, int, i
                         cos: torch.Tensor, sin: torch.Tensor) -> StepAttention | None:
     """:class:`StepAttention` for this forward where it computes what the general path does: the
     kernels loaded and agreeing (:class:`~.fused.KernelOps`), not a packed ragged step, more than
-    one slot a row, grouped heads, one boolean mask (B, 1, N, T + N), and every cache layer the
-    decoder's reserved one, already holding keys of the dtype for these rows; else None."""
+    one slot a row unless the attention kernel runs it, grouped heads, one boolean mask (B, 1, N,
+    T + N), and every cache layer the decoder's reserved one, already holding keys of the dtype for
+    these rows; else None."""
     from transformers.cache_utils import Cache
 
     attn = state.layers[0].self_attn
@@ -286,8 +287,9 @@ def plan_step_attention(state: DirectBody, cache, mask, shape: tuple[int, int, i
     heads = attn.config.num_attention_heads
     batch, length, _ = shape
     layers = getattr(cache, "layers", None)
+    kernel = state.attention == "kernel" and isinstance(state.ops, KernelOps) and state.ops.attends(dtype, shape[2])
     if (state.attention == "general" or not isinstance(state.ops, KernelOps) or current_ragged_rows() is not None
-            or length < 2
+            or (length < 2 and not kernel)  # one slot a row: SDPA's general path (the kernel takes any)
             or heads == kv_heads or getattr(attn, "num_key_value_groups", 1) != heads // kv_heads
             or not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 4
             or mask.shape[:3] != (batch, 1, length) or getattr(cache, "offloading", False)
@@ -300,7 +302,6 @@ def plan_step_attention(state: DirectBody, cache, mask, shape: tuple[int, int, i
                 or keys.dim() != 4 or keys.shape[0] != batch or keys.dtype != dtype
                 or keys.shape[-2] + length != mask.shape[-1]):
             return None
-    kernel = state.attention == "kernel" and state.ops.attends(dtype, shape[2])
     call = state.ops.step_call(cos, sin, shape, dtype) if kernel else None
     return StepAttention(layers, mask, shape, (heads, kv_heads), kernel, call,
                          (cos.data_ptr(), sin.data_ptr(), cos.shape[0] * cos.shape[1]))

@@ -43,9 +43,9 @@ def _model(variant: str, dtype: torch.dtype, monkeypatch, tmp_path):
 
 
 def _cases(model):
-    """Every row full (the one call runs only there): single rows of 2-17 slots, a batch, key runs."""
+    """Every row full (the one call runs only there): single rows of 1-17 slots, batches, key runs."""
     cases = [ragged_step(model, seed, bs, width, kv_len=9, ragged=False)
-             for seed, (bs, width) in enumerate([(1, 2), (1, 5), (1, 17), (3, 4)])]
+             for seed, (bs, width) in enumerate([(1, 1), (1, 2), (1, 5), (1, 17), (3, 4), (2, 1)])]
     tokens, positions, mask, valid, cache = ragged_step(model, 9, 3, 4, kv_len=40, ragged=False)
     mask = mask.clone()
     mask[1:, :, :, :32] = False  # left padding: two key runs
