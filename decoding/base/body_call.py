@@ -89,23 +89,17 @@ def run_body(call, body: BodyTable, step, cache_layers: list, hidden: torch.Tens
     """Run every layer over ``hidden`` and ``normed`` (rows, d), updated in place (``normed`` ends as
     the final norm's output), the step's slots written into ``cache_layers`` (each reserved here);
     returns the residual stream after each tapped layer (taps ≥ 1)."""
-    table = body.table
+    table = body.table.clone()  # this forward's: its cache slots and taps (another thread may run its own)
     batch, length, heads, kv_heads, dim, cos, sin, cos_rows = step.fixed
     slots = []
     for layer in cache_layers:
         key, value, start = layer.reserve(length)
         slots += [key.data_ptr(), value.data_ptr(), key.shape[2], start]
     table[:, KEY:START + 1] = torch.tensor(slots, dtype=torch.int64).view(-1, 4)
-    tapped = {}
-    if taps:
-        table[:, TAP] = 0
-        for layer in taps:
-            if layer >= 1:
-                tapped[layer] = torch.empty_like(hidden)
-                table[layer - 1, TAP] = tapped[layer].data_ptr()
+    tapped = {layer: torch.empty_like(hidden) for layer in taps if layer >= 1}
+    for layer, into in tapped.items():
+        table[layer - 1, TAP] = into.data_ptr()
     call(hidden.data_ptr(), normed.data_ptr(), table.data_ptr(), table.shape[0], batch, length, hidden.shape[1],
          heads, kv_heads, dim, body.inter, cos, sin, cos_rows, step.mask.data_ptr(), body.eps, body.scale,
          torch.get_num_threads(), step.threads, PARALLEL_WORK, None)  # no clock (scripts/step_breakdown.py gives one)
-    if taps:
-        table[:, TAP] = 0
     return tapped
