@@ -70,9 +70,8 @@ BATCH_PROMPTS = "mt-bench@2 spec-bench@4:translation,summarization,qa,math_reaso
 AVX2 = "ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2"
 NATIVE_BS1 = "cpu_classes/avx512_bf16_8912efb/results.json"
 #: the runs with the CPU engine beside (``--peers llama.cpp``)
-PEERS_BS1 = {"native": "cpu_classes/avx512_bf16_f25ddfc/results.json", "avx2": "cpu_classes/avx2_fp32_f25ddfc/results.json"}
-#: llama.cpp's library built for AVX2 only (scripts/llama_cpp_avx2.sh), for the AVX2 class's peer
-LLAMA_AVX2 = "LLAMA_CPP_LIB_PATH=~/.cache/draftheads/engines/llama-avx2"
+PEERS_BS1 = {"native": "cpu_classes/avx512_bf16_f25ddfc/results.json",
+             "avx2": "cpu_classes/avx2_native_5d88233/results.json"}
 BATCHES = {"bfloat16": "batch/batch_drafting_bf16_v4/results.json",
            "float32": "batch/batch_drafting_fp32_v4/results.json"}
 PACKED = {16: "batch/batch_bs16_321b756/results.json", 4: "batch/batch_bs4_3988df7/results.json"}
@@ -100,8 +99,7 @@ BS1 = Figure(
           "(MT-Bench one per category, 8 per Spec-Bench dev task), 128 new tokens; since ff7d145 a Llama-form tree step "
           "runs directly over the base's modules (`decoding/base/direct.py`):",
     commands=(f"draftheads bench --prompts {DEV_PROMPTS} --peers llama.cpp --out results/cpu_classes/avx512_bf16_f25ddfc",
-              f"{LLAMA_AVX2} {AVX2} \\\n  draftheads bench --prompts {DEV_PROMPTS} --peers llama.cpp "
-              "--out results/cpu_classes/avx2_fp32_f25ddfc",
+              f"draftheads bench --prompts {DEV_PROMPTS} --peers llama.cpp --out results/cpu_classes/avx2_native_5d88233",
               f"draftheads bench --prompts {DEV_PROMPTS} --parts --out results/cpu_classes/avx512_bf16_8912efb"),
     labels=("CPU class (dtype), run",),
     columns=(Column("HF tok/s", "{run.hf_tokens_per_second:.1f}"),
@@ -112,7 +110,7 @@ BS1 = Figure(
                     "{run.mismatching_prompts} / {run.prompts} ({run.divergences_outside_band})"),
              Column("HF vs itself (padded batch of 2)", "{run.control_padded_batch.mismatching_prompts}")),
     rows=(bs1_row("AVX512-BF16 (bfloat16), f25ddfc", PEERS_BS1["native"]),
-          bs1_row("AVX2 (float32), f25ddfc", PEERS_BS1["avx2"]),
+          bs1_row("AVX2-only CPU (float32), 5d88233", PEERS_BS1["avx2"]),
           bs1_row("AVX512-BF16 (bfloat16), 8912efb", NATIVE_BS1)),
     notes=(Note("At 8912efb (`--parts`) the heads alone read {heads.speedup:.2f}x HF (τ {heads.tau:.2f}) and the "
                 "lookups alone {lookups.speedup:.2f}x (τ {lookups.tau:.2f}): the default runs at "
@@ -121,10 +119,10 @@ BS1 = Figure(
                  "lookups": Source(NATIVE_BS1, "overall.sources.context+store+stats"),
                  "all": Source(NATIVE_BS1, "overall")}),
            Note("In the same runs llama.cpp (`--peers llama.cpp`: plain greedy decoding of the base's GGUF re-typed to "
-                "the run's dtype; AVX2: `scripts/llama_cpp_avx2.sh`) read {native.tokens_per_second:.1f} tok/s natively "
+                "the run's dtype; its own native build) read {native.tokens_per_second:.1f} tok/s natively "
                 "(the default **{native.draftheads_vs_peer:.2f}×** it; {native.decode_ms_per_token:.1f} ms a token, the "
                 "default's step {native.draftheads_ms_per_verify_step:.1f}) and {avx2.tokens_per_second:.1f} in float32 "
-                "under AVX2 (**{avx2.draftheads_vs_peer:.2f}×**; {avx2.decode_ms_per_token:.1f} ms, "
+                "on the AVX2-only CPU (**{avx2.draftheads_vs_peer:.2f}×**; {avx2.decode_ms_per_token:.1f} ms, "
                 "{avx2.draftheads_ms_per_verify_step:.1f}); its answers are HF's on {native.same_as_hf_prompts} and "
                 "{avx2.same_as_hf_prompts} of 48 prompts.",
                 {"native": Source(PEERS_BS1["native"], "overall.peers.llama.cpp"),
