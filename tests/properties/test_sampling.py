@@ -10,11 +10,13 @@ deliberately broken rules show that the same test fails.
 """
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from transformers import GenerationConfig, set_seed
 
-from helpers import OracleHeads, left_pad, tiny_llama
+from helpers import OracleHeads, force_plan, left_pad, tiny_llama
 from draftheads.decoding import DraftHeadsModel, tree_from_paths
 from draftheads.decoding.accept import lossless_accept, sample_from, typical_accept
 from draftheads.decoding.processors import NodeProcessors
@@ -304,6 +306,30 @@ def test_generate_end_to_end_matches_exact_distribution(family, config_name, pat
     assert drafter.last_stats.tau > 1.0  # the trees were really used
     new = out[:, len(PROMPT): len(PROMPT) + K]
     joint = exact_joint(TABLES[config_name]).view(VOCAB, VOCAB, VOCAB)
+    assert chi2_test(new[:, 0] * VOCAB + new[:, 1], joint.sum(2).flatten()) > 0.01
+    assert chi2_test(new[:, 1] * VOCAB + new[:, 2], joint.sum(0).flatten()) > 0.01
+
+
+def test_sampling_through_the_body_in_one_call_matches_exact_distribution(monkeypatch, tmp_path):
+    """The same on the float32 fast path: every product through the few-row kernel and each tree step's
+    body in one library call (decoding/base/body_call.py); the rounding it adds is float32's, far below
+    what 2,000 draws can see."""
+    from draftheads.decoding.base import direct, fewrow
+
+    if not fewrow.load_kernel(tmp_path / "kernels"):
+        pytest.skip(f"the few-row kernel is off here ({fewrow.kernel_status()})")
+    model = copy.deepcopy(MODEL).float()
+    force_plan(model, monkeypatch)
+    calls = []
+    real = direct.run_body
+    monkeypatch.setattr(direct, "run_body", lambda *args: calls.append(args[4]) or real(*args))
+    rows = 2000
+    drafter = DraftHeadsModel(model, random_heads("hydra").float(), tree=tree_from_paths(TREES["d3w3"]))
+    out = drafter.generate(torch.tensor([PROMPT] * rows), max_new_tokens=K + 1, do_sample=True,
+                           generator=torch.Generator().manual_seed(5), eos_token_id=None, **CONFIGS["T1.0-penalty1.5"])
+    assert calls and drafter.last_stats.tau > 1.0  # the one call ran, with the trees
+    new = out[:, len(PROMPT): len(PROMPT) + K]
+    joint = exact_joint(TABLES["T1.0-penalty1.5"]).view(VOCAB, VOCAB, VOCAB)
     assert chi2_test(new[:, 0] * VOCAB + new[:, 1], joint.sum(2).flatten()) > 0.01
     assert chi2_test(new[:, 1] * VOCAB + new[:, 2], joint.sum(0).flatten()) > 0.01
 
