@@ -22,6 +22,7 @@ Import from the module that defines a name (this package exports nothing):
 - :mod:`.siblings` — q/k/v and gate/up as one stacked product
 - :mod:`.rows` — the rows a forward computes (padding slots left out)
 - :mod:`.fewrow` (+ ``fewrow.c``) — the few-row CPU kernel, compiled on first use
+- :mod:`.body_call` (+ ``body.c``) — a tree step's whole body in one library call over those kernels
 - :mod:`.hardware` — what this machine computes natively, as torch reports it
 - :mod:`.fingerprint` — the base's fingerprint a head checkpoint records and ``from_pretrained`` checks
 """

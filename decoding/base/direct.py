@@ -7,10 +7,11 @@ path, as much again of per-call overhead — module calls, keyword plumbing, dep
 the packed products' per-call path lookups (evidence: results/profile/step_breakdown). Here each
 layer's products are resolved once per row count (:func:`~.binding.resolved_linears`: the plan's
 path and copy for q/k/v stacked, o, gate/up stacked, down) and kept while the plan and the copies
-stand; RMSNorm (with the residual add before it) and the rotary embedding go through the fused
-kernels of :mod:`.fused` where they are loaded and agreed with torch, else through the modules'
-own code, as the SiLU gate always does; a step's rotation, cache write and attention run as
-:class:`StepAttention` (a few kernel calls a layer) where the cache and mask allow it.
+stand; RMSNorm (with the residual add before it), the rotary embedding and the SiLU gate go
+through the fused kernels of :mod:`.fused` where they are loaded and agreed with torch, else
+through the modules' own code; a step's rotation, cache write and attention run as :class:`StepAttention` (one kernel
+call a layer) where the cache and mask allow it, and where every piece has a kernel the whole body
+runs as one library call (:mod:`.body_call`), bit for bit the same layers.
 
 It runs only where it computes what the base's own forward computes: a body whose every module
 is one it knows (:data:`LAYERS`, checked by type), none carrying a forward hook (checked at every

@@ -72,13 +72,13 @@ void draftheads_fewrow(const float *x, const float *blocked, float *y, long rows
  *   Q4_1 nib[(b·groups + g)·256 + 8k + j] = q[16b + j, 32g + k] | q[16b + j + 8, 32g + k] << 4   (j < 8)
  *        dm[(b·groups + g)·32 + j] = d[16b + j, g],  dm[(b·groups + g)·32 + 16 + j] = m[16b + j, g]   (fp16)
  *   Q8_0 qs[(b·groups + g)·512 + 16k + j] = q[16b + j, 32g + k];  dm[(b·groups + g)·16 + j] = d[16b + j, g]
- * (the bf16 products read the paired layout of each: see below). Up to 3 rows take a whole block at
+ * (the bf16 products read the paired layout of each: see below). Up to 2 rows take a whole block at
  * once (two chains a row: one chain a row waits on the FMA's latency); more take each half (8
  * outputs) with up to 8 rows' accumulators. Either way a column's weights are made in registers
  * and multiplied with the float32 kernel's FMA chain (acc = w·x + acc, inputs in order): the
  * outputs are bit for bit the float32 kernel's over the dequantized weight. */
 #define BLOCK_ROWS 8
-#define FULL_ROWS 3
+#define FULL_ROWS 2
 #define CVTPH(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
 
 /* a group's scales, then a column's weights (w0, w1: outputs 0-7, 8-15; w: this half's 8) */
@@ -135,7 +135,8 @@ static void NAME(const float *x, const uint8_t *data, const uint16_t *dm, float 
     for (long r = 0; r < rows && width > 0; r++) memcpy(y + r * out + first, tmp[r], sizeof(float) * width); \
 }
 
-/* 1-3 rows against a whole block, both halves at once */
+/* 1-2 rows against a whole block, both halves at once (with room for 3 rows here, 2 rows ran 40% slower
+ * and 3 no faster than the halves: results/profile/q4_products) */
 #define FULL_BLOCK(NAME, SETUP, W)                                                                      \
 static void NAME(const float *x, const uint8_t *data, const uint16_t *dm, float *y, long rows, long in, long out, \
                  long b) {                                                                              \
@@ -144,11 +145,8 @@ static void NAME(const float *x, const uint8_t *data, const uint16_t *dm, float 
     (void)low;                                                                                          \
     __m256 acc[FULL_ROWS][2];                                                                           \
     for (int r = 0; r < FULL_ROWS; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();                    \
-    switch (rows) {                                                                                     \
-    case 1: COLUMNS(SETUP, W, FROW(0)) break;                                                           \
-    case 2: COLUMNS(SETUP, W, FROW(0) FROW(1)) break;                                                   \
-    default: COLUMNS(SETUP, W, FROW(0) FROW(1) FROW(2)) break;                                          \
-    }                                                                                                   \
+    if (rows == 1) COLUMNS(SETUP, W, FROW(0))                                                           \
+    else COLUMNS(SETUP, W, FROW(0) FROW(1))                                                             \
     float tmp[FULL_ROWS][16];  /* every accumulator stored at a constant index */                      \
     for (int r = 0; r < FULL_ROWS; r++) {                                                               \
         _mm256_storeu_ps(tmp[r], acc[r][0]);                                                            \
