@@ -71,7 +71,7 @@ AVX2 = "ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS
 NATIVE_BS1 = "cpu_classes/avx512_bf16_8912efb/results.json"
 #: the runs with the CPU engine beside (``--peers llama.cpp``)
 PEERS_BS1 = {"native": "cpu_classes/avx512_bf16_f25ddfc/results.json",
-             "avx2": "cpu_classes/avx2_native_5d88233/results.json"}
+             "avx2": "cpu_classes/avx2_native_6270e25/results.json"}
 BATCHES = {"bfloat16": "batch/batch_drafting_bf16_v4/results.json",
            "float32": "batch/batch_drafting_fp32_v4/results.json"}
 PACKED = {16: "batch/batch_bs16_321b756/results.json", 4: "batch/batch_bs4_3988df7/results.json"}
@@ -99,7 +99,7 @@ BS1 = Figure(
           "(MT-Bench one per category, 8 per Spec-Bench dev task), 128 new tokens; since ff7d145 a Llama-form tree step "
           "runs directly over the base's modules (`decoding/base/direct.py`):",
     commands=(f"draftheads bench --prompts {DEV_PROMPTS} --peers llama.cpp --out results/cpu_classes/avx512_bf16_f25ddfc",
-              f"draftheads bench --prompts {DEV_PROMPTS} --peers llama.cpp --out results/cpu_classes/avx2_native_5d88233",
+              f"draftheads bench --prompts {DEV_PROMPTS} --peers llama.cpp --out results/cpu_classes/avx2_native_6270e25",
               f"draftheads bench --prompts {DEV_PROMPTS} --parts --out results/cpu_classes/avx512_bf16_8912efb"),
     labels=("CPU class (dtype), run",),
     columns=(Column("HF tok/s", "{run.hf_tokens_per_second:.1f}"),
@@ -110,7 +110,7 @@ BS1 = Figure(
                     "{run.mismatching_prompts} / {run.prompts} ({run.divergences_outside_band})"),
              Column("HF vs itself (padded batch of 2)", "{run.control_padded_batch.mismatching_prompts}")),
     rows=(bs1_row("AVX512-BF16 (bfloat16), f25ddfc", PEERS_BS1["native"]),
-          bs1_row("AVX2-only CPU (float32), 5d88233", PEERS_BS1["avx2"]),
+          bs1_row("AVX2-only CPU (float32), 6270e25", PEERS_BS1["avx2"]),
           bs1_row("AVX512-BF16 (bfloat16), 8912efb", NATIVE_BS1)),
     notes=(Note("At 8912efb (`--parts`) the heads alone read {heads.speedup:.2f}x HF (τ {heads.tau:.2f}) and the "
                 "lookups alone {lookups.speedup:.2f}x (τ {lookups.tau:.2f}): the default runs at "

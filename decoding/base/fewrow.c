@@ -135,8 +135,8 @@ static void NAME(const float *x, const uint8_t *data, const uint16_t *dm, float 
     for (long r = 0; r < rows && width > 0; r++) memcpy(y + r * out + first, tmp[r], sizeof(float) * width); \
 }
 
-/* 1-2 rows against a whole block, both halves at once (with room for 3 rows here, 2 rows ran 40% slower
- * and 3 no faster than the halves: results/profile/q4_products) */
+/* 1-2 rows against a whole block, both halves at once (with room for 3 rows here, 2 rows ran ~30% slower
+ * and 3 no faster than the halves: results/profile/q4_products/float32_avx2_native) */
 #define FULL_BLOCK(NAME, SETUP, W)                                                                      \
 static void NAME(const float *x, const uint8_t *data, const uint16_t *dm, float *y, long rows, long in, long out, \
                  long b) {                                                                              \
