@@ -55,7 +55,7 @@ LIBRARIES = ("-lm",)
 BLOCK = 16  # output features per block (two AVX registers)
 
 _state: dict[str, object] = {"lib": None, "status": "not loaded (the decoder loads it with the base)",
-                             "dtypes": frozenset()}
+                             "dtypes": frozenset(), "build": None}
 
 
 def kernel_status() -> str:
@@ -75,12 +75,13 @@ def kernel_dtypes() -> frozenset:
 
 
 def kernel_identity() -> str | None:
-    """Which kernel this process multiplies with, for the keys of cached step costs: the source's
-    digest and the dtypes it runs here (None when not loaded)."""
+    """Which kernel this process multiplies with, for the keys of cached step costs: the loaded
+    library's build digest (its sources, compiler and flags as they were when it was loaded: a source
+    edited since does not change it) and the dtypes it runs here (None when not loaded)."""
     if _state["lib"] is None:
         return None
     names = sorted(str(d).removeprefix("torch.") for d in kernel_dtypes())
-    return hashlib.sha256(_source_bytes()).hexdigest()[:12] + ":" + "+".join(names)
+    return f"{_state['build']}:{'+'.join(names)}"
 
 
 def _source_bytes() -> bytes:
@@ -249,6 +250,7 @@ def load_kernel(folder: Path) -> bool:
                 bf16 = bf16_kernel_supported() and _agrees(lib, torch.bfloat16)
                 _state["dtypes"] = frozenset({torch.float32, torch.bfloat16} if bf16 else {torch.float32})
                 _state["lib"], _state["status"] = lib, f"on ({path}; {'float32 and bfloat16' if bf16 else 'float32'})"
+                _state["build"] = path.stem.removeprefix("fewrow-")
                 return True
             reason = "it disagreed with F.linear"
         except CompilerError as err:  # building again would fail the same way

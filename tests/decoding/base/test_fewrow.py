@@ -72,6 +72,17 @@ def test_a_damaged_cached_library_is_rebuilt_not_trusted(kernel_dir, monkeypatch
     assert path.read_bytes()[:4] == b"\x7fELF" and path.stat().st_size > 1000
 
 
+def test_the_kernels_identity_is_the_loaded_librarys(kernel_dir, monkeypatch):
+    """What keys the cached step costs names the library this process loaded: a source edited on disk
+    since (a checkout updated under a running process) does not change it, another build does."""
+    identity = fewrow.kernel_identity()
+    assert identity is not None and identity.endswith(":float32" if torch.bfloat16 not in fewrow.kernel_dtypes()
+                                                      else ":bfloat16+float32")
+    monkeypatch.setattr(fewrow, "_source_bytes", lambda: b"another source")
+    assert fewrow.kernel_identity() == identity
+    assert fewrow._library_path(kernel_dir, fewrow._compiler()).stem.removeprefix("fewrow-") not in identity
+
+
 @pytest.fixture(scope="module")
 def bf16_kernel(kernel_dir):
     if torch.bfloat16 not in fewrow.kernel_dtypes():
