@@ -9,9 +9,10 @@ layer's products are resolved once per row count (:func:`~.binding.resolved_line
 path and copy for q/k/v stacked, o, gate/up stacked, down) and kept while the plan and the copies
 stand; RMSNorm (with the residual add before it), the rotary embedding and the SiLU gate go
 through the fused kernels of :mod:`.fused` where they are loaded and agreed with torch, else
-through the modules' own code; a step's rotation, cache write and attention run as :class:`StepAttention` (one kernel
-call a layer) where the cache and mask allow it, and where every piece has a kernel the whole body
-runs as one library call (:mod:`.body_call`), bit for bit the same layers.
+through the modules' own code; a step's rotation, cache write and attention run as
+:class:`StepAttention` (one kernel call a layer) where the cache and mask allow it, and where
+every piece has a kernel the whole body runs as one library call (:mod:`.body_call`), bit for bit
+the same layers.
 
 It runs only where it computes what the base's own forward computes: a body whose every module
 is one it knows (:data:`LAYERS`, checked by type), none carrying a forward hook (checked at every
@@ -354,7 +355,8 @@ def direct_forward(state: DirectBody, input_ids: torch.Tensor, mask, position_id
 
 def _states(normed: torch.Tensor, tapped: dict[int, torch.Tensor], taps: Sequence[int],
             shape: tuple[int, int, int]) -> torch.Tensor:
-    """The final norm's output (rows, d), with the tapped layers' residual streams after it → (B, N, d·(1 + taps))."""
+    """The final norm's output (rows, d) with the tapped layers' residual streams after it → (B, N,
+    d · (1 + len(taps)))."""
     batch, length, width = shape
     if not taps:
         return normed.reshape(batch, length, width)

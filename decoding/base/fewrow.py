@@ -197,7 +197,8 @@ def _bind(path: Path):
             + [ctypes.c_void_p] * 2 + [ctypes.c_long] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_float, ctypes.c_int]
         step.restype = None
         gate = getattr(lib, f"draftheads_silu_mul{suffix}")
-        gate.argtypes, gate.restype = [ctypes.c_void_p] * 2 + [ctypes.c_long] + [ctypes.c_void_p] + [ctypes.c_long] * 2, None
+        gate.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_long] + [ctypes.c_void_p] + [ctypes.c_long] * 2
+        gate.restype = None
         body = getattr(lib, f"draftheads_body{suffix}")
         body.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 8 + [ctypes.c_void_p] * 2 + [ctypes.c_long] \
             + [ctypes.c_void_p] + [ctypes.c_float] * 2 + [ctypes.c_int] * 2 + [ctypes.c_long, ctypes.c_void_p]

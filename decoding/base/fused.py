@@ -16,9 +16,9 @@ rounding; float32: identical or a first divergence at a near-tie). The SiLU gate
 call) computes exp with its own polynomial, as torch's vectorized one has its own: it lands within
 a rounding of torch's two operations. Each kernel is checked against the modules' own code on
 random rows before first use (:func:`kernel_ops`): the rotary embedding and the residual add bit
-for bit, the norm and the gate within one rounding of the dtype; one
-that disagrees, a missing library or another dtype leaves :class:`FusedOps` — the modules' own
-code, bit-identical to the base's forward — in its place.
+for bit, the norm and the gate within one rounding of the dtype; one that disagrees, a missing
+library or another dtype leaves :class:`FusedOps` — the modules' own code, bit-identical to the
+base's forward — in its place.
 """
 from __future__ import annotations
 
@@ -155,7 +155,6 @@ class KernelOps(FusedOps):
                                           length, q.shape[1] // dim, k.shape[1] // dim, dim, cos.data_ptr(),
                                           sin.data_ptr(), cos.shape[0] * cos.shape[1], q_out.data_ptr(),
                                           key.data_ptr(), value.data_ptr(), key.shape[2], start)
-
 
     def gated(self, mlp: nn.Module, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         if not (is_silu(mlp.act_fn) and gate.dtype in KERNEL_DTYPES and up.dtype == gate.dtype
