@@ -97,7 +97,7 @@ TIMING = "interleaved rounds"
 
 def calibration_key(model, heads=None) -> dict:
     """What the measured costs depend on: the base (fingerprint + the sizes that set its cost),
-    the device, the dtype, torch, the thread count, the few-row kernel (its source and the dtypes
+    the device, the dtype, torch, the thread count, the few-row kernel (its build and the dtypes
     it runs here: a step through it costs less), the products through GGUF blocks (a base whose
     blocks are not at hand streams 2-6× the bytes), whether tree steps run the direct forward
     (:mod:`~.base.direct`: a step costs less), how it is timed and the heads (their drafting cost)."""

@@ -11,8 +11,9 @@ prompts, interleaved prompt by prompt.
 
 How: the products' and attention's calls are timed where they happen (the few-row kernel's
 library functions, oneDNN's packed linear, ``F.linear``, ``F.scaled_dot_product_attention``; a
-whole-body call by its own clock), each attributed to the step phase it ran in (:data:`~draftheads.decoding.step.PHASES`); the
-rest of a phase is its wall time less those. The timers cost ~1 µs a call (~0.2 ms a step).
+whole-body call by its own clock), each attributed to the step phase it ran in
+(:data:`~draftheads.decoding.step.PHASES`); the rest of a phase is its wall time less those. The
+timers cost ~1 µs a call (~0.2 ms a step).
 """
 from __future__ import annotations
 
